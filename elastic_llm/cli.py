@@ -1,0 +1,125 @@
+"""Command line: ``elastic-llm train | prepare | bench``.
+
+Owns: argument parsing and turning user errors into one clear message and exit code 2.
+Everything else is delegated (controller, data, bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+def _default_config() -> str:
+    return "jobs/tiny.yaml"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from elastic_llm.config import load_config
+    from elastic_llm.controller import Trainer
+
+    overrides = list(args.set or [])
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    cfg = load_config(args.config, overrides)
+    trainer = Trainer(cfg, address=args.address, metrics_out=args.metrics_out, progress=not args.no_progress, dashboard=args.dashboard)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    if history:
+        first, last = history[0], history[-1]
+        msg = f"done: {last['step']} steps, loss {first['loss']:.3f} -> {last['loss']:.3f}"
+        vals = [h["val_loss"] for h in history if "val_loss" in h]
+        if vals:
+            msg += f", val_loss {vals[-1]:.3f}"
+        print(msg + f", {last['tokens']} tokens in {last['elapsed_s']:.1f} s")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from elastic_llm.data import builtin_corpus_dir, prepare
+
+    out = args.out or (str(builtin_corpus_dir()) if not args.sources else None)
+    if out is None:
+        raise SystemExit("error: --out DIR is required when you pass your own sources")
+    meta = prepare(args.sources, out, val_fraction=args.val_fraction)
+    print(json.dumps({"out": str(out), **meta}))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "pipeline":
+        from elastic_llm.bench.pipeline import run_pipeline_bench
+
+        result = run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps, overrides=args.set or [])
+    elif args.what == "erasure":
+        from elastic_llm.bench.erasure import run_erasure_bench
+
+        result = run_erasure_bench(size_mib=args.size_mib)
+    else:  # argparse restricts choices
+        raise AssertionError(args.what)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-llm", description="Elastic pipeline-parallel LLM pretraining on Ray")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (embedded Ray, or --address to join a cluster)")
+    t.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
+    t.add_argument("--max-steps", type=int, help="override train.max_steps")
+    t.add_argument("--address", help="Ray cluster address (default: start an embedded single-node Ray)")
+    t.add_argument("--metrics-out", help="write JSON-lines metrics here")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. --set train.lr=3e-4")
+    t.add_argument("--dashboard", action="store_true", help="start the Ray dashboard on 127.0.0.1:8265 (embedded Ray)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    pr = sub.add_parser("prepare", help="tokenize text into Parquet shards (default: the Python standard library)")
+    pr.add_argument("sources", nargs="*", help="files, directories or URIs (text, .jsonl with 'text', .parquet with 'text')")
+    pr.add_argument("--out", help="output directory or URI (default for the built-in corpus: the cache)")
+    pr.add_argument("--val-fraction", type=float, default=0.02)
+    pr.set_defaults(func=cmd_prepare)
+
+    b = sub.add_parser("bench", help="benchmarks against real peers")
+    b.add_argument("what", choices=["pipeline", "erasure"])
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--config", help="run config for 'pipeline' (default jobs/tiny.yaml)")
+    b.add_argument("--steps", type=int, default=6, help="timed steps per system (pipeline)")
+    b.add_argument("--set", action="append", metavar="KEY=VALUE")
+    b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from elastic_llm.config import ConfigError
+    from elastic_llm.controller import PlacementError, loopback_env
+    from elastic_llm.data import DataError
+
+    loopback_env()
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_steps", None) is not None and args.max_steps < 1:
+        print(f"error: --max-steps={args.max_steps} must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, PlacementError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Typed run configuration: YAML in, validated dataclasses out.
+
+Owns: the config schema, YAML loading, ``--set key=value`` overrides and validation. Every
+rejected value raises :class:`ConfigError` naming the field and the fix; nothing here starts Ray
+or touches the filesystem beyond reading the YAML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from elastic_llm.model import ModelShape
+
+SCHEDULES = ("gpipe", "1f1b")
+TOKENIZERS = ("byte",)
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and how to fix it."""
+
+    def __init__(self, problems: list[str] | str) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 256
+    n_heads: int = 4
+    n_layers: int = 4
+    seq_len: int = 128
+    ffn_hidden: int | None = None  # None: 4 x dim (SwiGLU hidden as in the CheckFree configs)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def shape(self) -> ModelShape:
+        return ModelShape(
+            vocab_size=self.vocab_size,
+            dim=self.dim,
+            n_heads=self.n_heads,
+            n_layers=self.n_layers,
+            seq_len=self.seq_len,
+            ffn_hidden=self.ffn_hidden or 4 * self.dim,
+            norm_eps=self.norm_eps,
+            rope_theta=self.rope_theta,
+        )
+
+
+@dataclass
+class ParallelConfig:
+    stages: int = 4
+    dp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0
+    threads_per_actor: int | None = None  # None: max(1, int(cpus_per_actor))
+    placement_strategy: str = "PACK"
+
+    def threads(self) -> int:
+        return self.threads_per_actor or max(1, int(self.cpus_per_actor))
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 16  # sequences per optimizer step, summed over data-parallel replicas
+    max_steps: int = 100
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 50  # 0 disables validation
+    eval_batches: int = 2
+
+
+@dataclass
+class DataConfig:
+    dir: str | None = None  # prepared shards (local path or URI); None: the built-in corpus
+    tokenizer: str = "byte"
+    val_fraction: float = 0.02
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """Hash of everything that shapes the trained state (not of run length or naming)."""
+        d = self.to_dict()
+        d.pop("name")
+        d["train"].pop("max_steps")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def tokens_per_step(self) -> int:
+        return self.train.batch_size * self.model.seq_len
+
+    def validate(self) -> "RunConfig":
+        problems = _validate(self)
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _validate(c: RunConfig) -> list[str]:
+    p: list[str] = []
+    m, par, t, d = c.model, c.parallel, c.train, c.data
+
+    def positive(section: str, obj: Any, *names: str) -> None:
+        for n in names:
+            if getattr(obj, n) <= 0:
+                p.append(f"{section}.{n}={getattr(obj, n)} must be > 0")
+
+    positive("model", m, "vocab_size", "dim", "n_heads", "n_layers", "norm_eps", "rope_theta")
+    positive("parallel", par, "stages", "dp", "microbatches", "cpus_per_actor")
+    positive("train", t, "batch_size", "max_steps", "lr", "grad_clip", "eval_batches")
+    if p:
+        return p
+    if m.seq_len < 2:
+        p.append(f"model.seq_len={m.seq_len} must be >= 2")
+    if m.dim % m.n_heads:
+        p.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}: choose n_heads in {{{_divisors(m.dim)}}}")
+    elif (m.dim // m.n_heads) % 2:
+        p.append(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings: change dim or n_heads")
+    if m.ffn_hidden is not None and m.ffn_hidden <= 0:
+        p.append(f"model.ffn_hidden={m.ffn_hidden} must be > 0 (or null for 4 x dim)")
+    if m.n_layers % par.stages:
+        p.append(
+            f"parallel.stages={par.stages} does not divide model.n_layers={m.n_layers}: "
+            f"choose parallel.stages in {{{_divisors(m.n_layers)}}} or change model.n_layers"
+        )
+    if par.schedule not in SCHEDULES:
+        p.append(f"parallel.schedule={par.schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
+    if par.placement_strategy not in PLACEMENT_STRATEGIES:
+        p.append(f"parallel.placement_strategy={par.placement_strategy!r} is unknown: use one of {', '.join(PLACEMENT_STRATEGIES)}")
+    if par.gpus_per_actor < 0:
+        p.append(f"parallel.gpus_per_actor={par.gpus_per_actor} must be >= 0 (fractions like 0.5 share a GPU)")
+    if par.threads_per_actor is not None and par.threads_per_actor <= 0:
+        p.append(f"parallel.threads_per_actor={par.threads_per_actor} must be > 0 (or null for cpus_per_actor)")
+    per = par.dp * par.microbatches
+    if t.batch_size % per:
+        p.append(
+            f"train.batch_size={t.batch_size} is not divisible by parallel.dp x parallel.microbatches = {per}: "
+            f"use a multiple of {per}, e.g. {per * max(1, round(t.batch_size / per))}"
+        )
+    if t.min_lr < 0 or t.min_lr > t.lr:
+        p.append(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
+    if t.warmup_steps < 0:
+        p.append(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.eval_every < 0:
+        p.append(f"train.eval_every={t.eval_every} must be >= 0 (0 disables validation)")
+    if not 0 <= t.weight_decay < 1:
+        p.append(f"train.weight_decay={t.weight_decay} must be in [0, 1)")
+    for n in ("beta1", "beta2"):
+        if not 0 <= getattr(t, n) < 1:
+            p.append(f"train.{n}={getattr(t, n)} must be in [0, 1)")
+    if not 0 <= t.seed < 2**32:
+        p.append(f"train.seed={t.seed} must be in [0, 2**32)")
+    if d.tokenizer not in TOKENIZERS:
+        p.append(f"data.tokenizer={d.tokenizer!r} is unknown: use one of {', '.join(TOKENIZERS)}")
+    elif d.tokenizer == "byte" and m.vocab_size < 256:
+        p.append(f"model.vocab_size={m.vocab_size} is too small for data.tokenizer='byte': use 256 or more")
+    if not 0 < d.val_fraction < 1:
+        p.append(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    return p
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotated type ``tp``; int is accepted for float."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping of {_field_list(tp)}, got {value!r}")
+        return _from_dict(tp, value, where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 3e-4 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{where}={value!r} must be true or false")
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{where}={value!r} must be an integer")
+    if tp in (float, str) and not isinstance(value, tp):
+        raise ConfigError(f"{where}={value!r} must be a {_type_name(tp)}")
+    return value
+
+
+def _field_list(cls: Any) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls))
+
+
+def _from_dict(cls: Any, data: dict[str, Any], where: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            [f"unknown key {prefix}{k}: valid keys{' of ' + where if where else ''} are {_field_list(cls)}" for k in unknown]
+        )
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _apply_override(data: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r} is not key=value: write e.g. --set train.lr=3e-4")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {assignment!r} has an empty key part: write e.g. --set train.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML ({e.problem})") from None
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML run config, apply ``key=value`` overrides, validate.
+
+    Raises :class:`ConfigError` for a missing/unparseable file, unknown keys, wrong types and
+    invalid values.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist: pass --config with a YAML file such as jobs/tiny.yaml")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping with sections {_field_list(RunConfig)}")
+        data = loaded or {}
+    for assignment in overrides:
+        _apply_override(data, assignment)
+    return _from_dict(RunConfig, data).validate()
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    return _from_dict(RunConfig, data).validate()

@@ -1,0 +1,110 @@
+"""Executes one optimizer step of a schedule on the stage actors.
+
+Owns: turning the pure schedule into actor calls in a valid order, splitting the global batch
+into replicas and microbatches, and the data-parallel gradient exchange. Activations and
+gradients are passed as object refs straight from actor to actor; the driver only holds refs.
+
+Ray runs the calls of one caller on one (synchronous) actor in submission order, so submitting
+each stage's ops in schedule order reproduces the schedule exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+
+from elastic_llm.pipeline.schedules import Op, build_schedule, submission_order
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the whole global batch
+    grad_norms: list[float]  # per stage (replica 0), before clipping
+    lr: float
+
+
+class PipelineRunner:
+    """Drives ``actors[replica][stage]`` through the named schedule."""
+
+    def __init__(self, actors: Sequence[Sequence[Any]], schedule: str, n_micro: int) -> None:
+        self.actors = [list(r) for r in actors]
+        self.dp = len(self.actors)
+        self.n_stages = len(self.actors[0])
+        self.n_micro = n_micro
+        self.order = submission_order(build_schedule(schedule, self.n_stages, n_micro))
+
+    def split(self, x: np.ndarray) -> list[list[np.ndarray]]:
+        """Global batch (B, T) -> [replica][microbatch] of (B / dp / n_micro, T)."""
+        per_replica = np.split(x, self.dp)
+        return [np.split(r, self.n_micro) for r in per_replica]
+
+    def submit_microbatches(self, x: np.ndarray, y: np.ndarray) -> list[ray.ObjectRef]:
+        """Submit every forward and backward of one global batch; return the loss refs."""
+        xs, ys = self.split(x), self.split(y)
+        last = self.n_stages - 1
+        loss_refs: list[ray.ObjectRef] = []
+        for r, stages in enumerate(self.actors):
+            fwd: dict[tuple[int, int], ray.ObjectRef] = {}
+            bwd: dict[tuple[int, int], ray.ObjectRef] = {}
+            for s, op in self.order:
+                actor = stages[s]
+                if op.kind == "F":
+                    inp = xs[r][op.mb] if s == 0 else fwd[(s - 1, op.mb)]
+                    if s == last:
+                        fwd[(s, op.mb)] = actor.forward.remote(op.mb, inp, ys[r][op.mb])
+                        loss_refs.append(fwd[(s, op.mb)])
+                    else:
+                        fwd[(s, op.mb)] = actor.forward.remote(op.mb, inp)
+                else:
+                    grad = None if s == last else bwd[(s + 1, op.mb)]
+                    bwd[(s, op.mb)] = actor.backward.remote(op.mb, grad)
+        return loss_refs
+
+    def submit_optimizer_step(self) -> list[list[ray.ObjectRef]]:
+        """Submit the data-parallel gradient exchange and the optimizer step of every stage.
+
+        Returns refs[stage][replica] of the step statistics.
+        """
+        step_refs: list[list[ray.ObjectRef]] = []
+        for s in range(self.n_stages):
+            replicas = [self.actors[r][s] for r in range(self.dp)]
+            if self.dp > 1:
+                grads = [a.flat_grad.remote() for a in replicas]
+                step_refs.append([a.step.remote(*grads) for a in replicas])
+            else:
+                step_refs.append([replicas[0].step.remote()])
+        return step_refs
+
+    def submit_step(self, x: np.ndarray, y: np.ndarray) -> tuple[list[ray.ObjectRef], list[list[ray.ObjectRef]]]:
+        """Submit one whole optimizer step; return (loss refs, step refs[stage][replica])."""
+        return self.submit_microbatches(x, y), self.submit_optimizer_step()
+
+    def train_step(self, x: np.ndarray, y: np.ndarray) -> StepResult:
+        loss_refs, step_refs = self.submit_step(x, y)
+        return self.collect(loss_refs, step_refs)
+
+    def collect(self, loss_refs: list[ray.ObjectRef], step_refs: list[list[ray.ObjectRef]]) -> StepResult:
+        losses = ray.get(loss_refs)
+        stats = [ray.get(refs)[0] for refs in step_refs]  # wait for every replica, report replica 0
+        # Every microbatch has the same number of tokens, so the batch loss is their mean.
+        return StepResult(
+            loss=float(np.mean(losses)),
+            grad_norms=[st["grad_norm"] for st in stats],
+            lr=stats[0]["lr"],
+        )
+
+    def eval_loss(self, x: np.ndarray, y: np.ndarray) -> float:
+        """Forward-only loss of a batch through replica 0's stages."""
+        refs = []
+        for xm, ym in zip(np.split(x, self.n_micro), np.split(y, self.n_micro)):
+            act: Any = xm
+            for s, actor in enumerate(self.actors[0]):
+                act = actor.eval_forward.remote(act, ym if s == self.n_stages - 1 else None)
+            refs.append(act)
+        return float(np.mean(ray.get(refs)))
+
+
+__all__ = ["PipelineRunner", "StepResult", "Op"]

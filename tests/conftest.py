@@ -1,0 +1,37 @@
+"""Shared fixtures: Ray stays on loopback with token auth; one Ray session per test module."""
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import pytest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """An embedded single-node Ray for one test module (start costs seconds: share it)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(
+        num_cpus=8,
+        namespace="elastic-llm-test",
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        logging_level="WARNING",
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def corpus_dir():
+    """The built-in corpus (standard library sources), prepared once per machine."""
+    from elastic_llm.data import ensure_builtin_corpus
+
+    return ensure_builtin_corpus()

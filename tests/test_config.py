@@ -1,0 +1,104 @@
+"""Config errors name the field and the fix; the CLI turns them into exit code 2 before starting anything."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from elastic_llm.config import ConfigError, RunConfig, load_config
+
+from .conftest import REPO
+
+TINY = os.path.join(REPO, "jobs", "tiny.yaml")
+
+
+@pytest.mark.parametrize("path", ["tiny", "llama-25m", "llama-124m", "llama-500m", "llama-1.5b"])
+def test_shipped_configs_load(path):
+    cfg = load_config(os.path.join(REPO, "jobs", f"{path}.yaml"))
+    assert cfg.model.n_layers % cfg.parallel.stages == 0
+
+
+def test_paper_shapes():
+    c124 = load_config(os.path.join(REPO, "jobs", "llama-124m.yaml"))
+    assert (c124.model.dim, c124.model.n_heads, c124.parallel.stages, c124.model.n_layers // c124.parallel.stages, c124.model.seq_len) == (512, 8, 4, 3, 512)
+    c15 = load_config(os.path.join(REPO, "jobs", "llama-1.5b.yaml"))
+    assert (c15.model.dim, c15.model.n_heads, c15.parallel.stages, c15.model.n_layers // c15.parallel.stages, c15.model.seq_len) == (2048, 16, 6, 4, 4096)
+    assert c15.model.shape().ffn_hidden == 4 * 2048
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("parallel.stages=3", "parallel.stages=3 does not divide model.n_layers=4: choose parallel.stages in {1, 2, 4}"),
+        ("model.n_heads=3", "model.dim=256 is not divisible by model.n_heads=3"),
+        ("train.batch_size=10", "train.batch_size=10 is not divisible by parallel.dp x parallel.microbatches = 4"),
+        ("parallel.schedule=zigzag", "parallel.schedule='zigzag' is unknown: use one of gpipe, 1f1b"),
+        ("train.lrr=0.1", "unknown key train.lrr: valid keys of train are batch_size"),
+        ("model.dim=big", "model.dim='big' must be an integer"),
+        ("train.min_lr=1.0", "train.min_lr=1.0 must be between 0 and train.lr"),
+        ("parallel.gpus_per_actor=-1", "parallel.gpus_per_actor=-1.0 must be >= 0"),
+        ("model.vocab_size=100", "model.vocab_size=100 is too small for data.tokenizer='byte'"),
+        ("optimizer.lr=1", "unknown key optimizer: valid keys are name, model, parallel, train, data"),
+    ],
+)
+def test_bad_values_are_named(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    assert expected in str(err.value)
+
+
+def test_several_problems_reported_together():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["parallel.stages=3", "parallel.schedule=zigzag"])
+    assert len(err.value.problems) == 2
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(listy)
+    with pytest.raises(ConfigError, match="is not key=value"):
+        load_config(TINY, ["train.lr"])
+
+
+def test_overrides_apply_and_hash_tracks_training_state():
+    a = load_config(TINY)
+    b = load_config(TINY, ["train.lr=3e-4", "parallel.microbatches=2"])
+    assert b.train.lr == 3e-4 and b.parallel.microbatches == 2
+    assert a.config_hash() != b.config_hash()
+    assert a.config_hash() == load_config(TINY, ["train.max_steps=7"]).config_hash()
+    assert RunConfig().validate().train.grad_clip == 1.0
+
+
+def run_cli(*args):
+    env = dict(os.environ, RAY_ADDRESS="")
+    return subprocess.run([sys.executable, "-m", "elastic_llm.cli", *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["train", "--set", "parallel.stages=3"], "choose parallel.stages in {1, 2, 4}"),
+        (["train", "--config", "jobs/missing.yaml"], "does not exist"),
+        (["train", "--max-steps", "0"], "--max-steps=0 must be >= 1"),
+        (["train", "--set", "parallel.cpus_per_actor=64"], "exceeds the largest node"),
+    ],
+)
+def test_cli_refuses_with_exit_2_and_no_traceback(args, expected):
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_unknown_argument_exit_2():
+    proc = run_cli("train", "--frobnicate")
+    assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
