@@ -147,7 +147,13 @@ def prepare(
     if not files:
         raise DataError(f"no readable text/JSONL/Parquet files in {sources}: pass files ending in {TEXT_SUFFIXES + ('.jsonl', '.parquet')}")
 
-    out = Path(out_dir)
+    out_fs, out_path = _resolve(str(out_dir))
+    if not isinstance(out_fs, pafs.LocalFileSystem):
+        with tempfile.TemporaryDirectory(prefix="elastic-llm-prepare-") as local:
+            meta = prepare(sources, Path(local) / "shards", val_fraction, tokenizer, shard_tokens)
+            _upload(Path(local) / "shards", out_fs, out_path)
+        return meta
+    out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     writers = {"train": _ShardWriter(tmp, "train", shard_tokens), "val": _ShardWriter(tmp, "val", shard_tokens)}
@@ -184,6 +190,16 @@ def prepare(
     else:
         tmp.rename(out)
     return meta
+
+
+def _upload(local: Path, fs: pafs.FileSystem, path: str) -> None:
+    """Copy prepared shards to a remote filesystem; meta.json goes last, so a reader that
+    finds it finds every shard."""
+    fs.create_dir(path, recursive=True)
+    files = sorted(local.iterdir(), key=lambda p: p.name == "meta.json")
+    for f in files:
+        with fs.open_output_stream(f"{path}/{f.name}") as out:
+            out.write(f.read_bytes())
 
 
 class _ShardWriter:
