@@ -146,6 +146,35 @@ class StageWorker:
             return float(lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)))
         return out.cpu().numpy()
 
+    # ------------------------------------------------------------------ state capture / restore
+    def capture_state(self, data_position: dict[str, int] | None = None, replica_slice: bool = False) -> tuple[np.ndarray, str]:
+        """Copy the whole state (or this replica's 1/DP slice) into the stage's reused buffer.
+
+        Returns (buffer, manifest JSON). The buffer is preallocated once and overwritten by the
+        next capture: callers hand it on (e.g. to a snapshot manager) before capturing again.
+        """
+        from elastic_llm.snapshot import state as st
+
+        tensors = st.state_tensors(self.module, self.optimizer)
+        if getattr(self, "_layout", None) is None or len(self._layout.entries) != len(tensors):
+            self._layout = st.StateLayout(tensors)
+            self._buffer = np.zeros(self._layout.nbytes, dtype=np.uint8)  # touched once, reused after
+        lo, hi = (self._layout.slice_bounds(self.replica, self.cfg.parallel.dp) if replica_slice else (0, self._layout.nbytes))
+        st.copy_into(self._buffer, self._layout, tensors, lo, hi)
+        extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position, self.cfg.config_hash())
+        extra["slice"] = [lo, hi]
+        return self._buffer, st.make_manifest(self._layout, extra, self.stage)
+
+    def load_state(self, buffer: np.ndarray, manifest: str) -> int:
+        """Restore parameters, optimizer, scheduler and RNG state; return the restored step."""
+        from elastic_llm.snapshot import state as st
+
+        m = st.restore(np.asarray(buffer), st.parse_manifest(manifest), self.module, self.optimizer, self.scheduler, self.cfg.config_hash(), self.stage)
+        self.step_count = int(m["step"])
+        self.inputs.clear()
+        self.outputs.clear()
+        return self.step_count
+
     # ------------------------------------------------------------------ inspection
     def info(self) -> dict[str, Any]:
         import ray
