@@ -1,0 +1,609 @@
+"""Pipeline throughput benchmark: our Ray pipeline against two real peers, side by side.
+
+Owns: one measurement run that trains the same model, from the same initial weights, on the same
+batches of the training stream with three systems:
+
+* ``ray_pipeline``: the project's own path (:class:`~elastic_llm.controller.Trainer` stage actors
+  driven by :class:`~elastic_llm.pipeline.runner.PipelineRunner`), driven from this process;
+* ``single_process``: the unsplit model (``build_full_model``, same seed) in one spawned process
+  with every core (``torch.set_num_threads(os.cpu_count())``), gradient accumulation over
+  microbatches of the pipeline's size, clip + AdamW each step;
+* ``torch_pipelining``: ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` /
+  ``Schedule1F1B`` as ``parallel.schedule``) over gloo on 127.0.0.1, one spawned process per
+  stage (x ``dp`` replicas) with the actors' threads per stage, clip + AdamW each step;
+
+and the ratios between them. Clipping is per stage everywhere (what the stage actors do), so all
+three compute the same update: their first timed step's loss agrees, which the result shows.
+
+Timing: every system gets ``warmup`` untimed steps, then ``steps`` timed steps; only the steps are
+inside ``time.perf_counter``; throughput is tokens / s over all timed steps. The systems take
+turns step by step (the order rotates every step) while the other two sit idle (children
+blocked on a pipe, actors waiting for calls): a burst of outside load on a shared machine then
+hits all three alike instead of whichever happened to run at that moment. Each system lives in
+its own processes, so thread settings never interfere. Besides wall time, each system's CPU
+seconds per step (all of its processes) are reported: they barely move with outside load and
+show the overhead a system adds on top of the same math. The Ray side is ``runner.train_step``
+alone: no validation, no snapshots (``snapshot.enabled=false``: no snapshot managers either).
+
+Ray is always a private embedded instance (``start_ray`` uses ``address='local'``), never
+a cluster found in /tmp/ray. Baselines are started with the ``spawn`` method, so a script calling
+:func:`run_pipeline_bench` needs the usual ``if __name__ == "__main__":`` guard (the CLI has it).
+
+Must never: change the model, runner or stage actors (it only calls their public API), leave
+Ray, actors, process groups or child processes behind (everything is torn down in ``finally``),
+write outside a temporary directory, or reach anything but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import math
+import os
+import platform
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Collection, Iterator, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+
+from elastic_llm.config import RunConfig, config_from_dict, load_config
+from elastic_llm.controller import Trainer, loopback_env
+from elastic_llm.model import count_parameters
+
+READY_TIMEOUT_S = 300.0  # building a baseline (spawn, import torch, build the model, rendezvous)
+STEP_TIMEOUT_S = 300.0  # one step of one system; past it the system is stopped and reported failed
+SYSTEMS = ("ray_pipeline", "single_process", "torch_pipelining")
+
+StepFn = Callable[[int], dict[str, Any]]  # batch index -> {"time": s, "cpu": s, "loss": float | None}
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def _optimizer(module: Any, cfg: RunConfig) -> tuple[Any, Any]:
+    """AdamW + LR schedule configured exactly like :class:`StageWorker`'s."""
+    import torch
+
+    from elastic_llm.pipeline.stage import lr_factor
+
+    train = cfg.train
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        foreach=True,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.min_lr / train.lr))
+    return opt, sched
+
+
+def _tree_cpu_s(root: int, exclude: Collection[int] = ()) -> float | None:
+    """CPU seconds (user + system) used so far by ``root`` and its live descendants, skipping the
+    subtrees of ``exclude``. Reads /proc (Linux); None elsewhere.
+
+    Used for the Ray pipeline, whose work is spread over the driver, raylet, GCS and the actor
+    processes: all descendants of this process when the benchmark starts Ray itself.
+    """
+    if not os.path.isdir("/proc/self"):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in exclude:
+            continue
+        total += times.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds the whole machine has been busy (all cores, all processes), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _load_batches(path: str) -> tuple[np.ndarray, np.ndarray]:
+    data = np.load(path)
+    return data["x"], data["y"]
+
+
+# --------------------------------------------------------------------------- baseline 1: single process
+
+
+def _stage_param_groups(model: Any, n_stages: int) -> list[list[Any]]:
+    """The unsplit model's parameters grouped as ``build_stage`` splits them.
+
+    Stage actors clip each stage's gradient on its own; clipping the same groups here makes the
+    single process compute exactly the pipeline's update (at the cost of one global clip).
+    """
+    from elastic_llm.model import stage_layer_range
+
+    n_layers = len(model.layers)
+    stage_of_layer = {layer: s for s in range(n_stages) for layer in stage_layer_range(n_layers, n_stages, s)}
+    groups: list[list[Any]] = [[] for _ in range(n_stages)]
+    for name, p in model.named_parameters():
+        head, _, rest = name.partition(".")
+        if head == "embed":
+            groups[0].append(p)
+        elif head == "layers":
+            groups[stage_of_layer[int(rest.split(".")[0])]].append(p)
+        else:  # final norm and LM head live on the last stage
+            groups[-1].append(p)
+    return groups
+
+
+def _build_single_process(cfg_dict: dict[str, Any], batches_path: str) -> tuple[StepFn, Callable[[], None]]:
+    """Unsplit model on every core; one call = one optimizer step over dp x microbatches."""
+    import torch
+
+    from elastic_llm.model import build_full_model, lm_loss
+
+    cfg = config_from_dict(cfg_dict)
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(cfg.train.seed)
+    model = build_full_model(cfg.model.shape(), cfg.train.seed)
+    opt, sched = _optimizer(model, cfg)
+    clip_groups = _stage_param_groups(model, cfg.parallel.stages)
+    n_micro = cfg.parallel.microbatches * cfg.parallel.dp  # same microbatch size as the pipeline
+    xs, ys = _load_batches(batches_path)
+
+    def step(i: int) -> dict[str, Any]:
+        c0, t0 = time.process_time(), time.perf_counter()
+        total = 0.0
+        for xm, ym in zip(np.split(xs[i], n_micro), np.split(ys[i], n_micro), strict=True):
+            loss = lm_loss(model(torch.from_numpy(xm)), torch.from_numpy(ym))
+            (loss / n_micro).backward()
+            total += float(loss.detach())
+        for group in clip_groups:
+            torch.nn.utils.clip_grad_norm_(group, cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        t1, c1 = time.perf_counter(), time.process_time()
+        return {"time": t1 - t0, "cpu": c1 - c0, "loss": total / n_micro, "threads": torch.get_num_threads()}
+
+    return step, lambda: None
+
+
+# --------------------------------------------------------------------------- baseline 2: torch.distributed.pipelining
+
+
+def _build_torch_pp(rank: int, world: int, port: int, cfg_dict: dict[str, Any], batches_path: str) -> tuple[StepFn, Callable[[], None]]:
+    """One stage of one replica under torch.distributed.pipelining.
+
+    Rank ``r * stages + s`` is stage ``s`` of replica ``r``; with dp > 1 the replicas of a stage
+    average their flat gradient with one all-reduce (what the actors do through ``flat_grad``).
+    A step starts and ends with a barrier, so every rank times the same span.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from elastic_llm.model import build_stage, lm_loss
+
+    cfg = config_from_dict(cfg_dict)
+    par = cfg.parallel
+    n_stages, dp = par.stages, par.dp
+    replica, stage = divmod(rank, n_stages)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(par.threads())
+    torch.manual_seed(cfg.train.seed)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=_dt.timedelta(seconds=STEP_TIMEOUT_S)
+    )
+    try:
+        # Every rank creates every group, in the same order.
+        pp_group = None
+        dp_group = None
+        if dp > 1:
+            pp_groups = [dist.new_group([r * n_stages + s for s in range(n_stages)]) for r in range(dp)]
+            dp_groups = [dist.new_group([r * n_stages + s for r in range(dp)]) for s in range(n_stages)]
+            pp_group, dp_group = pp_groups[replica], dp_groups[stage]
+        module = build_stage(cfg.model.shape(), n_stages, stage, cfg.train.seed)
+        opt, sched = _optimizer(module, cfg)
+        pstage = PipelineStage(module, stage, n_stages, torch.device("cpu"), group=pp_group)
+        schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[par.schedule]
+        schedule = schedule_cls(pstage, n_microbatches=par.microbatches, loss_fn=lm_loss, scale_grads=True)
+        first, last = stage == 0, stage == n_stages - 1
+        xs, ys = _load_batches(batches_path)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+    def step(i: int) -> dict[str, Any]:
+        x = torch.from_numpy(np.split(xs[i], dp)[replica])
+        y = torch.from_numpy(np.split(ys[i], dp)[replica])
+        losses: list[torch.Tensor] = []
+        dist.barrier()  # every rank has been told to go
+        c0, t0 = time.process_time(), time.perf_counter()
+        if first and last:
+            schedule.step(x, target=y, losses=losses, return_outputs=False)
+        elif first:
+            schedule.step(x, return_outputs=False)
+        elif last:
+            schedule.step(target=y, losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        if dp > 1:
+            params = list(module.parameters())
+            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params])
+            dist.all_reduce(flat, group=dp_group)
+            flat /= dp
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        dist.barrier()  # the step ends when the slowest stage is done
+        t1, c1 = time.perf_counter(), time.process_time()
+        loss = float(torch.stack([v.detach() for v in losses]).mean()) if losses else None
+        return {"time": t1 - t0, "cpu": c1 - c0, "loss": loss, "threads": torch.get_num_threads()}
+
+    return step, dist.destroy_process_group
+
+
+# --------------------------------------------------------------------------- child processes
+
+
+_BUILDERS: dict[str, Callable[..., tuple[StepFn, Callable[[], None]]]] = {
+    "single_process": _build_single_process,
+    "torch_pipelining": _build_torch_pp,
+}
+
+
+def _child_main(conn: Connection, kind: str, args: tuple[Any, ...]) -> None:
+    """Child entry: build the system, say ready, then run one step per index received; None ends."""
+    close: Callable[[], None] | None = None
+    try:
+        step, close = _BUILDERS[kind](*args)
+        conn.send(("ready", None))
+        while (msg := conn.recv()) is not None:
+            conn.send(("ok", step(msg)))
+    except BaseException:  # reported to the parent, which decides
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        try:
+            if close is not None:
+                close()
+        finally:
+            conn.close()
+
+
+class _ChildSystem:
+    """A baseline living in spawned processes that step together (one, or one per stage)."""
+
+    def __init__(self, name: str, kind: str, args_per_process: list[tuple[Any, ...]]) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # fresh interpreters: no thread settings or Ray state inherited
+        self.name = name
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        try:
+            for args in args_per_process:
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(target=_child_main, args=(child_end, kind, args), daemon=True, name=f"bench-{name}")
+                self.conns.append(parent_end)
+                self.procs.append(proc)
+                proc.start()
+                child_end.close()
+        except BaseException:
+            self.close()
+            raise
+
+    def pids(self) -> set[int]:
+        return {p.pid for p in self.procs if p.pid is not None}
+
+    def _gather(self, timeout_s: float) -> list[Any]:
+        """One reply from every process, or RuntimeError (a child's traceback, death or timeout)."""
+        replies: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < len(self.conns):
+            pending = [c for i, c in enumerate(self.conns) if i not in replies]
+            ready = wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RuntimeError(f"{self.name}: no answer within {timeout_s:.0f} s")
+            for c in ready:
+                i = self.conns.index(c)
+                try:
+                    status, payload = c.recv()
+                except EOFError:
+                    raise RuntimeError(f"{self.name}: process {i} died (exit code {self.procs[i].exitcode})") from None
+                if status == "error":
+                    raise RuntimeError(f"{self.name}: process {i} failed:\n{payload}")
+                replies[i] = payload
+        return [replies[i] for i in range(len(self.conns))]
+
+    def wait_ready(self) -> None:
+        self._gather(READY_TIMEOUT_S)
+
+    def step(self, i: int) -> dict[str, Any]:
+        for c in self.conns:
+            c.send(i)
+        replies = self._gather(STEP_TIMEOUT_S)
+        losses = [r["loss"] for r in replies if r["loss"] is not None]
+        return {
+            "time": max(r["time"] for r in replies),  # all ranks time the same barrier-to-barrier span
+            "cpu": sum(r["cpu"] for r in replies),
+            "loss": float(np.mean(losses)) if losses else None,
+            "threads": replies[0]["threads"],
+        }
+
+    def close(self) -> None:
+        for c in self.conns:
+            with contextlib.suppress(OSError, ValueError):
+                c.send(None)
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            if p.pid is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:  # a peer stuck in a collective after a failure
+            if p.pid is None:
+                continue  # never started
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in self.conns:
+            c.close()
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def _machine() -> dict[str, Any]:
+    import ray
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+    }
+    if hasattr(os, "getloadavg"):
+        info["loadavg_1m_at_start"] = round(os.getloadavg()[0], 2)
+    return info
+
+
+def _summary(records: list[dict[str, Any]], tokens_per_step: int) -> dict[str, Any]:
+    """Throughput over all timed steps, plus per-step detail to judge noise."""
+    times = [r["time"] for r in records]
+    cpus = [r["cpu"] for r in records if r.get("cpu") is not None]
+    losses = [r["loss"] for r in records]
+    total = float(sum(times))
+    return {
+        "tokens_per_s": round(tokens_per_step * len(times) / total, 1) if total > 0 else None,
+        "timed_s": round(total, 4),
+        "median_step_s": round(float(np.median(times)), 4),
+        "step_s": [round(t, 4) for t in times],
+        "cpu_s_per_step": round(float(np.mean(cpus)), 4) if len(cpus) == len(records) else None,
+        "loss_first_step": losses[0],
+        "loss_last_step": losses[-1],
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def run_pipeline_bench(
+    config_path: str = "jobs/tiny.yaml",
+    steps: int = 6,
+    overrides: Sequence[str] = (),
+    warmup: int = 2,
+) -> dict[str, Any]:
+    """Measure our Ray pipeline, a single process and torch.distributed.pipelining in one run.
+
+    All three train the model of ``config_path`` (with ``overrides``) from the same initial weights
+    on the same ``warmup + steps`` batches of the training stream, taking turns step by step.
+    Returns one JSON-serializable dict: tokens / s of each system over its ``steps`` timed steps,
+    ``ratio_vs_single`` and ``ratio_vs_torch_pipelining`` (Ray / peer; None where a peer could not
+    run, with the reason in ``notes``), the workload, the machine and per-system details.
+    Raises if the Ray pipeline itself fails; every process it started is gone when it returns.
+    """
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup} must be >= 0")
+    loopback_env()
+    cfg = load_config(config_path, ["snapshot.enabled=false", *overrides])  # the pipeline alone; snapshots: bench snapshot
+    par, train = cfg.parallel, cfg.train
+    tokens_per_step = cfg.tokens_per_step()
+    notes: list[str] = []
+    machine = _machine()
+    started = time.perf_counter()
+
+    trainer = Trainer(cfg)  # loads the data stream; Ray starts in setup()
+    batches = [trainer.train_stream.next_batch(train.batch_size) for _ in range(warmup + steps)]
+    records: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
+    failed: dict[str, str] = {}
+    children: dict[str, _ChildSystem] = {}
+    ray_setup_s: float | None = None
+    outside_share: float | None = None
+
+    with tempfile.TemporaryDirectory(prefix="elastic-llm-bench-") as workdir:
+        batches_path = os.path.join(workdir, "batches.npz")
+        np.savez(batches_path, x=np.stack([b[0] for b in batches]), y=np.stack([b[1] for b in batches]))
+        cfg_dict = cfg.to_dict()
+        world = par.stages * par.dp
+        port = _free_port()
+        try:
+            # Start the baselines first: they build while Ray starts (nothing is timed yet).
+            t0 = time.perf_counter()
+            children["single_process"] = _ChildSystem("single_process", "single_process", [(cfg_dict, batches_path)])
+            children["torch_pipelining"] = _ChildSystem(
+                "torch_pipelining", "torch_pipelining", [(rank, world, port, cfg_dict, batches_path) for rank in range(world)]
+            )
+            trainer.setup()
+            ray_setup_s = time.perf_counter() - t0  # Ray start + actors (baselines build meanwhile)
+            for name, child in list(children.items()):
+                try:
+                    child.wait_ready()
+                except RuntimeError as e:
+                    failed[name] = str(e)
+                    child.close()
+                    del children[name]
+            child_pids = set().union(*(c.pids() for c in children.values())) if children else set()
+
+            def ray_step(i: int) -> dict[str, Any]:
+                x, y = batches[i]
+                c0 = _tree_cpu_s(os.getpid(), child_pids) if trainer.owns_ray else None
+                t0 = time.perf_counter()
+                result = trainer.runner.train_step(x, y)
+                dt = time.perf_counter() - t0
+                c1 = _tree_cpu_s(os.getpid(), child_pids) if c0 is not None else None
+                return {"time": dt, "cpu": c1 - c0 if c0 is not None and c1 is not None else None, "loss": result.loss}
+
+            step_fns: dict[str, Callable[[int], dict[str, Any]]] = {"ray_pipeline": ray_step}
+            step_fns.update({name: child.step for name, child in children.items()})
+            busy0, ours0, wall0 = _machine_busy_s(), _tree_cpu_s(os.getpid()), time.perf_counter()
+            for i in range(warmup + steps):
+                active = [name for name in SYSTEMS if name in step_fns and name not in failed]
+                k = i % len(active)
+                for name in active[k:] + active[:k]:  # rotate who goes first
+                    try:
+                        rec = step_fns[name](i)
+                    except RuntimeError as e:
+                        if name == "ray_pipeline":
+                            raise
+                        failed[name] = str(e)
+                        children.pop(name).close()
+                        continue
+                    if i >= warmup:
+                        records[name].append(rec)
+            busy1, ours1, wall1 = _machine_busy_s(), _tree_cpu_s(os.getpid()), time.perf_counter()
+            if None not in (busy0, busy1, ours0, ours1):
+                # Share of the machine's capacity that other processes took while we measured.
+                others = (busy1 - busy0) - (ours1 - ours0)  # type: ignore[operator]
+                outside_share = max(0.0, others / ((wall1 - wall0) * (os.cpu_count() or 1)))
+        finally:
+            for child in children.values():
+                child.close()
+            trainer.shutdown()
+
+    details: dict[str, Any] = {}
+    for name in SYSTEMS:
+        if name in failed or not records[name]:
+            details[name] = {"tokens_per_s": None, "error": failed.get(name, "did not run")[-3000:]}
+            last_line = failed.get(name, "did not run").strip().splitlines()[-1]
+            notes.append(f"{name} could not run here, reported as null: {last_line}")
+        else:
+            details[name] = _summary(records[name], tokens_per_step)
+    if ray_setup_s is not None:
+        details["ray_pipeline"]["setup_s"] = round(ray_setup_s, 1)
+    if "error" not in details["single_process"]:
+        details["single_process"]["threads"] = records["single_process"][0]["threads"]
+    if "error" not in details["torch_pipelining"]:
+        details["torch_pipelining"].update(
+            processes=world,
+            threads_per_process=records["torch_pipelining"][0]["threads"],
+            schedule_class={"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[par.schedule],
+        )
+
+    ray_tps = details["ray_pipeline"]["tokens_per_s"]
+    single_tps = details["single_process"].get("tokens_per_s")
+    torch_tps = details["torch_pipelining"].get("tokens_per_s")
+
+    first_losses = {k: v["loss_first_step"] for k, v in details.items() if v.get("loss_first_step") is not None}
+    if len(first_losses) > 1:
+        # Same weights, batches and update rule: the first timed step's loss must agree up to float
+        # reordering, or the systems are not doing the same work.
+        spread = max(first_losses.values()) - min(first_losses.values())
+        if not math.isfinite(spread) or spread > 1e-4 * max(1.0, *(abs(v) for v in first_losses.values())):
+            notes.append(f"first timed step losses differ by {spread:.2e}: {first_losses}")
+    notes.append(
+        f"{par.stages} stages x dp {par.dp} at {par.threads()} thread(s) and {par.cpus_per_actor} CPU per stage on "
+        f"{os.cpu_count()} cores; the single process uses {os.cpu_count()} threads. The systems take turns step by step; "
+        "other load on the machine moves absolute numbers between runs, so compare ratios (median_ratios resist bursts)."
+    )
+    if hasattr(os, "getloadavg"):
+        machine["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    machine["outside_cpu_share"] = round(outside_share, 3) if outside_share is not None else None
+    if outside_share is not None and outside_share > 0.15:
+        notes.append(
+            f"other processes used {outside_share:.0%} of the machine's CPU while the steps ran: every number is disturbed. "
+            "The multi-threaded single process suffers most (its threads wait for each other whenever one is descheduled), "
+            "so ratio_vs_single overstates the pipeline; rerun on a quieter machine for a clean comparison."
+        )
+
+    def median_of(name: str) -> float | None:
+        return details[name].get("median_step_s")
+
+    return {
+        "benchmark": "pipeline",
+        "config": cfg.name,
+        "config_path": str(config_path),
+        "overrides": list(overrides),
+        "parameters": count_parameters(cfg.model.shape()),
+        "stages": par.stages,
+        "dp": par.dp,
+        "microbatches": par.microbatches,
+        "schedule": par.schedule,
+        "threads_per_stage": par.threads(),
+        "batch_size": train.batch_size,
+        "seq_len": cfg.model.seq_len,
+        "tokens_per_step": tokens_per_step,
+        "steps": steps,
+        "warmup": warmup,
+        "ray_pipeline_tokens_per_s": ray_tps,
+        "single_process_tokens_per_s": single_tps,
+        "torch_pipelining_tokens_per_s": torch_tps,
+        "ratio_vs_single": _ratio(ray_tps, single_tps),
+        "ratio_vs_torch_pipelining": _ratio(ray_tps, torch_tps),
+        # The same ratios from median step times: robust to one step hit by a burst of outside load.
+        "median_ratios": {
+            "vs_single": _ratio(median_of("single_process"), median_of("ray_pipeline")),
+            "vs_torch_pipelining": _ratio(median_of("torch_pipelining"), median_of("ray_pipeline")),
+        },
+        # CPU seconds per step over all of a system's processes: barely moved by outside load, it
+        # shows what a system spends on top of the same model math.
+        "cpu_s_per_step": {name: details[name].get("cpu_s_per_step") for name in SYSTEMS},
+        "details": details,
+        "machine": machine,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "notes": notes,
+    }
+
+
+__all__ = ["run_pipeline_bench"]
