@@ -95,12 +95,42 @@ class DataConfig:
 
 
 @dataclass
+class SnapshotConfig:
+    enabled: bool = True
+    every: int = 1  # snapshot every N steps
+    group_size: int = 4  # nodes per erasure group (fewer nodes: one group of all of them)
+    parity: int = 1  # parity chunks per codeword = nodes of a group that may be lost at once
+    codec: str = "auto"  # auto | isal | numpy
+
+
+CHAOS_KINDS = ("stage", "node", "smp")
+CHAOS_HOW = ("ray_kill", "sigkill")
+
+
+@dataclass
+class ChaosEvent:
+    step: int  # fire while this step runs (1-based)
+    kill: str  # stage: the actor of (stage, replica); node / smp: the node / snapshot manager hosting it
+    stage: int = 0
+    replica: int = 0
+    how: str = "ray_kill"  # ray_kill | sigkill (stage)
+    corrupt: bool = False  # with kill=smp: flip a byte of its committed shard instead of killing it
+
+
+@dataclass
+class ChaosConfig:
+    events: list[ChaosEvent] = field(default_factory=list)
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,8 +138,11 @@ class RunConfig:
     def config_hash(self) -> str:
         """Hash of everything that shapes the trained state (not of run length or naming)."""
         d = self.to_dict()
-        d.pop("name")
+        for section in ("name", "snapshot", "chaos"):
+            d.pop(section)
         d["train"].pop("max_steps")
+        d["train"].pop("eval_every")
+        d["train"].pop("eval_batches")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def tokens_per_step(self) -> int:
@@ -135,6 +168,10 @@ def _validate(c: RunConfig) -> list[str]:
             if getattr(obj, n) <= 0:
                 p.append(f"{section}.{n}={getattr(obj, n)} must be > 0")
 
+    def one_of(field_name: str, value: Any, options: tuple[str, ...]) -> None:
+        if value not in options:
+            p.append(f"{field_name}={value!r} is unknown: use one of {', '.join(options)}")
+
     positive("model", m, "vocab_size", "dim", "n_heads", "n_layers", "norm_eps", "rope_theta")
     positive("parallel", par, "stages", "dp", "microbatches", "cpus_per_actor")
     positive("train", t, "batch_size", "max_steps", "lr", "grad_clip", "eval_batches")
@@ -153,10 +190,8 @@ def _validate(c: RunConfig) -> list[str]:
             f"parallel.stages={par.stages} does not divide model.n_layers={m.n_layers}: "
             f"choose parallel.stages in {{{_divisors(m.n_layers)}}} or change model.n_layers"
         )
-    if par.schedule not in SCHEDULES:
-        p.append(f"parallel.schedule={par.schedule!r} is unknown: use one of {', '.join(SCHEDULES)}")
-    if par.placement_strategy not in PLACEMENT_STRATEGIES:
-        p.append(f"parallel.placement_strategy={par.placement_strategy!r} is unknown: use one of {', '.join(PLACEMENT_STRATEGIES)}")
+    one_of("parallel.schedule", par.schedule, SCHEDULES)
+    one_of("parallel.placement_strategy", par.placement_strategy, PLACEMENT_STRATEGIES)
     if par.gpus_per_actor < 0:
         p.append(f"parallel.gpus_per_actor={par.gpus_per_actor} must be >= 0 (fractions like 0.5 share a GPU)")
     if par.threads_per_actor is not None and par.threads_per_actor <= 0:
@@ -180,10 +215,27 @@ def _validate(c: RunConfig) -> list[str]:
             p.append(f"train.{n}={getattr(t, n)} must be in [0, 1)")
     if not 0 <= t.seed < 2**32:
         p.append(f"train.seed={t.seed} must be in [0, 2**32)")
-    if d.tokenizer not in TOKENIZERS:
-        p.append(f"data.tokenizer={d.tokenizer!r} is unknown: use one of {', '.join(TOKENIZERS)}")
-    elif d.tokenizer == "byte" and m.vocab_size < 256:
+    one_of("data.tokenizer", d.tokenizer, TOKENIZERS)
+    if d.tokenizer == "byte" and m.vocab_size < 256:
         p.append(f"model.vocab_size={m.vocab_size} is too small for data.tokenizer='byte': use 256 or more")
+    sn = c.snapshot
+    if sn.every < 1:
+        p.append(f"snapshot.every={sn.every} must be >= 1 (or set snapshot.enabled=false)")
+    if sn.parity < 1:
+        p.append(f"snapshot.parity={sn.parity} must be >= 1")
+    elif sn.group_size < sn.parity + 1:
+        p.append(f"snapshot.group_size={sn.group_size} must be at least snapshot.parity + 1 = {sn.parity + 1}")
+    elif sn.group_size > 255:
+        p.append(f"snapshot.group_size={sn.group_size} must be <= 255 (Reed-Solomon over GF(2^8))")
+    one_of("snapshot.codec", sn.codec, ("auto", "isal", "numpy"))
+    for i, ev in enumerate(c.chaos.events):
+        where = f"chaos.events[{i}]"
+        one_of(f"{where}.kill", ev.kill, CHAOS_KINDS)
+        one_of(f"{where}.how", ev.how, CHAOS_HOW)
+        if ev.step < 1:
+            p.append(f"{where}.step={ev.step} must be >= 1")
+        if not (0 <= ev.stage < par.stages and 0 <= ev.replica < par.dp):
+            p.append(f"{where} names stage {ev.stage} replica {ev.replica}, but the run has {par.stages} stages x {par.dp} replicas")
     if not 0 < d.val_fraction < 1:
         p.append(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     return p
@@ -205,6 +257,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping of {_field_list(tp)}, got {value!r}")
@@ -238,6 +294,10 @@ def _from_dict(cls: Any, data: dict[str, Any], where: str = "") -> Any:
         raise ConfigError(
             [f"unknown key {prefix}{k}: valid keys{' of ' + where if where else ''} are {_field_list(cls)}" for k in unknown]
         )
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise ConfigError([f"{where}.{n} is required" for n in missing])
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     return cls(**kwargs)
 

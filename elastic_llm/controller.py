@@ -47,6 +47,7 @@ def start_ray(cfg: RunConfig, address: str | None = None, dashboard: bool = Fals
         return False
     check_placement(cfg, local_resources(), [])  # refuse before starting anything
     ray.init(
+        address="local",  # never join a cluster that another process started on this machine
         num_cpus=os.cpu_count() or 1,
         namespace=NAMESPACE,
         include_dashboard=dashboard,
@@ -121,9 +122,12 @@ class MetricsWriter:
 
 
 class Trainer:
-    """Places the stage actors and runs the step loop.
+    """Places the stage actors and runs the step loop; snapshots, injects chaos, recovers.
 
     >>> trainer = Trainer(cfg); history = trainer.fit(); trainer.shutdown()
+
+    ``cluster`` (a ``ray.cluster_utils.Cluster``) is only for tests and demos: chaos events that
+    remove nodes need it.
     """
 
     def __init__(
@@ -133,20 +137,31 @@ class Trainer:
         metrics_out: str | Path | None = None,
         progress: bool = False,
         dashboard: bool = False,
+        cluster: Any = None,
     ) -> None:
         self.cfg = cfg
         self.address = address
         self.metrics = MetricsWriter(metrics_out)
         self.progress = progress
         self.dashboard = dashboard
+        self.cluster = cluster
         self.run_id = uuid.uuid4().hex[:6]
         self.owns_ray = False
         self.pg = None
         self.actors: list[list[Any]] = []
+        self.nodes: dict[tuple[int, int], str] = {}  # (stage, replica) -> node id
+        self.pids: dict[tuple[int, int], int] = {}
         self.runner: Any = None
+        self.snapshots: Any = None
         self.step = 0
         self.tokens_seen = 0
         self.history: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self._fired: set[int] = set()
+        if any(ev.kill == "node" for ev in cfg.chaos.events) and cluster is None:
+            from elastic_llm.config import ConfigError
+
+            raise ConfigError("chaos.events with kill: node need a test cluster (ray.cluster_utils.Cluster): use kill: stage or smp here")
         self._setup_data()
 
     # ------------------------------------------------------------------ setup
@@ -166,14 +181,15 @@ class Trainer:
     def setup(self) -> None:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from elastic_llm.pipeline.runner import PipelineRunner
-        from elastic_llm.pipeline.stage import StageWorker
 
         self.owns_ray = start_ray(self.cfg, self.address, self.dashboard)
         par = self.cfg.parallel
         check_placement(self.cfg, ray.cluster_resources(), ray.nodes())
+        if self.cfg.snapshot.enabled:  # managers first: they outlive any stage
+            from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+
+            self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE)
+            self.snapshots.ensure_managers()
         bundle = {"CPU": par.cpus_per_actor}
         if par.gpus_per_actor:
             bundle["GPU"] = par.gpus_per_actor
@@ -187,23 +203,9 @@ class Trainer:
                 f"placement group of {par.stages * par.dp} x {bundle} ({par.placement_strategy}) was not placed within 120 s: "
                 "the cluster lacks free resources; lower the request or add nodes"
             ) from None
-        Actor = ray.remote(StageWorker)
-        cfg_dict = self.cfg.to_dict()
-        self.actors = []
-        for r in range(par.dp):
-            row = []
-            for s in range(par.stages):
-                row.append(
-                    Actor.options(
-                        name=f"stage-{s}-dp{r}-{self.run_id}",
-                        num_cpus=par.cpus_per_actor,
-                        num_gpus=par.gpus_per_actor,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r * par.stages + s),
-                    ).remote(cfg_dict, s, r)
-                )
-            self.actors.append(row)
-        infos = ray.get([a.info.remote() for row in self.actors for a in row])
-        self.runner = PipelineRunner(self.actors, par.schedule, par.microbatches)
+        self.actors = [[self._spawn(s, r) for s in range(par.stages)] for r in range(par.dp)]
+        infos = self._describe()
+        self._new_runner()
         self.metrics.event(
             "start",
             run_id=self.run_id,
@@ -213,6 +215,40 @@ class Trainer:
             data_dir=str(self.data_dir),
         )
 
+    def _spawn(self, stage: int, replica: int) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from elastic_llm.pipeline.stage import StageWorker
+
+        par = self.cfg.parallel
+        self._generation = getattr(self, "_generation", 0) + 1
+        return (
+            ray.remote(concurrency_groups={"snapshot": 1})(StageWorker)
+            .options(
+                name=f"stage-{stage}-dp{replica}-{self.run_id}-{self._generation}",
+                num_cpus=par.cpus_per_actor,
+                num_gpus=par.gpus_per_actor,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=replica * par.stages + stage),
+            )
+            .remote(self.cfg.to_dict(), stage, replica)
+        )
+
+    def _describe(self) -> list[dict[str, Any]]:
+        import ray
+
+        infos = ray.get([a.info.remote() for row in self.actors for a in row])
+        for i in infos:
+            self.nodes[(i["stage"], i["replica"])] = i["node_id"]
+            self.pids[(i["stage"], i["replica"])] = i["pid"]
+        return infos
+
+    def _new_runner(self) -> None:
+        from elastic_llm.pipeline.runner import PipelineRunner
+
+        self.runner = PipelineRunner(self.actors, self.cfg.parallel.schedule, self.cfg.parallel.microbatches)
+
     # ------------------------------------------------------------------ loop
     def evaluate(self) -> float:
         stream = TokenStream(self.val_tokens, self.cfg.model.seq_len, seed=0, shuffle=False)
@@ -220,8 +256,43 @@ class Trainer:
         losses = [self.runner.eval_loss(*stream.next_batch(per_replica)) for _ in range(self.cfg.train.eval_batches)]
         return float(np.mean(losses))
 
+    def _snapshot_due(self, step: int) -> bool:
+        sn = self.snapshots
+        if sn is None or step % self.cfg.snapshot.every:
+            return False
+        sn.poll()
+        if sn.pending is not None:
+            if not sn.skipped_last:  # let the version in flight finish during this step
+                sn.stats["skipped"] += 1
+                sn.skipped_last = True
+                return False
+            t = time.perf_counter()  # two versions behind: wait, so recovery never lags further
+            sn.poll(block=True)
+            sn.stats["wait_s"] += time.perf_counter() - t
+        sn.skipped_last = False
+        return True
+
+    def run_step(self) -> Any:
+        """One optimizer step (with snapshot and chaos as configured). Raises RayError on failure."""
+        step = self.step + 1
+        x, y = self.train_stream.next_batch(self.cfg.train.batch_size)
+        snap = self._snapshot_due(step)
+        loss_refs = self.runner.submit_microbatches(x, y)
+        step_refs = self.runner.submit_optimizer_step(snapshot=snap)
+        if snap:
+            members = [(self.actors[r][s], s, r, self.nodes[(s, r)]) for r in range(len(self.actors)) for s in range(len(self.actors[r]))]
+            self.snapshots.begin(step, members, self.train_stream.state_dict())
+        self._fire_chaos(step)
+        result = self.runner.collect(loss_refs, step_refs)
+        if self.snapshots is not None:
+            self.snapshots.poll()
+        return result
+
     def fit(self, max_steps: int | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-        """Train until ``max_steps`` (default ``train.max_steps``); return the per-step records."""
+        """Train until ``max_steps`` (default ``train.max_steps``); return the per-step records
+        (after a rollback, replayed steps appear again with their new values)."""
+        import ray
+
         if self.runner is None:
             self.setup()
         train = self.cfg.train
@@ -236,10 +307,17 @@ class Trainer:
         try:
             while self.step < end:
                 ts = time.perf_counter()
-                x, y = self.train_stream.next_batch(train.batch_size)
-                result = self.runner.train_step(x, y)
+                position = self.train_stream.state_dict()
+                try:
+                    result = self.run_step()
+                except (ray.exceptions.RayError, TimeoutError) as err:
+                    self.recover(err, position)
+                    if bar is not None:
+                        bar.n = self.step
+                        bar.refresh()
+                    continue
                 self.step += 1
-                self.tokens_seen += tokens_per_step
+                self.tokens_seen = self.step * tokens_per_step
                 now = time.perf_counter()
                 record: dict[str, Any] = {
                     "step": self.step,
@@ -262,11 +340,152 @@ class Trainer:
                         post["val"] = f"{record['val_loss']:.3f}"
                     bar.set_postfix(post, refresh=False)
                     bar.update(1)
+            if self.snapshots is not None:
+                self.snapshots.poll(block=True)
         finally:
             if bar is not None:
                 bar.close()
         self.metrics.event("end", step=self.step, tokens=self.tokens_seen, elapsed_s=time.perf_counter() - t0)
         return self.history
+
+    # ------------------------------------------------------------------ chaos
+    def _fire_chaos(self, step: int) -> None:
+        import os
+        import signal
+
+        import ray
+
+        for i, ev in enumerate(self.cfg.chaos.events):
+            if ev.step != step or i in self._fired:
+                continue
+            self._fired.add(i)
+            self.metrics.event("chaos", step=step, kill=ev.kill, stage=ev.stage, replica=ev.replica, how=ev.how, corrupt=ev.corrupt)
+            if ev.kill == "stage":
+                actor = self.actors[ev.replica][ev.stage]
+                if ev.how == "sigkill":
+                    os.kill(self.pids[(ev.stage, ev.replica)], signal.SIGKILL)
+                else:
+                    ray.kill(actor, no_restart=True)
+            elif ev.kill == "smp":
+                node = self.nodes[(ev.stage, ev.replica)]
+                smp = self.snapshots.managers[node]
+                if ev.corrupt:
+                    ray.get(smp.corrupt_shard.remote(f"{ev.stage}/{ev.replica}"))
+                else:
+                    ray.kill(smp, no_restart=True)
+            elif ev.kill == "node":
+                node_id = self.nodes[(ev.stage, ev.replica)]
+                victim = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
+                if victim is None:
+                    raise RuntimeError(f"chaos: the node hosting stage {ev.stage} replica {ev.replica} is not a worker node of the test cluster")
+                self.cluster.remove_node(victim, allow_graceful=False)
+                deadline = time.monotonic() + 60  # the event is over once Ray has seen the node die
+                while time.monotonic() < deadline and any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+                    time.sleep(0.1)
+
+    # ------------------------------------------------------------------ recovery
+    def _observe(self) -> Any:
+        import ray
+
+        from elastic_llm.recovery.policy import Member, Observation
+
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        members = []
+        for r, row in enumerate(self.actors):
+            for s, actor in enumerate(row):
+                node = self.nodes[(s, r)]
+                step = None
+                if node in alive_nodes:
+                    try:
+                        step = ray.get(actor.reset_step.remote(), timeout=60)
+                    except Exception:
+                        step = None
+                members.append(Member(s, r, node, step is not None, step))
+        dead_nodes = frozenset(n for n in set(self.nodes.values()) if n not in alive_nodes)
+        sn = self.snapshots
+        rec = sn.committed if sn is not None else None
+        dead_managers: set[str] = set(dead_nodes)
+        if sn is not None:
+            before = dict(sn.managers)
+            sn.ensure_managers()
+            dead_managers |= {n for n, h in before.items() if sn.managers.get(n) is not h}
+            if rec is not None:
+                dead_managers |= {s["node_id"] for s in rec.shards.values() if s["node_id"] not in sn.managers}
+        return Observation(
+            members=tuple(members),
+            dead_nodes=dead_nodes,
+            dead_managers=frozenset(dead_managers),
+            committed=rec.version if rec else None,
+            shard_nodes=tuple((k, v["node_id"]) for k, v in sorted(rec.shards.items())) if rec else (),
+            groups=tuple(tuple(g) for g in rec.groups) if rec else (),
+            parity=self.cfg.snapshot.parity,
+        )
+
+    def recover(self, err: BaseException, position: dict[str, int]) -> None:
+        """Observe what died, let the policy decide, carry the plan out."""
+        import json as _json
+
+        import ray
+
+        from elastic_llm.recovery.policy import RecoveryPolicy
+
+        t0 = time.perf_counter()
+        failed_step = self.step + 1
+        log_line = f"step {failed_step} failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        print(f"[elastic-llm] {log_line}", file=sys.stderr)
+        self.runner.settle()
+        obs = self._observe()  # resets the survivors: pending snapshot calls of the aborted step give up
+        if self.snapshots is not None:
+            self.snapshots.poll(block=True)  # commit what completed before the failure
+            self.snapshots.abandon_pending()
+        obs = self._observe() if self.snapshots is not None else obs
+        plan = RecoveryPolicy().decide(obs)
+        print(f"[elastic-llm] {plan}", file=sys.stderr)
+        dp = self.cfg.parallel.dp
+        for a in plan.actions:  # replacements, on the same placement-group bundle
+            try:
+                ray.kill(self.actors[a.replica][a.stage], no_restart=True)
+            except Exception:
+                pass
+            self.actors[a.replica][a.stage] = self._spawn(a.stage, a.replica)
+        self._describe()
+        if plan.rollback_to is not None:
+            loads, sources = [], {}
+            for r in range(dp):
+                for s in range(self.cfg.parallel.stages):
+                    buf, manifest, used = self.snapshots.fetch_stage_state(s, r, dp, set(obs.dead_managers))
+                    sources[(s, r)] = "parity" if "parity" in used else "local_smp"
+                    loads.append(self.actors[r][s].load_state.remote(buf, manifest))
+                    if s == 0 and r == 0:
+                        position = _json.loads(manifest)["data_position"]
+            ray.get(loads)
+            rollback = self.step - plan.rollback_to
+            self.step = plan.rollback_to
+        else:
+            loads = []
+            for a in plan.actions:
+                buf, manifest = ray.get(self.actors[a.peer][a.stage].capture_state.remote())
+                loads.append(self.actors[a.replica][a.stage].load_state.remote(buf, manifest))
+            ray.get(loads)
+            sources, rollback = {}, 0
+        self.train_stream.load_state_dict(position)
+        self._new_runner()
+        seconds = time.perf_counter() - t0
+        for a in plan.actions:
+            rec = {
+                "event": "recovery",
+                "step": failed_step,
+                "stage": a.stage,
+                "replica": a.replica,
+                "source": sources.get((a.stage, a.replica), a.source),
+                "rollback_steps": rollback,
+                "seconds": seconds,
+                "reason": plan.reason,
+            }
+            self.recoveries.append(rec)
+            self.metrics.write(rec)
+        if not plan.actions:
+            self.metrics.write({"event": "recovery", "step": failed_step, "stage": None, "replica": None, "source": "none", "rollback_steps": rollback, "seconds": seconds, "reason": plan.reason})
 
     def shutdown(self) -> None:
         import ray
@@ -274,7 +493,16 @@ class Trainer:
         if ray.is_initialized():
             for row in self.actors:
                 for a in row:
-                    ray.kill(a)
+                    try:
+                        ray.kill(a)
+                    except Exception:
+                        pass
+            if self.snapshots is not None:
+                for m in self.snapshots.managers.values():
+                    try:
+                        ray.kill(m)
+                    except Exception:
+                        pass
             if self.pg is not None:
                 ray.util.remove_placement_group(self.pg)
         self.actors, self.pg, self.runner = [], None, None

@@ -18,6 +18,8 @@ import ray
 
 from elastic_llm.pipeline.schedules import Op, build_schedule, submission_order
 
+STEP_TIMEOUT_S = 900.0  # a step that takes longer is treated as a failure (a hung stage)
+
 
 @dataclass
 class StepResult:
@@ -46,6 +48,7 @@ class PipelineRunner:
         xs, ys = self.split(x), self.split(y)
         last = self.n_stages - 1
         loss_refs: list[ray.ObjectRef] = []
+        self.inflight = []
         for r, stages in enumerate(self.actors):
             fwd: dict[tuple[int, int], ray.ObjectRef] = {}
             bwd: dict[tuple[int, int], ray.ObjectRef] = {}
@@ -61,9 +64,18 @@ class PipelineRunner:
                 else:
                     grad = None if s == last else bwd[(s + 1, op.mb)]
                     bwd[(s, op.mb)] = actor.backward.remote(op.mb, grad)
+            self.inflight += list(fwd.values()) + list(bwd.values())
         return loss_refs
 
-    def submit_optimizer_step(self) -> list[list[ray.ObjectRef]]:
+    def settle(self, timeout: float = 120.0) -> None:
+        """Wait until every call of the last step has finished or failed (after a failure, so
+        that no stale call runs after the survivors are reset)."""
+        refs = getattr(self, "inflight", [])
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        self.inflight = []
+
+    def submit_optimizer_step(self, snapshot: bool = False) -> list[list[ray.ObjectRef]]:
         """Submit the data-parallel gradient exchange and the optimizer step of every stage.
 
         Returns refs[stage][replica] of the step statistics.
@@ -73,9 +85,10 @@ class PipelineRunner:
             replicas = [self.actors[r][s] for r in range(self.dp)]
             if self.dp > 1:
                 grads = [a.flat_grad.remote() for a in replicas]
-                step_refs.append([a.step.remote(*grads) for a in replicas])
+                step_refs.append([a.step.remote(*grads, snapshot=snapshot) for a in replicas])
             else:
-                step_refs.append([replicas[0].step.remote()])
+                step_refs.append([replicas[0].step.remote(snapshot=snapshot)])
+            self.inflight = getattr(self, "inflight", []) + step_refs[-1]
         return step_refs
 
     def submit_step(self, x: np.ndarray, y: np.ndarray) -> tuple[list[ray.ObjectRef], list[list[ray.ObjectRef]]]:
@@ -87,8 +100,8 @@ class PipelineRunner:
         return self.collect(loss_refs, step_refs)
 
     def collect(self, loss_refs: list[ray.ObjectRef], step_refs: list[list[ray.ObjectRef]]) -> StepResult:
-        losses = ray.get(loss_refs)
-        stats = [ray.get(refs)[0] for refs in step_refs]  # wait for every replica, report replica 0
+        losses = ray.get(loss_refs, timeout=STEP_TIMEOUT_S)
+        stats = [ray.get(refs, timeout=STEP_TIMEOUT_S)[0] for refs in step_refs]  # every replica; report replica 0
         # Every microbatch has the same number of tokens, so the batch loss is their mean.
         return StepResult(
             loss=float(np.mean(losses)),

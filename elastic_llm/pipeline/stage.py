@@ -13,8 +13,11 @@ The class is plain Python so tests can drive it in-process; the controller wraps
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import threading
+import time
 import warnings
 from typing import Any
 
@@ -69,6 +72,14 @@ class StageWorker:
         self.outputs: dict[int, torch.Tensor] = {}
         self.last_grad_norm = 0.0
         self.step_count = 0
+        # Lazy asynchronous snapshots: step() marks a copy as due, snapshot() (another thread)
+        # performs it while the next forward/backward run, and the next step() waits for it.
+        self._copy_idle = threading.Event()
+        self._copy_idle.set()
+        self._stepped = threading.Condition()
+        self._copy_due: int | None = None
+        self._generation = 0  # bumped by reset_step(): pending snapshot() calls give up
+        self.snapshot_wait_s = 0.0  # total time step() was blocked by an unfinished copy
 
     # ------------------------------------------------------------------ one microbatch
     def forward(self, mb: int, x: np.ndarray, targets: np.ndarray | None = None) -> np.ndarray | float:
@@ -121,9 +132,19 @@ class StageWorker:
             p.grad = total[offset : offset + n].view_as(p).to(self.device)
             offset += n
 
-    def step(self, *peer_grads: np.ndarray) -> dict[str, float]:
+    def step(self, *peer_grads: np.ndarray, snapshot: bool = False) -> dict[str, float]:
         """Average gradients over ``peer_grads`` (all replicas, in replica order; none for DP=1),
-        clip, remember the clipped norm, update, advance the LR schedule."""
+        clip, remember the clipped norm, update, advance the LR schedule.
+
+        Blocks first if the snapshot copy of the previous step is unfinished (the update would
+        overwrite tensors being copied). ``snapshot=True`` marks this step's state for copying by
+        :meth:`snapshot`.
+        """
+        if not self._copy_idle.is_set():
+            t = time.perf_counter()
+            if not self._copy_idle.wait(timeout=600):
+                raise TimeoutError(f"stage {self.stage}: the snapshot copy of step {self._copy_due} never ran")
+            self.snapshot_wait_s += time.perf_counter() - t
         if self.inputs or self.outputs:
             raise RuntimeError(f"stage {self.stage}: step() called with microbatches {sorted(self.outputs)} not backpropagated")
         if peer_grads:
@@ -135,8 +156,45 @@ class StageWorker:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.step_count += 1
-        return {"grad_norm": norm, "lr": lr}
+        with self._stepped:
+            self.step_count += 1
+            if snapshot:
+                self._copy_idle.clear()
+                self._copy_due = self.step_count
+            self._stepped.notify_all()
+        return {"grad_norm": norm, "lr": lr, "snapshot_wait_s": self.snapshot_wait_s}
+
+    def snapshot(self, version: int, smp: Any, key: str, data_position: dict[str, int] | None = None) -> dict[str, Any]:
+        """Copy the state after step ``version`` into the reused buffer and hand it to ``smp``.
+
+        Runs in the actor's "snapshot" concurrency group, overlapping the next forward/backward.
+        The bytes travel as an argument of ``smp.put_shard``: they land once in the node's object
+        store, owned by the call, and the manager's view survives this process dying.
+        """
+        import ray
+
+        with self._stepped:
+            generation = self._generation
+            self._stepped.wait_for(lambda: self.step_count >= version or self._generation != generation, timeout=600)
+            if self._generation != generation or self.step_count < version:
+                self._release_copy()
+                raise RuntimeError(f"stage {self.stage}: step {version} was aborted before its snapshot")
+        if smp is None:
+            self._release_copy()
+            raise RuntimeError(f"stage {self.stage}: no snapshot manager on this node")
+        if self._copy_due != version:
+            raise RuntimeError(f"stage {self.stage}: step {version} was not marked for a snapshot (step(..., snapshot=True))")
+        try:
+            t = time.perf_counter()
+            buf, manifest = self.capture_state(data_position, replica_slice=self.cfg.parallel.dp > 1)
+            lo, hi = json.loads(manifest)["slice"]
+            copy_s = time.perf_counter() - t
+            ref = smp.put_shard.remote(version, key, buf[lo:hi], manifest)
+            handoff_s = time.perf_counter() - t - copy_s
+        finally:
+            self._release_copy()
+        result = ray.get(ref)
+        return {**result, "copy_s": copy_s, "handoff_s": handoff_s, "state_bytes": int(buf.nbytes)}
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -171,8 +229,23 @@ class StageWorker:
 
         m = st.restore(np.asarray(buffer), st.parse_manifest(manifest), self.module, self.optimizer, self.scheduler, self.cfg.config_hash(), self.stage)
         self.step_count = int(m["step"])
+        self.reset_step()
+        return self.step_count
+
+    def _release_copy(self) -> None:
+        self._copy_due = None
+        self._copy_idle.set()
+
+    def reset_step(self) -> int:
+        """Drop the partial work of an aborted step (activations, accumulated gradients) and any
+        snapshot copy still due for it."""
         self.inputs.clear()
         self.outputs.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._stepped:
+            self._generation += 1
+            self._release_copy()
+            self._stepped.notify_all()
         return self.step_count
 
     # ------------------------------------------------------------------ inspection

@@ -12,6 +12,7 @@ and refuses a foreign or corrupted snapshot with :class:`SnapshotFormatError`.
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 from dataclasses import dataclass
@@ -54,7 +55,11 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def state_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of the state, in a fixed order: parameters, then each one's optimizer state."""
+    """Every tensor of the state, in a fixed order: parameters, then each one's optimizer state.
+
+    These are identical on all data-parallel replicas of a stage, so replicas can each write a
+    slice. RNG states differ per replica and travel in the JSON part instead.
+    """
     out: list[tuple[str, torch.Tensor]] = []
     named = list(module.named_parameters())
     out += [(f"param/{n}", p) for n, p in named]
@@ -62,10 +67,6 @@ def state_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
         for key, value in sorted(optimizer.state.get(p, {}).items()):
             if torch.is_tensor(value):
                 out.append((f"optim/{n}/{key}", value))
-    out.append(("rng/torch", torch.get_rng_state()))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            out.append((f"rng/cuda{i}", s))
     return out
 
 
@@ -118,6 +119,10 @@ def json_state(
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]],
         "rng_numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "rng_python": [py_state[0], list(py_state[1]), py_state[2]],
+        "rng_torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "rng_cuda": [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else [],
     }
 
 
@@ -184,26 +189,24 @@ def restore(
         for key, value in optimizer.state[p].items():
             if torch.is_tensor(value):
                 targets[f"optim/{n}/{key}"] = value
-    names = {e.name for e in entries if not e.name.startswith("rng/")}
+    names = {e.name for e in entries}
     if names != set(targets):
         missing, extra = sorted(set(targets) - names)[:3], sorted(names - set(targets))[:3]
         raise SnapshotFormatError(f"snapshot does not fit this stage: missing {missing}, unexpected {extra}")
     for e in entries:
         if e.offset < 0 or e.offset + e.nbytes > len(buffer):
             raise SnapshotFormatError(f"entry {e.name} lies outside the snapshot buffer: corrupted manifest")
-        if e.name in targets:
-            t = targets[e.name]
-            if tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
-                raise SnapshotFormatError(f"entry {e.name}: snapshot has {e.dtype}{list(e.shape)}, stage has {t.dtype}{list(t.shape)}")
+        t = targets[e.name]
+        if tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype or t.numel() * t.element_size() != e.nbytes:
+            raise SnapshotFormatError(f"entry {e.name}: snapshot has {e.dtype}{list(e.shape)}, stage has {t.dtype}{list(t.shape)}")
     src = torch.from_numpy(buffer)
     with torch.no_grad():
         for e in entries:
-            if e.name in targets:
-                _byte_view(targets[e.name]).copy_(src[e.offset : e.offset + e.nbytes])
-            elif e.name == "rng/torch":
-                torch.set_rng_state(src[e.offset : e.offset + e.nbytes].clone())
-            elif e.name.startswith("rng/cuda") and torch.cuda.is_available():
-                torch.cuda.set_rng_state(src[e.offset : e.offset + e.nbytes].clone(), int(e.name[8:]))
+            _byte_view(targets[e.name]).copy_(src[e.offset : e.offset + e.nbytes])
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng_torch"])), dtype=torch.uint8))
+    for i, state in enumerate(manifest.get("rng_cuda", [])):
+        if torch.cuda.is_available() and i < torch.cuda.device_count():
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8), i)
     for group, saved in zip(optimizer.param_groups, manifest["param_groups"]):
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v

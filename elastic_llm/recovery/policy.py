@@ -1,0 +1,122 @@
+"""RecoveryPolicy: observed failure in, recovery plan out. Pure: no Ray, no clock, no I/O.
+
+Owns the recovery ladder (cheapest lossless source first):
+1. the stage process died, its node and snapshot manager live: restore from the local manager;
+2. a data-parallel peer of the lost replica is alive: copy its state;
+3. the node is lost, at most m nodes of its erasure group are lost: rebuild from parity;
+4. otherwise nothing lossless survives: :class:`UnrecoverableError` (durable checkpoints and
+   CheckFree come later) naming what was lost and what would have covered it.
+
+Whenever the source is older than the healthy stages (a snapshot of step v while the others
+finished later steps, or stages disagree on their step), everyone rolls back to v: lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class UnrecoverableError(RuntimeError):
+    """No lossless source survives; the message says what was lost and how to avoid it."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One (stage, replica) actor as observed after a failure."""
+
+    stage: int
+    replica: int
+    node: str
+    alive: bool
+    step: int | None  # completed optimizer steps, None if dead
+
+
+@dataclass(frozen=True)
+class Observation:
+    members: tuple[Member, ...]
+    dead_nodes: frozenset[str]
+    dead_managers: frozenset[str]  # nodes whose snapshot manager is gone (dead nodes included)
+    committed: int | None  # latest committed snapshot version
+    shard_nodes: tuple[tuple[str, str], ...] = ()  # (shard key "stage/replica", node) of the committed version
+    groups: tuple[tuple[str, ...], ...] = ()  # erasure groups of the committed version
+    parity: int = 0
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int
+    replica: int
+    source: str  # local_smp | dp_peer | parity
+    peer: int | None = None  # replica to copy from, for dp_peer
+
+    def __str__(self) -> str:
+        extra = f" from replica {self.peer}" if self.peer is not None else ""
+        return f"stage {self.stage} replica {self.replica}: {self.source}{extra}"
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    actions: tuple[Action, ...]
+    rollback_to: int | None  # every stage restores this committed version; None: keep current state
+    reason: str
+    lost_shards: tuple[str, ...] = field(default=())  # shard keys that must be rebuilt from parity
+
+    def __str__(self) -> str:
+        rb = f"roll back to step {self.rollback_to}" if self.rollback_to is not None else "no rollback"
+        return f"RecoveryPlan({'; '.join(map(str, self.actions)) or 'nothing lost'}; {rb}; {self.reason})"
+
+
+class RecoveryPolicy:
+    def decide(self, obs: Observation) -> RecoveryPlan:
+        lost = [m for m in obs.members if not m.alive]
+        alive = [m for m in obs.members if m.alive]
+        steps = {m.step for m in alive}
+        consistent = len(steps) <= 1
+        current = max(steps) if steps else None
+        shard_node = dict(obs.shard_nodes)
+        lost_shards = tuple(sorted(k for k, n in obs.shard_nodes if n in obs.dead_managers))
+
+        def snapshot_available() -> str | None:
+            """Why the committed snapshot cannot serve, or None if it can."""
+            if obs.committed is None:
+                return "no snapshot has been committed yet"
+            if not lost_shards:
+                return None
+            for group in obs.groups:
+                gone = [n for n in group if n in obs.dead_managers]
+                if len(gone) > obs.parity:
+                    return (
+                        f"{len(gone)} nodes of an erasure group of {len(group)} lost their snapshots but parity covers "
+                        f"{obs.parity}: raise snapshot.parity or add durable checkpoints"
+                    )
+            if any(shard_node[k] in obs.dead_managers and not any(shard_node[k] in g for g in obs.groups) for k in lost_shards):
+                return "lost shards are not covered by any erasure group (single node: no parity)"
+            return None
+
+        snap_problem = snapshot_available()
+        actions: list[Action] = []
+        need_snapshot = False
+        for m in lost:
+            peers = [p for p in alive if p.stage == m.stage]
+            key = f"{m.stage}/{m.replica}"
+            if peers and consistent:
+                actions.append(Action(m.stage, m.replica, "dp_peer", peer=peers[0].replica))
+                continue
+            if snap_problem is not None:
+                raise UnrecoverableError(
+                    f"stage {m.stage} replica {m.replica} is lost and no lossless copy survives: {snap_problem}"
+                )
+            need_snapshot = True
+            source = "parity" if key in lost_shards or shard_node.get(key) in obs.dead_managers else "local_smp"
+            actions.append(Action(m.stage, m.replica, source))
+        if need_snapshot:
+            reason = f"restored stages come from the snapshot of step {obs.committed}"
+            if current is not None and current != obs.committed:
+                reason += f", older than the healthy stages (step {current}): everyone rolls back"
+            return RecoveryPlan(tuple(actions), obs.committed, reason, lost_shards)
+        if not consistent:
+            if snap_problem is not None:
+                raise UnrecoverableError(f"stages disagree on their step ({sorted(steps)}) and {snap_problem}")
+            return RecoveryPlan(tuple(actions), obs.committed, f"stages disagree on their step ({sorted(steps)}): everyone rolls back", lost_shards)
+        reason = "data-parallel peers hold the same state" if actions else "no stage lost"
+        return RecoveryPlan(tuple(actions), None, reason + f"; step {current} is replayed", lost_shards)

@@ -1,0 +1,61 @@
+"""RecoveryPolicy is pure: observations in, plans out."""
+
+import pytest
+
+from elastic_llm.recovery.policy import Member, Observation, RecoveryPolicy, UnrecoverableError
+
+NODES = ("n0", "n1", "n2", "n3")
+
+
+def obs(members, dead_nodes=(), dead_smp=(), committed=5, parity=1, groups=(NODES,)):
+    shard_nodes = tuple((f"{m.stage}/{m.replica}", m.node) for m in members)
+    return Observation(tuple(members), frozenset(dead_nodes), frozenset(set(dead_smp) | set(dead_nodes)), committed, shard_nodes, groups, parity)
+
+
+def pipeline(step=5, dead=(), dp=1):
+    return [Member(s, r, NODES[s], (s, r) not in dead, None if (s, r) in dead else step) for r in range(dp) for s in range(4)]
+
+
+def test_dead_process_on_live_node_restores_from_local_manager():
+    plan = RecoveryPolicy().decide(obs(pipeline(dead={(1, 0)})))
+    assert [(a.stage, a.source) for a in plan.actions] == [(1, "local_smp")]
+    assert plan.rollback_to == 5 and plan.lost_shards == ()
+
+
+def test_healthy_stages_ahead_of_snapshot_roll_back():
+    plan = RecoveryPolicy().decide(obs(pipeline(step=7, dead={(2, 0)}), committed=6))
+    assert plan.rollback_to == 6 and "everyone rolls back" in plan.reason
+
+
+def test_dp_peer_preferred_when_consistent_and_no_rollback():
+    members = pipeline(dead={(3, 1)}, dp=2)
+    plan = RecoveryPolicy().decide(obs(members))
+    assert [(a.stage, a.replica, a.source, a.peer) for a in plan.actions] == [(3, 1, "dp_peer", 0)]
+    assert plan.rollback_to is None
+
+
+def test_lost_node_rebuilds_from_parity():
+    members = pipeline(dead={(2, 0)})
+    plan = RecoveryPolicy().decide(obs(members, dead_nodes={"n2"}))
+    assert [(a.stage, a.source) for a in plan.actions] == [(2, "parity")]
+    assert plan.lost_shards == ("2/0",) and plan.rollback_to == 5
+
+
+def test_two_lost_nodes_need_parity_two():
+    members = pipeline(dead={(1, 0), (2, 0)})
+    plan = RecoveryPolicy().decide(obs(members, dead_nodes={"n1", "n2"}, parity=2))
+    assert {a.source for a in plan.actions} == {"parity"}
+    with pytest.raises(UnrecoverableError, match="2 nodes of an erasure group of 4 lost their snapshots but parity covers 1"):
+        RecoveryPolicy().decide(obs(members, dead_nodes={"n1", "n2"}, parity=1))
+
+
+def test_nothing_committed_is_unrecoverable_with_a_reason():
+    with pytest.raises(UnrecoverableError, match="no snapshot has been committed yet"):
+        RecoveryPolicy().decide(obs(pipeline(dead={(0, 0)}), committed=None))
+
+
+def test_inconsistent_steps_roll_back_even_with_peers():
+    members = pipeline(step=5, dp=2, dead={(0, 1)})
+    members[1] = Member(1, 0, "n1", True, 6)  # finished its optimizer step, others did not
+    plan = RecoveryPolicy().decide(obs(members))
+    assert plan.rollback_to == 5 and plan.actions[0].source == "local_smp"
