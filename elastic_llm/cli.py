@@ -57,6 +57,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from elastic_llm.bench.pipeline import run_pipeline_bench
 
         result = run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps, overrides=args.set or [])
+    elif args.what == "snapshot":
+        from elastic_llm.bench.snapshot import run_snapshot_bench
+
+        result = run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps, overrides=args.set or [])
     elif args.what == "erasure":
         from elastic_llm.bench.erasure import run_erasure_bench
 
@@ -91,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_prepare)
 
     b = sub.add_parser("bench", help="benchmarks against real peers")
-    b.add_argument("what", choices=["pipeline", "erasure"])
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--config", help="run config for 'pipeline' (default jobs/tiny.yaml)")
-    b.add_argument("--steps", type=int, default=6, help="timed steps per system (pipeline)")
+    b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
+    b.add_argument("--steps", type=int, default=6, help="timed steps per system")
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
     b.set_defaults(func=cmd_bench)
@@ -105,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_llm.config import ConfigError
     from elastic_llm.controller import PlacementError, loopback_env
     from elastic_llm.data import DataError
+    from elastic_llm.recovery.policy import UnrecoverableError
+    from elastic_llm.snapshot.layout import LayoutError
+    from elastic_llm.snapshot.state import SnapshotFormatError
 
     loopback_env()
     args = build_parser().parse_args(argv)
@@ -113,9 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
-    except (ConfigError, DataError, PlacementError) as e:
+    except (ConfigError, DataError, PlacementError, LayoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except (UnrecoverableError, SnapshotFormatError) as e:
+        print(f"error: training stopped, committed snapshots untouched: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -84,12 +84,13 @@ def clean(cluster, corpus_dir):
     """Per-step losses of the uninterrupted run, per parity setting."""
     cache = {}
 
-    def get(parity):
-        if parity not in cache:
-            t = make_trainer(cluster, corpus_dir, f"snapshot.parity={parity}")
-            cache[parity] = run(t)
+    def get(parity, *extra):
+        key = (parity, *extra)
+        if key not in cache:
+            t = make_trainer(cluster, corpus_dir, f"snapshot.parity={parity}", *extra)
+            cache[key] = run(t)
             assert t.snapshots.committed is not None and t.recoveries == []
-        return cache[parity]
+        return cache[key]
 
     return get
 
@@ -177,3 +178,11 @@ def test_more_lost_nodes_than_parity_is_a_clear_error_and_keeps_survivors(nodes,
         assert survivors and all(h[committed]["committed"] for h in survivors)
     finally:
         t.shutdown()
+
+
+def test_lost_replica_is_copied_from_its_data_parallel_peer_without_rollback(nodes, corpus_dir, clean):
+    dp = ("parallel.stages=2", "parallel.dp=2")
+    t = make_trainer(nodes, corpus_dir, *dp, "chaos.events=[{step: 5, kill: stage, stage: 1, replica: 1, how: sigkill}]")
+    losses = run(t)
+    assert [(r["stage"], r["replica"], r["source"], r["rollback_steps"]) for r in t.recoveries] == [(1, 1, "dp_peer", 0)]
+    assert losses == clean(1, *dp)
