@@ -279,10 +279,10 @@ class Trainer:
         snap = self._snapshot_due(step)
         loss_refs = self.runner.submit_microbatches(x, y)
         step_refs = self.runner.submit_optimizer_step(snapshot=snap)
+        self._fire_chaos(step)
         if snap:
             members = [(self.actors[r][s], s, r, self.nodes[(s, r)]) for r in range(len(self.actors)) for s in range(len(self.actors[r]))]
             self.snapshots.begin(step, members, self.train_stream.state_dict())
-        self._fire_chaos(step)
         result = self.runner.collect(loss_refs, step_refs)
         if self.snapshots is not None:
             self.snapshots.poll()
@@ -359,6 +359,8 @@ class Trainer:
             if ev.step != step or i in self._fired:
                 continue
             self._fired.add(i)
+            # mid-step, reproducibly: after the victim ran its first operation of this step
+            ray.wait([self.runner.first_op[(ev.replica, ev.stage)]], timeout=60)
             self.metrics.event("chaos", step=step, kill=ev.kill, stage=ev.stage, replica=ev.replica, how=ev.how, corrupt=ev.corrupt)
             if ev.kill == "stage":
                 actor = self.actors[ev.replica][ev.stage]

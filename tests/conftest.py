@@ -19,6 +19,7 @@ def ray_local():
     if ray.is_initialized():
         ray.shutdown()
     ray.init(
+        address="local",  # a private instance, never a cluster another process started
         num_cpus=8,
         namespace="elastic-llm-test",
         include_dashboard=False,

@@ -49,6 +49,7 @@ class PipelineRunner:
         last = self.n_stages - 1
         loss_refs: list[ray.ObjectRef] = []
         self.inflight = []
+        self.first_op: dict[tuple[int, int], ray.ObjectRef] = {}  # (replica, stage) -> its first call of the step
         for r, stages in enumerate(self.actors):
             fwd: dict[tuple[int, int], ray.ObjectRef] = {}
             bwd: dict[tuple[int, int], ray.ObjectRef] = {}
@@ -64,6 +65,8 @@ class PipelineRunner:
                 else:
                     grad = None if s == last else bwd[(s + 1, op.mb)]
                     bwd[(s, op.mb)] = actor.backward.remote(op.mb, grad)
+                if (r, s) not in self.first_op:
+                    self.first_op[(r, s)] = fwd[(s, op.mb)] if op.kind == "F" else bwd[(s, op.mb)]
             self.inflight += list(fwd.values()) + list(bwd.values())
         return loss_refs
 

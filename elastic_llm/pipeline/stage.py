@@ -68,6 +68,7 @@ class StageWorker:
             lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.min_lr / train.lr),
         )
         self.micro_per_replica = par.microbatches
+        self.backwards_done = 0  # microbatches backpropagated in the current step
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.last_grad_norm = 0.0
@@ -110,13 +111,24 @@ class StageWorker:
             out.backward()
         else:
             out.backward(torch.from_numpy(np.asarray(grad)).to(self.device))
+        self.backwards_done += 1
         if self.first:
             return None
         return inp.grad.cpu().numpy()
 
     # ------------------------------------------------------------------ optimizer step
+    def _check_complete(self) -> None:
+        """Refuse to share or apply gradients of a step whose backward did not fully run (a call
+        queued behind failed ones still executes: this keeps it from using partial gradients)."""
+        if self.backwards_done != self.micro_per_replica or self.inputs or self.outputs:
+            raise RuntimeError(
+                f"stage {self.stage} replica {self.replica}: only {self.backwards_done} of {self.micro_per_replica} "
+                "microbatches were backpropagated this step"
+            )
+
     def flat_grad(self) -> np.ndarray:
         """All parameter gradients of this stage, flattened (for data-parallel averaging)."""
+        self._check_complete()
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in self.module.parameters()]
         return torch.cat(grads).cpu().numpy()
 
@@ -145,8 +157,7 @@ class StageWorker:
             if not self._copy_idle.wait(timeout=600):
                 raise TimeoutError(f"stage {self.stage}: the snapshot copy of step {self._copy_due} never ran")
             self.snapshot_wait_s += time.perf_counter() - t
-        if self.inputs or self.outputs:
-            raise RuntimeError(f"stage {self.stage}: step() called with microbatches {sorted(self.outputs)} not backpropagated")
+        self._check_complete()
         if peer_grads:
             self.average_grads(*peer_grads)
         clip = self.cfg.train.grad_clip
@@ -155,6 +166,7 @@ class StageWorker:
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.backwards_done = 0
         self.scheduler.step()
         with self._stepped:
             self.step_count += 1
@@ -242,6 +254,7 @@ class StageWorker:
         self.inputs.clear()
         self.outputs.clear()
         self.optimizer.zero_grad(set_to_none=True)
+        self.backwards_done = 0
         with self._stepped:
             self._generation += 1
             self._release_copy()
