@@ -221,8 +221,10 @@ def _fsync_save(obj: Any, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def _in_process(cfg1: RunConfig, repeats: int, workdir: str) -> tuple[dict[str, Any], Any]:
-    """Every in-process measurement; returns (results, the trained worker)."""
+def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) -> tuple[dict[str, Any], Any]:
+    """Every in-process measurement; returns (results, (the trained worker, its snapshot buffer,
+    manifest)). Parity is timed for RS(k = group_size - parity, parity), the code of the cluster
+    phase's erasure group, and for RS(4 + 1)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -254,7 +256,7 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str) -> tuple[dict[str, 
 
     # ---- parity encode: the state bytes split into k equal chunks (zero-padded), parity preallocated
     sn = cfg1.snapshot
-    codes = {"config": (max(1, sn.group_size - sn.parity), sn.parity), "4+1": (4, 1)}
+    codes = {"config": (max(1, group_size - sn.parity), sn.parity), "4+1": (4, 1)}
     enc: dict[str, tuple[Any, list[np.ndarray], list[np.ndarray]]] = {}
     for name, (k, m) in codes.items():
         rs = ReedSolomon(k, m)
@@ -269,10 +271,7 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str) -> tuple[dict[str, 
     # ---- DCP: single-process gloo group on loopback
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     own_pg = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=_dt.timedelta(seconds=300))
-        own_pg = True
-    reused_stager = DefaultStager(StagingOptions(False, False, False, False))  # caches its CPU copies across saves
+    reused_stager = None
 
     save_path = os.path.join(workdir, "ckpt.pt")
     times: dict[str, list[float]] = {
@@ -374,6 +373,10 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str) -> tuple[dict[str, 
 
     warm = _one_stage_worker(cfg1)  # a stage that already has optimizer state (a survivor rolling back)
     try:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=_dt.timedelta(seconds=300))
+            own_pg = True
+        reused_stager = DefaultStager(StagingOptions(False, False, False, False))  # caches its CPU copies across saves
         warm.load_state(buf, manifest)
         # warm-up round (page faults, first-call set-up), not recorded
         _fsync_save({"model": module.state_dict(), "optim": optim.state_dict()}, save_path)
@@ -386,10 +389,11 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str) -> tuple[dict[str, 
             t_dcp(i)
             buf, manifest = worker.capture_state()  # t_copy re-captured: keep the latest pair
     finally:
-        try:
-            reused_stager.close()
-        except Exception:
-            pass
+        if reused_stager is not None:
+            try:
+                reused_stager.close()
+            except Exception:
+                pass
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
         if os.path.exists(save_path):
@@ -690,6 +694,45 @@ def _single_node_phase(config_path: str, overrides: Sequence[str], block: int, r
 # --------------------------------------------------------------------------- the benchmark
 
 
+def _findings(res: dict[str, Any], tr_multi: dict[str, Any], tr_single: dict[str, Any]) -> list[str]:
+    """Where the time goes, from this run's own numbers (one line per target not met)."""
+    out: list[str] = []
+    met = res["targets_met"]
+    if met.get("stall_vs_torch_save") is False or met.get("stall_vs_dcp_async") is False:
+        comp = tr_multi["stall_components_s"]
+        out.append(
+            f"stall: {comp['controller_wait_per_step']:.3f} s/step is the controller waiting in Trainer._snapshot_due "
+            f"(poll(block=True) on the version two steps behind, i.e. its parity phase), {comp['stage_actor_wait_max_per_step']:.3f} "
+            "s/step stage actors waiting for their copy: the copy always finished within the next step. The coordinator only "
+            "advances a version at step boundaries (shards seen done at the poll after the next step -> parity submitted -> "
+            "the following step's _snapshot_due blocks until it commits)"
+            + (f"; single-node (no parity phase): {tr_single['stall_s']:.3f} s/step" if tr_single else "")
+            + "."
+        )
+    for name, tr in (("train_overhead", tr_multi), ("train_overhead_single_node", tr_single)):
+        if not tr or met.get(f"{name}_pct") is not False:
+            continue
+        on, off = tr["with_snapshot"]["cpu_s_per_step_by_process"], tr["without_snapshot"]["cpu_s_per_step_by_process"]
+        extra = {k: on.get(k, 0.0) - off.get(k, 0.0) for k in set(on) | set(off)}
+        top = ", ".join(f"{k} {v:+.3f}" for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:4])
+        out.append(
+            f"{name}: {tr['overhead_pct']}% (paired-block median {tr['overhead_paired_median_pct']}%, noise {tr['noise_pct']}%); "
+            f"extra CPU s/step with snapshots by process: {top} (cpu_overhead {tr['cpu_overhead_pct']}%); controller wait "
+            f"{tr['stall_components_s']['controller_wait_per_step']:.3f} s/step."
+        )
+    if met.get("restore_speedup_vs_torch_load") is False:
+        fresh, warm = res["restore_inmemory_s"], res["restore_inmemory_warm_s"]
+        out.append(
+            f"restore: into a fresh stage {fresh:.4f} s, of which ~{fresh - warm:.4f} s is creating the optimizer state "
+            f"(zeros_like in snapshot.state.restore: allocation + zero fill + page faults) and {warm:.4f} s the copy itself "
+            f"(into an existing stage: {res['restore_warm_speedup_vs_torch_load']}x torch_load). torch.load of a page-cached "
+            f"file ({res['torch_load_s']:.4f} s) is itself memory-bound, so >= 10x is out of reach on one machine; through the "
+            f"manager, get_shard adds {res.get('restore_from_smp_components_s', {}).get('get_shard', float('nan')):.4f} s "
+            "(the shard is returned as a new object: a copy, plus the CRC check)."
+        )
+    return out
+
+
 def run_snapshot_bench(
     config_path: str = "jobs/tiny.yaml",
     steps: int = 10,
@@ -725,7 +768,7 @@ def run_snapshot_bench(
     block, rounds = _block_plan(steps, rounds)
 
     with tempfile.TemporaryDirectory(prefix="elastic-llm-snapbench-") as workdir:
-        inproc, (worker, buf, manifest) = _in_process(cfg1, repeats, workdir)
+        inproc, (worker, buf, manifest) = _in_process(cfg1, repeats, workdir, workers)
     state_bytes = inproc["state_bytes"]
     multi = _cluster_phase(config_path, overrides, cfg1, buf, manifest, block, rounds, warmup, repeats, workers, state_bytes)
     del worker, buf
@@ -834,7 +877,8 @@ def run_snapshot_bench(
         f"trainer runs: snapshot.every=1, train.eval_every=0; two live Trainers (snapshots on / off) on one Ray take turns in "
         f"{rounds} blocks of {block} steps each after {warmup} warm-up step(s). snapshot_stall_s and train_overhead_pct come "
         f"from a loopback Cluster of {workers} worker nodes (head without CPUs, SPREAD, snapshot.group_size={workers}: copy + "
-        "hand-off + parity + commit); *_single_node_* from an embedded single-node Ray (copy + hand-off only). Stall per timed "
+        "hand-off + parity + commit; restore_from_smp_s with the manager on the driver's node); *_single_node_* from an "
+        "embedded single-node Ray (copy + hand-off only). Stall per timed "
         "step = max over stages of the actors' snapshot_wait_s + the controller's snapshots.stats wait_s. Overhead uses all "
         "steps of a block but its first (nothing in flight before it; fit() waits for the last snapshot after the last); "
         "noise_pct is how much the snapshot-free system alone varied between its blocks."
@@ -853,6 +897,7 @@ def run_snapshot_bench(
     misses = [k for k, v in result["targets_met"].items() if v is False]
     if misses:
         notes.append(f"targets not met: {', '.join(misses)}")
+        notes.extend(_findings(result, tr_multi, tr_single))
     shares = [tr["outside_cpu_share"] for tr in (tr_multi, tr_single) if tr and tr.get("outside_cpu_share") is not None]
     if shares and max(shares) > 0.15:
         notes.append(
