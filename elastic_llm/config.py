@@ -101,6 +101,7 @@ class SnapshotConfig:
     group_size: int = 4  # nodes per erasure group (fewer nodes: one group of all of them)
     parity: int = 1  # parity chunks per codeword = nodes of a group that may be lost at once
     codec: str = "auto"  # auto | isal | numpy
+    max_lag: int = 4  # steps the committed snapshot may trail training before a step waits for it
 
 
 CHAOS_KINDS = ("stage", "node", "smp")
@@ -221,6 +222,8 @@ def _validate(c: RunConfig) -> list[str]:
     sn = c.snapshot
     if sn.every < 1:
         p.append(f"snapshot.every={sn.every} must be >= 1 (or set snapshot.enabled=false)")
+    if sn.max_lag < 1:
+        p.append(f"snapshot.max_lag={sn.max_lag} must be >= 1")
     if sn.parity < 1:
         p.append(f"snapshot.parity={sn.parity} must be >= 1")
     elif sn.group_size < sn.parity + 1:

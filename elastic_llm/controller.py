@@ -262,14 +262,13 @@ class Trainer:
             return False
         sn.poll()
         if sn.pending is not None:
-            if not sn.skipped_last:  # let the version in flight finish during this step
+            lag = step - (sn.committed.version if sn.committed else 0)
+            if lag <= self.cfg.snapshot.max_lag:  # let the version in flight finish meanwhile
                 sn.stats["skipped"] += 1
-                sn.skipped_last = True
                 return False
-            t = time.perf_counter()  # two versions behind: wait, so recovery never lags further
+            t = time.perf_counter()  # too far behind: wait, so a recovery never loses more
             sn.poll(block=True)
             sn.stats["wait_s"] += time.perf_counter() - t
-        sn.skipped_last = False
         return True
 
     def run_step(self) -> Any:

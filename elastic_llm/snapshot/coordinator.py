@@ -55,7 +55,6 @@ class SnapshotCoordinator:
         self.pending: dict[str, Any] | None = None  # the version in flight
         self.committed: VersionRecord | None = None
         self.stats: dict[str, float] = {"committed": 0, "discarded": 0, "skipped": 0, "wait_s": 0.0}
-        self.skipped_last = False  # at most one due snapshot is skipped in a row
         self.events: list[dict[str, Any]] = []
         self.refresh_managers = False
 
@@ -158,7 +157,11 @@ class SnapshotCoordinator:
         import ray
 
         record: VersionRecord = self.pending["record"]
-        ray.get([m.commit.remote(record.version) for m in self.managers.values()])
+        for ref in [m.commit.remote(record.version) for m in self.managers.values()]:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:  # a manager died after parity: its loss is a later failure
+                self.refresh_managers = True
         self.committed = record
         self.pending = None
         self.stats["committed"] += 1

@@ -149,7 +149,8 @@ class SnapshotManager:
     def commit(self, version: int) -> list[int]:
         """Mark ``version`` committed and free every older version. Returns the versions held."""
         with self.lock:
-            self._version(version).committed = True
+            if version in self.versions:  # a manager with no part in this version just frees older ones
+                self.versions[version].committed = True
             for old in [v for v in self.versions if v < version]:
                 del self.versions[old]
             return sorted(self.versions)
