@@ -13,11 +13,13 @@ config, that reports
   (``put_shard`` / ``get_shard``);
 * on real :class:`~elastic_llm.controller.Trainer` runs (``train.eval_every=0``): the training stall
   caused by snapshotting every step (the stage actors' ``snapshot_wait_s`` plus the controller's
-  wait for a version two steps behind), and the throughput overhead of snapshots, measured as
-  two live Trainers on the same Ray (snapshots on / off) that take turns in blocks of ``steps``
-  steps for ``rounds`` rounds. Twice: on an embedded single-node Ray (copy + hand-off to the local
-  manager; no parity: it needs >= 2 nodes) and on a ``ray.cluster_utils.Cluster`` of worker nodes
-  on loopback (``snapshot.group_size`` = nodes, SPREAD placement) where parity really runs;
+  wait for a version in flight, ``snapshots.stats["wait_s"]``), and the throughput overhead of
+  snapshots, measured as two live Trainers on the same Ray (snapshots on / off) that take turns
+  in ``rounds`` blocks sharing ``steps`` timed steps each (stepped through ``Trainer.run_step``,
+  so a snapshot version in flight carries on across blocks as in one uninterrupted run). On a
+  ``ray.cluster_utils.Cluster`` of worker nodes on loopback (``snapshot.group_size`` = nodes,
+  SPREAD placement) where parity really runs, and, time permitting, on an embedded single-node
+  Ray (copy + hand-off to the local manager; no parity: it needs >= 2 nodes);
 
 and the ratios against the targets. Everything heavy is measured side by side in one run
 (medians of rounds), because the machine is shared: compare ratios, not absolute numbers.
@@ -335,30 +337,33 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
                 times["dcp_async_block_reused_stager"].append(t2 - t1)
             shutil.rmtree(ckpt_dir, ignore_errors=True)
 
-    def t_memcpy() -> None:
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times["memcpy"].append(time.perf_counter() - t0)
+    inner = 5  # the short in-memory operations repeat within a round, interleaved (memcpy, ours, memcpy, ...)
 
-    def t_copy() -> None:
-        t0 = time.perf_counter()
-        worker.capture_state()
-        times["snapshot_copy"].append(time.perf_counter() - t0)
-        layout = worker._layout  # the bare byte copy, without the JSON manifest
-        t0 = time.perf_counter()
-        st.copy_into(worker._buffer, layout, st.state_tensors(module, optim))
-        times["snapshot_copy_only"].append(time.perf_counter() - t0)
+    def t_copies() -> None:
+        layout = worker._layout  # for the bare byte copy, without the JSON manifest
+        for _ in range(inner):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            times["memcpy"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            worker.capture_state()
+            times["snapshot_copy"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            st.copy_into(worker._buffer, layout, st.state_tensors(module, optim))
+            times["snapshot_copy_only"].append(time.perf_counter() - t0)
 
     def t_checksum() -> None:
-        t0 = time.perf_counter()
-        checksum(src)
-        times["checksum"].append(time.perf_counter() - t0)
+        for _ in range(inner):
+            t0 = time.perf_counter()
+            checksum(src)
+            times["checksum"].append(time.perf_counter() - t0)
 
     def t_parity() -> None:
-        for name, (rs, data, par) in enc.items():
-            t0 = time.perf_counter()
-            rs.encode(data, out=par)
-            times[f"parity_{name}"].append(time.perf_counter() - t0)
+        for _ in range(inner):
+            for name, (rs, data, par) in enc.items():
+                t0 = time.perf_counter()
+                rs.encode(data, out=par)
+                times[f"parity_{name}"].append(time.perf_counter() - t0)
 
     def t_restore() -> None:
         fresh = _one_stage_worker(cfg1)
@@ -381,13 +386,13 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
         # warm-up round (page faults, first-call set-up), not recorded
         _fsync_save({"model": module.state_dict(), "optim": optim.state_dict()}, save_path)
         worker.capture_state()
-        steps: list[Callable[[], None]] = [t_torch_save, t_torch_load, t_memcpy, t_copy, t_checksum, t_parity, t_restore]
+        steps: list[Callable[[], None]] = [t_torch_save, t_torch_load, t_copies, t_checksum, t_parity, t_restore]
         for i in range(repeats):
             k = i % len(steps)
             for fn in steps[k:] + steps[:k]:  # rotate who goes first
                 fn()
             t_dcp(i)
-            buf, manifest = worker.capture_state()  # t_copy re-captured: keep the latest pair
+            buf, manifest = worker.capture_state()  # t_copies re-captured: keep the latest pair
     finally:
         if reused_stager is not None:
             try:
@@ -490,32 +495,31 @@ def _actor_waits(trainer: Trainer) -> list[float]:
 
 
 def _block(trainer: Trainer, n: int) -> dict[str, Any]:
-    """``n`` more steps of ``trainer``: per-step times (from its history), wall time including
-    fit()'s final wait for the last snapshot, and CPU seconds of every process per kind."""
-    start = len(trainer.history)
-    c0, t0 = _cpu_tree(os.getpid()), time.perf_counter()
-    trainer.fit(trainer.step + n)
-    wall = time.perf_counter() - t0
+    """``n`` more steps of ``trainer`` through its public ``run_step`` (what ``fit`` runs per step,
+    minus fit's final wait for the version in flight: the snapshot pipeline carries on across
+    blocks as in one uninterrupted run). Per-step times and CPU seconds per process kind."""
+    tokens = trainer.cfg.tokens_per_step()
+    c0 = _cpu_tree(os.getpid())
+    step_s = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        trainer.run_step()
+        step_s.append(time.perf_counter() - t0)
+        trainer.step += 1  # fit()'s bookkeeping of a completed step
+        trainer.tokens_seen = trainer.step * tokens
     cpu = _cpu_delta(c0, _cpu_tree(os.getpid()))
-    tps = trainer.cfg.tokens_per_step()
-    step_s = [tps / r["tokens_per_s"] for r in trainer.history[start:]]
-    return {"step_s": step_s, "wall_s": wall, "cpu": cpu}
+    return {"step_s": step_s, "cpu": cpu}
 
 
-def _block_plan(steps: int, rounds: int) -> tuple[int, int]:
-    """(block length, rounds): blocks of odd length >= 3, so that the steady steps of a block
-    (all but its first) hold whole snapshot periods (a snapshot is taken at most every other
-    step: the copy of step N overlaps step N+1)."""
-    rounds = max(1, min(rounds, steps // 3))
-    block = max(3, steps // rounds)
-    if block % 2 == 0:
-        block -= 1
-    return block, max(rounds, steps // block)
+def _block_plan(steps: int, rounds: int) -> list[int]:
+    """Lengths of the ``rounds`` blocks (>= 2 steps each) that ``steps`` timed steps are cut into."""
+    rounds = max(1, min(rounds, steps // 2))
+    return [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
 
 
-def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, block: int, rounds: int, warmup: int, cluster: Any = None) -> dict[str, Any]:
-    """Two live Trainers on the running Ray (snapshots on / off) taking turns in blocks of
-    ``block`` steps for ``rounds`` rounds (the order alternates every round)."""
+def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, blocks_plan: list[int], warmup: int, cluster: Any = None) -> dict[str, Any]:
+    """Two live Trainers on the running Ray (snapshots on / off) taking turns, one block of
+    ``blocks_plan[r]`` steps each in round r (the order alternates every round)."""
     on, off = Trainer(cfg_on, cluster=cluster), Trainer(cfg_off, cluster=cluster)
     try:
         t0 = time.perf_counter()
@@ -528,19 +532,21 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, block: int, rounds:
         waits0, stats0 = _actor_waits(on), dict(on.snapshots.stats)
         busy0, wall0 = _machine_busy_s(), time.perf_counter()
         blocks: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
-        for r in range(rounds):
+        for r, n in enumerate(blocks_plan):
             order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
             for name, t in order:
-                blocks[name].append(_block(t, block))
+                blocks[name].append(_block(t, n))
         busy1, wall1 = _machine_busy_s(), time.perf_counter()
-        waits1, stats1 = _actor_waits(on), dict(on.snapshots.stats)
+        waits1 = _actor_waits(on)
+        on.snapshots.poll(block=True)  # let the version in flight commit (outside any timing)
+        stats1 = dict(on.snapshots.stats)
         n_nodes = len(set(on.nodes.values()))
         managers = len(on.snapshots.managers)
     finally:
         on.shutdown()
         off.shutdown()
 
-    timed = rounds * block
+    timed = sum(blocks_plan)
     per_stage_wait = [b - a for a, b in zip(waits0, waits1)]
     actor_stall = max(per_stage_wait) / timed
     ctrl_stall = (stats1["wait_s"] - stats0["wait_s"]) / timed
@@ -548,9 +554,8 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, block: int, rounds:
 
     def summary(name: str) -> dict[str, Any]:
         bl = blocks[name]
-        steady = [s for b in bl for s in b["step_s"][1:]]  # a block's first step has no snapshot in flight before it
+        steady = [s for b in bl for s in b["step_s"][1:]]  # a block's first step absorbs the switch of trainers
         every = [s for b in bl for s in b["step_s"]]
-        wall = sum(b["wall_s"] for b in bl)
         per_kind: dict[str, float] = {}
         for b in bl:
             for kind, c in (b["cpu"] or {}).items():
@@ -559,7 +564,6 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, block: int, rounds:
         return {
             "tokens_per_s_steady": round(tokens * len(steady) / sum(steady), 1),
             "tokens_per_s_all_steps": round(tokens * len(every) / sum(every), 1),
-            "tokens_per_s_wall_incl_final_commit": round(tokens * len(every) / wall, 1),
             "median_step_s": round(_median(every), 4),
             "cpu_s_per_step": round(cpu_total / len(every), 4) if cpu_total is not None else None,
             "cpu_s_per_step_by_process": {k: round(v / len(every), 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1]) if v / len(every) >= 0.0005},
@@ -581,7 +585,6 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, block: int, rounds:
     return {
         "overhead_pct": pct("tokens_per_s_steady"),
         "overhead_all_steps_pct": pct("tokens_per_s_all_steps"),
-        "overhead_wall_incl_final_commit_pct": pct("tokens_per_s_wall_incl_final_commit"),
         # how much the snapshot-free system alone moved between its blocks: the resolution of the above
         "overhead_paired_median_pct": round(_median(paired) * 100, 2),
         "noise_pct": round((max(offb) - min(offb)) / _median(offb) * 100, 2) if len(offb) > 1 else None,
@@ -595,8 +598,7 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, block: int, rounds:
         "snapshots_skipped": int(stats1["skipped"] - stats0["skipped"]),
         "snapshots_discarded": int(stats1["discarded"] - stats0["discarded"]),
         "timed_steps_per_system": timed,
-        "block_steps": block,
-        "rounds": rounds,
+        "block_steps": list(blocks_plan),
         "nodes_with_stages": n_nodes,
         "snapshot_managers": managers,
         "setup_s": round(setup_s, 1),
@@ -620,8 +622,7 @@ def _cluster_phase(
     cfg1: RunConfig,
     buf: np.ndarray,
     manifest: str,
-    block: int,
-    rounds: int,
+    blocks_plan: list[int],
     warmup: int,
     repeats: int,
     workers: int,
@@ -651,7 +652,7 @@ def _cluster_phase(
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
         cluster_s = time.perf_counter() - t0
         out = _restore_via_manager(cfg1, buf, manifest, repeats)
-        out["trainers"] = _compare_trainers(cfg_on, cfg_off, block, rounds, warmup, cluster=cluster)
+        out["trainers"] = _compare_trainers(cfg_on, cfg_off, blocks_plan, warmup, cluster=cluster)
         out["trainers"]["cluster"] = {
             "worker_nodes": workers,
             "logical_cpus_per_node": per_node,
@@ -666,7 +667,7 @@ def _cluster_phase(
             cluster.shutdown()
 
 
-def _single_node_phase(config_path: str, overrides: Sequence[str], block: int, rounds: int, warmup: int) -> dict[str, Any]:
+def _single_node_phase(config_path: str, overrides: Sequence[str], blocks_plan: list[int], warmup: int) -> dict[str, Any]:
     """Embedded single-node Ray (what ``elastic-llm train`` starts): copy + hand-off to the local
     manager only, no parity (a group needs >= 2 nodes)."""
     import ray
@@ -686,7 +687,7 @@ def _single_node_phase(config_path: str, overrides: Sequence[str], block: int, r
         logging_level="WARNING",
     )
     try:
-        return _compare_trainers(cfg_on, cfg_off, block, rounds, warmup)
+        return _compare_trainers(cfg_on, cfg_off, blocks_plan, warmup)
     finally:
         ray.shutdown()
 
@@ -702,10 +703,11 @@ def _findings(res: dict[str, Any], tr_multi: dict[str, Any], tr_single: dict[str
         comp = tr_multi["stall_components_s"]
         out.append(
             f"stall: {comp['controller_wait_per_step']:.3f} s/step is the controller waiting in Trainer._snapshot_due "
-            f"(poll(block=True) on the version two steps behind, i.e. its parity phase), {comp['stage_actor_wait_max_per_step']:.3f} "
-            "s/step stage actors waiting for their copy: the copy always finished within the next step. The coordinator only "
-            "advances a version at step boundaries (shards seen done at the poll after the next step -> parity submitted -> "
-            "the following step's _snapshot_due blocks until it commits)"
+            f"(poll(block=True) on the version in flight, in its parity phase), {comp['stage_actor_wait_max_per_step']:.3f} "
+            "s/step stage actors waiting for their copy. The coordinator advances a version only when the driver polls, at "
+            "step boundaries (shards seen done at the poll after the next step -> parity submitted there -> committed at a "
+            "later poll), so a version needs >= 2-3 steps and a step waits once the committed one trails by more than "
+            "snapshot.max_lag"
             + (f"; single-node (no parity phase): {tr_single['stall_s']:.3f} s/step" if tr_single else "")
             + "."
         )
@@ -719,6 +721,13 @@ def _findings(res: dict[str, Any], tr_multi: dict[str, Any], tr_single: dict[str
             f"{name}: {tr['overhead_pct']}% (paired-block median {tr['overhead_paired_median_pct']}%, noise {tr['noise_pct']}%); "
             f"extra CPU s/step with snapshots by process: {top} (cpu_overhead {tr['cpu_overhead_pct']}%); controller wait "
             f"{tr['stall_components_s']['controller_wait_per_step']:.3f} s/step."
+        )
+    if met.get("copy_vs_memcpy") is False:
+        out.append(
+            f"copy: capture_state {res['snapshot_copy_GBps']} GB/s vs memcpy {res['memcpy_GBps']} GB/s (best "
+            f"{res['snapshot_copy_best_GBps']} vs {res['memcpy_best_GBps']}); the bare copy_into is {res['snapshot_copy_only_GBps']} "
+            f"GB/s: one torch copy_ per tensor ({res['state_tensors']} tensors) plus the JSON manifest (RNG states, entries) "
+            "on top of the bytes."
         )
     if met.get("restore_speedup_vs_torch_load") is False:
         fresh, warm = res["restore_inmemory_s"], res["restore_inmemory_warm_s"]
@@ -748,15 +757,15 @@ def run_snapshot_bench(
     """Measure our snapshots against torch.save / DCP async_save on the state of ``config_path``.
 
     ``steps``: timed steps per system (snapshots on / off) in the trainer comparison, split into
-    ``rounds`` blocks of odd length (see :func:`_block_plan`), after ``warmup`` untimed steps;
+    ``rounds`` blocks (see :func:`_block_plan`), after ``warmup`` untimed steps;
     ``repeats``: rounds of the in-process measurements (medians reported); ``workers``: worker
     nodes of the loopback cluster (= the erasure group). The single-node comparison runs when
     ``single_node`` is True, or (None) when its estimated duration still fits ``time_budget_s``.
     Returns one JSON-serializable dict (see the module doc); every process, Ray instance,
     process group and temporary file it started is gone when it returns.
     """
-    if steps < 3:
-        raise ValueError(f"steps={steps} must be >= 3 (blocks of >= 3 steps, the first of each is not steady state)")
+    if steps < 2:
+        raise ValueError(f"steps={steps} must be >= 2 (blocks of >= 2 steps: the first of each is not counted as steady state)")
     if rounds < 1 or repeats < 1 or warmup < 0 or workers < 2:
         raise ValueError("rounds and repeats must be >= 1, warmup >= 0, workers >= 2 (parity needs two nodes)")
     loopback_env()
@@ -765,12 +774,12 @@ def run_snapshot_bench(
     notes: list[str] = []
     cfg = load_config(config_path, list(overrides))
     cfg1 = load_config(config_path, [*overrides, "parallel.stages=1", "parallel.dp=1"])
-    block, rounds = _block_plan(steps, rounds)
+    blocks_plan = _block_plan(steps, rounds)
 
     with tempfile.TemporaryDirectory(prefix="elastic-llm-snapbench-") as workdir:
         inproc, (worker, buf, manifest) = _in_process(cfg1, repeats, workdir, workers)
     state_bytes = inproc["state_bytes"]
-    multi = _cluster_phase(config_path, overrides, cfg1, buf, manifest, block, rounds, warmup, repeats, workers, state_bytes)
+    multi = _cluster_phase(config_path, overrides, cfg1, buf, manifest, blocks_plan, warmup, repeats, workers, state_bytes)
     del worker, buf
     tr_multi = multi.pop("trainers")
     tr_single: dict[str, Any] = {}
@@ -785,7 +794,7 @@ def run_snapshot_bench(
                 f"(estimated {est:.0f} s more); pass single_node=True to force it"
             )
     if single_node:
-        tr_single = _single_node_phase(config_path, overrides, block, rounds, warmup)
+        tr_single = _single_node_phase(config_path, overrides, blocks_plan, warmup)
 
     def ratio(a: float | None, b: float | None, nd: int = 4) -> float | None:
         return round(a / b, nd) if a is not None and b else None
@@ -875,19 +884,21 @@ def run_snapshot_bench(
     )
     notes.append(
         f"trainer runs: snapshot.every=1, train.eval_every=0; two live Trainers (snapshots on / off) on one Ray take turns in "
-        f"{rounds} blocks of {block} steps each after {warmup} warm-up step(s). snapshot_stall_s and train_overhead_pct come "
+        f"blocks of {blocks_plan} steps (order alternating) after {warmup} warm-up step(s), stepped with Trainer.run_step so "
+        "the snapshot pipeline carries on across blocks. snapshot_stall_s and train_overhead_pct come "
         f"from a loopback Cluster of {workers} worker nodes (head without CPUs, SPREAD, snapshot.group_size={workers}: copy + "
         "hand-off + parity + commit; restore_from_smp_s with the manager on the driver's node); *_single_node_* from an "
         "embedded single-node Ray (copy + hand-off only). Stall per timed "
         "step = max over stages of the actors' snapshot_wait_s + the controller's snapshots.stats wait_s. Overhead uses all "
-        "steps of a block but its first (nothing in flight before it; fit() waits for the last snapshot after the last); "
-        "noise_pct is how much the snapshot-free system alone varied between its blocks."
+        "steps of a block but its first (which absorbs the switch between the two trainers); overhead_all_steps_pct uses "
+        "every step; noise_pct is how much the snapshot-free system alone varied between its blocks."
     )
     for phase, tr in (("cluster", tr_multi), ("single-node", tr_single)):
         if tr and tr.get("snapshots_skipped"):
             notes.append(
                 f"{phase}: {tr['snapshots_skipped']} due snapshots were skipped (previous version still in flight) and "
-                f"{tr['snapshots_committed']} committed in {tr['timed_steps_per_system']} steps: every=1 means every other step here."
+                f"{tr['snapshots_committed']} committed in {tr['timed_steps_per_system']} timed steps: snapshot.every=1 yields a "
+                "version every few steps, not every step."
             )
     if cfg.parallel.cpus_per_actor * cfg.parallel.stages * cfg.parallel.dp >= (os.cpu_count() or 1):
         notes.append(
