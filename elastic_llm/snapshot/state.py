@@ -47,7 +47,6 @@ class Entry:
         return Entry(str(name), str(dtype), tuple(int(s) for s in shape), int(offset), int(nbytes))
 
 
-_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8)}
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
