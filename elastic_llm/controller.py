@@ -261,13 +261,14 @@ class Trainer:
         if sn is None or step % self.cfg.snapshot.every:
             return False
         sn.poll()
-        if sn.pending is not None:
+        if not sn.can_begin():
             lag = step - (sn.committed.version if sn.committed else 0)
-            if lag <= self.cfg.snapshot.max_lag:  # let the version in flight finish meanwhile
+            if lag <= self.cfg.snapshot.max_lag:  # let the versions in flight finish meanwhile
                 sn.stats["skipped"] += 1
                 return False
             t = time.perf_counter()  # too far behind: wait, so a recovery never loses more
-            sn.poll(block=True)
+            while not sn.can_begin():
+                sn.poll(block=True)
             sn.stats["wait_s"] += time.perf_counter() - t
         return True
 
@@ -277,11 +278,11 @@ class Trainer:
         x, y = self.train_stream.next_batch(self.cfg.train.batch_size)
         snap = self._snapshot_due(step)
         loss_refs = self.runner.submit_microbatches(x, y)
-        step_refs = self.runner.submit_optimizer_step(snapshot=snap)
-        self._fire_chaos(step)
+        step_refs = self.runner.submit_optimizer_step(snapshot=self.train_stream.state_dict() if snap else None)
         if snap:
             members = [(self.actors[r][s], s, r, self.nodes[(s, r)]) for r in range(len(self.actors)) for s in range(len(self.actors[r]))]
-            self.snapshots.begin(step, members, self.train_stream.state_dict())
+            self.snapshots.begin(step, members)
+        self._fire_chaos(step)
         result = self.runner.collect(loss_refs, step_refs)
         if self.snapshots is not None:
             self.snapshots.poll()
@@ -454,9 +455,9 @@ class Trainer:
             loads, sources = [], {}
             for r in range(dp):
                 for s in range(self.cfg.parallel.stages):
-                    buf, manifest, used = self.snapshots.fetch_stage_state(s, r, dp, set(obs.dead_managers))
+                    offsets, refs, manifest, used = self.snapshots.fetch_stage_state(s, r, dp, set(obs.dead_managers))
                     sources[(s, r)] = "parity" if "parity" in used else "local_smp"
-                    loads.append(self.actors[r][s].load_state.remote(buf, manifest))
+                    loads.append(self.actors[r][s].load_parts.remote(manifest, offsets, *refs))
                     if s == 0 and r == 0:
                         position = _json.loads(manifest)["data_position"]
             ray.get(loads)

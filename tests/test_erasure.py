@@ -289,6 +289,24 @@ def test_encode_and_decode_into_out(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_encode_row_is_one_row_of_encode(backend):
+    rs = make_rs(backend, 5, 3)
+    d = random_shards(5, 777, 13)
+    full = rs.encode(d)
+    for row in range(3):
+        out = np.full(777, 0xEE, dtype=np.uint8)
+        assert rs.encode_row(d, row, out=out) is out
+        assert np.array_equal(out, full[row])
+        assert np.array_equal(rs.encode_row([x[100:300] for x in d], row), full[row][100:300])  # segments: views
+    with pytest.raises(CodeParametersError, match="parity row"):
+        rs.encode_row(d, 3)
+    with pytest.raises(ShardLengthError):
+        rs.encode_row(d, 0, out=np.zeros(10, dtype=np.uint8))
+    with pytest.raises(BufferOverlapError):
+        rs.encode_row(d, 0, out=d[2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_survivors_in_place(backend):
     rs = make_rs(backend, 4, 2)
     d = random_shards(4, 500, 12)

@@ -96,29 +96,38 @@ def clean(cluster, corpus_dir):
 
 
 def test_manager_keeps_a_shard_after_the_sending_stage_is_sigkilled(nodes):
+    """The pieces a stage returns to its manager are owned by the manager: they stay readable
+    (and pass their checksums) after the stage process is SIGKILLed."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from elastic_llm.snapshot.erasure import checksum
     from elastic_llm.snapshot.manager import SnapshotManager
 
-    @ray.remote(num_cpus=0.5)
+    @ray.remote(num_cpus=0.5, concurrency_groups={"snapshot": 1})
     class Sender:
         def pid(self):
             return os.getpid()
 
-        def send(self, smp):
+        def snapshot_pieces(self, version, k):
             data = np.random.default_rng(7).integers(0, 256, 8 << 20, dtype=np.uint8)
-            return ray.get(smp.put_shard.remote(1, "0/0", data, "{}")), zlib.crc32(data)
+            per = len(data) // k
+            pieces = [data[i * per : (i + 1) * per] for i in range(k)]
+            info = {"version": version, "nbytes": len(data), "lo": 0, "manifest": "{}",
+                    "pieces": [[i * per, per, checksum(p)] for i, p in enumerate(pieces)]}
+            return [info, *pieces]
 
     node = next(iter(nodes.worker_nodes)).node_id
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     on_node = NodeAffinitySchedulingStrategy(node, soft=False)
-    smp = ray.remote(SnapshotManager).options(num_cpus=0, scheduling_strategy=on_node).remote(node)
+    smp = ray.remote(SnapshotManager).options(num_cpus=0, max_concurrency=4, scheduling_strategy=on_node).remote(node)
     sender = Sender.options(scheduling_strategy=on_node).remote()
-    put, crc = ray.get(sender.send.remote(smp))
+    expected = zlib.crc32(np.random.default_rng(7).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes())
+    out = ray.get(smp.snapshot_version.remote(1, {"stages": [["0/0", sender]], "group": [], "me": 0, "peers": [], "m": 1}))
+    assert out["shards"]["0/0"]["nbytes"] == 8 << 20
     os.kill(ray.get(sender.pid.remote()), signal.SIGKILL)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(sender.pid.remote(), timeout=60)
     data, _ = ray.get(smp.get_shard.remote(1, "0/0"))
-    assert zlib.crc32(data) == crc and put["nbytes"] == 8 << 20
+    assert zlib.crc32(data) == expected
     ray.kill(smp)
 
 

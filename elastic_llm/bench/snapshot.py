@@ -340,7 +340,6 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
     inner = 5  # the short in-memory operations repeat within a round, interleaved (memcpy, ours, memcpy, ...)
 
     def t_copies() -> None:
-        layout = worker._layout  # for the bare byte copy, without the JSON manifest
         for _ in range(inner):
             t0 = time.perf_counter()
             np.copyto(dst, src)
@@ -349,7 +348,7 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
             worker.capture_state()
             times["snapshot_copy"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            st.copy_into(worker._buffer, layout, st.state_tensors(module, optim))
+            worker.arena.capture(worker._snapshot_buffer(2))
             times["snapshot_copy_only"].append(time.perf_counter() - t0)
 
     def t_checksum() -> None:
@@ -434,50 +433,48 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
 
 
 def _restore_via_manager(cfg1: RunConfig, buf: np.ndarray, manifest: str, repeats: int) -> dict[str, Any]:
-    """put_shard into a real SnapshotManager actor on the driver's node, then get_shard +
-    load_state into a fresh stage (what the controller does to restore a stage, minus the hop
-    into the replacement actor)."""
+    """The controller's restore path, end to end, on the driver's node: a real stage actor hands
+    a snapshot to a real SnapshotManager (``snapshot_version``), then a freshly started
+    replacement stage actor is restored from it (``shard_parts`` + ``load_parts``: the manager
+    checks the pieces' checksums and passes object refs; the stage copies the bytes into its
+    state)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from elastic_llm.pipeline.stage import StageWorker
     from elastic_llm.snapshot.manager import SnapshotManager
 
     node = ray.get_runtime_context().get_node_id()
-    smp = (
-        ray.remote(SnapshotManager)
-        .options(num_cpus=0, max_concurrency=4, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-        .remote(node, cfg1.snapshot.codec)
-    )
+    here = NodeAffinitySchedulingStrategy(node, soft=False)
+    smp = ray.remote(SnapshotManager).options(num_cpus=0, max_concurrency=8, scheduling_strategy=here).remote(node, cfg1.snapshot.codec)
+    Stage = ray.remote(concurrency_groups={"snapshot": 1})(StageWorker).options(num_cpus=0, scheduling_strategy=here)
+    cfg_dict = cfg1.to_dict()
+    stage = Stage.remote(cfg_dict, 0, 0)
     try:
-        ray.get(smp.held.remote(), timeout=120)
+        version = ray.get(stage.load_state.remote(buf, manifest), timeout=300)
+        ray.get(stage.snapshot_now.remote({}))
         t0 = time.perf_counter()
-        ray.get(smp.put_shard.remote(1, "0/0", buf, manifest))
-        put_s = time.perf_counter() - t0
-        gets, loads, bare = [], [], []
+        ray.get(smp.snapshot_version.remote(version, {"stages": [["0/0", stage]], "group": [], "me": 0, "peers": [], "m": 1}))
+        hand_off_s = time.perf_counter() - t0
+        ray.kill(stage)
+        parts_s, loads = [], []
         for _ in range(repeats):
-            fresh = _one_stage_worker(cfg1)
-            gc.collect()
+            fresh = Stage.remote(cfg_dict, 0, 0)
+            ray.get(fresh.info.remote(), timeout=300)  # a started replacement (its state allocated)
             t0 = time.perf_counter()
-            data, man = ray.get(smp.get_shard.remote(1, "0/0"))
+            got = ray.get(smp.shard_parts.remote(version, "0/0"))
             t1 = time.perf_counter()
-            fresh.load_state(data, man)
+            offsets = [p[0] for p in got["info"]["pieces"]]
+            ray.get(fresh.load_parts.remote(got["info"]["manifest"], offsets, *got["refs"]))
             t2 = time.perf_counter()
-            gets.append(t1 - t0)
+            parts_s.append(t1 - t0)
             loads.append(t2 - t1)
-            del data, fresh
-            t0 = time.perf_counter()  # the same fetch without the manager's CRC check
-            data, _ = ray.get(smp.get_shard.remote(1, "0/0", verify=False))
-            bare.append(time.perf_counter() - t0)
-            del data
-        total = [a + b for a, b in zip(gets, loads)]
+            ray.kill(fresh)
+        total = [a + b for a, b in zip(parts_s, loads)]
         return {
             "restore_from_smp_s": _r(_median(total)),
-            "restore_from_smp_components_s": {
-                "get_shard": _r(_median(gets)),
-                "get_shard_without_crc": _r(_median(bare)),
-                "load_state": _r(_median(loads)),
-            },
-            "smp_put_shard_s": _r(put_s),
+            "restore_from_smp_components_s": {"shard_parts_with_crc": _r(_median(parts_s)), "load_parts": _r(_median(loads))},
+            "smp_hand_off_s": _r(hand_off_s),
         }
     finally:
         ray.kill(smp)
@@ -597,6 +594,7 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, blocks_plan: list[i
         "snapshots_committed": int(stats1["committed"] - stats0["committed"]),
         "snapshots_skipped": int(stats1["skipped"] - stats0["skipped"]),
         "snapshots_discarded": int(stats1["discarded"] - stats0["discarded"]),
+        "snapshots_superseded": int(stats1["superseded"] - stats0["superseded"]),
         "timed_steps_per_system": timed,
         "block_steps": list(blocks_plan),
         "nodes_with_stages": n_nodes,

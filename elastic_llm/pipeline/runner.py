@@ -78,10 +78,11 @@ class PipelineRunner:
             ray.wait(refs, num_returns=len(refs), timeout=timeout)
         self.inflight = []
 
-    def submit_optimizer_step(self, snapshot: bool = False) -> list[list[ray.ObjectRef]]:
+    def submit_optimizer_step(self, snapshot: dict[str, int] | None = None) -> list[list[ray.ObjectRef]]:
         """Submit the data-parallel gradient exchange and the optimizer step of every stage.
 
-        Returns refs[stage][replica] of the step statistics.
+        ``snapshot`` (the data position after this step's batch) makes every stage start a
+        background copy of its updated state. Returns refs[stage][replica] of the step statistics.
         """
         step_refs: list[list[ray.ObjectRef]] = []
         for s in range(self.n_stages):

@@ -18,6 +18,8 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 import warnings
 from typing import Any
 
@@ -36,6 +38,24 @@ def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Copy:
+    """One background copy of the state: its version, buffer, byte range and manifest."""
+
+    version: int
+    buffer: np.ndarray
+    lo: int
+    hi: int
+    manifest: str
+    future: Future
+
+
+def piece_size(nbytes: int, k: int) -> int:
+    """Bytes per piece when a shard of ``nbytes`` is cut into ``k`` pieces (64-byte multiples;
+    the last pieces may be shorter or empty)."""
+    return -(-nbytes // (k * 64)) * 64 if nbytes else 0
 
 
 def stage_seed(seed: int, stage: int, replica: int) -> int:
@@ -67,20 +87,27 @@ class StageWorker:
             self.optimizer,
             lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.min_lr / train.lr),
         )
+        from elastic_llm.snapshot.state import StateArena
+
+        self.arena = StateArena(self.module, self.optimizer)  # state in one block: copies are single memcpys
+        self._buffers: list[np.ndarray] = []  # two reused snapshot buffers, alternating (pinned on CUDA)
         self.micro_per_replica = par.microbatches
         self.backwards_done = 0  # microbatches backpropagated in the current step
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.last_grad_norm = 0.0
         self.step_count = 0
-        # Lazy asynchronous snapshots: step() marks a copy as due, snapshot() (another thread)
-        # performs it while the next forward/backward run, and the next step() waits for it.
-        self._copy_idle = threading.Event()
-        self._copy_idle.set()
-        self._stepped = threading.Condition()
-        self._copy_due: int | None = None
-        self._generation = 0  # bumped by reset_step(): pending snapshot() calls give up
+        # Lazy asynchronous snapshots: step(snapshot=...) starts copying the updated state into the
+        # reused buffer on a background thread while the next forward/backward run; the next
+        # step() waits for it only if it is unfinished. A snapshot manager collects the copy.
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-copy-{stage}-{replica}")
+        self._copy: Future | None = None  # the latest background copy
+        self._copies: dict[int, Copy] = {}  # version -> the last two copies (one per buffer)
+        self._next_buffer = 0
+        self._copy_started = threading.Condition()
+        self._resets = 0  # bumped by reset_step(): a snapshot_pieces() call waiting for its step gives up
         self.snapshot_wait_s = 0.0  # total time step() was blocked by an unfinished copy
+        self.snapshot_copy_s = 0.0  # total time of the background copies
 
     # ------------------------------------------------------------------ one microbatch
     def forward(self, mb: int, x: np.ndarray, targets: np.ndarray | None = None) -> np.ndarray | float:
@@ -144,19 +171,15 @@ class StageWorker:
             p.grad = total[offset : offset + n].view_as(p).to(self.device)
             offset += n
 
-    def step(self, *peer_grads: np.ndarray, snapshot: bool = False) -> dict[str, float]:
+    def step(self, *peer_grads: np.ndarray, snapshot: dict[str, int] | None = None) -> dict[str, float]:
         """Average gradients over ``peer_grads`` (all replicas, in replica order; none for DP=1),
         clip, remember the clipped norm, update, advance the LR schedule.
 
-        Blocks first if the snapshot copy of the previous step is unfinished (the update would
-        overwrite tensors being copied). ``snapshot=True`` marks this step's state for copying by
-        :meth:`snapshot`.
+        Waits first if the snapshot copy of an earlier step is unfinished (the update would
+        overwrite tensors being copied). ``snapshot`` (the data position after this step's batch)
+        starts a background copy of the updated state for :meth:`snapshot_pieces` to collect.
         """
-        if not self._copy_idle.is_set():
-            t = time.perf_counter()
-            if not self._copy_idle.wait(timeout=600):
-                raise TimeoutError(f"stage {self.stage}: the snapshot copy of step {self._copy_due} never ran")
-            self.snapshot_wait_s += time.perf_counter() - t
+        self._wait_copy()
         self._check_complete()
         if peer_grads:
             self.average_grads(*peer_grads)
@@ -168,45 +191,92 @@ class StageWorker:
         self.optimizer.zero_grad(set_to_none=True)
         self.backwards_done = 0
         self.scheduler.step()
-        with self._stepped:
-            self.step_count += 1
-            if snapshot:
-                self._copy_idle.clear()
-                self._copy_due = self.step_count
-            self._stepped.notify_all()
+        self.step_count += 1
+        if snapshot is not None:
+            self._start_copy(snapshot)
         return {"grad_norm": norm, "lr": lr, "snapshot_wait_s": self.snapshot_wait_s}
 
-    def snapshot(self, version: int, smp: Any, key: str, data_position: dict[str, int] | None = None) -> dict[str, Any]:
-        """Copy the state after step ``version`` into the reused buffer and hand it to ``smp``.
-
-        Runs in the actor's "snapshot" concurrency group, overlapping the next forward/backward.
-        The bytes travel as an argument of ``smp.put_shard``: they land once in the node's object
-        store, owned by the call, and the manager's view survives this process dying.
-        """
-        import ray
-
-        with self._stepped:
-            generation = self._generation
-            self._stepped.wait_for(lambda: self.step_count >= version or self._generation != generation, timeout=600)
-            if self._generation != generation or self.step_count < version:
-                self._release_copy()
-                raise RuntimeError(f"stage {self.stage}: step {version} was aborted before its snapshot")
-        if smp is None:
-            self._release_copy()
-            raise RuntimeError(f"stage {self.stage}: no snapshot manager on this node")
-        if self._copy_due != version:
-            raise RuntimeError(f"stage {self.stage}: step {version} was not marked for a snapshot (step(..., snapshot=True))")
-        try:
+    def _wait_copy(self) -> None:
+        if self._copy is not None and not self._copy.done():
             t = time.perf_counter()
-            buf, manifest = self.capture_state(data_position, replica_slice=self.cfg.parallel.dp > 1)
-            lo, hi = json.loads(manifest)["slice"]
-            copy_s = time.perf_counter() - t
-            ref = smp.put_shard.remote(version, key, buf[lo:hi], manifest)
-            handoff_s = time.perf_counter() - t - copy_s
-        finally:
-            self._release_copy()
-        result = ray.get(ref)
-        return {**result, "copy_s": copy_s, "handoff_s": handoff_s, "state_bytes": int(buf.nbytes)}
+            self._copy.result(timeout=600)
+            self.snapshot_wait_s += time.perf_counter() - t
+
+    def _start_copy(self, data_position: dict[str, int]) -> None:
+        """Take the small JSON part now (RNG states move on with the next forward) and copy the
+        bytes in the background."""
+        from elastic_llm.snapshot import state as st
+
+        lo, hi = self.arena.layout.slice_bounds(self.replica, self.cfg.parallel.dp)
+        extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position, self.cfg.config_hash())
+        extra["slice"] = [lo, hi]
+        # Two buffers alternate: the pieces of the previous copy may still be on their way into the
+        # object store while this one is written. The controller keeps at most two versions in
+        # flight, so a buffer is reused only after its version was collected (or dropped).
+        buf = self._snapshot_buffer(self._next_buffer)
+        self._next_buffer ^= 1
+        with self._copy_started:
+            self._copy = self._copier.submit(self._background_copy, buf, lo, hi)
+            job = Copy(self.step_count, buf, lo, hi, st.make_manifest(self.arena.layout, extra, self.stage), self._copy)
+            self._copies = {v: c for v, c in self._copies.items() if c.buffer is not buf}
+            self._copies[job.version] = job
+            self._copy_started.notify_all()
+
+    def _background_copy(self, buf: np.ndarray, lo: int, hi: int) -> float:
+        t = time.perf_counter()
+        self.arena.capture(buf, lo, hi)
+        dt = time.perf_counter() - t
+        self.snapshot_copy_s += dt
+        return dt
+
+    def _snapshot_buffer(self, i: int = 0) -> np.ndarray:
+        while len(self._buffers) <= i:
+            n = self.arena.layout.nbytes
+            if self.device.type == "cuda":
+                buf = torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+            else:
+                buf = np.empty(n, dtype=np.uint8)
+            buf.fill(0)  # touch every page once: later copies write warm memory
+            self._buffers.append(buf)
+        return self._buffers[i]
+
+    def snapshot_now(self, data_position: dict[str, int] | None = None) -> int:
+        """Start a background copy of the current state outside a step (a final snapshot, or
+        before a planned stop); returns its version (the current step) for :meth:`snapshot_pieces`."""
+        self._wait_copy()
+        self._start_copy(data_position or {})
+        return self.step_count
+
+    def snapshot_pieces(self, version: int, k: int) -> list[Any]:
+        """The copy of step ``version``, cut into ``k`` pieces for erasure coding.
+
+        Called by this node's snapshot manager (num_returns = k + 1) in the "snapshot"
+        concurrency group, so it overlaps training. Returns [info, piece 0, ..., piece k-1]: the
+        pieces become objects in this node's object store owned by the caller (the manager), so
+        they outlive this process; ``info`` has the manifest, byte ranges and CRC-32 of each piece.
+        """
+        from elastic_llm.snapshot.erasure import checksum
+
+        with self._copy_started:
+            resets = self._resets
+            ready = self._copy_started.wait_for(
+                lambda: version in self._copies or self._resets != resets or max(self._copies, default=0) > version, timeout=600
+            )
+            job = self._copies.get(version)
+            if self._resets != resets or job is None:
+                why = "was aborted or replaced" if ready else "was never marked for a snapshot"
+                raise RuntimeError(f"stage {self.stage} replica {self.replica}: step {version} {why}; no snapshot of it")
+        copy_s = job.future.result(timeout=600)
+        buf, lo, hi = job.buffer, job.lo, job.hi
+        per = piece_size(hi - lo, k)
+        pieces, meta = [], []
+        for i in range(k):
+            a, b = min(hi, lo + i * per), min(hi, lo + (i + 1) * per)
+            piece = buf[a:b]
+            pieces.append(piece)
+            meta.append([a, b - a, checksum(piece)])
+        info = {"version": version, "nbytes": hi - lo, "lo": lo, "pieces": meta, "manifest": job.manifest, "copy_s": copy_s}
+        return [info, *pieces]
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -218,47 +288,58 @@ class StageWorker:
 
     # ------------------------------------------------------------------ state capture / restore
     def capture_state(self, data_position: dict[str, int] | None = None, replica_slice: bool = False) -> tuple[np.ndarray, str]:
-        """Copy the whole state (or this replica's 1/DP slice) into the stage's reused buffer.
+        """Copy the whole state (or this replica's 1/DP slice) into the stage's reused buffer now.
 
-        Returns (buffer, manifest JSON). The buffer is preallocated once and overwritten by the
-        next capture: callers hand it on (e.g. to a snapshot manager) before capturing again.
+        Returns (buffer, manifest JSON). The buffer is overwritten by the next capture: callers
+        hand it on (e.g. to a peer) before capturing again.
         """
         from elastic_llm.snapshot import state as st
 
-        tensors = st.state_tensors(self.module, self.optimizer)
-        if getattr(self, "_layout", None) is None or len(self._layout.entries) != len(tensors):
-            self._layout = st.StateLayout(tensors)
-            self._buffer = np.zeros(self._layout.nbytes, dtype=np.uint8)  # touched once, reused after
-        lo, hi = (self._layout.slice_bounds(self.replica, self.cfg.parallel.dp) if replica_slice else (0, self._layout.nbytes))
-        st.copy_into(self._buffer, self._layout, tensors, lo, hi)
+        self._wait_copy()
+        lo, hi = self.arena.layout.slice_bounds(self.replica, self.cfg.parallel.dp) if replica_slice else (0, self.arena.layout.nbytes)
+        buf = self._snapshot_buffer(2)  # its own buffer: never one a snapshot in flight uses
+        self.arena.capture(buf, lo, hi)
         extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position, self.cfg.config_hash())
         extra["slice"] = [lo, hi]
-        return self._buffer, st.make_manifest(self._layout, extra, self.stage)
+        return buf, st.make_manifest(self.arena.layout, extra, self.stage)
 
     def load_state(self, buffer: np.ndarray, manifest: str) -> int:
-        """Restore parameters, optimizer, scheduler and RNG state; return the restored step."""
+        """Restore parameters, optimizer, scheduler and RNG state from one whole-state buffer."""
+        return self.load_parts(manifest, [0], buffer)
+
+    def load_parts(self, manifest: str, offsets: list[int], *parts: np.ndarray) -> int:
+        """Restore from pieces of the state (``parts[i]`` holds the bytes at ``offsets[i]``; all of
+        them together cover the state: snapshot pieces, data-parallel slices). Returns the step."""
         from elastic_llm.snapshot import state as st
 
-        m = st.restore(np.asarray(buffer), st.parse_manifest(manifest), self.module, self.optimizer, self.scheduler, self.cfg.config_hash(), self.stage)
+        if len(offsets) != len(parts):
+            raise st.SnapshotFormatError(f"{len(parts)} snapshot parts but {len(offsets)} offsets")
+        self._wait_copy()
+        m = st.restore(
+            [(int(o), np.asarray(p)) for o, p in zip(offsets, parts)],
+            st.parse_manifest(manifest),
+            self.arena,
+            self.optimizer,
+            self.scheduler,
+            self.cfg.config_hash(),
+            self.stage,
+        )
         self.step_count = int(m["step"])
         self.reset_step()
         return self.step_count
 
-    def _release_copy(self) -> None:
-        self._copy_due = None
-        self._copy_idle.set()
-
     def reset_step(self) -> int:
-        """Drop the partial work of an aborted step (activations, accumulated gradients) and any
-        snapshot copy still due for it."""
+        """Drop the partial work of an aborted step (activations, accumulated gradients) and
+        forget any snapshot copy (its version will not be collected)."""
         self.inputs.clear()
         self.outputs.clear()
         self.optimizer.zero_grad(set_to_none=True)
         self.backwards_done = 0
-        with self._stepped:
-            self._generation += 1
-            self._release_copy()
-            self._stepped.notify_all()
+        self._wait_copy()
+        with self._copy_started:
+            self._copies.clear()
+            self._resets += 1
+            self._copy_started.notify_all()
         return self.step_count
 
     # ------------------------------------------------------------------ inspection

@@ -13,25 +13,22 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from elastic_llm.config import RunConfig
 from elastic_llm.recovery.policy import UnrecoverableError
-from elastic_llm.snapshot.erasure import checksum
-from elastic_llm.snapshot.manager import SnapshotManager, blob_plan
+from elastic_llm.snapshot.manager import SnapshotManager
 
 log = logging.getLogger("elastic_llm.snapshot")
+MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
 
 
 @dataclass
 class VersionRecord:
     version: int
     groups: list[list[str]]
-    chunk_sizes: list[int]
-    shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> {node_id, nbytes, checksum, manifest}
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> info + node_id
 
-    def sizes_on(self, node: str) -> dict[str, int]:
-        return {k: s["nbytes"] for k, s in self.shards.items() if s["node_id"] == node}
+    def infos_on(self, node: str) -> dict[str, dict[str, Any]]:
+        return {k: s for k, s in self.shards.items() if s["node_id"] == node}
 
 
 def make_groups(nodes: list[str], size: int, parity: int) -> list[list[str]]:
@@ -52,9 +49,9 @@ class SnapshotCoordinator:
         self.cfg = cfg
         self.namespace = namespace
         self.managers: dict[str, Any] = {}
-        self.pending: dict[str, Any] | None = None  # the version in flight
+        self.inflight: list[dict[str, Any]] = []  # versions in flight, oldest first (at most MAX_INFLIGHT)
         self.committed: VersionRecord | None = None
-        self.stats: dict[str, float] = {"committed": 0, "discarded": 0, "skipped": 0, "wait_s": 0.0}
+        self.stats: dict[str, float] = {"committed": 0, "discarded": 0, "superseded": 0, "skipped": 0, "wait_s": 0.0}
         self.events: list[dict[str, Any]] = []
         self.refresh_managers = False
 
@@ -74,7 +71,7 @@ class SnapshotCoordinator:
                 name=f"smp-{node[:12]}",
                 namespace=self.namespace,
                 num_cpus=0,
-                max_concurrency=4,
+                max_concurrency=16,
                 get_if_exists=True,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote(node, self.cfg.snapshot.codec)
@@ -91,132 +88,144 @@ class SnapshotCoordinator:
         except Exception:
             return False
 
-    # ------------------------------------------------------------------ phase 1
-    def begin(self, version: int, stages: list[tuple[Any, int, int, str]], data_position: dict[str, int]) -> None:
-        """Ask every stage (actor, stage, replica, node) to snapshot ``version``; their step
-        ``version`` was submitted with ``snapshot=True``, so every one of them gets a call (a
-        stage waits for its copy before the next update)."""
-        if self.pending is not None:
-            raise RuntimeError(f"snapshot of step {self.pending['version']} is still in flight")
+    # ------------------------------------------------------------------ one version
+    def begin(self, version: int, stages: list[tuple[Any, int, int, str]]) -> None:
+        """Start snapshot ``version``: one call per manager, which collects its node's stage
+        copies (the stages' step ``version`` was submitted with ``snapshot=...``), offers chunks
+        to parity holders and encodes its parity. Nothing here waits."""
+        if not self.can_begin():
+            raise RuntimeError(f"snapshots of steps {[p['version'] for p in self.inflight]} are still in flight")
         if self.refresh_managers or any(node not in self.managers for *_, node in stages):
             self.ensure_managers()
             self.refresh_managers = False
-        refs = {}
+        sn = self.cfg.snapshot
+        groups = make_groups(sorted(self.managers), sn.group_size, sn.parity)
+        group_of = {node: g for g in groups for node in g}
+        by_node: dict[str, list[list[Any]]] = {node: [] for node in self.managers}
+        lost = []
         for actor, s, r, node in stages:
-            smp = self.managers.get(node)
-            if smp is None:  # the node is gone: the step fails too; the stage's copy is released
-                refs[f"{s}/{r}"] = actor.snapshot.options(concurrency_group="snapshot").remote(version, None, f"{s}/{r}", data_position)
-                continue
-            key = f"{s}/{r}"
-            refs[key] = actor.snapshot.options(concurrency_group="snapshot").remote(version, smp, key, data_position)
-        groups = make_groups(sorted(self.managers), self.cfg.snapshot.group_size, self.cfg.snapshot.parity)
-        self.pending = {"version": version, "phase": "shards", "refs": refs, "groups": groups}
+            if node in by_node:
+                by_node[node].append([f"{s}/{r}", actor])
+            else:
+                lost.append(f"{s}/{r}")
+        refs = {}
+        for node, handle in self.managers.items():
+            group = group_of.get(node, [])
+            plan = {
+                "stages": by_node[node],
+                "group": group,
+                "me": group.index(node) if group else 0,
+                "peers": [self.managers[n] for n in group],
+                "m": sn.parity,
+            }
+            refs[node] = handle.snapshot_version.remote(version, plan)
+        self.inflight.append({"version": version, "refs": refs, "groups": groups, "lost": lost, "results": {}})
+
+    def can_begin(self) -> bool:
+        return len(self.inflight) < MAX_INFLIGHT
+
+    @property
+    def pending(self) -> dict[str, Any] | None:
+        """The oldest version in flight (None when nothing is)."""
+        return self.inflight[0] if self.inflight else None
 
     def poll(self, block: bool = False) -> None:
-        """Advance the version in flight as far as finished calls allow."""
+        """Commit the newest version whose parts all finished (older ones in flight are then
+        superseded and dropped); drop a version as soon as one of its parts failed (which wakes
+        the managers still waiting on it). ``block`` waits until nothing is in flight."""
         import ray
 
-        while self.pending is not None:
-            refs = list(self.pending["refs"].values())
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=None if block else 0)
-            if len(done) < len(refs):
+        while self.inflight:
+            waiting = {ref: (p, node) for p in self.inflight for node, ref in p["refs"].items() if node not in p["results"]}
+            ready = []
+            if waiting:
+                ready, _ = ray.wait(list(waiting), num_returns=1 if block else len(waiting), timeout=None if block else 0)
+            for ref in ready:
+                p, node = waiting[ref]
+                if p not in self.inflight:
+                    continue
+                try:
+                    p["results"][node] = ray.get(ref)
+                except Exception as e:  # a manager or a stage died mid-snapshot: drop this version
+                    self._discard(p, f"{type(e).__name__}: {str(e).splitlines()[0]}")
+            for p in list(self.inflight):
+                if p in self.inflight and p["lost"]:
+                    self._discard(p, f"stages {p['lost']} had no snapshot manager")
+            done = [p for p in self.inflight if len(p["results"]) == len(p["refs"])]
+            if done:
+                newest = done[-1]
+                for p in [p for p in self.inflight if p["version"] < newest["version"]]:
+                    self._discard(p, f"superseded by step {newest['version']}")
+                self._commit(newest)
+            if not block:
                 return
-            try:
-                results = ray.get(refs)
-            except Exception as e:  # a manager or a stage died mid-snapshot: drop this version
-                self._discard(f"{type(e).__name__}: {str(e).splitlines()[0]}")
-                return
-            if self.pending["phase"] == "shards":
-                self._start_parity(dict(zip(self.pending["refs"], results)))
-            else:
-                self._commit()
 
-    def _start_parity(self, shard_results: dict[str, dict[str, Any]]) -> None:
-        version = self.pending["version"]
-        sn = self.cfg.snapshot
-        groups = self.pending["groups"]  # fixed when the version began
-        gone = [n for g in groups for n in g if n not in self.managers]
-        if gone:
-            self._discard(f"snapshot managers of {len(gone)} group member(s) are gone")
-            return
-        record = VersionRecord(version, groups, [])
-        record.shards = {k: {kk: v[kk] for kk in ("node_id", "nbytes", "checksum", "manifest")} for k, v in shard_results.items()}
-        refs = {}
-        for g, group in enumerate(groups):
-            k = len(group) - sn.parity
-            largest = max((sum(record.sizes_on(n).values()) for n in group), default=0)
-            chunk = -(-largest // k) if largest else 0
-            record.chunk_sizes.append(chunk)
-            peers = [self.managers[n] for n in group]
-            sizes = [record.sizes_on(n) for n in group]
-            for me, node in enumerate(group):
-                refs[f"g{g}/{me}"] = self.managers[node].encode_parity.remote(version, len(group), sn.parity, me, peers, chunk, sizes)
-        self.pending = {"version": version, "phase": "parity", "refs": refs, "record": record}
-
-    def _commit(self) -> None:
-        import ray
-
-        record: VersionRecord = self.pending["record"]
-        for ref in [m.commit.remote(record.version) for m in self.managers.values()]:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError:  # a manager died after parity: its loss is a later failure
-                self.refresh_managers = True
+    def _commit(self, p: dict[str, Any]) -> None:
+        record = VersionRecord(p["version"], p["groups"])
+        for res in p["results"].values():
+            for key, info in res["shards"].items():
+                record.shards[key] = {**info, "node_id": res["node_id"]}
+        for handle in self.managers.values():  # fire and forget: a dead manager is a later failure
+            handle.commit.remote(record.version)
         self.committed = record
-        self.pending = None
+        self.inflight.remove(p)
         self.stats["committed"] += 1
 
-    def _discard(self, why: str) -> None:
-        version = self.pending["version"]
+    def _discard(self, p: dict[str, Any], why: str) -> None:
+        version = p["version"]
         for m in self.managers.values():
             m.discard.remote(version)
-        self.pending = None
+        self.inflight.remove(p)
+        if why.startswith("superseded"):
+            self.stats["superseded"] += 1
+            return
         self.stats["discarded"] += 1
         self.refresh_managers = True  # a manager may have died: re-create before the next version
         self.events.append({"event": "snapshot_discarded", "version": version, "reason": why})
         log.warning("snapshot of step %d discarded: %s", version, why)
 
     def abandon_pending(self) -> None:
-        """Forget the version in flight (after a failure); its partial data is discarded."""
-        if self.pending is not None:
-            self._discard("training failure while in flight")
+        """Forget the versions in flight (after a failure); their partial data is discarded."""
+        for p in list(self.inflight):
+            self._discard(p, "training failure while in flight")
 
     # ------------------------------------------------------------------ restore
-    def fetch_stage_state(self, stage: int, replica: int, dp: int, dead_nodes: set[str]) -> tuple[np.ndarray, str, list[str]]:
-        """Full state of ``stage`` at the committed version (all DP slices joined) + the manifest
-        of ``replica`` (its RNG). Shards on dead nodes/managers are rebuilt from parity.
-        Returns (buffer, manifest, sources used)."""
+    def fetch_stage_state(self, stage: int, replica: int, dp: int, dead_nodes: set[str]) -> tuple[list[int], list[Any], str, list[str]]:
+        """Where the committed state of ``stage`` is (all DP slices): (byte offsets, object refs
+        of the bytes at them, manifest of ``replica`` (its RNG), sources used). Shards on dead
+        nodes, dead managers or failing their checksums are rebuilt from parity. The refs go
+        straight to the stage being restored: no bytes pass through the driver."""
         import ray
 
         rec = self.committed
         assert rec is not None, "no committed snapshot"
-        parts, sources = [], []
+        offsets, refs, sources = [], [], []
         for r in range(dp):
             key = f"{stage}/{r}"
             info = rec.shards[key]
             node = info["node_id"]
-            data = None
+            got = None
             if node not in dead_nodes and node in self.managers:
                 try:
-                    data, _ = ray.get(self.managers[node].get_shard.remote(rec.version, key))
+                    got = ray.get(self.managers[node].shard_parts.remote(rec.version, key))
                     sources.append("local_smp")
                 except Exception as e:
                     log.warning("shard %s unavailable on its node (%s): rebuilding from parity", key, str(e).splitlines()[0])
-            if data is None:
-                data = self._rebuild_shard(key, dead_nodes | {node})
+            if got is not None:
+                offsets += [p[0] for p in info["pieces"]]
+                refs += got["refs"]
+            else:
+                offsets.append(info["lo"])
+                refs.append(self._rebuild_shard(key, dead_nodes | {node}))
                 sources.append("parity")
-            if checksum(data) != info["checksum"]:
-                raise RuntimeError(f"shard {key} of step {rec.version} fails its checksum after recovery")
-            parts.append(np.asarray(data))
-        buf = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return buf, rec.shards[f"{stage}/{replica}"]["manifest"], sources
+        return offsets, refs, rec.shards[f"{stage}/{replica}"]["manifest"], sources
 
-    def _rebuild_shard(self, key: str, lost_nodes: set[str]) -> np.ndarray:
+    def _rebuild_shard(self, key: str, lost_nodes: set[str]) -> Any:
         import ray
 
         rec = self.committed
         node = rec.shards[key]["node_id"]
-        for g, group in enumerate(rec.groups):
+        for group in rec.groups:
             if node not in group:
                 continue
             lost = [i for i, n in enumerate(group) if n in lost_nodes or n not in self.managers]
@@ -224,13 +233,9 @@ class SnapshotCoordinator:
             if helper is None or len(lost) > self.cfg.snapshot.parity:
                 break
             peers = [None if i in lost else self.managers[n] for i, n in enumerate(group)]
-            sizes = [rec.sizes_on(n) for n in group]
-            blob = ray.get(
-                helper.rebuild_blob.remote(rec.version, len(group), self.cfg.snapshot.parity, lost, group.index(node), peers, rec.chunk_sizes[g], sizes)
-            )
-            for k, offset, nbytes in blob_plan(rec.sizes_on(node)):
-                if k == key:
-                    return blob[offset : offset + nbytes]
+            infos = [rec.infos_on(n) for n in group]
+            [ref] = ray.get(helper.rebuild_shard.remote(rec.version, key, len(group), self.cfg.snapshot.parity, lost, group.index(node), peers, infos))
+            return ref
         raise UnrecoverableError(
             f"shard {key} of step {rec.version} cannot be rebuilt: more nodes of its erasure group are lost than "
             f"snapshot.parity={self.cfg.snapshot.parity} covers"

@@ -747,6 +747,7 @@ class ReedSolomon:
         g.setflags(write=False)
         self.generator_matrix = g
         self._encode_plan = self._codec.prepare(self.parity_matrix)
+        self._row_plans: dict[int, Any] = {}
         self._cache: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._cache_size = max(0, int(decode_cache_size))
         self._cache_bytes = max(0, int(decode_cache_bytes))
@@ -761,8 +762,8 @@ class ReedSolomon:
         return f"ReedSolomon(k={self.k}, m={self.m}, backend={self.backend!r})"
 
     # -- encode -----------------------------------------------------------
-    def encode(self, data: Sequence[np.ndarray], out: Optional[Sequence[np.ndarray]] = None) -> list[np.ndarray]:
-        """Parity of k data shards: a list of m uint8 arrays (``out`` if given)."""
+    def _check_data(self, data: Sequence[np.ndarray]) -> tuple[list[np.ndarray], int]:
+        """k valid, equal-length data shards, and their length."""
         data = _check_list(data, self.k, "data shards")
         for i, a in enumerate(data):
             _check_array(a, f"data shard {i}")
@@ -771,6 +772,11 @@ class ReedSolomon:
             if a.shape[0] != length:
                 raise ShardLengthError(
                     f"data shard {i} has {a.shape[0]} bytes, shard 0 has {length}: shards must be equal length")
+        return data, length
+
+    def encode(self, data: Sequence[np.ndarray], out: Optional[Sequence[np.ndarray]] = None) -> list[np.ndarray]:
+        """Parity of k data shards: a list of m uint8 arrays (``out`` if given)."""
+        data, length = self._check_data(data)
         if out is None:
             outs = [np.empty(length, dtype=np.uint8) for _ in range(self.m)]
         else:
@@ -784,6 +790,25 @@ class ReedSolomon:
                               [(f"data shard {i}", a) for i, a in enumerate(data)])
         self._codec.apply(self._encode_plan, data, outs)
         return outs
+
+    def encode_row(self, data: Sequence[np.ndarray], row: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Parity row ``row`` alone (what one parity holder keeps): equals ``encode(data)[row]``
+        at 1/m of the work."""
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.m:
+            raise CodeParametersError(f"parity row must be an int in [0, {self.m}), got {row!r}")
+        data, length = self._check_data(data)
+        if out is None:
+            out = np.empty(length, dtype=np.uint8)
+        else:
+            _check_array(out, "parity out buffer", writable=True)
+            if out.shape[0] != length:
+                raise ShardLengthError(f"parity out buffer has {out.shape[0]} bytes, data shards have {length}")
+            _check_no_overlap([("parity out buffer", out)], [(f"data shard {i}", a) for i, a in enumerate(data)])
+        plan = self._row_plans.get(int(row))
+        if plan is None:
+            plan = self._row_plans[int(row)] = self._codec.prepare(np.ascontiguousarray(self.parity_matrix[row : row + 1]))
+        self._codec.apply(plan, data, [out])
+        return out
 
     # -- checksums --------------------------------------------------------
     def checksums(self, shards: Sequence[Optional[np.ndarray]]) -> list[Optional[int]]:

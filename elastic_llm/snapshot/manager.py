@@ -1,18 +1,27 @@
 """SnapshotManager: one Ray actor per node that owns the node's in-memory snapshots and parity.
 
-Owns: the shards that stages on its node hand over (each a flat uint8 array + JSON manifest,
-received as an actor-method argument so the bytes sit in the node's object store and stay
-readable after the sending stage dies), their checksums, the parity chunks this node holds for
-its erasure group, two-phase versions (pending until committed; older versions freed on commit),
-and rebuilding a lost node's shards from the surviving chunks and parity.
+Owns: the pieces of every stage shard on its node (collected from the stages with
+``snapshot_pieces``: return values of a call are owned by the caller, so the pieces sit in this
+node's object store owned by this actor and outlive the stage that produced them), their
+checksums, the parity this node holds for its erasure group (in reused, preallocated buffers),
+versions (in flight until the controller commits one; older ones freed then), and rebuilding a
+lost node's shard from the surviving pieces and parity.
 
-Never decides anything: the controller tells it which version to encode, commit or rebuild.
-Never unpickles data it did not produce: shards are numpy arrays and manifests are JSON text.
+A version runs without the driver in the loop: the controller sends every manager one
+``snapshot_version`` call; the manager collects its stages' pieces, offers the data chunks of each
+region to that region's parity holders (object refs only: holders pull the bytes through the
+object store), and encodes the parity of its own regions once all offers are in. The call returns
+when this node's part of the version is complete.
+
+Never decides anything: the controller tells it which version to take, commit or rebuild.
+Never unpickles data it did not produce: pieces are numpy arrays, manifests JSON text.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,25 +30,67 @@ import numpy as np
 from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
 from elastic_llm.snapshot.layout import ParityLayout
 
+WAIT_S = 600.0  # longest a version waits for a stage's copy or a peer's offer
+
 
 class SnapshotMissingError(LookupError):
-    """The requested snapshot version or shard is not held here."""
+    """The requested snapshot version, shard or parity is not held here (or fails its checksum)."""
+
+
+@dataclass
+class Shard:
+    refs: list[Any]  # k piece ObjectRefs, owned by this manager
+    info: dict[str, Any]  # version, nbytes, lo, pieces [[offset, length, crc]], manifest
 
 
 @dataclass
 class Version:
-    shards: dict[str, tuple[np.ndarray, str, int]] = field(default_factory=dict)  # key -> (bytes, manifest, crc)
-    parity: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)  # region -> (parity chunk, crc)
+    shards: dict[str, Shard] = field(default_factory=dict)
+    parity: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)  # region -> (parity, crc)
+    offers: dict[int, dict[int, tuple[list[Any], list[list[int]]]]] = field(default_factory=dict)  # region -> member -> (refs, metas)
     committed: bool = False
-    verified: set[str] = field(default_factory=set)  # shards whose checksum was checked since put
 
 
-def blob_plan(sizes: dict[str, int]) -> list[tuple[str, int, int]]:
-    """(key, offset, nbytes) of every shard in a node's blob: shards concatenated in key order."""
-    out, offset = [], 0
-    for key in sorted(sizes):
-        out.append((key, offset, sizes[key]))
-        offset += sizes[key]
+def chunk_meta(shard_infos: dict[str, dict[str, Any]], chunk: int) -> list[list[int]]:
+    """[offset, length, crc] of the pieces that form chunk ``chunk`` of a node's data: piece
+    ``chunk`` of each of its shards, in key order."""
+    return [shard_infos[key]["pieces"][chunk] for key in sorted(shard_infos)]
+
+
+def _segments(symbols: list[list[np.ndarray]], length: int) -> list[tuple[int, int, list[np.ndarray | None]]]:
+    """Cut ``length`` bytes of k symbols (each a list of consecutive arrays, possibly shorter
+    than ``length``: the rest is zeros) into segments where every symbol is one array slice or
+    zeros (None). Returns [(start, end, [slice or None per symbol])]."""
+    bounds = {0, length}
+    for parts in symbols:
+        pos = 0
+        for a in parts:
+            pos += len(a)
+            bounds.add(min(pos, length))
+    edges = sorted(bounds)
+    out = []
+    for a, b in zip(edges, edges[1:]):
+        row: list[np.ndarray | None] = []
+        for parts in symbols:
+            pos, hit = 0, None
+            for arr in parts:
+                if pos <= a and b <= pos + len(arr):
+                    hit = arr[a - pos : b - pos]
+                    break
+                pos += len(arr)
+            row.append(hit)
+        out.append((a, b, row))
+    return out
+
+
+def encode_pieces(rs: ReedSolomon, symbols: list[list[np.ndarray]], row: int, out: np.ndarray) -> np.ndarray:
+    """Parity row ``row`` of k data symbols given as lists of consecutive pieces (each symbol
+    zero-padded to ``len(out)``), into ``out``, straight from the pieces: no gathering copy."""
+    zeros = np.zeros(0, dtype=np.uint8)
+    for a, b, row_slices in _segments(symbols, len(out)):
+        if len(zeros) < b - a:
+            zeros = np.zeros(b - a, dtype=np.uint8)
+        rs.encode_row([x if x is not None else zeros[: b - a] for x in row_slices], row, out=out[a:b])
     return out
 
 
@@ -50,8 +101,10 @@ class SnapshotManager:
         self.node_id = node_id
         self.codec_backend = codec_backend
         self.versions: dict[int, Version] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self._codecs: dict[tuple[int, int], ReedSolomon] = {}
+        self._pool: dict[int, list[np.ndarray]] = {}  # freed parity buffers by size, reused
+        self.stats = {"versions": 0, "encode_s": 0.0, "pull_s": 0.0, "wait_s": 0.0}
 
     def _codec(self, k: int, m: int) -> ReedSolomon:
         if (k, m) not in self._codecs:
@@ -64,78 +117,165 @@ class SnapshotManager:
         except KeyError:
             raise SnapshotMissingError(f"snapshot version {version} is not held by {self.node_id} (held: {sorted(self.versions)})") from None
 
-    # ------------------------------------------------------------------ phase 1: shards in
-    def put_shard(self, version: int, key: str, data: np.ndarray, manifest: str) -> dict[str, Any]:
-        """Keep a stage's shard of ``version``. ``data`` is a zero-copy view into the object store."""
-        crc = checksum(data)
-        with self.lock:
-            self.versions.setdefault(version, Version()).shards[key] = (data, manifest, crc)
-        return {"key": key, "nbytes": int(data.nbytes), "checksum": crc, "node_id": self.node_id, "manifest": manifest}
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        free = self._pool.get(nbytes)
+        if free:
+            return free.pop()
+        buf = np.empty(nbytes, dtype=np.uint8)
+        buf.fill(0)  # touch once: later versions write warm memory
+        return buf
 
-    def shard_sizes(self, version: int) -> dict[str, int]:
-        return {k: int(v[0].nbytes) for k, v in self._version(version).shards.items()}
+    def _free(self, v: Version) -> None:
+        for arr, _ in v.parity.values():
+            self._pool.setdefault(len(arr), []).append(arr)
+        v.parity.clear()
+        v.shards.clear()
+        v.offers.clear()
 
-    def get_shard(self, version: int, key: str, verify: bool = True) -> tuple[np.ndarray, str]:
-        v = self._version(version)
-        if key not in v.shards:
-            raise SnapshotMissingError(f"shard {key} of version {version} is not held by {self.node_id}")
-        data, manifest, crc = v.shards[key]
-        if verify and checksum(data) != crc:
-            raise SnapshotMissingError(f"shard {key} of version {version} on {self.node_id} fails its checksum")
-        return data, manifest
+    # ------------------------------------------------------------------ one version
+    def snapshot_version(self, version: int, plan: dict[str, Any]) -> dict[str, Any]:
+        """Take this node's part of ``version``; return {node_id, shards: {key: info}, parity}.
 
-    def get_chunk(self, version: int, chunk: int, chunk_size: int, sizes: dict[str, int] | None = None) -> np.ndarray:
-        """Chunk ``chunk`` of this node's blob for ``version`` (zero-padded past the blob's end).
-
-        ``sizes`` is the blob's content as recorded by the controller ({} for a node holding no
-        shard of this version: its blob is all padding)."""
-        out = np.zeros(chunk_size, dtype=np.uint8)
-        if sizes is not None and not sizes:
-            return out
-        v = self._version(version)
-        plan = blob_plan(sizes if sizes is not None else {k: int(s[0].nbytes) for k, s in v.shards.items()})
-        missing = [key for key, _, _ in plan if key not in v.shards]
-        if missing:
-            raise SnapshotMissingError(f"shards {missing} of version {version} are not held by {self.node_id}")
-        for key, _, _ in plan:  # never serve (or encode parity over) silently corrupted bytes
-            if key not in v.verified:
-                if checksum(v.shards[key][0]) != v.shards[key][2]:
-                    raise SnapshotMissingError(f"shard {key} of version {version} on {self.node_id} fails its checksum")
-                v.verified.add(key)
-        lo, hi = chunk * chunk_size, (chunk + 1) * chunk_size
-        for key, offset, nbytes in plan:
-            a, b = max(lo, offset), min(hi, offset + nbytes)
-            if a < b:
-                out[a - lo : b - lo] = v.shards[key][0][a - offset : b - offset]
-        return out
-
-    # ------------------------------------------------------------------ phase 2: parity
-    def encode_parity(self, version: int, n: int, m: int, me: int, peers: list[Any], chunk_size: int, sizes: list[dict[str, int]]) -> dict[int, int]:
-        """Compute the parity chunks this node holds for ``version``; return {region: crc}.
-
-        ``peers[j]`` is the SnapshotManager of group member j (``peers[me]`` is this actor),
-        ``sizes[j]`` its blob content. Data chunks are pulled from their owners through the object
-        store.
+        ``plan``: ``stages`` [[key, stage actor]] on this node, ``group`` (node ids of this
+        node's erasure group, [] for no parity), ``me`` (this node's index in it), ``peers`` (their
+        managers), ``m`` (parity per codeword).
         """
         import ray
 
-        layout = ParityLayout(n, m)
-        rs = self._codec(layout.k, m)
-        out: dict[int, int] = {}
+        group, m, me = plan["group"], int(plan["m"]), int(plan["me"])
+        layout = ParityLayout(len(group), m) if group else None
+        k = layout.k if layout else 1
+        with self.lock:
+            self.versions.setdefault(version, Version())
+        calls = {
+            key: stage.snapshot_pieces.options(num_returns=k + 1, concurrency_group="snapshot").remote(version, k)
+            for key, stage in plan["stages"]
+        }
+        infos = ray.get([refs[0] for refs in calls.values()], timeout=WAIT_S)
+        with self.lock:
+            v = self._version(version)
+            for (key, refs), info in zip(calls.items(), infos):
+                v.shards[key] = Shard(list(refs[1:]), info)
+        result: dict[str, Any] = {"node_id": self.node_id, "shards": {key: s.info for key, s in v.shards.items()}, "parity": {}}
+        if layout is None:
+            return result
+        peers = plan["peers"]
+        infos_by_key = {key: s.info for key, s in v.shards.items()}
+        for region in range(layout.n):  # offer each data chunk to the holders of its region
+            if layout.is_holder(me, region):
+                continue
+            c = layout.chunk_of(me, region)
+            refs = [v.shards[key].refs[c] for key in sorted(v.shards)]
+            meta = chunk_meta(infos_by_key, c)
+            for h in layout.holders(region):
+                peers[h].offer.remote(version, region, me, refs, meta)
         for region, row in layout.parity_regions(me):
-            refs = []
-            for j in layout.data_nodes(region):
-                c = layout.chunk_of(j, region)
-                refs.append(self.get_chunk(version, c, chunk_size, sizes[j]) if j == me else peers[j].get_chunk.remote(version, c, chunk_size, sizes[j]))
-            data = [r if isinstance(r, np.ndarray) else None for r in refs]
-            pending = [i for i, r in enumerate(refs) if not isinstance(r, np.ndarray)]
-            for i, arr in zip(pending, ray.get([refs[i] for i in pending])):
-                data[i] = arr
-            parity = rs.encode(data)[row]
-            with self.lock:
-                self.versions.setdefault(version, Version()).parity[region] = (parity, checksum(parity))
-            out[region] = checksum(parity)
-        return out
+            result["parity"][region] = self._encode(version, layout, region, row)
+        self.stats["versions"] += 1
+        return result
+
+    def offer(self, version: int, region: int, member: int, refs: list[Any], meta: list[list[int]]) -> None:
+        """Group member ``member`` offers its data chunk of ``region`` (piece refs + their
+        [offset, length, crc]) to this parity holder."""
+        with self.lock:
+            v = self.versions.setdefault(version, Version())
+            v.offers.setdefault(region, {})[member] = (list(refs), meta)
+            self.lock.notify_all()
+
+    def _encode(self, version: int, layout: ParityLayout, region: int, row: int) -> dict[str, int]:
+        import ray
+
+        members = layout.data_nodes(region)
+        t = time.perf_counter()
+        with self.lock:
+            ok = self.lock.wait_for(
+                lambda: version not in self.versions or all(j in self.versions[version].offers.get(region, {}) for j in members), timeout=WAIT_S
+            )
+            v = self._version(version)
+            offers = v.offers.get(region, {})
+            if not ok:
+                late = [j for j in members if j not in offers]
+                raise TimeoutError(f"parity of region {region}, step {version}: data of group members {late} never arrived")
+            contribs = [offers[j] for j in members]
+        t1 = time.perf_counter()
+        flat = [r for refs, _ in contribs for r in refs]
+        arrays = ray.get(flat, timeout=WAIT_S) if flat else []
+        t2 = time.perf_counter()
+        symbols: list[list[np.ndarray]] = []
+        pos = 0
+        for j, (refs, meta) in zip(members, contribs):
+            parts = []
+            for (_, length, crc), arr in zip(meta, arrays[pos : pos + len(refs)]):
+                arr = np.asarray(arr)
+                if len(arr) != length or checksum(arr) != crc:
+                    raise SnapshotMissingError(f"step {version}: a piece from group member {j} for region {region} fails its checksum")
+                parts.append(arr)
+            pos += len(refs)
+            symbols.append(parts)
+        length = max((sum(len(a) for a in parts) for parts in symbols), default=0)
+        out = self._buffer(length)
+        encode_pieces(self._codec(layout.k, layout.m), symbols, row, out)
+        crc = checksum(out)
+        del arrays, symbols, contribs
+        with self.lock:
+            v.parity[region] = (out, crc)
+            v.offers.pop(region, None)  # drop the borrowed refs: the pieces stay only with their owners
+        self.stats["wait_s"] += t1 - t
+        self.stats["pull_s"] += t2 - t1
+        self.stats["encode_s"] += time.perf_counter() - t2
+        return {"crc": crc, "length": length}
+
+    # ------------------------------------------------------------------ commit / free
+    def commit(self, version: int) -> list[int]:
+        """Mark ``version`` committed and free every older version. Returns the versions held."""
+        with self.lock:
+            if version in self.versions:  # a manager with no part in this version just frees older ones
+                self.versions[version].committed = True
+            for old in [x for x in self.versions if x < version]:
+                self._free(self.versions.pop(old))
+            self.lock.notify_all()
+            return sorted(self.versions)
+
+    def discard(self, version: int) -> None:
+        with self.lock:
+            v = self.versions.pop(version, None)
+            if v is not None:
+                self._free(v)
+            self.lock.notify_all()
+
+    def held(self) -> dict[int, dict[str, Any]]:
+        return {v: {"committed": x.committed, "shards": sorted(x.shards), "parity": sorted(x.parity)} for v, x in self.versions.items()}
+
+    # ------------------------------------------------------------------ restore
+    def _pieces(self, version: int, key: str, verify: bool) -> tuple[Shard, list[np.ndarray]]:
+        import ray
+
+        v = self._version(version)
+        if key not in v.shards:
+            raise SnapshotMissingError(f"shard {key} of version {version} is not held by {self.node_id}")
+        shard = v.shards[key]
+        arrays = [np.asarray(a) for a in ray.get(shard.refs, timeout=WAIT_S)]
+        if verify:
+            for i, (arr, (_, length, crc)) in enumerate(zip(arrays, shard.info["pieces"])):
+                if len(arr) != length or checksum(arr) != crc:
+                    raise SnapshotMissingError(f"piece {i} of shard {key}, version {version} on {self.node_id} fails its checksum")
+        return shard, arrays
+
+    def shard_parts(self, version: int, key: str, verify: bool = True) -> dict[str, Any]:
+        """Where shard ``key`` of ``version`` is: {info, refs} (this manager's piece refs, after
+        checking their checksums). Restore passes the refs on to the stage: no copy here."""
+        shard, _ = self._pieces(version, key, verify)
+        return {"info": shard.info, "refs": list(shard.refs)}
+
+    def get_shard(self, version: int, key: str, verify: bool = True) -> tuple[np.ndarray, str]:
+        """Shard ``key`` of ``version`` as one array (+ its manifest)."""
+        shard, arrays = self._pieces(version, key, verify)
+        return (np.concatenate(arrays) if len(arrays) != 1 else arrays[0]), shard.info["manifest"]
+
+    def chunk_parts(self, version: int, chunk: int) -> list[Any]:
+        """This node's data chunk ``chunk`` of ``version`` as piece refs, in key order."""
+        v = self._version(version)
+        return [v.shards[key].refs[chunk] for key in sorted(v.shards)]
 
     def get_parity(self, version: int, region: int) -> np.ndarray:
         v = self._version(version)
@@ -146,53 +286,23 @@ class SnapshotManager:
             raise SnapshotMissingError(f"parity of region {region}, version {version} on {self.node_id} fails its checksum")
         return arr
 
-    def commit(self, version: int) -> list[int]:
-        """Mark ``version`` committed and free every older version. Returns the versions held."""
-        with self.lock:
-            if version in self.versions:  # a manager with no part in this version just frees older ones
-                self.versions[version].committed = True
-            for old in [v for v in self.versions if v < version]:
-                del self.versions[old]
-            return sorted(self.versions)
-
-    def corrupt_shard(self, key: str) -> list[int]:
-        """Fault injection: flip one byte of ``key`` in every held version, keeping the recorded
-        checksums (silent corruption). Returns the versions corrupted."""
-        hit = []
-        with self.lock:
-            for version, v in self.versions.items():
-                if key in v.shards:
-                    data, manifest, crc = v.shards[key]
-                    bad = np.array(data, copy=True)
-                    bad[len(bad) // 2] ^= 0xFF
-                    v.shards[key] = (bad, manifest, crc)
-                    v.verified.discard(key)
-                    hit.append(version)
-        return hit
-
-    def discard(self, version: int) -> None:
-        with self.lock:
-            self.versions.pop(version, None)
-
-    def held(self) -> dict[int, dict[str, Any]]:
-        return {v: {"committed": x.committed, "shards": sorted(x.shards), "parity": sorted(x.parity)} for v, x in self.versions.items()}
-
-    # ------------------------------------------------------------------ rebuild
-    def rebuild_blob(
+    def rebuild_shard(
         self,
         version: int,
+        key: str,
         n: int,
         m: int,
         lost: list[int],
         target: int,
         peers: list[Any | None],
-        chunk_size: int,
-        sizes: list[dict[str, int]],
-    ) -> np.ndarray:
-        """Reconstruct member ``target``'s blob of ``version`` from the surviving members.
+        infos: list[dict[str, dict[str, Any]]],
+    ) -> list[Any]:
+        """Reconstruct shard ``key`` of group member ``target`` from the surviving members.
 
-        ``lost`` are the group members that are gone (``peers[j]`` is None for them); ``sizes[j]``
-        member j's blob content (from the controller's record).
+        ``lost``: members that are gone (``peers[j]`` is None for them); ``infos[j]``: the shard
+        infos member j holds for ``version`` (from the controller's record). Returns [ref] of the
+        rebuilt shard, put into this node's object store (owned here), after checking every
+        rebuilt piece against its recorded checksum.
         """
         import ray
 
@@ -201,28 +311,61 @@ class SnapshotManager:
         if not layout.recoverable(lost_set):
             raise TooManyErasuresError(layout.k, m, sorted(lost_set), [])
         rs = self._codec(layout.k, m)
-        blob = np.zeros(chunk_size * layout.k, dtype=np.uint8)
+        keys = sorted(infos[target])
+        pieces: list[np.ndarray] = []
         for c in range(layout.k):
             region = layout.region_of(target, c)
             word = layout.codeword(region)
-            refs: list[Any] = []
+            lengths = [sum(p[1] for p in chunk_meta(infos[s.node], s.chunk)) for s in word if s.chunk is not None]
+            length = max(lengths, default=0)
+            shards: list[np.ndarray | None] = []
             for sym in word:
                 if sym.node in lost_set:
-                    refs.append(None)
-                elif sym.chunk is not None:
-                    refs.append(peers[sym.node].get_chunk.remote(version, sym.chunk, chunk_size, sizes[sym.node]))
-                else:
-                    refs.append(peers[sym.node].get_parity.remote(version, region))
-            shards: list[np.ndarray | None] = []
-            for r in refs:
-                if r is None:
                     shards.append(None)
                     continue
                 try:
-                    shards.append(ray.get(r))
-                except Exception:  # a member died or a chunk failed its checksum: one more erasure
+                    if sym.chunk is None:
+                        shards.append(np.asarray(ray.get(peers[sym.node].get_parity.remote(version, region), timeout=WAIT_S)))
+                        continue
+                    meta = chunk_meta(infos[sym.node], sym.chunk)
+                    refs = ray.get(peers[sym.node].chunk_parts.remote(version, sym.chunk), timeout=WAIT_S)
+                    sym_buf = np.zeros(length, dtype=np.uint8)
+                    pos = 0
+                    for (_, plen, crc), arr in zip(meta, ray.get(refs, timeout=WAIT_S)):
+                        arr = np.asarray(arr)
+                        if len(arr) != plen or checksum(arr) != crc:
+                            raise SnapshotMissingError(f"a piece of member {sym.node} fails its checksum")
+                        sym_buf[pos : pos + plen] = arr
+                        pos += plen
+                    shards.append(sym_buf)
+                except Exception:  # a member died or a piece failed its checksum: one more erasure
                     shards.append(None)
             data = rs.decode(shards)
-            pos = next(i for i, s in enumerate(word) if s.node == target)
-            blob[c * chunk_size : (c + 1) * chunk_size] = data[pos]
-        return blob[: sum(sizes[target].values())]
+            mine = next(i for i, s in enumerate(word) if s.node == target)
+            pos = 0
+            for kk in keys:
+                _, plen, crc = infos[target][kk]["pieces"][c]
+                if kk == key:
+                    piece = data[mine][pos : pos + plen]
+                    if checksum(piece) != crc:
+                        raise SnapshotMissingError(f"piece {c} of shard {key}, version {version} fails its checksum after decoding")
+                    pieces.append(piece)
+                pos += plen
+        shard = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint8)
+        return [ray.put(shard)]
+
+    # ------------------------------------------------------------------ fault injection
+    def corrupt_shard(self, key: str) -> list[int]:
+        """Fault injection: flip one byte of ``key``'s first piece in this node's object store, in
+        place (the recorded checksums stay: silent corruption). Returns the versions corrupted."""
+        import ray
+
+        hit = []
+        with self.lock:
+            for version, v in self.versions.items():
+                if key in v.shards and v.shards[key].info["pieces"][0][1] > 0:
+                    arr = np.asarray(ray.get(v.shards[key].refs[0]))
+                    addr = arr.ctypes.data + len(arr) // 2
+                    ctypes.memset(addr, (int(arr[len(arr) // 2]) ^ 0xFF), 1)
+                    hit.append(version)
+        return hit

@@ -53,17 +53,32 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+def ensure_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's per-parameter state (zero moments, step 0) up front, as its first step would.
+
+    Zeros are what AdamW's first step starts from, so results are bit-identical; having the state
+    exist from the start lets it live in the stage's arena and be restored into a fresh stage."""
+    for p in module.parameters():
+        st = optimizer.state[p]
+        if not st:
+            st["step"] = torch.zeros((), dtype=torch.float32)  # AdamW keeps step on the CPU unless capturable/fused
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def state_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of the state, in a fixed order: parameters, then each one's optimizer state.
+    """Every tensor of the state, in a fixed order: parameters, then the optimizer state by kind
+    (all ``exp_avg``, all ``exp_avg_sq``, ..., all ``step``), so tensors of one device are adjacent.
 
     These are identical on all data-parallel replicas of a stage, so replicas can each write a
     slice. RNG states differ per replica and travel in the JSON part instead.
     """
-    out: list[tuple[str, torch.Tensor]] = []
     named = list(module.named_parameters())
-    out += [(f"param/{n}", p) for n, p in named]
-    for n, p in named:
-        for key, value in sorted(optimizer.state.get(p, {}).items()):
+    out: list[tuple[str, torch.Tensor]] = [(f"param/{n}", p) for n, p in named]
+    keys = sorted({k for _, p in named for k, v in optimizer.state.get(p, {}).items() if torch.is_tensor(v)}, key=lambda k: (k == "step", k))
+    for key in keys:
+        for n, p in named:
+            value = optimizer.state.get(p, {}).get(key)
             if torch.is_tensor(value):
                 out.append((f"optim/{n}/{key}", value))
     return out
@@ -88,16 +103,73 @@ class StateLayout:
         return min(self.nbytes, replica * per), min(self.nbytes, (replica + 1) * per)
 
 
-def copy_into(buffer: np.ndarray, layout: StateLayout, tensors: list[tuple[str, torch.Tensor]], lo: int = 0, hi: int | None = None) -> None:
-    """Copy the bytes [lo, hi) of the state into ``buffer`` (same offsets). GIL released in copy_."""
-    hi = layout.nbytes if hi is None else hi
-    dst = torch.from_numpy(buffer)
-    for e, (_, t) in zip(layout.entries, tensors):
-        a, b = max(lo, e.offset), min(hi, e.offset + e.nbytes)
-        if a >= b:
-            continue
-        src = _byte_view(t)[a - e.offset : b - e.offset]
-        dst[a:b].copy_(src, non_blocking=src.is_cuda)
+class StateArena:
+    """The stage's live state packed into contiguous memory laid out exactly like the snapshot.
+
+    Parameters and optimizer tensors become views into one uint8 block per device (normally one
+    block in all), at the offsets of :class:`StateLayout`. Capturing a snapshot is then one copy per
+    block into the reused buffer, and restoring one copy back: no per-tensor loop, no allocation.
+    The optimizer updates its tensors in place, so the views stay valid for the whole run.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        ensure_optimizer_state(module, optimizer)
+        tensors = state_tensors(module, optimizer)
+        self.layout = StateLayout(tensors)
+        # consecutive entries on one device share a block: [(device, lo, hi, block)]
+        self.blocks: list[tuple[torch.device, int, int, torch.Tensor]] = []
+        runs: list[list[int]] = []
+        for i, (_, t) in enumerate(tensors):
+            if runs and tensors[runs[-1][0]][1].device == t.device:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        views: dict[int, torch.Tensor] = {}
+        entries = self.layout.entries
+        for run in runs:
+            lo = entries[run[0]].offset
+            hi = entries[run[-1]].offset + -(-entries[run[-1]].nbytes // ALIGN) * ALIGN
+            device = tensors[run[0]][1].device
+            block = torch.zeros(hi - lo, dtype=torch.uint8, device=device)  # written once: pages are warm
+            self.blocks.append((device, lo, hi, block))
+            for i in run:
+                e, (_, t) = entries[i], tensors[i]
+                view = block[e.offset - lo : e.offset - lo + e.nbytes].view(t.dtype).view(t.shape)
+                view.copy_(t.detach())
+                views[i] = view
+        by_name = {name: views[i] for i, (name, _) in enumerate(tensors)}
+        with torch.no_grad():
+            for n, p in module.named_parameters():
+                p.data = by_name[f"param/{n}"]
+            for n, p in module.named_parameters():
+                st = optimizer.state[p]
+                for key in list(st):
+                    if torch.is_tensor(st[key]):
+                        st[key] = by_name[f"optim/{n}/{key}"]
+        self.targets = by_name
+
+    def capture(self, buffer: np.ndarray, lo: int = 0, hi: int | None = None) -> None:
+        """Copy bytes [lo, hi) of the state into ``buffer`` at the same offsets (GIL released)."""
+        hi = self.layout.nbytes if hi is None else hi
+        dst = torch.from_numpy(buffer)
+        cuda = False
+        for device, a0, b0, block in self.blocks:
+            a, b = max(lo, a0), min(hi, b0)
+            if a < b:
+                dst[a:b].copy_(block[a - a0 : b - a0], non_blocking=device.type == "cuda")
+                cuda = cuda or device.type == "cuda"
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def load(self, parts: list[tuple[int, np.ndarray]]) -> None:
+        """Copy ``parts`` ((offset, bytes) that together cover the whole layout) into the arena."""
+        for offset, data in parts:
+            src = torch.from_numpy(np.asarray(data))
+            end = offset + src.numel()
+            for device, a0, b0, block in self.blocks:
+                a, b = max(offset, a0), min(end, b0)
+                if a < b:
+                    block[a - a0 : b - a0].copy_(src[a - offset : b - offset])
 
 
 def json_state(
@@ -151,18 +223,19 @@ def parse_manifest(text: str | bytes) -> dict[str, Any]:
 
 
 def restore(
-    buffer: np.ndarray,
+    parts: list[tuple[int, np.ndarray]],
     manifest: dict[str, Any],
-    module: torch.nn.Module,
+    arena: StateArena,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     config_hash: str,
     stage: int,
 ) -> dict[str, Any]:
-    """Load parameters, optimizer, scheduler and RNG states from ``buffer``; return the JSON part.
+    """Load parameters, optimizer, scheduler and RNG states; return the JSON part.
 
-    Every entry is checked against the live stage first, so nothing is modified if the snapshot
-    does not fit.
+    ``parts`` are (byte offset, bytes) pieces of the state that together cover it (one buffer at
+    offset 0, or data-parallel slices / snapshot pieces). Every entry and the coverage are checked
+    against the live stage first, so nothing is modified if the snapshot does not fit.
     """
     if manifest.get("config_hash") != config_hash:
         raise SnapshotFormatError(
@@ -171,37 +244,33 @@ def restore(
         )
     if manifest.get("stage") != stage:
         raise SnapshotFormatError(f"snapshot is of stage {manifest.get('stage')}, not stage {stage}")
-    if len(buffer) < int(manifest["nbytes"]):
-        raise SnapshotFormatError(f"snapshot buffer has {len(buffer)} bytes, manifest says {manifest['nbytes']}: truncated")
-    entries = [Entry.from_json(e) for e in manifest["entries"]]
-    params = dict(module.named_parameters())
-    # optimizer state may not exist yet on a fresh stage: create it so shapes can be filled
-    for p in params.values():
-        st = optimizer.state[p]
-        if not st:
-            st["step"] = torch.zeros((), dtype=torch.float32)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    targets: dict[str, torch.Tensor] = {}
-    for n, p in params.items():
-        targets[f"param/{n}"] = p
-        for key, value in optimizer.state[p].items():
-            if torch.is_tensor(value):
-                targets[f"optim/{n}/{key}"] = value
+    try:
+        entries = [Entry.from_json(e) for e in manifest["entries"]]
+        nbytes = int(manifest["nbytes"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise SnapshotFormatError(f"snapshot manifest is malformed ({type(e).__name__}: {e}): the snapshot is corrupted") from None
+    if nbytes != arena.layout.nbytes:
+        raise SnapshotFormatError(f"snapshot holds {nbytes} bytes of state, this stage has {arena.layout.nbytes}: it is not this stage's snapshot")
+    live = {e.name: e for e in arena.layout.entries}
     names = {e.name for e in entries}
-    if names != set(targets):
-        missing, extra = sorted(set(targets) - names)[:3], sorted(names - set(targets))[:3]
+    if names != set(live):
+        missing, extra = sorted(set(live) - names)[:3], sorted(names - set(live))[:3]
         raise SnapshotFormatError(f"snapshot does not fit this stage: missing {missing}, unexpected {extra}")
     for e in entries:
-        if e.offset < 0 or e.offset + e.nbytes > len(buffer):
-            raise SnapshotFormatError(f"entry {e.name} lies outside the snapshot buffer: corrupted manifest")
-        t = targets[e.name]
-        if tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype or t.numel() * t.element_size() != e.nbytes:
-            raise SnapshotFormatError(f"entry {e.name}: snapshot has {e.dtype}{list(e.shape)}, stage has {t.dtype}{list(t.shape)}")
-    src = torch.from_numpy(buffer)
+        mine = live[e.name]
+        if e.shape != mine.shape or e.dtype != mine.dtype or e.nbytes != mine.nbytes:
+            raise SnapshotFormatError(f"entry {e.name}: snapshot has {e.dtype}{list(e.shape)}, stage has {mine.dtype}{list(mine.shape)}")
+        if e.offset != mine.offset:
+            raise SnapshotFormatError(f"entry {e.name} lies at byte {e.offset}, this stage's layout has it at {mine.offset}: corrupted manifest")
+    covered = 0
+    for offset, data in sorted(parts, key=lambda p: p[0]):
+        if offset != covered:
+            raise SnapshotFormatError(f"snapshot bytes [{min(offset, covered)}, {max(offset, covered)}) are missing or given twice: incomplete snapshot")
+        covered += len(data)
+    if covered < nbytes:
+        raise SnapshotFormatError(f"snapshot buffer has {covered} bytes, manifest says {nbytes}: truncated")
     with torch.no_grad():
-        for e in entries:
-            _byte_view(targets[e.name]).copy_(src[e.offset : e.offset + e.nbytes])
+        arena.load(parts)
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng_torch"])), dtype=torch.uint8))
     for i, state in enumerate(manifest.get("rng_cuda", [])):
         if torch.cuda.is_available() and i < torch.cuda.device_count():
