@@ -116,6 +116,7 @@ class ChaosEvent:
     replica: int = 0
     how: str = "ray_kill"  # ray_kill | sigkill (stage)
     corrupt: bool = False  # with kill=smp: flip a byte of its committed shard instead of killing it
+    node: int | None = None  # kill=node / smp: the node-th live node with CPUs (by node id), not the one hosting stage/replica
 
 
 @dataclass
@@ -239,6 +240,8 @@ def _validate(c: RunConfig) -> list[str]:
             p.append(f"{where}.step={ev.step} must be >= 1")
         if not (0 <= ev.stage < par.stages and 0 <= ev.replica < par.dp):
             p.append(f"{where} names stage {ev.stage} replica {ev.replica}, but the run has {par.stages} stages x {par.dp} replicas")
+        if ev.node is not None and (ev.kill not in ("node", "smp") or ev.node < 0):
+            p.append(f"{where}.node={ev.node}: a node index (>= 0) only goes with kill: node or kill: smp")
     if not 0 < d.val_fraction < 1:
         p.append(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     return p

@@ -369,21 +369,35 @@ class Trainer:
                 else:
                     ray.kill(actor, no_restart=True)
             elif ev.kill == "smp":
-                node = self.nodes[(ev.stage, ev.replica)]
+                node = self._chaos_node(ev)
                 smp = self.snapshots.managers[node]
                 if ev.corrupt:
                     ray.get(smp.corrupt_shard.remote(f"{ev.stage}/{ev.replica}"))
                 else:
                     ray.kill(smp, no_restart=True)
             elif ev.kill == "node":
-                node_id = self.nodes[(ev.stage, ev.replica)]
+                node_id = self._chaos_node(ev)
                 victim = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
                 if victim is None:
-                    raise RuntimeError(f"chaos: the node hosting stage {ev.stage} replica {ev.replica} is not a worker node of the test cluster")
+                    raise RuntimeError(f"chaos: node {node_id[:12]} is not a worker node of the test cluster: it cannot be removed")
                 self.cluster.remove_node(victim, allow_graceful=False)
                 deadline = time.monotonic() + 60  # the event is over once Ray has seen the node die
                 while time.monotonic() < deadline and any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
                     time.sleep(0.1)
+
+    def _chaos_node(self, ev: Any) -> str:
+        """The node a chaos event hits: ``node`` (index into the live nodes with CPUs, sorted by
+        node id) or else the node hosting the event's stage/replica."""
+        import ray
+
+        if ev.node is None:
+            return self.nodes[(ev.stage, ev.replica)]
+        alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0)
+        if ev.node >= len(alive):
+            from elastic_llm.config import ConfigError
+
+            raise ConfigError(f"chaos event node={ev.node}: the cluster has {len(alive)} live nodes with CPUs (0..{len(alive) - 1})")
+        return alive[ev.node]
 
     # ------------------------------------------------------------------ recovery
     def _observe(self) -> Any:

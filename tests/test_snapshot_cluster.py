@@ -154,14 +154,17 @@ def test_two_lost_nodes_with_parity_two(nodes, corpus_dir, clean):
     assert losses == clean(2)
 
 
-def test_killed_manager_is_replaced_and_the_next_snapshot_completes(nodes, corpus_dir, clean):
-    t = make_trainer(nodes, corpus_dir, "chaos.events=[{step: 4, kill: smp, stage: 1}]")
+@pytest.mark.parametrize("target", ["stage: 1", "node: 2"])
+def test_killed_manager_is_replaced_and_the_next_snapshot_completes(nodes, corpus_dir, clean, target):
+    t = make_trainer(nodes, corpus_dir, f"chaos.events=[{{step: 4, kill: smp, {target}}}]")
     t.setup()
-    first = t.snapshots.managers[t.nodes[(1, 0)]]
+    live = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
+    victim = t.nodes[(1, 0)] if target.startswith("stage") else live[2]
+    first = t.snapshots.managers[victim]
     losses = run(t)
     assert t.recoveries == []  # stages never stopped
     assert t.snapshots.committed.version > 4  # a snapshot taken after the kill (step 4) committed
-    assert t.snapshots.managers.get(t.nodes[(1, 0)]) is not first
+    assert t.snapshots.managers.get(victim) is not first
     assert losses == clean(1)
 
 

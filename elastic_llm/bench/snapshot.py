@@ -10,7 +10,7 @@ config, that reports
   blocks its caller (single-process gloo group on 127.0.0.1); numpy memcpy of the state's bytes;
   our ``capture_state`` copy; Reed-Solomon parity encoding of the state; our in-memory restore
   (``load_state`` into a fresh worker), also through a real SnapshotManager actor
-  (``put_shard`` / ``get_shard``);
+  (``snapshot_version``, then ``shard_parts`` + ``load_parts`` into a new stage actor);
 * on real :class:`~elastic_llm.controller.Trainer` runs (``train.eval_every=0``): the training stall
   caused by snapshotting every step (the stage actors' ``snapshot_wait_s`` plus the controller's
   wait for a version in flight, ``snapshots.stats["wait_s"]``), and the throughput overhead of
@@ -700,14 +700,9 @@ def _findings(res: dict[str, Any], tr_multi: dict[str, Any], tr_single: dict[str
     if met.get("stall_vs_torch_save") is False or met.get("stall_vs_dcp_async") is False:
         comp = tr_multi["stall_components_s"]
         out.append(
-            f"stall: {comp['controller_wait_per_step']:.3f} s/step is the controller waiting in Trainer._snapshot_due "
-            f"(poll(block=True) on the version in flight, in its parity phase), {comp['stage_actor_wait_max_per_step']:.3f} "
-            "s/step stage actors waiting for their copy. The coordinator advances a version only when the driver polls, at "
-            "step boundaries (shards seen done at the poll after the next step -> parity submitted there -> committed at a "
-            "later poll), so a version needs >= 2-3 steps and a step waits once the committed one trails by more than "
-            "snapshot.max_lag"
-            + (f"; single-node (no parity phase): {tr_single['stall_s']:.3f} s/step" if tr_single else "")
-            + "."
+            f"stall: {comp['stage_actor_wait_max_per_step']:.3f} s/step stage actors waiting for their background copy, "
+            f"{comp['controller_wait_per_step']:.3f} s/step the controller waiting because the committed snapshot trailed "
+            "by more than snapshot.max_lag."
         )
     for name, tr in (("train_overhead", tr_multi), ("train_overhead_single_node", tr_single)):
         if not tr or met.get(f"{name}_pct") is not False:
@@ -716,26 +711,24 @@ def _findings(res: dict[str, Any], tr_multi: dict[str, Any], tr_single: dict[str
         extra = {k: on.get(k, 0.0) - off.get(k, 0.0) for k in set(on) | set(off)}
         top = ", ".join(f"{k} {v:+.3f}" for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:4])
         out.append(
-            f"{name}: {tr['overhead_pct']}% (paired-block median {tr['overhead_paired_median_pct']}%, noise {tr['noise_pct']}%); "
-            f"extra CPU s/step with snapshots by process: {top} (cpu_overhead {tr['cpu_overhead_pct']}%); controller wait "
-            f"{tr['stall_components_s']['controller_wait_per_step']:.3f} s/step."
+            f"{name}: {tr['overhead_pct']}% (paired-block median {tr['overhead_paired_median_pct']}%, noise {tr['noise_pct']}%) "
+            f"with {tr['snapshots_committed']} of {tr['timed_steps_per_system']} steps committed; extra CPU s/step with "
+            f"snapshots by process: {top} (cpu_overhead {tr['cpu_overhead_pct']}%). All nodes share this machine's cores "
+            "with training: raylet CPU is Ray moving the data chunks to their parity holders (m x state bytes per version, "
+            "node to node), StageWorker CPU the background copy, checksums and writing the pieces into the object store."
         )
     if met.get("copy_vs_memcpy") is False:
         out.append(
-            f"copy: capture_state {res['snapshot_copy_GBps']} GB/s vs memcpy {res['memcpy_GBps']} GB/s (best "
-            f"{res['snapshot_copy_best_GBps']} vs {res['memcpy_best_GBps']}); the bare copy_into is {res['snapshot_copy_only_GBps']} "
-            f"GB/s: one torch copy_ per tensor ({res['state_tensors']} tensors) plus the JSON manifest (RNG states, entries) "
-            "on top of the bytes."
+            f"copy: capture_state {res['snapshot_copy_GBps']} GB/s vs memcpy {res['memcpy_GBps']} GB/s (the bare arena "
+            f"copy {res['snapshot_copy_only_GBps']} GB/s; the rest is the JSON manifest)."
         )
     if met.get("restore_speedup_vs_torch_load") is False:
-        fresh, warm = res["restore_inmemory_s"], res["restore_inmemory_warm_s"]
         out.append(
-            f"restore: into a fresh stage {fresh:.4f} s, of which ~{fresh - warm:.4f} s is creating the optimizer state "
-            f"(zeros_like in snapshot.state.restore: allocation + zero fill + page faults) and {warm:.4f} s the copy itself "
-            f"(into an existing stage: {res['restore_warm_speedup_vs_torch_load']}x torch_load). torch.load of a page-cached "
-            f"file ({res['torch_load_s']:.4f} s) is itself memory-bound, so >= 10x is out of reach on one machine; through the "
-            f"manager, get_shard adds {res.get('restore_from_smp_components_s', {}).get('get_shard', float('nan')):.4f} s "
-            "(the shard is returned as a new object: a copy, plus the CRC check)."
+            f"restore: {res['restore_inmemory_s']:.4f} s into a fresh stage = one copy of the state into its arena at "
+            f"{_gbps(res['state_bytes'], res['restore_inmemory_s'])} GB/s. A restore that copies the bytes once cannot beat "
+            f"memcpy: torch_load_s / memcpy time = {res.get('restore_memcpy_bound_vs_torch_load')}x is the ceiling here, "
+            "below the 10x target. Through a SnapshotManager into a new actor: "
+            f"{res.get('restore_from_smp_s')} s ({res.get('restore_from_smp_components_s')})."
         )
     return out
 
@@ -836,6 +829,8 @@ def run_snapshot_bench(
         "restore_speedup_vs_torch_load": restore_speedup,
         "restore_warm_speedup_vs_torch_load": ratio(inproc["torch_load_s"], inproc["restore_inmemory_warm_s"], 2),
         "restore_from_smp_speedup_vs_torch_load": ratio(inproc["torch_load_s"], multi.get("restore_from_smp_s"), 2),
+        # what a restore that copies the state's bytes once at memcpy speed could reach at best
+        "restore_memcpy_bound_vs_torch_load": ratio(inproc["torch_load_s"], inproc["state_bytes"] / (inproc["memcpy_GBps"] * 1e9), 2),
     }
 
     def at_most(v: float | None, limit: float) -> bool | None:
@@ -870,7 +865,7 @@ def run_snapshot_bench(
         "torch thread(s), with a warm buffer, file and page cache."
     )
     notes.append(
-        "torch_load_s and restore_inmemory_s both load into a freshly built stage, as a replacement actor would; "
+        "torch_load_s and restore_inmemory_s both load into a freshly built stage (its state allocated at start), as a replacement actor would; "
         "restore_inmemory_warm_s loads into a stage whose optimizer state exists (a survivor rolling back). torch.load reads "
         "a page-cached file, its best case (evicting it with posix_fadvise made no difference on this VM's disk)."
     )
@@ -894,9 +889,8 @@ def run_snapshot_bench(
     for phase, tr in (("cluster", tr_multi), ("single-node", tr_single)):
         if tr and tr.get("snapshots_skipped"):
             notes.append(
-                f"{phase}: {tr['snapshots_skipped']} due snapshots were skipped (previous version still in flight) and "
-                f"{tr['snapshots_committed']} committed in {tr['timed_steps_per_system']} timed steps: snapshot.every=1 yields a "
-                "version every few steps, not every step."
+                f"{phase}: {tr['snapshots_skipped']} due snapshots were skipped (two versions still in flight) and "
+                f"{tr['snapshots_committed']} committed in {tr['timed_steps_per_system']} timed steps."
             )
     if cfg.parallel.cpus_per_actor * cfg.parallel.stages * cfg.parallel.dp >= (os.cpu_count() or 1):
         notes.append(

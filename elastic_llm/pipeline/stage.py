@@ -215,16 +215,20 @@ class StageWorker:
         # flight, so a buffer is reused only after its version was collected (or dropped).
         buf = self._snapshot_buffer(self._next_buffer)
         self._next_buffer ^= 1
+        after = None
+        if self.device.type == "cuda":  # the copy stream starts once the queued update is done
+            after = torch.cuda.Event()
+            after.record()
         with self._copy_started:
-            self._copy = self._copier.submit(self._background_copy, buf, lo, hi)
+            self._copy = self._copier.submit(self._background_copy, buf, lo, hi, after)
             job = Copy(self.step_count, buf, lo, hi, st.make_manifest(self.arena.layout, extra, self.stage), self._copy)
             self._copies = {v: c for v, c in self._copies.items() if c.buffer is not buf}
             self._copies[job.version] = job
             self._copy_started.notify_all()
 
-    def _background_copy(self, buf: np.ndarray, lo: int, hi: int) -> float:
+    def _background_copy(self, buf: np.ndarray, lo: int, hi: int, after: Any = None) -> float:
         t = time.perf_counter()
-        self.arena.capture(buf, lo, hi)
+        self.arena.capture(buf, lo, hi, after)
         dt = time.perf_counter() - t
         self.snapshot_copy_s += dt
         return dt

@@ -147,19 +147,35 @@ class StateArena:
                     if torch.is_tensor(st[key]):
                         st[key] = by_name[f"optim/{n}/{key}"]
         self.targets = by_name
+        self._streams: dict[torch.device, Any] = {}  # CUDA copy streams, one per device
 
-    def capture(self, buffer: np.ndarray, lo: int = 0, hi: int | None = None) -> None:
-        """Copy bytes [lo, hi) of the state into ``buffer`` at the same offsets (GIL released)."""
+    def capture(self, buffer: np.ndarray, lo: int = 0, hi: int | None = None, after: Any = None) -> None:
+        """Copy bytes [lo, hi) of the state into ``buffer`` at the same offsets (GIL released).
+
+        Blocks on a CUDA device are copied on a stream of their own (so the copy overlaps the
+        compute stream's next forward/backward) into ``buffer`` (pinned memory), ordered after the
+        CUDA event ``after`` (recorded on the compute stream when the optimizer step was queued);
+        returns once the copy is complete."""
         hi = self.layout.nbytes if hi is None else hi
         dst = torch.from_numpy(buffer)
-        cuda = False
+        streams = []
         for device, a0, b0, block in self.blocks:
             a, b = max(lo, a0), min(hi, b0)
-            if a < b:
-                dst[a:b].copy_(block[a - a0 : b - a0], non_blocking=device.type == "cuda")
-                cuda = cuda or device.type == "cuda"
-        if cuda:
-            torch.cuda.current_stream().synchronize()
+            if a >= b:
+                continue
+            if device.type != "cuda":
+                dst[a:b].copy_(block[a - a0 : b - a0])
+                continue
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            if after is not None:
+                stream.wait_event(after)
+            with torch.cuda.stream(stream):
+                dst[a:b].copy_(block[a - a0 : b - a0], non_blocking=True)
+            streams.append(stream)
+        for stream in streams:
+            stream.synchronize()
 
     def load(self, parts: list[tuple[int, np.ndarray]]) -> None:
         """Copy ``parts`` ((offset, bytes) that together cover the whole layout) into the arena."""
