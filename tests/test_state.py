@@ -93,5 +93,39 @@ def test_foreign_and_mismatched_snapshots_are_refused_without_changes():
     m["entries"][0][2] = [999]
     with pytest.raises(SnapshotFormatError, match="snapshot has float32\\[999\\]"):
         a.load_state(buf, json.dumps(m))
+    m = json.loads(manifest)
+    m["entries"][1][3] += 64  # an entry moved: the bytes would land in the wrong tensor
+    with pytest.raises(SnapshotFormatError, match="corrupted manifest"):
+        a.load_state(buf, json.dumps(m))
+    m = json.loads(manifest)
+    m["entries"] = "nope"
+    with pytest.raises(SnapshotFormatError, match="malformed"):
+        a.load_state(buf, json.dumps(m))
+    half = len(buf) // 2 // 64 * 64
+    with pytest.raises(SnapshotFormatError, match="missing or given twice"):  # a gap between pieces
+        a.load_parts(manifest, [0, half + 64], buf[:half].copy(), buf[half + 64 :].copy())
+    with pytest.raises(SnapshotFormatError, match="missing or given twice"):  # overlapping pieces
+        a.load_parts(manifest, [0, half - 64], buf[:half].copy(), buf[half - 64 :].copy())
     for n, p in a.module.named_parameters():
         assert torch.equal(p, before[n])
+
+
+def test_pieces_restore_like_one_buffer_and_state_lives_in_one_block():
+    a = StageWorker(cfg(), 0, 0)
+    run_steps(a, batches(2))
+    # parameters and AdamW moments are views into the arena: the optimizer updates them in place
+    block = a.arena.blocks[0][3]
+    base = block.untyped_storage().data_ptr()
+    for p in a.module.parameters():
+        assert p.untyped_storage().data_ptr() == base
+        for v in a.optimizer.state[p].values():
+            assert v.untyped_storage().data_ptr() == base
+    buf, manifest = a.capture_state({"epoch": 1, "index": 3})
+    saved = buf.copy()
+    expected = run_steps(a, list(batches(3, seed=5)))
+    b = StageWorker(cfg(), 0, 0)
+    cuts = [0, 64 * 7, len(saved) // 3 // 64 * 64, len(saved)]
+    parts = [saved[x:y].copy() for x, y in zip(cuts, cuts[1:])]
+    order = [2, 0, 1]  # pieces may arrive in any order
+    assert b.load_parts(manifest, [cuts[i] for i in order], *[parts[i] for i in order]) == 2
+    assert run_steps(b, list(batches(3, seed=5))) == expected
