@@ -56,11 +56,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "pipeline":
         from elastic_llm.bench.pipeline import run_pipeline_bench
 
-        result = run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps, overrides=args.set or [])
+        result = run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 6, overrides=args.set or [])
     elif args.what == "snapshot":
         from elastic_llm.bench.snapshot import run_snapshot_bench
 
-        result = run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps, overrides=args.set or [])
+        result = run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 12, overrides=args.set or [])
     elif args.what == "erasure":
         from elastic_llm.bench.erasure import run_erasure_bench
 
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["pipeline", "erasure", "snapshot"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
-    b.add_argument("--steps", type=int, default=6, help="timed steps per system")
+    b.add_argument("--steps", type=int, default=None, help="timed steps per system (default: 6 for pipeline, 12 for snapshot)")
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
     b.set_defaults(func=cmd_bench)
@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "max_steps", None) is not None and args.max_steps < 1:
         print(f"error: --max-steps={args.max_steps} must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    if getattr(args, "steps", None) is not None and args.steps < 2:
+        print(f"error: --steps={args.steps} must be >= 2", file=sys.stderr)
         return EXIT_USAGE
     try:
         return args.func(args)

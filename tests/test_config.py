@@ -91,6 +91,7 @@ def run_cli(*args):
         (["train", "--set", "parallel.stages=3"], "choose parallel.stages in {1, 2, 4}"),
         (["train", "--config", "jobs/missing.yaml"], "does not exist"),
         (["train", "--max-steps", "0"], "--max-steps=0 must be >= 1"),
+        (["bench", "snapshot", "--steps", "1"], "--steps=1 must be >= 2"),
         (["train", "--set", "parallel.cpus_per_actor=64"], "exceeds the largest node"),
     ],
 )

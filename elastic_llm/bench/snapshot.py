@@ -739,7 +739,7 @@ def run_snapshot_bench(
     overrides: Sequence[str] = (),
     *,
     rounds: int = 3,
-    warmup: int = 1,
+    warmup: int = 10,
     repeats: int = 5,
     workers: int = 3,
     single_node: bool | None = None,
