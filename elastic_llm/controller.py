@@ -465,10 +465,23 @@ class Trainer:
                 pass
             self.actors[a.replica][a.stage] = self._spawn(a.stage, a.replica)
         self._describe()
+        local = 0
         if plan.rollback_to is not None:
             loads, sources = [], {}
+            rec = self.snapshots.committed
+            replaced = {(a.stage, a.replica) for a in plan.actions}
+            survivors = [(s, r) for r in range(dp) for s in range(self.cfg.parallel.stages) if (s, r) not in replaced]
+            own = {}
+            if dp == 1 and survivors:  # survivors whose own copy is the committed step skip the managers
+                oks = ray.get([self.actors[r][s].restore_own_copy.remote(rec.version, rec.shards[f"{s}/{r}"]["pieces"]) for s, r in survivors])
+                own = {sr for sr, ok in zip(survivors, oks) if ok}
+                local = len(own)
             for r in range(dp):
                 for s in range(self.cfg.parallel.stages):
+                    if (s, r) in own:
+                        if s == 0 and r == 0:
+                            position = _json.loads(rec.shards["0/0"]["manifest"])["data_position"]
+                        continue
                     offsets, refs, manifest, used = self.snapshots.fetch_stage_state(s, r, dp, set(obs.dead_managers))
                     sources[(s, r)] = "parity" if "parity" in used else "local_smp"
                     loads.append(self.actors[r][s].load_parts.remote(manifest, offsets, *refs))
@@ -497,6 +510,7 @@ class Trainer:
                 "rollback_steps": rollback,
                 "seconds": seconds,
                 "reason": plan.reason,
+                "survivors_restored_from_own_copy": local,
             }
             self.recoveries.append(rec)
             self.metrics.write(rec)

@@ -137,6 +137,7 @@ def test_killed_stage_recovers_bit_identically(nodes, corpus_dir, clean, how):
     losses = run(t)
     assert [r["stage"] for r in t.recoveries] == [2]
     assert t.recoveries[0]["source"] == "local_smp"
+    assert t.recoveries[0]["survivors_restored_from_own_copy"] == 3  # no step finished after the committed one
     assert losses == clean(1)
 
 

@@ -129,3 +129,28 @@ def test_pieces_restore_like_one_buffer_and_state_lives_in_one_block():
     order = [2, 0, 1]  # pieces may arrive in any order
     assert b.load_parts(manifest, [cuts[i] for i in order], *[parts[i] for i in order]) == 2
     assert run_steps(b, list(batches(3, seed=5))) == expected
+
+
+def test_rollback_from_own_copy_checks_the_committed_checksums():
+    from elastic_llm.snapshot.erasure import checksum
+
+    a = StageWorker(cfg(), 0, 0)
+    data = list(batches(5, seed=9))
+    for i, (x, y) in enumerate(data[:3]):
+        for mb in range(2):
+            a.forward(mb, x[mb * 2 : mb * 2 + 2], y[mb * 2 : mb * 2 + 2])
+            a.backward(mb)
+        a.step(snapshot={"epoch": 0, "index": i})  # background copies of steps 1, 2, 3 (two buffers)
+    info, *pieces = a.snapshot_pieces(3, 2)
+    record = info["pieces"]
+    assert [checksum(p) for p in pieces] == [c for _, _, c in record]
+    after3 = {n: p.clone() for n, p in a.module.named_parameters()}
+    expected = run_steps(a, data[3:])
+    assert not a.restore_own_copy(1, record)  # step 1's buffer was reused by step 3
+    bad = [[o, n, c ^ 1] for o, n, c in record]
+    assert not a.restore_own_copy(3, bad)  # bytes that are not the committed snapshot: refused
+    assert a.step_count == 5
+    assert a.restore_own_copy(3, record) and a.step_count == 3
+    for n, p in a.module.named_parameters():
+        assert torch.equal(p, after3[n]), n
+    assert run_steps(a, data[3:]) == expected

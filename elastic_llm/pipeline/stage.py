@@ -329,22 +329,38 @@ class StageWorker:
             self.stage,
         )
         self.step_count = int(m["step"])
-        self.reset_step()
+        self.reset_step()  # also forgets copies of steps after the restored one
         return self.step_count
 
     def reset_step(self) -> int:
-        """Drop the partial work of an aborted step (activations, accumulated gradients) and
-        forget any snapshot copy (its version will not be collected)."""
+        """Drop the partial work of an aborted step (activations, accumulated gradients); snapshot
+        calls waiting for a step give up. Finished copies stay (a rollback may restore from them)."""
         self.inputs.clear()
         self.outputs.clear()
         self.optimizer.zero_grad(set_to_none=True)
         self.backwards_done = 0
         self._wait_copy()
         with self._copy_started:
-            self._copies.clear()
+            self._copies = {v: c for v, c in self._copies.items() if v <= self.step_count}
             self._resets += 1
             self._copy_started.notify_all()
         return self.step_count
+
+    def restore_own_copy(self, version: int, pieces: list[list[int]]) -> bool:
+        """Roll back to step ``version`` from this stage's own background copy, if one of its
+        buffers still holds it and every byte range in ``pieces`` ([offset, length, crc], the
+        committed snapshot's record) has the recorded checksum. Returns False (nothing changed)
+        otherwise: the caller then restores through the snapshot managers."""
+        from elastic_llm.snapshot.erasure import checksum
+
+        job = self._copies.get(version)
+        if job is None or (job.lo, job.hi) != (0, self.arena.layout.nbytes):
+            return False
+        job.future.result(timeout=600)
+        if any(checksum(job.buffer[o : o + n]) != crc for o, n, crc in pieces) or sum(n for _, n, _ in pieces) != job.hi:
+            return False
+        self.load_parts(job.manifest, [0], job.buffer)
+        return True
 
     # ------------------------------------------------------------------ inspection
     def info(self) -> dict[str, Any]:
