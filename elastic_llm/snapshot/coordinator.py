@@ -147,7 +147,8 @@ class SnapshotCoordinator:
                 try:
                     p["results"][node] = ray.get(ref)
                 except Exception as e:  # a manager or a stage died mid-snapshot: drop this version
-                    self._discard(p, f"{type(e).__name__}: {str(e).splitlines()[0]}")
+                    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+                    self._discard(p, lines[-1] if lines else type(e).__name__)
             for p in list(self.inflight):
                 if p in self.inflight and p["lost"]:
                     self._discard(p, f"stages {p['lost']} had no snapshot manager")

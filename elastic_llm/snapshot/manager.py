@@ -151,7 +151,7 @@ class SnapshotManager:
             key: stage.snapshot_pieces.options(num_returns=k + 1, concurrency_group="snapshot").remote(version, k)
             for key, stage in plan["stages"]
         }
-        infos = ray.get([refs[0] for refs in calls.values()], timeout=WAIT_S)
+        infos = self._collect(version, calls)
         with self.lock:
             v = self._version(version)
             for (key, refs), info in zip(calls.items(), infos):
@@ -173,6 +173,28 @@ class SnapshotManager:
             result["parity"][region] = self._encode(version, layout, region, row)
         self.stats["versions"] += 1
         return result
+
+    @staticmethod
+    def _collect(version: int, calls: dict[str, Any]) -> list[dict[str, Any]]:
+        """The stages' infos; if any stage failed, one error naming them (every returned ref is
+        retrieved, so Ray reports no unhandled errors for the pieces of a failed call)."""
+        import ray
+
+        ray.wait([refs[0] for refs in calls.values()], num_returns=len(calls), timeout=WAIT_S)
+        infos, failed = [], []
+        for key, refs in calls.items():
+            try:
+                infos.append(ray.get(refs[0], timeout=0))
+            except Exception as e:
+                failed.append(f"{key}: {type(e).__name__}")
+                for r in refs[1:]:
+                    try:
+                        ray.get(r, timeout=0)
+                    except Exception:
+                        pass
+        if failed:
+            raise RuntimeError(f"no snapshot of step {version} from stages {', '.join(failed)}")
+        return infos
 
     def offer(self, version: int, region: int, member: int, refs: list[Any], meta: list[list[int]]) -> None:
         """Group member ``member`` offers its data chunk of ``region`` (piece refs + their
