@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from elastic_llm.bench.common import cpu_model
 from elastic_llm.snapshot.erasure import ReedSolomon, checksum, checksum_impl, isal_available
 
 CODES = ((4, 2), (8, 2), (10, 4))
@@ -39,17 +40,6 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
 
 def _mbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e6, 1) if seconds > 0 else float("nan")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _reedsolo_encode_mbps(k: int, m: int, data: np.ndarray, repeats: int) -> Optional[float]:
@@ -138,7 +128,7 @@ def run_erasure_bench(size_mib: int = 64, seed: int = 0, *, repeats: int = 5) ->
         "platform": platform.platform(),
         "python": platform.python_version(),
         "numpy": np.__version__,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "threads_used": 1,
     }

@@ -40,17 +40,16 @@ import contextlib
 import datetime as _dt
 import math
 import os
-import platform
-import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
 
+from elastic_llm.bench.common import free_port, machine_busy_s, machine_info, process_tree_cpu
 from elastic_llm.config import RunConfig, config_from_dict, load_config
 from elastic_llm.controller import Trainer, loopback_env
 from elastic_llm.model import count_parameters
@@ -85,52 +84,11 @@ def _optimizer(module: Any, cfg: RunConfig) -> tuple[Any, Any]:
 
 
 def _tree_cpu_s(root: int, exclude: Collection[int] = ()) -> float | None:
-    """CPU seconds (user + system) used so far by ``root`` and its live descendants, skipping the
-    subtrees of ``exclude``. Reads /proc (Linux); None elsewhere.
-
-    Used for the Ray pipeline, whose work is spread over the driver, raylet, GCS and the actor
-    processes: all descendants of this process when the benchmark starts Ray itself.
-    """
-    if not os.path.isdir("/proc/self"):
-        return None
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    times: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in exclude:
-            continue
-        total += times.get(pid, 0.0)
-        todo.extend(children.get(pid, []))
-    return total
-
-
-def _machine_busy_s() -> float | None:
-    """CPU seconds the whole machine has been busy (all cores, all processes), from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """CPU seconds used so far by ``root`` and its live descendants, skipping the subtrees of
+    ``exclude`` (the Ray pipeline's work is spread over the driver, raylet, GCS and the actors:
+    all descendants of this process when the benchmark starts Ray itself)."""
+    tree = process_tree_cpu(root, exclude)
+    return None if tree is None else sum(tree.values())
 
 
 def _load_batches(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -388,23 +346,6 @@ class _ChildSystem:
 # --------------------------------------------------------------------------- the benchmark
 
 
-def _machine() -> dict[str, Any]:
-    import ray
-    import torch
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "ray": ray.__version__,
-    }
-    if hasattr(os, "getloadavg"):
-        info["loadavg_1m_at_start"] = round(os.getloadavg()[0], 2)
-    return info
-
-
 def _summary(records: list[dict[str, Any]], tokens_per_step: int) -> dict[str, Any]:
     """Throughput over all timed steps, plus per-step detail to judge noise."""
     times = [r["time"] for r in records]
@@ -450,7 +391,7 @@ def run_pipeline_bench(
     par, train = cfg.parallel, cfg.train
     tokens_per_step = cfg.tokens_per_step()
     notes: list[str] = []
-    machine = _machine()
+    machine = machine_info()
     started = time.perf_counter()
 
     trainer = Trainer(cfg)  # loads the data stream; Ray starts in setup()
@@ -466,7 +407,7 @@ def run_pipeline_bench(
         np.savez(batches_path, x=np.stack([b[0] for b in batches]), y=np.stack([b[1] for b in batches]))
         cfg_dict = cfg.to_dict()
         world = par.stages * par.dp
-        port = _free_port()
+        port = free_port()
         try:
             # Start the baselines first: they build while Ray starts (nothing is timed yet).
             t0 = time.perf_counter()
@@ -496,7 +437,7 @@ def run_pipeline_bench(
 
             step_fns: dict[str, Callable[[int], dict[str, Any]]] = {"ray_pipeline": ray_step}
             step_fns.update({name: child.step for name, child in children.items()})
-            busy0, ours0, wall0 = _machine_busy_s(), _tree_cpu_s(os.getpid()), time.perf_counter()
+            busy0, ours0, wall0 = machine_busy_s(), _tree_cpu_s(os.getpid()), time.perf_counter()
             for i in range(warmup + steps):
                 active = [name for name in SYSTEMS if name in step_fns and name not in failed]
                 k = i % len(active)
@@ -511,7 +452,7 @@ def run_pipeline_bench(
                         continue
                     if i >= warmup:
                         records[name].append(rec)
-            busy1, ours1, wall1 = _machine_busy_s(), _tree_cpu_s(os.getpid()), time.perf_counter()
+            busy1, ours1, wall1 = machine_busy_s(), _tree_cpu_s(os.getpid()), time.perf_counter()
             if None not in (busy0, busy1, ours0, ours1):
                 # Share of the machine's capacity that other processes took while we measured.
                 others = (busy1 - busy0) - (ours1 - ours0)  # type: ignore[operator]

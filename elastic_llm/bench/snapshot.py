@@ -35,9 +35,7 @@ import datetime as _dt
 import gc
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -46,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from elastic_llm.bench.common import free_port, machine_busy_s, machine_info, process_tree_cpu
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.controller import NAMESPACE, Trainer, loopback_env
 from elastic_llm.model import count_parameters
@@ -74,12 +73,6 @@ def _gbps(nbytes: int, seconds: float) -> float | None:
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _proc_kind(pid: int, root: int) -> str:
     """What a process of the run is: driver, a Ray actor class, raylet, gcs_server, other."""
     if pid == root:
@@ -97,33 +90,10 @@ def _proc_kind(pid: int, root: int) -> str:
 
 
 def _cpu_tree(root: int) -> dict[int, tuple[str, float]] | None:
-    """{pid: (kind, CPU seconds user + system)} of ``root`` and all its live descendants (Linux
-    /proc). The driver starts Ray (GCS, raylets, workers) itself, so this covers every process of
-    a run."""
-    if not os.path.isdir("/proc/self"):
-        return None
-    tick = os.sysconf("SC_CLK_TCK")
-    kids: dict[int, list[int]] = {}
-    cpu: dict[int, float] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid = int(name)
-        kids.setdefault(int(rest[1]), []).append(pid)
-        cpu[pid] = (int(rest[11]) + int(rest[12])) / tick
-    out: dict[int, tuple[str, float]] = {}
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        if pid in cpu:
-            out[pid] = (_proc_kind(pid, root), cpu[pid])
-        todo.extend(kids.get(pid, ()))
-    return out
+    """{pid: (kind, CPU seconds user + system)} of ``root`` and all its live descendants. The
+    driver starts Ray (GCS, raylets, workers) itself, so this covers every process of a run."""
+    tree = process_tree_cpu(root)
+    return None if tree is None else {pid: (_proc_kind(pid, root), c) for pid, c in tree.items()}
 
 
 def _cpu_delta(before: dict[int, tuple[str, float]] | None, after: dict[int, tuple[str, float]] | None) -> dict[str, float] | None:
@@ -136,17 +106,6 @@ def _cpu_delta(before: dict[int, tuple[str, float]] | None, after: dict[int, tup
         c0 = before.get(pid, (kind, 0.0))[1]
         out[kind] = out.get(kind, 0.0) + max(0.0, c1 - c0)
     return out
-
-
-def _machine_busy_s() -> float | None:
-    """CPU seconds the whole machine has been busy (all cores, all processes), from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
-    except (OSError, ValueError):
-        return None
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def _fs_type(path: str) -> str | None:
@@ -162,33 +121,6 @@ def _fs_type(path: str) -> str | None:
         if len(m) >= 3 and (path == m[1] or path.startswith(m[1].rstrip("/") + "/")) and len(m[1]) > len(best):
             best, kind = m[1], m[2]
     return kind
-
-
-def _machine() -> dict[str, Any]:
-    import ray
-    import torch
-
-    cpu_model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-    except OSError:
-        pass
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "cpu": cpu_model or platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "ray": ray.__version__,
-    }
-    try:
-        info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        pass
-    if hasattr(os, "getloadavg"):
-        info["loadavg_1m_at_start"] = round(os.getloadavg()[0], 2)
-    return info
 
 
 # --------------------------------------------------------------------------- in-process part
@@ -378,7 +310,7 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
     warm = _one_stage_worker(cfg1)  # a stage that already has optimizer state (a survivor rolling back)
     try:
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=_dt.timedelta(seconds=300))
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=_dt.timedelta(seconds=300))
             own_pg = True
         reused_stager = DefaultStager(StagingOptions(False, False, False, False))  # caches its CPU copies across saves
         warm.load_state(buf, manifest)
@@ -527,13 +459,13 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, blocks_plan: list[i
             on.fit(warmup)
             off.fit(warmup)
         waits0, stats0 = _actor_waits(on), dict(on.snapshots.stats)
-        busy0, wall0 = _machine_busy_s(), time.perf_counter()
+        busy0, wall0 = machine_busy_s(), time.perf_counter()
         blocks: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
         for r, n in enumerate(blocks_plan):
             order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
             for name, t in order:
                 blocks[name].append(_block(t, n))
-        busy1, wall1 = _machine_busy_s(), time.perf_counter()
+        busy1, wall1 = machine_busy_s(), time.perf_counter()
         waits1 = _actor_waits(on)
         on.snapshots.poll(block=True)  # let the version in flight commit (outside any timing)
         stats1 = dict(on.snapshots.stats)
@@ -761,7 +693,7 @@ def run_snapshot_bench(
         raise ValueError("rounds and repeats must be >= 1, warmup >= 0, workers >= 2 (parity needs two nodes)")
     loopback_env()
     started = time.perf_counter()
-    machine = _machine()
+    machine = machine_info()
     notes: list[str] = []
     cfg = load_config(config_path, list(overrides))
     cfg1 = load_config(config_path, [*overrides, "parallel.stages=1", "parallel.dp=1"])

@@ -13,7 +13,6 @@ The class is plain Python so tests can drive it in-process; the controller wraps
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -107,7 +106,6 @@ class StageWorker:
         self._copy_started = threading.Condition()
         self._resets = 0  # bumped by reset_step(): a snapshot_pieces() call waiting for its step gives up
         self.snapshot_wait_s = 0.0  # total time step() was blocked by an unfinished copy
-        self.snapshot_copy_s = 0.0  # total time of the background copies
 
     # ------------------------------------------------------------------ one microbatch
     def forward(self, mb: int, x: np.ndarray, targets: np.ndarray | None = None) -> np.ndarray | float:
@@ -229,9 +227,7 @@ class StageWorker:
     def _background_copy(self, buf: np.ndarray, lo: int, hi: int, after: Any = None) -> float:
         t = time.perf_counter()
         self.arena.capture(buf, lo, hi, after)
-        dt = time.perf_counter() - t
-        self.snapshot_copy_s += dt
-        return dt
+        return time.perf_counter() - t
 
     def _snapshot_buffer(self, i: int = 0) -> np.ndarray:
         while len(self._buffers) <= i:

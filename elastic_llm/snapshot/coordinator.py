@@ -124,11 +124,6 @@ class SnapshotCoordinator:
     def can_begin(self) -> bool:
         return len(self.inflight) < MAX_INFLIGHT
 
-    @property
-    def pending(self) -> dict[str, Any] | None:
-        """The oldest version in flight (None when nothing is)."""
-        return self.inflight[0] if self.inflight else None
-
     def poll(self, block: bool = False) -> None:
         """Commit the newest version whose parts all finished (older ones in flight are then
         superseded and dropped); drop a version as soon as one of its parts failed (which wakes
@@ -156,7 +151,7 @@ class SnapshotCoordinator:
             if done:
                 newest = done[-1]
                 for p in [p for p in self.inflight if p["version"] < newest["version"]]:
-                    self._discard(p, f"superseded by step {newest['version']}")
+                    self._discard(p, None)  # superseded by the newer complete one
                 self._commit(newest)
             if not block:
                 return
@@ -172,12 +167,13 @@ class SnapshotCoordinator:
         self.inflight.remove(p)
         self.stats["committed"] += 1
 
-    def _discard(self, p: dict[str, Any], why: str) -> None:
+    def _discard(self, p: dict[str, Any], why: str | None) -> None:
+        """Drop a version in flight: superseded by a newer complete one (``why`` None) or failed."""
         version = p["version"]
         for m in self.managers.values():
             m.discard.remote(version)
         self.inflight.remove(p)
-        if why.startswith("superseded"):
+        if why is None:
             self.stats["superseded"] += 1
             return
         self.stats["discarded"] += 1

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +103,6 @@ class SnapshotManager:
         self.lock = threading.Condition()
         self._codecs: dict[tuple[int, int], ReedSolomon] = {}
         self._pool: dict[int, list[np.ndarray]] = {}  # freed parity buffers by size, reused
-        self.stats = {"versions": 0, "encode_s": 0.0, "pull_s": 0.0, "wait_s": 0.0}
 
     def _codec(self, k: int, m: int) -> ReedSolomon:
         if (k, m) not in self._codecs:
@@ -140,8 +138,6 @@ class SnapshotManager:
         node's erasure group, [] for no parity), ``me`` (this node's index in it), ``peers`` (their
         managers), ``m`` (parity per codeword).
         """
-        import ray
-
         group, m, me = plan["group"], int(plan["m"]), int(plan["me"])
         layout = ParityLayout(len(group), m) if group else None
         k = layout.k if layout else 1
@@ -171,7 +167,6 @@ class SnapshotManager:
                 peers[h].offer.remote(version, region, me, refs, meta)
         for region, row in layout.parity_regions(me):
             result["parity"][region] = self._encode(version, layout, region, row)
-        self.stats["versions"] += 1
         return result
 
     @staticmethod
@@ -208,7 +203,6 @@ class SnapshotManager:
         import ray
 
         members = layout.data_nodes(region)
-        t = time.perf_counter()
         with self.lock:
             ok = self.lock.wait_for(
                 lambda: version not in self.versions or all(j in self.versions[version].offers.get(region, {}) for j in members), timeout=WAIT_S
@@ -219,10 +213,8 @@ class SnapshotManager:
                 late = [j for j in members if j not in offers]
                 raise TimeoutError(f"parity of region {region}, step {version}: data of group members {late} never arrived")
             contribs = [offers[j] for j in members]
-        t1 = time.perf_counter()
         flat = [r for refs, _ in contribs for r in refs]
         arrays = ray.get(flat, timeout=WAIT_S) if flat else []
-        t2 = time.perf_counter()
         symbols: list[list[np.ndarray]] = []
         pos = 0
         for j, (refs, meta) in zip(members, contribs):
@@ -242,9 +234,6 @@ class SnapshotManager:
         with self.lock:
             v.parity[region] = (out, crc)
             v.offers.pop(region, None)  # drop the borrowed refs: the pieces stay only with their owners
-        self.stats["wait_s"] += t1 - t
-        self.stats["pull_s"] += t2 - t1
-        self.stats["encode_s"] += time.perf_counter() - t2
         return {"crc": crc, "length": length}
 
     # ------------------------------------------------------------------ commit / free

@@ -49,10 +49,6 @@ class Entry:
 
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
 def ensure_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW's per-parameter state (zero moments, step 0) up front, as its first step would.
 
@@ -146,7 +142,6 @@ class StateArena:
                 for key in list(st):
                     if torch.is_tensor(st[key]):
                         st[key] = by_name[f"optim/{n}/{key}"]
-        self.targets = by_name
         self._streams: dict[torch.device, Any] = {}  # CUDA copy streams, one per device
 
     def capture(self, buffer: np.ndarray, lo: int = 0, hi: int | None = None, after: Any = None) -> None:

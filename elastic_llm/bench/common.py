@@ -1,0 +1,94 @@
+"""Helpers shared by the benchmarks: CPU accounting from /proc, the machine, a free loopback port.
+
+Owns: reading per-process and whole-machine CPU time on Linux (None elsewhere), describing the
+machine, and picking a free TCP port on 127.0.0.1. Never measures anything itself.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from collections.abc import Collection
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds the whole machine has been busy (all cores, all processes), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree_cpu(root: int, exclude: Collection[int] = ()) -> dict[int, float] | None:
+    """{pid: CPU seconds (user + system) used so far} of ``root`` and its live descendants,
+    skipping the subtrees of ``exclude``. Reads /proc (Linux); None elsewhere."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    out: dict[int, float] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in exclude:
+            continue
+        if pid in cpu:
+            out[pid] = cpu[pid]
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """What a benchmark ran on: platform, CPU, cores, memory, Python/torch/Ray versions, load."""
+    import ray
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+    }
+    try:
+        info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    if hasattr(os, "getloadavg"):
+        info["loadavg_1m_at_start"] = round(os.getloadavg()[0], 2)
+    return info
