@@ -12,7 +12,6 @@ import reedsolo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic_llm.snapshot import erasure
 from elastic_llm.snapshot.erasure import (
     BackendUnavailableError,
     BufferOverlapError,
@@ -27,24 +26,21 @@ from elastic_llm.snapshot.erasure import (
     ShardLengthError,
     TooManyErasuresError,
     checksum,
+    checksum_impl,
     gf_invert_matrix,
     isal_available,
     parity_matrix,
 )
+from elastic_llm.snapshot.erasure import gf
+from elastic_llm.snapshot.erasure import isal as isal_binding
 
 BACKENDS = ["numpy", "isal"]
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def require(backend: str) -> None:
-    if backend == "isal" and not isal_available():
-        pytest.skip("Intel ISA-L (libisal.so.2) not installed: apt-get install -y libisal2")
-
-
 def make_rs(backend: str, k: int, m: int, small_blocks: bool = True) -> ReedSolomon:
     """A codec whose block / chunk sizes are tiny, so short shards span many blocks
     and both the 8-bit and the 16-bit lookup paths of the numpy kernel run."""
-    require(backend)
     if not small_blocks:
         return ReedSolomon(k, m, backend=backend)
     if backend == "numpy":
@@ -98,7 +94,7 @@ def test_generator_matrix_is_mds_exhaustively(n):
 def test_generator_matrix_is_mds_for_all_k_small_m(m):
     """For m <= 2, [I; P] is MDS iff every entry of P and (m = 2) every 2 x 2
     minor of P is non-zero; check that for every k allowed."""
-    mul = erasure._MUL
+    mul = gf._MUL
     for k in range(1, 256 - m):
         p = parity_matrix(k, m)
         assert p.all(), f"RS({k},{m}) has a zero parity coefficient"
@@ -232,7 +228,6 @@ def test_we_decode_reedsolo_codewords(backend, k, m, length, data):
 @given(k=st.integers(1, 40), m=st.integers(1, 12), length=lengths, seed=st.integers(0, 2**32 - 1),
        data=st.data())
 def test_isal_and_numpy_identical(k, m, length, seed, data):
-    require("isal")
     variants = [
         ReedSolomon(k, m, backend="isal"),
         ReedSolomon(k, m, codec=IsalCodec(chunk=64)),
@@ -253,7 +248,6 @@ def test_isal_and_numpy_identical(k, m, length, seed, data):
 
 
 def test_isal_and_numpy_identical_long_shards():
-    require("isal")
     for k, m in [(4, 2), (10, 4), (16, 5), (3, 9)]:
         d = random_shards(k, 300001, k * 100 + m)
         a = ReedSolomon(k, m, backend="isal")
@@ -264,8 +258,15 @@ def test_isal_and_numpy_identical_long_shards():
         assert_same(a.decode(erase(d + pa, lost)), b.decode(erase(d + pb, lost)))
 
 
-def test_auto_backend_prefers_isal():
-    assert ReedSolomon(4, 2).backend == ("isal" if isal_available() else "numpy")
+def test_isal_loads_and_is_the_default():
+    """ISA-L is the default backend and half of every backend test: a machine without it
+    must fail here (with the fix), not skip."""
+    assert isal_available(), (
+        f"Intel ISA-L could not be loaded ({isal_binding.isal_error()}): "
+        "install it with `apt-get install -y libisal2` (the README's test command does)"
+    )
+    assert ReedSolomon(4, 2).backend == "isal"
+    assert checksum_impl() == "isal"
 
 
 # ---------------------------------------------------------------------------
@@ -473,17 +474,13 @@ def test_max_code_size_ok():
     assert_same(rs.decode(erase(d + rs.encode(d), [100])), d)
 
 
-def test_unknown_backend():
-    with pytest.raises(CodeParametersError):
-        ReedSolomon(4, 2, backend="cuda")
-
-
 def test_isal_missing_gives_clear_error(monkeypatch):
-    monkeypatch.setattr(erasure, "_load_isal", lambda: None)
+    monkeypatch.setattr(isal_binding, "_load_isal", lambda: None)
+    monkeypatch.setattr(isal_binding, "_isal_error", "libisal.so.2: cannot open shared object file")
     with pytest.raises(BackendUnavailableError, match="apt-get install -y libisal2"):
         ReedSolomon(4, 2, backend="isal")
     assert ReedSolomon(4, 2).backend == "numpy"
-    assert erasure.checksum_impl() == "zlib"
+    assert checksum_impl() == "zlib"
     a = np.arange(1000, dtype=np.uint8)
     assert checksum(a) == zlib.crc32(a.tobytes())
 
@@ -561,9 +558,103 @@ def test_decode_validation_leaves_out_untouched(backend):
     assert _untouched(out) and np.array_equal(shards[3], rs.encode(d)[0])
 
 
-def test_errors_are_distinct_valueerrors():
-    classes = [CodeParametersError, ShardCountError, ShardLengthError, ShardDtypeError,
-               TooManyErasuresError, BufferOverlapError, ChecksumFormatError, BackendUnavailableError]
-    assert len(set(classes)) == len(classes)
-    for c in classes:
-        assert issubclass(c, ErasureError) and issubclass(c, ValueError)
+def _strided(n):
+    return np.zeros(2 * n, np.uint8)[::2]
+
+
+def _read_only(n):
+    a = np.zeros(n, np.uint8)
+    a.setflags(write=False)
+    return a
+
+
+_Z = np.zeros  # fresh buffers per call: lambdas below build their own
+BAD_INPUT = [  # (what, call(rs, data, shards), error, message pattern); RS(3, 2), shards of 100 bytes
+    ("too few data shards", lambda rs, d, s: rs.encode(d[:2]), ShardCountError, r"expected 3 data shards, got 2"),
+    ("2-D array as shard list", lambda rs, d, s: rs.encode(np.stack(d)), ShardCountError,
+     r"data shards must be a list of 3 arrays, got ndarray"),
+    ("unequal lengths", lambda rs, d, s: rs.encode([d[0], d[1], d[2][:99]]), ShardLengthError,
+     r"data shard 2 has 99 bytes, shard 0 has 100"),
+    ("wrong dtype", lambda rs, d, s: rs.encode([d[0], d[1].astype(np.int16), d[2]]), ShardDtypeError,
+     r"data shard 1 must have dtype uint8, got int16 \(a\.view\(np\.uint8\)"),
+    ("2-D shard", lambda rs, d, s: rs.encode([d[0], d[1], _Z((10, 10), np.uint8)]), ShardDtypeError,
+     r"data shard 2 must be 1-D, got shape \(10, 10\)"),
+    ("strided shard", lambda rs, d, s: rs.encode([_strided(100), d[1], d[2]]), ShardDtypeError,
+     r"data shard 0 must be C-contiguous, got strides \(2,\): pass np\.ascontiguousarray"),
+    ("bytes shard", lambda rs, d, s: rs.encode([d[0], bytes(100), d[2]]), ShardDtypeError,
+     r"data shard 1 must be a numpy uint8 array, got bytes"),
+    ("read-only out", lambda rs, d, s: rs.encode(d, out=[_Z(100, np.uint8), _read_only(100)]), ShardDtypeError,
+     r"parity out buffer 1 is read-only"),
+    ("out too short", lambda rs, d, s: rs.encode(d, out=[_Z(100, np.uint8), _Z(99, np.uint8)]), ShardLengthError,
+     r"parity out buffer 1 has 99 bytes, data shards have 100"),
+    ("out is an input", lambda rs, d, s: rs.encode(d, out=[_Z(100, np.uint8), d[1]]), BufferOverlapError,
+     r"parity out buffer 1 overlaps data shard 1: out buffers must not share memory"),
+    ("outs overlap", lambda rs, d, s: (lambda b: rs.encode(d, out=[b[:100], b[60:160]]))(_Z(160, np.uint8)),
+     BufferOverlapError, r"parity out buffer [01] overlaps parity out buffer [01]"),
+    ("decode: too few shards", lambda rs, d, s: rs.decode(s[:4]), ShardCountError, r"expected 5 shards, got 4"),
+    ("decode: unequal lengths", lambda rs, d, s: rs.decode([None, s[1], s[2][:50], s[3], s[4]]), ShardLengthError,
+     r"shard 2 has 50 bytes, shard 1 has 100"),
+    ("decode: out too short", lambda rs, d, s: rs.decode(erase(s, [0]), out=[_Z(100, np.uint8), _Z(100, np.uint8),
+                                                                             _Z(99, np.uint8)]),
+     ShardLengthError, r"data out buffer 2 has 99 bytes, shards have 100"),
+    ("decode: out overlaps a survivor", lambda rs, d, s: rs.decode(erase(s, [0]), out=[s[3], _Z(100, np.uint8),
+                                                                                       _Z(100, np.uint8)]),
+     BufferOverlapError, r"data out buffer 0 overlaps shard 3"),
+    ("decode: too many erasures", lambda rs, d, s: rs.decode(erase(s, [0, 2, 4])), TooManyErasuresError,
+     r"3 of 5 shards lost \(3 missing \[0, 2, 4\], 0 failed checksum \[\]\); .* at most 2 lost"),
+    ("decode: checksum count", lambda rs, d, s: rs.decode(s, checksums=[0] * 4), ShardCountError,
+     r"expected 5 checksums, got 4"),
+    ("verify: bad checksum", lambda rs, d, s: rs.verify(s, [0, 0, -1, 0, 0]), ChecksumFormatError,
+     r"checksum 2 must be an int in \[0, 2\*\*32\), got -1"),
+    ("encode_row: bad row", lambda rs, d, s: rs.encode_row(d, 2), CodeParametersError,
+     r"parity row must be an int in \[0, 2\), got 2"),
+    ("k + m > 255", lambda rs, d, s: ReedSolomon(250, 6), CodeParametersError, r"k \+ m = 256 > 255"),
+    ("k = 0", lambda rs, d, s: ReedSolomon(0, 1), CodeParametersError,
+     r"need k >= 1 data and m >= 1 parity shards, got k=0, m=1"),
+    ("float k", lambda rs, d, s: ReedSolomon(2.0, 1), CodeParametersError, r"k must be an int, got 2\.0"),
+    ("unknown backend", lambda rs, d, s: ReedSolomon(4, 2, backend="cuda"), CodeParametersError,
+     r"unknown backend 'cuda'; use 'auto', 'isal' or 'numpy'"),
+    ("checksum of strided array", lambda rs, d, s: checksum(_strided(10)), ShardDtypeError,
+     r"checksum needs a C-contiguous array"),
+]
+
+
+@pytest.mark.parametrize("what,call,error,message", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_raises_the_specific_error_with_a_helpful_message(what, call, error, message):
+    rs = ReedSolomon(3, 2)
+    d = random_shards(3, 100, 2)
+    shards = d + rs.encode(d)
+    with pytest.raises(error, match=message) as ei:
+        call(rs, d, shards)
+    assert type(ei.value) is error  # the specific class, not a sibling or the base
+    assert isinstance(ei.value, ErasureError) and isinstance(ei.value, ValueError)
+
+
+# ---------------------------------------------------------------------------
+# the field comes from reedsolo
+# ---------------------------------------------------------------------------
+
+
+def test_field_tables_are_reedsolos():
+    log_t, exp_t, _ = reedsolo.init_tables(prim=0x11D, generator=2, c_exp=8)
+    assert gf._EXP.tobytes() == bytes(exp_t)
+    assert np.array_equal(gf._LOG[1:], np.frombuffer(bytes(log_t), np.uint8)[1:])
+    want = np.array([[reedsolo.gf_mul(a, b) for b in range(256)] for a in range(256)], dtype=np.uint8)
+    assert np.array_equal(gf._MUL, want)
+    assert [int(x) for x in gf._INV[1:]] == [reedsolo.gf_inverse(a) for a in range(1, 256)]
+    for m in (1, 2, 5, 32, 254):
+        assert gf.generator_poly(m).tobytes() == bytes(reedsolo.RSCodec(nsym=m, nsize=255).gen[m])
+
+
+def test_parity_matrix_survives_reedsolo_switching_its_field():
+    """reedsolo keeps its tables in module globals that any other user may re-initialise;
+    the parity matrix must still be built over our field."""
+    want = parity_matrix(7, 3).copy()
+    gf._parity_matrix.cache_clear()
+    try:
+        reedsolo.init_tables(prim=0x11B, generator=3, c_exp=8)  # the AES field
+        assert np.array_equal(parity_matrix(7, 3), want)
+        reedsolo.init_tables(prim=0x11B, generator=3, c_exp=8)
+        assert gf.generator_poly(3).tobytes() == bytes(reedsolo.RSCodec(nsym=3, nsize=10).gen[3])
+    finally:
+        reedsolo.init_tables()
