@@ -104,19 +104,29 @@ class SnapshotConfig:
     max_lag: int = 4  # steps the committed snapshot may trail training before a step waits for it
 
 
-CHAOS_KINDS = ("stage", "node", "smp")
+@dataclass
+class RecoveryConfig:
+    max_failures: int = 100  # failures the run recovers from in total; one more stops it (exit 4)
+    max_retries_per_step: int = 3  # times one step is retried after failing; one more failure stops the run (exit 4)
+    capacity_timeout_s: float = 600.0  # longest wait for actors that cannot be placed, then the run stops (exit 4)
+    capacity_report_s: float = 10.0  # while waiting for capacity, say what is missing this often
+
+
+CHAOS_KINDS = ("stage", "node", "smp", "error")
 CHAOS_HOW = ("ray_kill", "sigkill")
+CHAOS_DURING = ("step", "recovery")
 
 
 @dataclass
 class ChaosEvent:
-    step: int  # fire while this step runs (1-based)
-    kill: str  # stage: the actor of (stage, replica); node / smp: the node / snapshot manager hosting it
+    step: int  # fire while this step runs (1-based), or (during: recovery) while the failure of this step is recovered
+    kill: str  # stage: the actor of (stage, replica); node / smp: the node / snapshot manager hosting it; error: the stage raises on every step from now on
     stage: int = 0
     replica: int = 0
     how: str = "ray_kill"  # ray_kill | sigkill (stage)
     corrupt: bool = False  # with kill=smp: flip a byte of its committed shard instead of killing it
     node: int | None = None  # kill=node / smp: the node-th live node with CPUs (by node id), not the one hosting stage/replica
+    during: str = "step"  # step | recovery: after the recovery plan of step `step`'s failure is made, before it is carried out
 
 
 @dataclass
@@ -132,6 +142,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,7 +151,7 @@ class RunConfig:
     def config_hash(self) -> str:
         """Hash of everything that shapes the trained state (not of run length or naming)."""
         d = self.to_dict()
-        for section in ("name", "snapshot", "chaos"):
+        for section in ("name", "snapshot", "recovery", "chaos"):
             d.pop(section)
         d["train"].pop("max_steps")
         d["train"].pop("eval_every")
@@ -232,10 +243,22 @@ def _validate(c: RunConfig) -> list[str]:
     elif sn.group_size > 255:
         p.append(f"snapshot.group_size={sn.group_size} must be <= 255 (Reed-Solomon over GF(2^8))")
     one_of("snapshot.codec", sn.codec, ("auto", "isal", "numpy"))
+    rc = c.recovery
+    if rc.max_failures < 0:
+        p.append(f"recovery.max_failures={rc.max_failures} must be >= 0 (0: stop at the first failure)")
+    if rc.max_retries_per_step < 0:
+        p.append(f"recovery.max_retries_per_step={rc.max_retries_per_step} must be >= 0 (0: a step that fails is not retried)")
+    if rc.capacity_timeout_s <= 0:
+        p.append(f"recovery.capacity_timeout_s={rc.capacity_timeout_s} must be > 0 seconds (default 600)")
+    if rc.capacity_report_s <= 0:
+        p.append(f"recovery.capacity_report_s={rc.capacity_report_s} must be > 0 seconds (default 10)")
     for i, ev in enumerate(c.chaos.events):
         where = f"chaos.events[{i}]"
         one_of(f"{where}.kill", ev.kill, CHAOS_KINDS)
         one_of(f"{where}.how", ev.how, CHAOS_HOW)
+        one_of(f"{where}.during", ev.during, CHAOS_DURING)
+        if ev.during == "recovery" and ev.kill not in ("stage", "node"):
+            p.append(f"{where}: during: recovery goes with kill: stage or kill: node, not kill: {ev.kill}")
         if ev.step < 1:
             p.append(f"{where}.step={ev.step} must be >= 1")
         if not (0 <= ev.stage < par.stages and 0 <= ev.replica < par.dp):

@@ -332,3 +332,22 @@ class TokenStream:
         if epoch < 0 or not 0 <= index <= self.n_windows:
             raise DataError(f"data position {state} does not fit this corpus of {self.n_windows} windows: was it saved for other data?")
         self.position = StreamPosition(epoch, index)
+
+
+@dataclass
+class RunData:
+    """A run's data: where it lives, the training stream (seeded) and the validation tokens."""
+
+    dir: str
+    train: "TokenStream"
+    val: np.ndarray
+
+
+def open_run_data(data_dir: str | None, seq_len: int, seed: int, vocab_size: int, val_fraction: float = 0.02) -> RunData:
+    """The data a run trains on: ``data_dir`` (prepared shards), else the built-in corpus; the
+    training stream in the run's seeded order. Refuses data whose vocabulary the model lacks."""
+    where = data_dir if data_dir else str(ensure_builtin_corpus(val_fraction))
+    meta = read_meta(where)
+    if meta["vocab_size"] > vocab_size:
+        raise DataError(f"data in {where} has vocab_size {meta['vocab_size']} > model.vocab_size={vocab_size}: raise model.vocab_size")
+    return RunData(where, TokenStream(load_split(where, "train"), seq_len, seed), load_split(where, "val"))

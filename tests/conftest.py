@@ -8,6 +8,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 import pytest  # noqa: E402
 
+from elastic_llm.controller.session import loopback_env  # noqa: E402
+
+loopback_env()  # also creates the Ray auth token a test cluster's GCS needs
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from elastic_llm.snapshot.erasure import ReedSolomon
-from elastic_llm.snapshot.manager import chunk_meta, encode_pieces
+from elastic_llm.snapshot.manager import encode_pieces
+from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey, chunk_pieces
 
 
 def pieces(rng, sizes):
@@ -37,7 +38,11 @@ def test_parity_from_pieces_matches_padded_chunks(k, m, seed):
             assert np.array_equal(got[i], padded[i])
 
 
-def test_chunk_meta_takes_one_piece_of_each_shard_in_key_order():
-    infos = {"1/0": {"pieces": [[0, 10, 1], [10, 5, 2]]}, "0/0": {"pieces": [[0, 8, 3], [8, 8, 4]]}}
-    assert chunk_meta(infos, 0) == [[0, 8, 3], [0, 10, 1]]
-    assert chunk_meta(infos, 1) == [[8, 8, 4], [10, 5, 2]]
+def test_chunk_pieces_take_one_piece_of_each_shard_in_key_order():
+    def info(stage, replica, pieces):
+        return ShardInfo(ShardKey(stage, replica), 1, 0, 0, tuple(Piece(*p) for p in pieces), "{}")
+
+    # stage 10 sorts after stage 2 (numeric, not "10/0" < "2/0" as strings would)
+    infos = (info(10, 0, [[0, 10, 1], [10, 5, 2]]), info(2, 0, [[0, 8, 3], [8, 8, 4]]), info(2, 1, [[0, 1, 5], [1, 1, 6]]))
+    assert chunk_pieces(infos, 0) == [Piece(0, 8, 3), Piece(0, 1, 5), Piece(0, 10, 1)]
+    assert chunk_pieces(infos, 1) == [Piece(8, 8, 4), Piece(1, 1, 6), Piece(10, 5, 2)]

@@ -64,7 +64,7 @@ def test_pipeline_matches_unsplit_model(ray_local, schedule, stages, dp):
             replica_grads = [ray.get(actors[r][s].grads.remote()) for r in range(dp)]
             params = ray.get(actors[0][s].parameters.remote())
             for name, g in replica_grads[0].items():
-                gname = global_name(name, info["layers"])
+                gname = global_name(name, info.layers)
                 seen.add(gname)
                 np.testing.assert_array_equal(params[name], ref_params[gname])  # same init as unsplit
                 np.testing.assert_allclose(g, ref_grads[gname], rtol=2e-4, atol=2e-6, err_msg=gname)

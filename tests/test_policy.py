@@ -3,12 +3,13 @@
 import pytest
 
 from elastic_llm.recovery.policy import Member, Observation, RecoveryPolicy, UnrecoverableError
+from elastic_llm.snapshot.records import ShardKey
 
 NODES = ("n0", "n1", "n2", "n3")
 
 
 def obs(members, dead_nodes=(), dead_smp=(), committed=5, parity=1, groups=(NODES,)):
-    shard_nodes = tuple((f"{m.stage}/{m.replica}", m.node) for m in members)
+    shard_nodes = tuple((ShardKey(m.stage, m.replica), m.node) for m in members)
     return Observation(tuple(members), frozenset(dead_nodes), frozenset(set(dead_smp) | set(dead_nodes)), committed, shard_nodes, groups, parity)
 
 
@@ -38,7 +39,7 @@ def test_lost_node_rebuilds_from_parity():
     members = pipeline(dead={(2, 0)})
     plan = RecoveryPolicy().decide(obs(members, dead_nodes={"n2"}))
     assert [(a.stage, a.source) for a in plan.actions] == [(2, "parity")]
-    assert plan.lost_shards == ("2/0",) and plan.rollback_to == 5
+    assert plan.lost_shards == (ShardKey(2, 0),) and plan.rollback_to == 5
 
 
 def test_two_lost_nodes_need_parity_two():

@@ -18,6 +18,7 @@ from ray.cluster_utils import Cluster
 from elastic_llm.config import load_config
 from elastic_llm.controller import NAMESPACE, Trainer
 from elastic_llm.recovery.policy import UnrecoverableError
+from elastic_llm.snapshot.records import ShardKey
 
 from .conftest import REPO
 
@@ -102,6 +103,7 @@ def test_manager_keeps_a_shard_after_the_sending_stage_is_sigkilled(nodes):
 
     from elastic_llm.snapshot.erasure import checksum
     from elastic_llm.snapshot.manager import SnapshotManager
+    from elastic_llm.snapshot.records import ManagerPlan, Piece, ShardInfo, ShardKey
 
     @ray.remote(num_cpus=0.5, concurrency_groups={"snapshot": 1})
     class Sender:
@@ -112,8 +114,7 @@ def test_manager_keeps_a_shard_after_the_sending_stage_is_sigkilled(nodes):
             data = np.random.default_rng(7).integers(0, 256, 8 << 20, dtype=np.uint8)
             per = len(data) // k
             pieces = [data[i * per : (i + 1) * per] for i in range(k)]
-            info = {"version": version, "nbytes": len(data), "lo": 0, "manifest": "{}",
-                    "pieces": [[i * per, per, checksum(p)] for i, p in enumerate(pieces)]}
+            info = ShardInfo(ShardKey(0, 0), version, 0, len(data), tuple(Piece(i * per, per, checksum(p)) for i, p in enumerate(pieces)), "{}")
             return [info, *pieces]
 
     node = next(iter(nodes.worker_nodes)).node_id
@@ -121,12 +122,12 @@ def test_manager_keeps_a_shard_after_the_sending_stage_is_sigkilled(nodes):
     smp = ray.remote(SnapshotManager).options(num_cpus=0, max_concurrency=4, scheduling_strategy=on_node).remote(node)
     sender = Sender.options(scheduling_strategy=on_node).remote()
     expected = zlib.crc32(np.random.default_rng(7).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes())
-    out = ray.get(smp.snapshot_version.remote(1, {"stages": [["0/0", sender]], "group": [], "me": 0, "peers": [], "m": 1}))
-    assert out["shards"]["0/0"]["nbytes"] == 8 << 20
+    out = ray.get(smp.snapshot_version.remote(ManagerPlan(1, ((ShardKey(0, 0), sender),))))
+    assert [(s.key, s.nbytes, s.node_id) for s in out.shards] == [(ShardKey(0, 0), 8 << 20, node)]
     os.kill(ray.get(sender.pid.remote()), signal.SIGKILL)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(sender.pid.remote(), timeout=60)
-    data, _ = ray.get(smp.get_shard.remote(1, "0/0"))
+    data, _ = ray.get(smp.get_shard.remote(1, ShardKey(0, 0)))
     assert zlib.crc32(data) == expected
     ray.kill(smp)
 
@@ -160,7 +161,7 @@ def test_killed_manager_is_replaced_and_the_next_snapshot_completes(nodes, corpu
     t = make_trainer(nodes, corpus_dir, f"chaos.events=[{{step: 4, kill: smp, {target}}}]")
     t.setup()
     live = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
-    victim = t.nodes[(1, 0)] if target.startswith("stage") else live[2]
+    victim = t.group.nodes[ShardKey(1, 0)] if target.startswith("stage") else live[2]
     first = t.snapshots.managers[victim]
     losses = run(t)
     assert t.recoveries == []  # stages never stopped
@@ -185,9 +186,10 @@ def test_more_lost_nodes_than_parity_is_a_clear_error_and_keeps_survivors(nodes,
         with pytest.raises(UnrecoverableError, match="2 nodes of an erasure group of 5 lost their snapshots but parity covers 1"):
             t.fit(STEPS)
         committed = t.snapshots.committed.version
-        held = [ray.get(m.held.remote()) for m in t.snapshots.managers.values()]
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        held = [ray.get(m.held.remote()) for node, m in t.snapshots.managers.items() if node in alive]
         survivors = [h for h in held if committed in h]
-        assert survivors and all(h[committed]["committed"] for h in survivors)
+        assert survivors and all(h[committed] for h in survivors)
     finally:
         t.shutdown()
 
@@ -198,3 +200,18 @@ def test_lost_replica_is_copied_from_its_data_parallel_peer_without_rollback(nod
     losses = run(t)
     assert [(r["stage"], r["replica"], r["source"], r["rollback_steps"]) for r in t.recoveries] == [(1, 1, "dp_peer", 0)]
     assert losses == clean(1, *dp)
+
+
+def test_stage_killed_while_a_recovery_is_in_progress_is_re_observed_and_recovered(nodes, corpus_dir, clean):
+    """Stage 2 dies at step 5; after the recovery plan is made and before it is carried out,
+    stage 1 dies too. The executor fails, the controller observes again, re-plans with both
+    stages lost, and the run replays bit for bit."""
+    t = make_trainer(
+        nodes, corpus_dir,
+        "chaos.events=[{step: 5, kill: stage, stage: 2}, {step: 5, kill: stage, stage: 1, during: recovery, how: sigkill}]",
+    )
+    losses = run(t)
+    assert t.budget.total == 2 and t.budget.of_step(5) == 2  # the step's failure and its recovery's
+    assert sorted((r["stage"], r["source"]) for r in t.recoveries) == [(1, "local_smp"), (2, "local_smp")]
+    assert all(r["rollback_steps"] >= 0 for r in t.recoveries)
+    assert losses == clean(1)

@@ -132,6 +132,8 @@ def test_pieces_restore_like_one_buffer_and_state_lives_in_one_block():
 
 
 def test_rollback_from_own_copy_checks_the_committed_checksums():
+    from dataclasses import replace
+
     from elastic_llm.snapshot.erasure import checksum
 
     a = StageWorker(cfg(), 0, 0)
@@ -142,12 +144,12 @@ def test_rollback_from_own_copy_checks_the_committed_checksums():
             a.backward(mb)
         a.step(snapshot={"epoch": 0, "index": i})  # background copies of steps 1, 2, 3 (two buffers)
     info, *pieces = a.snapshot_pieces(3, 2)
-    record = info["pieces"]
-    assert [checksum(p) for p in pieces] == [c for _, _, c in record]
+    record = info.pieces
+    assert [checksum(p) for p in pieces] == [p.crc for p in record]
     after3 = {n: p.clone() for n, p in a.module.named_parameters()}
     expected = run_steps(a, data[3:])
     assert not a.restore_own_copy(1, record)  # step 1's buffer was reused by step 3
-    bad = [[o, n, c ^ 1] for o, n, c in record]
+    bad = tuple(replace(p, crc=p.crc ^ 1) for p in record)
     assert not a.restore_own_copy(3, bad)  # bytes that are not the committed snapshot: refused
     assert a.step_count == 5
     assert a.restore_own_copy(3, record) and a.step_count == 3

@@ -47,7 +47,8 @@ def test_tiny_loss_falls_and_metrics_are_written(ray_local, corpus_dir, tmp_path
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     events = [line["event"] for line in lines if "event" in line]
     steps = [line for line in lines if "event" not in line]
-    assert events == ["start", "end"]
+    assert events == ["start", "state", "state", "end"]
+    assert [(x["old"], x["new"]) for x in lines if x.get("event") == "state"] == [("starting", "running"), ("running", "finished")]
     assert len(steps) == 30
     for rec in steps:
         assert {"step", "loss", "tokens", "tokens_per_s", "elapsed_s"} <= rec.keys()
@@ -87,3 +88,29 @@ def test_cli_train_end_to_end(corpus_dir, tmp_path):
     assert "step" in proc.stderr and "loss=" in proc.stderr  # the live progress bar
     steps = [json.loads(x) for x in metrics.read_text().splitlines() if '"event"' not in x]
     assert [s["step"] for s in steps] == [1, 2, 3] and "val_loss" in steps[-1]
+
+
+def test_a_step_failing_the_same_way_every_time_stops_with_exit_4_and_the_cause(corpus_dir, tmp_path):
+    """Stage 1 raises on every step from step 3 on (every actor stays alive): the step is retried
+    recovery.max_retries_per_step times, then the run stops with exit code 4, naming the step,
+    the stage, the error and its traceback, instead of replaying step 3 forever."""
+    metrics = tmp_path / "fail.jsonl"
+    env = dict(os.environ, RAY_ADDRESS="")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_llm.cli", "train", "--config", TINY, "--max-steps", "6", "--no-progress",
+         "--metrics-out", str(metrics), "--set", f"data.dir={corpus_dir}", "--set", "train.eval_every=0",
+         "--set", "recovery.max_retries_per_step=2", "--set", "chaos.events=[{step: 3, kill: error, stage: 1}]"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=240,
+    )
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()
+    error = next(i for i, line in enumerate(last) if line.startswith("error: training stopped (exit 4)"))
+    tail = "\n".join(last[error:])
+    assert "step 3 failed 3 times and recovery.max_retries_per_step=2" in tail
+    assert "step 3, stage 1 replica 0 failed: InjectedFault" in tail
+    assert "Traceback" in tail or "ray::StageWorker.forward" in tail  # the traceback's first lines
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in lines if "event" not in x] == [1, 2]  # step 3 never completed
+    recoveries = [x for x in lines if x.get("event") == "recovery"]
+    assert len(recoveries) == 2 and all(r["source"] == "none" for r in recoveries)  # nothing lost: replayed twice
+    assert [x["exit_code"] for x in lines if x.get("event") == "failed"] == [4]

@@ -5,7 +5,9 @@ into replicas and microbatches, and the data-parallel gradient exchange. Activat
 gradients are passed as object refs straight from actor to actor; the driver only holds refs.
 
 Ray runs the calls of one caller on one (synchronous) actor in submission order, so submitting
-each stage's ops in schedule order reproduces the schedule exactly.
+each stage's ops in schedule order reproduces the schedule exactly. A failed step comes out as
+:class:`StepFailed` naming the stage whose call failed first (submission order is a topological
+order of the step's calls, so the first failed call in it is a root cause, not a victim).
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ import ray
 from elastic_llm.pipeline.schedules import Op, build_schedule, submission_order
 
 STEP_TIMEOUT_S = 900.0  # a step that takes longer is treated as a failure (a hung stage)
+SETTLE_S = 120.0  # after a failure, how long the step's other calls get to finish or fail
+
+
+class StepFailed(RuntimeError):
+    """A call of the step failed: ``stage``/``replica`` of the first failed call (None if none
+    failed, e.g. a timeout), and the exception it raised (``cause``)."""
+
+    def __init__(self, cause: BaseException, stage: int | None, replica: int | None) -> None:
+        self.cause, self.stage, self.replica = cause, stage, replica
+        super().__init__(str(cause))
 
 
 @dataclass
@@ -49,6 +61,7 @@ class PipelineRunner:
         last = self.n_stages - 1
         loss_refs: list[ray.ObjectRef] = []
         self.inflight = []
+        self.calls: list[tuple[ray.ObjectRef, int, int]] = []  # (ref, replica, stage) in submission order
         self.first_op: dict[tuple[int, int], ray.ObjectRef] = {}  # (replica, stage) -> its first call of the step
         for r, stages in enumerate(self.actors):
             fwd: dict[tuple[int, int], ray.ObjectRef] = {}
@@ -65,18 +78,34 @@ class PipelineRunner:
                 else:
                     grad = None if s == last else bwd[(s + 1, op.mb)]
                     bwd[(s, op.mb)] = actor.backward.remote(op.mb, grad)
+                ref = fwd[(s, op.mb)] if op.kind == "F" else bwd[(s, op.mb)]
+                self.calls.append((ref, r, s))
                 if (r, s) not in self.first_op:
-                    self.first_op[(r, s)] = fwd[(s, op.mb)] if op.kind == "F" else bwd[(s, op.mb)]
+                    self.first_op[(r, s)] = ref
             self.inflight += list(fwd.values()) + list(bwd.values())
         return loss_refs
 
-    def settle(self, timeout: float = 120.0) -> None:
+    def settle(self, timeout: float = SETTLE_S) -> None:
         """Wait until every call of the last step has finished or failed (after a failure, so
         that no stale call runs after the survivors are reset)."""
         refs = getattr(self, "inflight", [])
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout)
         self.inflight = []
+
+    def first_failed(self) -> tuple[int | None, int | None, BaseException | None]:
+        """(stage, replica, error) of the first call, in submission order, that finished with an
+        error: its own error, not the "inputs could not be computed" of the calls behind it."""
+        calls = getattr(self, "calls", [])
+        done, _ = ray.wait([c[0] for c in calls], num_returns=len(calls), timeout=0) if calls else ([], [])
+        finished = set(done)
+        for ref, r, s in calls:
+            if ref in finished:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception as e:
+                    return s, r, e
+        return None, None, None
 
     def submit_optimizer_step(self, snapshot: dict[str, int] | None = None) -> list[list[ray.ObjectRef]]:
         """Submit the data-parallel gradient exchange and the optimizer step of every stage.
@@ -93,6 +122,7 @@ class PipelineRunner:
             else:
                 step_refs.append([replicas[0].step.remote(snapshot=snapshot)])
             self.inflight = getattr(self, "inflight", []) + step_refs[-1]
+            self.calls = getattr(self, "calls", []) + [(ref, r, s) for r, ref in enumerate(step_refs[-1])]
         return step_refs
 
     def submit_step(self, x: np.ndarray, y: np.ndarray) -> tuple[list[ray.ObjectRef], list[list[ray.ObjectRef]]]:
@@ -104,13 +134,19 @@ class PipelineRunner:
         return self.collect(loss_refs, step_refs)
 
     def collect(self, loss_refs: list[ray.ObjectRef], step_refs: list[list[ray.ObjectRef]]) -> StepResult:
-        losses = ray.get(loss_refs, timeout=STEP_TIMEOUT_S)
-        stats = [ray.get(refs, timeout=STEP_TIMEOUT_S)[0] for refs in step_refs]  # every replica; report replica 0
+        """The step's result; raises :class:`StepFailed` if any call failed or the step timed out."""
+        try:
+            losses = ray.get(loss_refs, timeout=STEP_TIMEOUT_S)
+            stats = [ray.get(refs, timeout=STEP_TIMEOUT_S)[0] for refs in step_refs]  # every replica; report replica 0
+        except (ray.exceptions.RayError, TimeoutError) as err:
+            self.settle()
+            stage, replica, first = self.first_failed()
+            raise StepFailed(first or err, stage, replica) from err
         # Every microbatch has the same number of tokens, so the batch loss is their mean.
         return StepResult(
             loss=float(np.mean(losses)),
-            grad_norms=[st["grad_norm"] for st in stats],
-            lr=stats[0]["lr"],
+            grad_norms=[st.grad_norm for st in stats],
+            lr=stats[0].lr,
         )
 
     def eval_loss(self, x: np.ndarray, y: np.ndarray) -> float:
@@ -124,4 +160,4 @@ class PipelineRunner:
         return float(np.mean(ray.get(refs)))
 
 
-__all__ = ["PipelineRunner", "StepResult", "Op"]
+__all__ = ["PipelineRunner", "StepResult", "StepFailed", "Op"]

@@ -25,10 +25,39 @@ from typing import Any
 import numpy as np
 import torch
 
-from elastic_llm.config import RunConfig, config_from_dict
+from elastic_llm.config import RunConfig, TrainConfig, config_from_dict
 from elastic_llm.model import build_stage, lm_loss
+from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step of a stage reports to the driver."""
+
+    grad_norm: float  # L2 norm of the averaged gradient before clipping
+    lr: float  # the learning rate the step used
+    snapshot_wait_s: float  # total seconds steps of this actor waited for an unfinished snapshot copy
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Where a stage actor runs and what it holds."""
+
+    stage: int
+    replica: int
+    pid: int
+    node_id: str | None
+    device: str
+    threads: int
+    step: int
+    layers: tuple[int, ...]
+    parameters: int
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a stage that chaos told to fail (``kill: error``): an application error."""
 
 
 def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
@@ -37,6 +66,23 @@ def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(module: torch.nn.Module, train: TrainConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """A stage's AdamW (weight decay on matrices only) and its LR schedule (:func:`lr_factor`)."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        foreach=True,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.min_lr / train.lr),
+    )
+    return optimizer, scheduler
 
 
 @dataclass
@@ -74,18 +120,7 @@ class StageWorker:
         torch.set_num_threads(par.threads())
         torch.manual_seed(stage_seed(train.seed, stage, replica))
         self.module = build_stage(self.cfg.model.shape(), par.stages, stage, train.seed).to(self.device)
-        decay = [p for p in self.module.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.module.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=train.lr,
-            betas=(train.beta1, train.beta2),
-            foreach=True,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.min_lr / train.lr),
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.module, train)
         from elastic_llm.snapshot.state import StateArena
 
         self.arena = StateArena(self.module, self.optimizer)  # state in one block: copies are single memcpys
@@ -106,6 +141,7 @@ class StageWorker:
         self._copy_started = threading.Condition()
         self._resets = 0  # bumped by reset_step(): a snapshot_pieces() call waiting for its step gives up
         self.snapshot_wait_s = 0.0  # total time step() was blocked by an unfinished copy
+        self.injected_error: str | None = None  # chaos: every forward raises this from now on
 
     # ------------------------------------------------------------------ one microbatch
     def forward(self, mb: int, x: np.ndarray, targets: np.ndarray | None = None) -> np.ndarray | float:
@@ -113,6 +149,8 @@ class StageWorker:
 
         Returns the output activations (numpy), or on the last stage the microbatch loss.
         """
+        if self.injected_error is not None:
+            raise InjectedFault(f"stage {self.stage} replica {self.replica}: {self.injected_error}")
         if self.first:
             inp = torch.from_numpy(np.asarray(x)).to(self.device)
         else:
@@ -169,7 +207,7 @@ class StageWorker:
             p.grad = total[offset : offset + n].view_as(p).to(self.device)
             offset += n
 
-    def step(self, *peer_grads: np.ndarray, snapshot: dict[str, int] | None = None) -> dict[str, float]:
+    def step(self, *peer_grads: np.ndarray, snapshot: dict[str, int] | None = None) -> StepStats:
         """Average gradients over ``peer_grads`` (all replicas, in replica order; none for DP=1),
         clip, remember the clipped norm, update, advance the LR schedule.
 
@@ -192,7 +230,7 @@ class StageWorker:
         self.step_count += 1
         if snapshot is not None:
             self._start_copy(snapshot)
-        return {"grad_norm": norm, "lr": lr, "snapshot_wait_s": self.snapshot_wait_s}
+        return StepStats(norm, lr, self.snapshot_wait_s)
 
     def _wait_copy(self) -> None:
         if self._copy is not None and not self._copy.done():
@@ -274,8 +312,8 @@ class StageWorker:
             a, b = min(hi, lo + i * per), min(hi, lo + (i + 1) * per)
             piece = buf[a:b]
             pieces.append(piece)
-            meta.append([a, b - a, checksum(piece)])
-        info = {"version": version, "nbytes": hi - lo, "lo": lo, "pieces": meta, "manifest": job.manifest, "copy_s": copy_s}
+            meta.append(Piece(a, b - a, checksum(piece)))
+        info = ShardInfo(ShardKey(self.stage, self.replica), version, lo, hi - lo, tuple(meta), job.manifest, copy_s)
         return [info, *pieces]
 
     # ------------------------------------------------------------------ evaluation
@@ -342,10 +380,10 @@ class StageWorker:
             self._copy_started.notify_all()
         return self.step_count
 
-    def restore_own_copy(self, version: int, pieces: list[list[int]]) -> bool:
+    def restore_own_copy(self, version: int, pieces: tuple[Piece, ...]) -> bool:
         """Roll back to step ``version`` from this stage's own background copy, if one of its
-        buffers still holds it and every byte range in ``pieces`` ([offset, length, crc], the
-        committed snapshot's record) has the recorded checksum. Returns False (nothing changed)
+        buffers still holds it and every byte range in ``pieces`` (the committed snapshot's
+        record) has the recorded checksum. Returns False (nothing changed)
         otherwise: the caller then restores through the snapshot managers."""
         from elastic_llm.snapshot.erasure import checksum
 
@@ -353,27 +391,31 @@ class StageWorker:
         if job is None or (job.lo, job.hi) != (0, self.arena.layout.nbytes):
             return False
         job.future.result(timeout=600)
-        if any(checksum(job.buffer[o : o + n]) != crc for o, n, crc in pieces) or sum(n for _, n, _ in pieces) != job.hi:
+        if any(checksum(job.buffer[p.offset : p.offset + p.length]) != p.crc for p in pieces) or sum(p.length for p in pieces) != job.hi:
             return False
         self.load_parts(job.manifest, [0], job.buffer)
         return True
 
+    def inject_error(self, message: str) -> None:
+        """Fault injection: from now on every forward raises :class:`InjectedFault` (``message``)."""
+        self.injected_error = message
+
     # ------------------------------------------------------------------ inspection
-    def info(self) -> dict[str, Any]:
+    def info(self) -> StageInfo:
         import ray
 
         ctx = ray.get_runtime_context() if ray.is_initialized() else None
-        return {
-            "stage": self.stage,
-            "replica": self.replica,
-            "pid": os.getpid(),
-            "node_id": ctx.get_node_id() if ctx else None,
-            "device": str(self.device),
-            "threads": torch.get_num_threads(),
-            "step": self.step_count,
-            "layers": self.module.layer_ids,
-            "parameters": sum(p.numel() for p in self.module.parameters()),
-        }
+        return StageInfo(
+            stage=self.stage,
+            replica=self.replica,
+            pid=os.getpid(),
+            node_id=ctx.get_node_id() if ctx else None,
+            device=str(self.device),
+            threads=torch.get_num_threads(),
+            step=self.step_count,
+            layers=tuple(self.module.layer_ids),
+            parameters=sum(p.numel() for p in self.module.parameters()),
+        )
 
     def grads(self) -> dict[str, np.ndarray]:
         return {n: p.grad.detach().cpu().numpy().copy() for n, p in self.module.named_parameters() if p.grad is not None}

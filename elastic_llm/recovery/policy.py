@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic_llm.snapshot.records import ShardKey
+
 
 class UnrecoverableError(RuntimeError):
     """No lossless source survives; the message says what was lost and how to avoid it."""
@@ -37,7 +39,7 @@ class Observation:
     dead_nodes: frozenset[str]
     dead_managers: frozenset[str]  # nodes whose snapshot manager is gone (dead nodes included)
     committed: int | None  # latest committed snapshot version
-    shard_nodes: tuple[tuple[str, str], ...] = ()  # (shard key "stage/replica", node) of the committed version
+    shard_nodes: tuple[tuple[ShardKey, str], ...] = ()  # (shard, node holding it) of the committed version
     groups: tuple[tuple[str, ...], ...] = ()  # erasure groups of the committed version
     parity: int = 0
 
@@ -59,7 +61,7 @@ class RecoveryPlan:
     actions: tuple[Action, ...]
     rollback_to: int | None  # every stage restores this committed version; None: keep current state
     reason: str
-    lost_shards: tuple[str, ...] = field(default=())  # shard keys that must be rebuilt from parity
+    lost_shards: tuple[ShardKey, ...] = field(default=())  # shards that must be rebuilt from parity
 
     def __str__(self) -> str:
         rb = f"roll back to step {self.rollback_to}" if self.rollback_to is not None else "no rollback"
@@ -98,7 +100,7 @@ class RecoveryPolicy:
         need_snapshot = False
         for m in lost:
             peers = [p for p in alive if p.stage == m.stage]
-            key = f"{m.stage}/{m.replica}"
+            key = ShardKey(m.stage, m.replica)
             if peers and consistent:
                 actions.append(Action(m.stage, m.replica, "dp_peer", peer=peers[0].replica))
                 continue

@@ -1,239 +1,331 @@
 """Driver-side bookkeeping of snapshot versions: two-phase commit across snapshot managers.
 
-Owns: one SnapshotManager actor per node (named ``smp-<node id>``), the erasure groups of each
-version, the state machine of the version in flight (shards in -> parity encoded -> committed),
-the record of the latest committed version (which node holds which shard, sizes, manifests),
-and fetching a stage's full state back from the managers, rebuilding lost shards from parity.
-It never blocks a training step: :meth:`poll` only looks at finished calls.
+Owns: one SnapshotManager actor per node (named ``smp-<run>-<node>``), when a snapshot is due
+(``snapshot.every``, and ``snapshot.max_lag``: how far the committed version may trail training
+before a step waits for it), the erasure groups of each version, the versions in flight (shards
+in -> parity encoded -> committed), the record of the latest committed version, and fetching a
+stage's committed state back from the managers, rebuilding lost shards from parity.
+
+Never blocks a training step except when the committed version trails by more than ``max_lag``
+(and then with a deadline); never decides recovery: it answers where state is, the controller
+decides what to do with it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_llm.config import RunConfig
 from elastic_llm.recovery.policy import UnrecoverableError
 from elastic_llm.snapshot.manager import SnapshotManager
+from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
 
 log = logging.getLogger("elastic_llm.snapshot")
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
+WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
+PING_S = 10.0  # a manager that does not answer within this is dead
+
+
+@dataclass(frozen=True)
+class StageMember:
+    """A stage actor whose state goes into a version, and the node it runs on."""
+
+    key: ShardKey
+    actor: Any
+    node_id: str
 
 
 @dataclass
-class VersionRecord:
+class _Inflight:
+    """A version in flight (driver-side only; never sent to an actor)."""
+
     version: int
-    groups: list[list[str]]
-    shards: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> info + node_id
+    refs: dict[str, Any]  # node -> ref of its manager's ManagerPart
+    groups: tuple[tuple[str, ...], ...]
+    lost: tuple[ShardKey, ...]  # stages whose node had no manager
+    results: dict[str, ManagerPart] = field(default_factory=dict)
 
-    def infos_on(self, node: str) -> dict[str, dict[str, Any]]:
-        return {k: s for k, s in self.shards.items() if s["node_id"] == node}
+
+@dataclass
+class SnapshotStats:
+    committed: int = 0
+    discarded: int = 0
+    superseded: int = 0
+    skipped: int = 0  # due snapshots skipped while versions were in flight (within max_lag)
+    wait_s: float = 0.0  # training time spent waiting for the committed version to catch up
 
 
-def make_groups(nodes: list[str], size: int, parity: int) -> list[list[str]]:
+def make_groups(nodes: list[str], size: int, parity: int) -> tuple[tuple[str, ...], ...]:
     """Split nodes (sorted) into erasure groups of ``size``; a short tail joins the last group.
-    Groups that cannot hold parity (fewer than parity + 1 nodes) are returned empty."""
+    No groups (no parity) when there are fewer than parity + 1 nodes."""
     nodes = sorted(nodes)
     if len(nodes) < parity + 1:
-        return []
+        return ()
     groups = [nodes[i : i + size] for i in range(0, len(nodes), size)]
     if len(groups) > 1 and len(groups[-1]) < parity + 1:
         tail = groups.pop()
         groups[-1] += tail
-    return groups
+    return tuple(tuple(g) for g in groups)
 
 
 class SnapshotCoordinator:
-    def __init__(self, cfg: RunConfig, namespace: str) -> None:
+    def __init__(self, cfg: RunConfig, namespace: str, run_id: str) -> None:
         self.cfg = cfg
         self.namespace = namespace
+        self.run_id = run_id
         self.managers: dict[str, Any] = {}
-        self.inflight: list[dict[str, Any]] = []  # versions in flight, oldest first (at most MAX_INFLIGHT)
+        self.inflight: list[_Inflight] = []  # oldest first, at most MAX_INFLIGHT
         self.committed: VersionRecord | None = None
-        self.stats: dict[str, float] = {"committed": 0, "discarded": 0, "superseded": 0, "skipped": 0, "wait_s": 0.0}
+        self.stats = SnapshotStats()
         self.events: list[dict[str, Any]] = []
         self.refresh_managers = False
+        self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
 
     # ------------------------------------------------------------------ managers
     def ensure_managers(self) -> dict[str, Any]:
-        """One live SnapshotManager per alive node (re-created where one died)."""
+        """One live SnapshotManager per alive node with CPUs (re-created where one died)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0}
-        for node in list(self.managers):
-            if node not in alive or not self._alive(self.managers[node]):
-                del self.managers[node]
+        dead = self.dead_managers(alive)
+        for node in dead:
+            self.managers.pop(node, None)
         Actor = ray.remote(SnapshotManager)
         for node in sorted(alive - set(self.managers)):
             self.managers[node] = Actor.options(
-                name=f"smp-{node[:12]}",
+                name=f"smp-{self.run_id}-{node[:12]}",
                 namespace=self.namespace,
                 num_cpus=0,
                 max_concurrency=16,
-                get_if_exists=True,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote(node, self.cfg.snapshot.codec)
-        ray.get([m.held.remote() for m in self.managers.values()])
+        ray.get([m.held.remote() for m in self.managers.values()], timeout=120)
         return self.managers
 
-    @staticmethod
-    def _alive(handle: Any) -> bool:
+    def dead_managers(self, alive_nodes: set[str] | frozenset[str]) -> frozenset[str]:
+        """Nodes whose manager is gone: the node died, or the manager does not answer. Asks every
+        manager at once (one deadline for all); changes nothing."""
         import ray
 
-        try:
-            ray.get(handle.held.remote(), timeout=10)
-            return True
-        except Exception:
+        dead = {n for n in self.managers if n not in alive_nodes}
+        live = {n: h for n, h in self.managers.items() if n not in dead}
+        pings = {n: h.held.remote() for n, h in live.items()}
+        ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_S)
+        for node, ref in pings.items():
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:
+                dead.add(node)
+        if self.committed is not None:  # shards recorded on nodes that no longer have a manager
+            dead |= {s.node_id for s in self.committed.shards if s.node_id not in self.managers}
+        return frozenset(dead)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for m in self.managers.values():
+            try:
+                ray.kill(m)
+            except Exception:
+                pass
+        self.managers.clear()
+        self.inflight.clear()
+
+    # ------------------------------------------------------------------ timing
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` takes a snapshot. Skips it while two versions are in flight, unless
+        the committed version would then trail by more than ``max_lag`` steps: then waits (with a
+        deadline) for a version to finish, so a recovery never loses more than that."""
+        sn = self.cfg.snapshot
+        if step % sn.every:
             return False
+        self.poll()
+        if self.can_begin():
+            return True
+        lag = step - (self.committed.version if self.committed else 0)
+        if lag <= sn.max_lag:
+            self.stats.skipped += 1
+            return False
+        t = time.perf_counter()
+        while not self.can_begin():
+            self.poll(block=True, timeout=WAIT_S)
+        self.stats.wait_s += time.perf_counter() - t
+        return True
 
     # ------------------------------------------------------------------ one version
-    def begin(self, version: int, stages: list[tuple[Any, int, int, str]]) -> None:
+    def begin(self, version: int, stages: list[StageMember]) -> None:
         """Start snapshot ``version``: one call per manager, which collects its node's stage
         copies (the stages' step ``version`` was submitted with ``snapshot=...``), offers chunks
         to parity holders and encodes its parity. Nothing here waits."""
         if not self.can_begin():
-            raise RuntimeError(f"snapshots of steps {[p['version'] for p in self.inflight]} are still in flight")
-        if self.refresh_managers or any(node not in self.managers for *_, node in stages):
+            raise RuntimeError(f"snapshots of steps {[p.version for p in self.inflight]} are still in flight")
+        if self.refresh_managers or any(m.node_id not in self.managers for m in stages):
             self.ensure_managers()
             self.refresh_managers = False
         sn = self.cfg.snapshot
         groups = make_groups(sorted(self.managers), sn.group_size, sn.parity)
         group_of = {node: g for g in groups for node in g}
-        by_node: dict[str, list[list[Any]]] = {node: [] for node in self.managers}
+        by_node: dict[str, list[tuple[ShardKey, Any]]] = {node: [] for node in self.managers}
         lost = []
-        for actor, s, r, node in stages:
-            if node in by_node:
-                by_node[node].append([f"{s}/{r}", actor])
+        for m in stages:
+            if m.node_id in by_node:
+                by_node[m.node_id].append((m.key, m.actor))
             else:
-                lost.append(f"{s}/{r}")
+                lost.append(m.key)
         refs = {}
         for node, handle in self.managers.items():
-            group = group_of.get(node, [])
-            plan = {
-                "stages": by_node[node],
-                "group": group,
-                "me": group.index(node) if group else 0,
-                "peers": [self.managers[n] for n in group],
-                "m": sn.parity,
-            }
-            refs[node] = handle.snapshot_version.remote(version, plan)
-        self.inflight.append({"version": version, "refs": refs, "groups": groups, "lost": lost, "results": {}})
+            group = group_of.get(node, ())
+            plan = ManagerPlan(
+                version=version,
+                stages=tuple(by_node[node]),
+                group=group,
+                me=group.index(node) if group else 0,
+                peers=tuple(self.managers[n] for n in group),
+                parity=sn.parity,
+            )
+            refs[node] = handle.snapshot_version.remote(plan)
+        self.inflight.append(_Inflight(version, refs, groups, tuple(lost)))
 
     def can_begin(self) -> bool:
         return len(self.inflight) < MAX_INFLIGHT
 
-    def poll(self, block: bool = False) -> None:
+    def poll(self, block: bool = False, timeout: float = WAIT_S) -> None:
         """Commit the newest version whose parts all finished (older ones in flight are then
         superseded and dropped); drop a version as soon as one of its parts failed (which wakes
-        the managers still waiting on it). ``block`` waits until nothing is in flight."""
+        the managers still waiting on it). ``block`` waits until nothing is in flight, at most
+        ``timeout`` seconds (then the versions still in flight are dropped, with a warning)."""
         import ray
 
+        deadline = time.monotonic() + timeout
+        self._drain_dropped()
         while self.inflight:
-            waiting = {ref: (p, node) for p in self.inflight for node, ref in p["refs"].items() if node not in p["results"]}
+            waiting = {ref: (p, node) for p in self.inflight for node, ref in p.refs.items() if node not in p.results}
             ready = []
             if waiting:
-                ready, _ = ray.wait(list(waiting), num_returns=1 if block else len(waiting), timeout=None if block else 0)
+                left = max(0.0, deadline - time.monotonic()) if block else 0
+                ready, _ = ray.wait(list(waiting), num_returns=1 if block else len(waiting), timeout=left)
             for ref in ready:
                 p, node = waiting[ref]
                 if p not in self.inflight:
                     continue
                 try:
-                    p["results"][node] = ray.get(ref)
+                    p.results[node] = ray.get(ref)
                 except Exception as e:  # a manager or a stage died mid-snapshot: drop this version
                     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
                     self._discard(p, lines[-1] if lines else type(e).__name__)
             for p in list(self.inflight):
-                if p in self.inflight and p["lost"]:
-                    self._discard(p, f"stages {p['lost']} had no snapshot manager")
-            done = [p for p in self.inflight if len(p["results"]) == len(p["refs"])]
+                if p in self.inflight and p.lost:
+                    self._discard(p, f"{', '.join(map(str, p.lost))} had no snapshot manager")
+            done = [p for p in self.inflight if len(p.results) == len(p.refs)]
             if done:
                 newest = done[-1]
-                for p in [p for p in self.inflight if p["version"] < newest["version"]]:
+                for p in [p for p in self.inflight if p.version < newest.version]:
                     self._discard(p, None)  # superseded by the newer complete one
                 self._commit(newest)
             if not block:
                 return
+            if self.inflight and time.monotonic() >= deadline:
+                for p in list(self.inflight):
+                    self._discard(p, f"not complete after {timeout:.0f} s")
+                return
 
-    def _commit(self, p: dict[str, Any]) -> None:
-        record = VersionRecord(p["version"], p["groups"])
-        for res in p["results"].values():
-            for key, info in res["shards"].items():
-                record.shards[key] = {**info, "node_id": res["node_id"]}
+    def _commit(self, p: _Inflight) -> None:
+        shards = tuple(s for part in p.results.values() for s in part.shards)
+        record = VersionRecord(p.version, p.groups, tuple(sorted(shards, key=lambda s: s.key)))
         for handle in self.managers.values():  # fire and forget: a dead manager is a later failure
             handle.commit.remote(record.version)
         self.committed = record
         self.inflight.remove(p)
-        self.stats["committed"] += 1
+        self.stats.committed += 1
 
-    def _discard(self, p: dict[str, Any], why: str | None) -> None:
-        """Drop a version in flight: superseded by a newer complete one (``why`` None) or failed."""
-        version = p["version"]
+    def _discard(self, p: _Inflight, why: str | None, expected: bool = False) -> None:
+        """Drop a version in flight: superseded by a newer complete one (``why`` None) or failed
+        (``expected``: because its training step failed, which the controller reports)."""
         for m in self.managers.values():
-            m.discard.remote(version)
+            m.discard.remote(p.version)
         self.inflight.remove(p)
+        self._dropped += [ref for node, ref in p.refs.items() if node not in p.results]
         if why is None:
-            self.stats["superseded"] += 1
+            self.stats.superseded += 1
             return
-        self.stats["discarded"] += 1
+        self.stats.discarded += 1
         self.refresh_managers = True  # a manager may have died: re-create before the next version
-        self.events.append({"event": "snapshot_discarded", "version": version, "reason": why})
-        log.warning("snapshot of step %d discarded: %s", version, why)
+        self.events.append({"event": "snapshot_discarded", "version": p.version, "reason": why})
+        (log.info if expected else log.warning)("snapshot of step %d discarded: %s", p.version, why)
 
-    def abandon_pending(self) -> None:
-        """Forget the versions in flight (after a failure); their partial data is discarded."""
-        for p in list(self.inflight):
-            self._discard(p, "training failure while in flight")
+    def _drain_dropped(self) -> None:
+        import ray
+
+        if not self._dropped:
+            return
+        done, self._dropped = ray.wait(self._dropped, num_returns=len(self._dropped), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:
+                pass
+
+    def abandon_pending(self, from_version: int = 0) -> None:
+        """Forget the versions in flight from ``from_version`` on (after a training failure);
+        their partial data is discarded."""
+        for p in [p for p in self.inflight if p.version >= from_version]:
+            self._discard(p, "its training step failed", expected=True)
 
     # ------------------------------------------------------------------ restore
-    def fetch_stage_state(self, stage: int, replica: int, dp: int, dead_nodes: set[str]) -> tuple[list[int], list[Any], str, list[str]]:
-        """Where the committed state of ``stage`` is (all DP slices): (byte offsets, object refs
-        of the bytes at them, manifest of ``replica`` (its RNG), sources used). Shards on dead
-        nodes, dead managers or failing their checksums are rebuilt from parity. The refs go
-        straight to the stage being restored: no bytes pass through the driver."""
+    def fetch_stage_state(self, stage: int, replica: int, dp: int, dead_nodes: set[str] | frozenset[str]) -> StageSource:
+        """Where the committed state of ``stage`` is (all DP slices), with the manifest of
+        ``replica`` (its RNG). Shards on dead nodes, dead managers or failing their checksums are
+        rebuilt from parity. The refs go straight to the stage being restored: no bytes pass
+        through the driver."""
         import ray
 
         rec = self.committed
-        assert rec is not None, "no committed snapshot"
-        offsets, refs, sources = [], [], []
+        if rec is None:
+            raise UnrecoverableError("no snapshot has been committed yet")
+        offsets: list[int] = []
+        refs: list[Any] = []
+        sources: list[str] = []
         for r in range(dp):
-            key = f"{stage}/{r}"
-            info = rec.shards[key]
-            node = info["node_id"]
+            info = rec.shard(ShardKey(stage, r))
+            node = info.node_id
             got = None
             if node not in dead_nodes and node in self.managers:
                 try:
-                    got = ray.get(self.managers[node].shard_parts.remote(rec.version, key))
-                    sources.append("local_smp")
+                    got = ray.get(self.managers[node].shard_parts.remote(rec.version, info.key), timeout=WAIT_S)
                 except Exception as e:
-                    log.warning("shard %s unavailable on its node (%s): rebuilding from parity", key, str(e).splitlines()[0])
+                    log.warning("%s unavailable on its node (%s): rebuilding from parity", info.key, str(e).splitlines()[0])
             if got is not None:
-                offsets += [p[0] for p in info["pieces"]]
-                refs += got["refs"]
+                offsets += [p.offset for p in info.pieces]
+                refs += got
+                sources.append("local_smp")
             else:
-                offsets.append(info["lo"])
-                refs.append(self._rebuild_shard(key, dead_nodes | {node}))
+                offsets.append(info.lo)
+                refs.append(self._rebuild_shard(info.key, set(dead_nodes) | {node}))
                 sources.append("parity")
-        return offsets, refs, rec.shards[f"{stage}/{replica}"]["manifest"], sources
+        manifest = rec.shard(ShardKey(stage, replica)).manifest
+        return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources))
 
-    def _rebuild_shard(self, key: str, lost_nodes: set[str]) -> Any:
+    def _rebuild_shard(self, key: ShardKey, lost_nodes: set[str]) -> Any:
         import ray
 
         rec = self.committed
-        node = rec.shards[key]["node_id"]
-        for group in rec.groups:
-            if node not in group:
-                continue
+        assert rec is not None
+        node = rec.shard(key).node_id
+        group = rec.group_of(node)
+        if group is not None:
             lost = [i for i, n in enumerate(group) if n in lost_nodes or n not in self.managers]
             helper = next((self.managers[n] for i, n in enumerate(group) if i not in lost), None)
-            if helper is None or len(lost) > self.cfg.snapshot.parity:
-                break
-            peers = [None if i in lost else self.managers[n] for i, n in enumerate(group)]
-            infos = [rec.infos_on(n) for n in group]
-            [ref] = ray.get(helper.rebuild_shard.remote(rec.version, key, len(group), self.cfg.snapshot.parity, lost, group.index(node), peers, infos))
-            return ref
+            if helper is not None and len(lost) <= self.cfg.snapshot.parity:
+                peers = [None if i in lost else self.managers[n] for i, n in enumerate(group)]
+                infos = [rec.infos_on(n) for n in group]
+                call = helper.rebuild_shard.remote(rec.version, key, len(group), self.cfg.snapshot.parity, lost, group.index(node), peers, infos)
+                [ref] = ray.get(call, timeout=WAIT_S)
+                return ref
         raise UnrecoverableError(
-            f"shard {key} of step {rec.version} cannot be rebuilt: more nodes of its erasure group are lost than "
+            f"{key}, step {rec.version}: its snapshot cannot be rebuilt: more nodes of its erasure group are lost than "
             f"snapshot.parity={self.cfg.snapshot.parity} covers"
         )

@@ -28,6 +28,7 @@ import numpy as np
 
 from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
 from elastic_llm.snapshot.layout import ParityLayout
+from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
 
 WAIT_S = 600.0  # longest a version waits for a stage's copy or a peer's offer
 
@@ -39,21 +40,18 @@ class SnapshotMissingError(LookupError):
 @dataclass
 class Shard:
     refs: list[Any]  # k piece ObjectRefs, owned by this manager
-    info: dict[str, Any]  # version, nbytes, lo, pieces [[offset, length, crc]], manifest
+    info: ShardInfo
 
 
 @dataclass
 class Version:
-    shards: dict[str, Shard] = field(default_factory=dict)
+    shards: dict[ShardKey, Shard] = field(default_factory=dict)
     parity: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)  # region -> (parity, crc)
-    offers: dict[int, dict[int, tuple[list[Any], list[list[int]]]]] = field(default_factory=dict)  # region -> member -> (refs, metas)
+    offers: dict[int, dict[int, tuple[list[Any], list[Piece]]]] = field(default_factory=dict)  # region -> member -> (refs, pieces)
     committed: bool = False
 
-
-def chunk_meta(shard_infos: dict[str, dict[str, Any]], chunk: int) -> list[list[int]]:
-    """[offset, length, crc] of the pieces that form chunk ``chunk`` of a node's data: piece
-    ``chunk`` of each of its shards, in key order."""
-    return [shard_infos[key]["pieces"][chunk] for key in sorted(shard_infos)]
+    def infos(self) -> tuple[ShardInfo, ...]:
+        return tuple(self.shards[k].info for k in sorted(self.shards))
 
 
 def _segments(symbols: list[list[np.ndarray]], length: int) -> list[tuple[int, int, list[np.ndarray | None]]]:
@@ -131,46 +129,39 @@ class SnapshotManager:
         v.offers.clear()
 
     # ------------------------------------------------------------------ one version
-    def snapshot_version(self, version: int, plan: dict[str, Any]) -> dict[str, Any]:
-        """Take this node's part of ``version``; return {node_id, shards: {key: info}, parity}.
-
-        ``plan``: ``stages`` [[key, stage actor]] on this node, ``group`` (node ids of this
-        node's erasure group, [] for no parity), ``me`` (this node's index in it), ``peers`` (their
-        managers), ``m`` (parity per codeword).
-        """
-        group, m, me = plan["group"], int(plan["m"]), int(plan["me"])
+    def snapshot_version(self, plan: ManagerPlan) -> ManagerPart:
+        """Take this node's part of ``plan.version``: collect its stages' pieces, offer the data
+        chunks of each region to that region's parity holders, encode the parity it holds."""
+        version, group, m, me = plan.version, plan.group, plan.parity, plan.me
         layout = ParityLayout(len(group), m) if group else None
         k = layout.k if layout else 1
         with self.lock:
             self.versions.setdefault(version, Version())
         calls = {
             key: stage.snapshot_pieces.options(num_returns=k + 1, concurrency_group="snapshot").remote(version, k)
-            for key, stage in plan["stages"]
+            for key, stage in plan.stages
         }
         infos = self._collect(version, calls)
         with self.lock:
             v = self._version(version)
             for (key, refs), info in zip(calls.items(), infos):
-                v.shards[key] = Shard(list(refs[1:]), info)
-        result: dict[str, Any] = {"node_id": self.node_id, "shards": {key: s.info for key, s in v.shards.items()}, "parity": {}}
+                v.shards[key] = Shard(list(refs[1:]), info.on_node(self.node_id))
+        shards = v.infos()
         if layout is None:
-            return result
-        peers = plan["peers"]
-        infos_by_key = {key: s.info for key, s in v.shards.items()}
+            return ManagerPart(self.node_id, shards)
         for region in range(layout.n):  # offer each data chunk to the holders of its region
             if layout.is_holder(me, region):
                 continue
             c = layout.chunk_of(me, region)
             refs = [v.shards[key].refs[c] for key in sorted(v.shards)]
-            meta = chunk_meta(infos_by_key, c)
+            pieces = chunk_pieces(shards, c)
             for h in layout.holders(region):
-                peers[h].offer.remote(version, region, me, refs, meta)
-        for region, row in layout.parity_regions(me):
-            result["parity"][region] = self._encode(version, layout, region, row)
-        return result
+                plan.peers[h].offer.remote(version, region, me, refs, pieces)
+        parity = tuple(self._encode(version, layout, region, row) for region, row in layout.parity_regions(me))
+        return ManagerPart(self.node_id, shards, parity)
 
     @staticmethod
-    def _collect(version: int, calls: dict[str, Any]) -> list[dict[str, Any]]:
+    def _collect(version: int, calls: dict[ShardKey, Any]) -> list[ShardInfo]:
         """The stages' infos; if any stage failed, one error naming them (every returned ref is
         retrieved, so Ray reports no unhandled errors for the pieces of a failed call)."""
         import ray
@@ -181,7 +172,7 @@ class SnapshotManager:
             try:
                 infos.append(ray.get(refs[0], timeout=0))
             except Exception as e:
-                failed.append(f"{key}: {type(e).__name__}")
+                failed.append(f"{key} ({type(e).__name__})")
                 for r in refs[1:]:
                     try:
                         ray.get(r, timeout=0)
@@ -191,15 +182,15 @@ class SnapshotManager:
             raise RuntimeError(f"no snapshot of step {version} from stages {', '.join(failed)}")
         return infos
 
-    def offer(self, version: int, region: int, member: int, refs: list[Any], meta: list[list[int]]) -> None:
+    def offer(self, version: int, region: int, member: int, refs: list[Any], pieces: list[Piece]) -> None:
         """Group member ``member`` offers its data chunk of ``region`` (piece refs + their
-        [offset, length, crc]) to this parity holder."""
+        byte ranges and checksums) to this parity holder."""
         with self.lock:
             v = self.versions.setdefault(version, Version())
-            v.offers.setdefault(region, {})[member] = (list(refs), meta)
+            v.offers.setdefault(region, {})[member] = (list(refs), list(pieces))
             self.lock.notify_all()
 
-    def _encode(self, version: int, layout: ParityLayout, region: int, row: int) -> dict[str, int]:
+    def _encode(self, version: int, layout: ParityLayout, region: int, row: int) -> ParityInfo:
         import ray
 
         members = layout.data_nodes(region)
@@ -219,9 +210,9 @@ class SnapshotManager:
         pos = 0
         for j, (refs, meta) in zip(members, contribs):
             parts = []
-            for (_, length, crc), arr in zip(meta, arrays[pos : pos + len(refs)]):
+            for piece, arr in zip(meta, arrays[pos : pos + len(refs)]):
                 arr = np.asarray(arr)
-                if len(arr) != length or checksum(arr) != crc:
+                if len(arr) != piece.length or checksum(arr) != piece.crc:
                     raise SnapshotMissingError(f"step {version}: a piece from group member {j} for region {region} fails its checksum")
                 parts.append(arr)
             pos += len(refs)
@@ -234,7 +225,7 @@ class SnapshotManager:
         with self.lock:
             v.parity[region] = (out, crc)
             v.offers.pop(region, None)  # drop the borrowed refs: the pieces stay only with their owners
-        return {"crc": crc, "length": length}
+        return ParityInfo(region, length, crc)
 
     # ------------------------------------------------------------------ commit / free
     def commit(self, version: int) -> list[int]:
@@ -254,11 +245,12 @@ class SnapshotManager:
                 self._free(v)
             self.lock.notify_all()
 
-    def held(self) -> dict[int, dict[str, Any]]:
-        return {v: {"committed": x.committed, "shards": sorted(x.shards), "parity": sorted(x.parity)} for v, x in self.versions.items()}
+    def held(self) -> dict[int, bool]:
+        """Versions held here -> whether each is committed."""
+        return {v: x.committed for v, x in self.versions.items()}
 
     # ------------------------------------------------------------------ restore
-    def _pieces(self, version: int, key: str, verify: bool) -> tuple[Shard, list[np.ndarray]]:
+    def _pieces(self, version: int, key: ShardKey, verify: bool) -> tuple[Shard, list[np.ndarray]]:
         import ray
 
         v = self._version(version)
@@ -267,21 +259,21 @@ class SnapshotManager:
         shard = v.shards[key]
         arrays = [np.asarray(a) for a in ray.get(shard.refs, timeout=WAIT_S)]
         if verify:
-            for i, (arr, (_, length, crc)) in enumerate(zip(arrays, shard.info["pieces"])):
-                if len(arr) != length or checksum(arr) != crc:
+            for i, (arr, piece) in enumerate(zip(arrays, shard.info.pieces)):
+                if len(arr) != piece.length or checksum(arr) != piece.crc:
                     raise SnapshotMissingError(f"piece {i} of shard {key}, version {version} on {self.node_id} fails its checksum")
         return shard, arrays
 
-    def shard_parts(self, version: int, key: str, verify: bool = True) -> dict[str, Any]:
-        """Where shard ``key`` of ``version`` is: {info, refs} (this manager's piece refs, after
-        checking their checksums). Restore passes the refs on to the stage: no copy here."""
+    def shard_parts(self, version: int, key: ShardKey, verify: bool = True) -> list[Any]:
+        """The piece refs of shard ``key`` of ``version`` (this manager's, after checking their
+        checksums). Restore passes the refs on to the stage: no copy here."""
         shard, _ = self._pieces(version, key, verify)
-        return {"info": shard.info, "refs": list(shard.refs)}
+        return list(shard.refs)
 
-    def get_shard(self, version: int, key: str, verify: bool = True) -> tuple[np.ndarray, str]:
+    def get_shard(self, version: int, key: ShardKey, verify: bool = True) -> tuple[np.ndarray, str]:
         """Shard ``key`` of ``version`` as one array (+ its manifest)."""
         shard, arrays = self._pieces(version, key, verify)
-        return (np.concatenate(arrays) if len(arrays) != 1 else arrays[0]), shard.info["manifest"]
+        return (np.concatenate(arrays) if len(arrays) != 1 else arrays[0]), shard.info.manifest
 
     def chunk_parts(self, version: int, chunk: int) -> list[Any]:
         """This node's data chunk ``chunk`` of ``version`` as piece refs, in key order."""
@@ -300,13 +292,13 @@ class SnapshotManager:
     def rebuild_shard(
         self,
         version: int,
-        key: str,
+        key: ShardKey,
         n: int,
         m: int,
         lost: list[int],
         target: int,
         peers: list[Any | None],
-        infos: list[dict[str, dict[str, Any]]],
+        infos: list[tuple[ShardInfo, ...]],
     ) -> list[Any]:
         """Reconstruct shard ``key`` of group member ``target`` from the surviving members.
 
@@ -322,12 +314,12 @@ class SnapshotManager:
         if not layout.recoverable(lost_set):
             raise TooManyErasuresError(layout.k, m, sorted(lost_set), [])
         rs = self._codec(layout.k, m)
-        keys = sorted(infos[target])
+        mine_infos = sorted(infos[target], key=lambda s: s.key)
         pieces: list[np.ndarray] = []
         for c in range(layout.k):
             region = layout.region_of(target, c)
             word = layout.codeword(region)
-            lengths = [sum(p[1] for p in chunk_meta(infos[s.node], s.chunk)) for s in word if s.chunk is not None]
+            lengths = [sum(p.length for p in chunk_pieces(infos[s.node], s.chunk)) for s in word if s.chunk is not None]
             length = max(lengths, default=0)
             shards: list[np.ndarray | None] = []
             for sym in word:
@@ -338,35 +330,35 @@ class SnapshotManager:
                     if sym.chunk is None:
                         shards.append(np.asarray(ray.get(peers[sym.node].get_parity.remote(version, region), timeout=WAIT_S)))
                         continue
-                    meta = chunk_meta(infos[sym.node], sym.chunk)
+                    meta = chunk_pieces(infos[sym.node], sym.chunk)
                     refs = ray.get(peers[sym.node].chunk_parts.remote(version, sym.chunk), timeout=WAIT_S)
                     sym_buf = np.zeros(length, dtype=np.uint8)
                     pos = 0
-                    for (_, plen, crc), arr in zip(meta, ray.get(refs, timeout=WAIT_S)):
+                    for piece, arr in zip(meta, ray.get(refs, timeout=WAIT_S)):
                         arr = np.asarray(arr)
-                        if len(arr) != plen or checksum(arr) != crc:
+                        if len(arr) != piece.length or checksum(arr) != piece.crc:
                             raise SnapshotMissingError(f"a piece of member {sym.node} fails its checksum")
-                        sym_buf[pos : pos + plen] = arr
-                        pos += plen
+                        sym_buf[pos : pos + piece.length] = arr
+                        pos += piece.length
                     shards.append(sym_buf)
                 except Exception:  # a member died or a piece failed its checksum: one more erasure
                     shards.append(None)
             data = rs.decode(shards)
             mine = next(i for i, s in enumerate(word) if s.node == target)
             pos = 0
-            for kk in keys:
-                _, plen, crc = infos[target][kk]["pieces"][c]
-                if kk == key:
-                    piece = data[mine][pos : pos + plen]
-                    if checksum(piece) != crc:
+            for info in mine_infos:
+                want = info.pieces[c]
+                if info.key == key:
+                    piece = data[mine][pos : pos + want.length]
+                    if checksum(piece) != want.crc:
                         raise SnapshotMissingError(f"piece {c} of shard {key}, version {version} fails its checksum after decoding")
                     pieces.append(piece)
-                pos += plen
+                pos += want.length
         shard = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint8)
         return [ray.put(shard)]
 
     # ------------------------------------------------------------------ fault injection
-    def corrupt_shard(self, key: str) -> list[int]:
+    def corrupt_shard(self, key: ShardKey) -> list[int]:
         """Fault injection: flip one byte of ``key``'s first piece in this node's object store, in
         place (the recorded checksums stay: silent corruption). Returns the versions corrupted."""
         import ray
@@ -374,7 +366,7 @@ class SnapshotManager:
         hit = []
         with self.lock:
             for version, v in self.versions.items():
-                if key in v.shards and v.shards[key].info["pieces"][0][1] > 0:
+                if key in v.shards and v.shards[key].info.pieces[0].length > 0:
                     arr = np.asarray(ray.get(v.shards[key].refs[0]))
                     addr = arr.ctypes.data + len(arr) // 2
                     ctypes.memset(addr, (int(arr[len(arr) // 2]) ^ 0xFF), 1)

@@ -1,0 +1,106 @@
+"""Fault injection: the configured ``chaos.events``, fired at fixed points of a run.
+
+Owns: when each event fires and how it strikes (``ray.kill`` or SIGKILL of a stage, killing or
+corrupting a snapshot manager, removing a node of a test cluster, making a stage raise an
+application error on every step). The controller calls one hook, :meth:`Chaos.fire`, at three
+points: ``before_step`` (errors), ``in_step`` (kills, after the victim ran its first call of the
+step, so they land mid-step reproducibly) and ``recovery`` (kills after a recovery plan was
+made, before it is carried out). Each event fires once.
+Never recovers anything and never decides: it only breaks things, as configured.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_llm.config import ChaosEvent, ConfigError, RunConfig
+from elastic_llm.snapshot.records import ShardKey
+
+POINTS = ("before_step", "in_step", "recovery")
+NODE_GONE_S = 60.0  # how long a node removal waits for Ray to see the node dead
+
+
+@dataclass
+class ChaosTargets:
+    """What chaos can hit: the run's actor group, runner, snapshot coordinator and metrics."""
+
+    group: Any
+    runner: Any
+    snapshots: Any
+    metrics: Any
+
+
+class Chaos:
+    def __init__(self, cfg: RunConfig, cluster: Any = None) -> None:
+        if any(ev.kill == "node" for ev in cfg.chaos.events) and cluster is None:
+            raise ConfigError("chaos.events with kill: node need a test cluster (ray.cluster_utils.Cluster): use kill: stage or smp here")
+        self.events = list(cfg.chaos.events)
+        self.cluster = cluster
+        self.fired: set[int] = set()
+
+    def _point(self, ev: ChaosEvent) -> str:
+        if ev.during == "recovery":
+            return "recovery"
+        return "before_step" if ev.kill == "error" else "in_step"
+
+    def fire(self, point: str, step: int, t: ChaosTargets) -> None:
+        """Fire the events due at ``point`` of ``step``."""
+        assert point in POINTS, point
+        for i, ev in enumerate(self.events):
+            if ev.step != step or i in self.fired or self._point(ev) != point:
+                continue
+            self.fired.add(i)
+            self._strike(ev, point, step, t)
+
+    def _strike(self, ev: ChaosEvent, point: str, step: int, t: ChaosTargets) -> None:
+        import ray
+
+        key = ShardKey(ev.stage, ev.replica)
+        if point == "in_step":  # mid-step, reproducibly: after the victim ran its first call of this step
+            ray.wait([t.runner.first_op[(ev.replica, ev.stage)]], timeout=60)
+        t.metrics.event("chaos", step=step, kill=ev.kill, stage=ev.stage, replica=ev.replica, how=ev.how, corrupt=ev.corrupt, during=ev.during)
+        if ev.kill == "error":
+            ray.get(t.group.actor(key).inject_error.remote(f"chaos: injected error from step {step} on"), timeout=60)
+        elif ev.kill == "stage":
+            if ev.how == "sigkill":
+                os.kill(t.group.pids[key], signal.SIGKILL)
+            else:
+                ray.kill(t.group.actor(key), no_restart=True)
+        elif ev.kill == "smp":
+            smp = t.snapshots.managers[self._node(ev, t)]
+            if ev.corrupt:
+                ray.get(smp.corrupt_shard.remote(key), timeout=60)
+            else:
+                ray.kill(smp, no_restart=True)
+        elif ev.kill == "node":
+            self._remove_node(self._node(ev, t))
+
+    def _remove_node(self, node_id: str) -> None:
+        import ray
+
+        victim = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
+        if victim is None:
+            raise RuntimeError(f"chaos: node {node_id[:12]} is not a worker node of the test cluster: it cannot be removed")
+        self.cluster.remove_node(victim, allow_graceful=False)
+        deadline = time.monotonic() + NODE_GONE_S  # the event is over once Ray has seen the node die
+        while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"chaos: Ray still reports node {node_id[:12]} alive {NODE_GONE_S:.0f} s after its removal")
+            time.sleep(0.1)
+
+    @staticmethod
+    def _node(ev: ChaosEvent, t: ChaosTargets) -> str:
+        """The node an event hits: ``node`` (index into the live nodes with CPUs, sorted by node
+        id) or else the node hosting the event's stage/replica."""
+        import ray
+
+        if ev.node is None:
+            return t.group.nodes[ShardKey(ev.stage, ev.replica)]
+        alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0)
+        if ev.node >= len(alive):
+            raise ConfigError(f"chaos event node={ev.node}: the cluster has {len(alive)} live nodes with CPUs (0..{len(alive) - 1})")
+        return alive[ev.node]

@@ -1,0 +1,140 @@
+"""Recovery executor: observes what a failure left, then carries out a :class:`RecoveryPlan`.
+
+Owns: the order of a recovery's side effects. First :meth:`RecoveryExecutor.observe`: let the
+failed step's calls finish, reset the survivors (their pending snapshot calls give up), commit
+what completed and drop the versions in flight, then look (once) at nodes, actors and snapshot
+managers and return a frozen :class:`Observation`. Then :meth:`RecoveryExecutor.execute`:
+replace dead managers and lost actors, and restore state from the plan's sources (own copies,
+snapshot managers, parity, data-parallel peers). Never decides: the plan comes from the pure
+:class:`~elastic_llm.recovery.policy.RecoveryPolicy`. A failure inside either step propagates;
+the controller observes again and re-plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_llm.controller.actor_group import ActorGroup
+from elastic_llm.recovery.policy import Member, Observation, RecoveryPlan
+from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+from elastic_llm.snapshot.records import ShardKey
+
+RESTORE_S = 600.0  # longest a restore (copying state into the stages) may take
+COMMIT_S = 60.0  # after a failure, how long versions in flight get to commit
+
+
+@dataclass(frozen=True)
+class RecoveryOutcome:
+    plan: RecoveryPlan
+    step: int  # completed steps after the recovery (the rollback target, or unchanged)
+    rollback_steps: int
+    sources: tuple[tuple[ShardKey, str], ...]  # restored actor -> where its state came from
+    survivors_from_own_copy: int
+    data_position: dict[str, int] | None  # where the data stream resumes (None: unchanged)
+
+
+def build_observation(
+    steps: dict[ShardKey, int | None],
+    nodes: dict[ShardKey, str],
+    alive_nodes: set[str],
+    dead_managers: frozenset[str],
+    snapshots: SnapshotCoordinator | None,
+    parity: int,
+) -> Observation:
+    """Assemble the policy's input from what was seen (pure)."""
+    members = tuple(Member(k.stage, k.replica, nodes.get(k, ""), steps[k] is not None, steps[k]) for k in sorted(steps))
+    dead_nodes = frozenset(n for n in set(nodes.values()) if n not in alive_nodes)
+    rec = snapshots.committed if snapshots is not None else None
+    return Observation(
+        members=members,
+        dead_nodes=dead_nodes,
+        dead_managers=frozenset(dead_managers | dead_nodes) if snapshots is not None else dead_nodes,
+        committed=rec.version if rec else None,
+        shard_nodes=tuple((s.key, s.node_id) for s in rec.shards) if rec else (),
+        groups=rec.groups if rec else (),
+        parity=parity,
+    )
+
+
+class RecoveryExecutor:
+    def __init__(self, group: ActorGroup, snapshots: SnapshotCoordinator | None, parity: int) -> None:
+        self.group = group
+        self.snapshots = snapshots
+        self.parity = parity
+
+    def observe(self, runner: Any, failed_step: int) -> Observation:
+        import ray
+
+        if runner is not None:
+            runner.settle()
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        steps = self.group.reset_survivors(alive_nodes)
+        sn = self.snapshots
+        dead_managers: frozenset[str] = frozenset()
+        if sn is not None:
+            sn.abandon_pending(from_version=failed_step)  # the failed step's snapshot cannot complete
+            sn.poll(block=True, timeout=COMMIT_S)  # commit what completed before the failure
+            sn.abandon_pending()
+            dead_managers = sn.dead_managers(alive_nodes)
+        return build_observation(steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity)
+
+    def execute(self, plan: RecoveryPlan, obs: Observation, step: int) -> RecoveryOutcome:
+        """Carry ``plan`` out. New actors that did not get their state are killed again if
+        anything fails, so the next observation sees them as lost."""
+        lost = [ShardKey(a.stage, a.replica) for a in plan.actions]
+        if self.snapshots is not None:
+            self.snapshots.ensure_managers()
+        self.group.place()
+        try:
+            self.group.replace(lost)
+            if plan.rollback_to is not None:
+                sources, own = self._roll_back(plan, lost, obs)
+                rec = self.snapshots.committed if self.snapshots else None
+                position = rec.shard(ShardKey(0, 0)).data_position() if rec else None
+                return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, own, position)
+            self._copy_from_peers(plan)
+        except BaseException:
+            for key in lost:
+                self.group.kill(key)
+            raise
+        sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
+        return RecoveryOutcome(plan, step, 0, sources, 0, None)
+
+    def _roll_back(self, plan: RecoveryPlan, lost: list[ShardKey], obs: Observation) -> tuple[tuple[tuple[ShardKey, str], ...], int]:
+        """Every actor restores the committed version: survivors whose own background copy is
+        that version (checked against the recorded checksums) from it, the rest through the
+        snapshot managers (rebuilding lost shards from parity)."""
+        import ray
+
+        sn = self.snapshots
+        assert sn is not None and sn.committed is not None, "a rollback plan needs a committed snapshot"
+        rec = sn.committed
+        dp = self.group.shape[0]
+        survivors = [k for k in self.group.keys() if k not in lost]
+        own: set[ShardKey] = set()
+        if dp == 1 and survivors:  # with DP, a stage's own copy is only its 1/DP slice
+            calls = [self.group.actor(k).restore_own_copy.remote(rec.version, rec.shard(k).pieces) for k in survivors]
+            own = {k for k, ok in zip(survivors, ray.get(calls, timeout=RESTORE_S)) if ok}
+        sources: list[tuple[ShardKey, str]] = []
+        loads = []
+        for key in self.group.keys():
+            if key in own:
+                continue
+            src = sn.fetch_stage_state(key.stage, key.replica, dp, obs.dead_managers)
+            sources.append((key, src.source))
+            loads.append(self.group.actor(key).load_parts.remote(src.manifest, list(src.offsets), *src.refs))
+        ray.get(loads, timeout=RESTORE_S)
+        return tuple(sources), len(own)
+
+    def _copy_from_peers(self, plan: RecoveryPlan) -> None:
+        """Lost replicas copy the whole state of a live data-parallel peer (object refs only: the
+        bytes go peer to peer, not through the driver)."""
+        import ray
+
+        loads = []
+        for a in plan.actions:
+            assert a.peer is not None, f"{a}: a dp_peer action names its peer"
+            buf, manifest = self.group.actor(ShardKey(a.stage, a.peer)).capture_state.options(num_returns=2).remote()
+            loads.append(self.group.actor(ShardKey(a.stage, a.replica)).load_state.remote(buf, manifest))
+        ray.get(loads, timeout=RESTORE_S)

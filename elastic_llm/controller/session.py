@@ -1,0 +1,114 @@
+"""The Ray session: loopback, token authentication, starting or joining Ray, and whether a
+placement can exist at all.
+
+Owns: the environment Ray needs here (loopback addresses, token auth and its token file),
+starting an embedded single-node Ray or joining a cluster, and :func:`check_placement`, a pure
+check that refuses placements no cluster of this shape could satisfy.
+Never places actors (the actor group does) and never waits for capacity (the controller does).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from elastic_llm.config import RunConfig
+
+NAMESPACE = "elastic-llm"
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot host the requested actors; the message says what is missing."""
+
+
+def loopback_env() -> None:
+    """Keep Ray on 127.0.0.1 and use token authentication (Ray >= 2.60 refuses clients
+    otherwise), creating the token file if no token exists yet."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if "ray" in sys.modules:  # Ray read its config when imported: make it see token mode too
+            from ray._raylet import Config
+
+            Config.initialize("")
+    ensure_auth_token()
+
+
+def ensure_auth_token() -> None:
+    """Create ``~/.ray/auth_token`` (``ray get-auth-token --generate``) unless a token is already
+    given: a Ray started by hand or by ``ray.cluster_utils.Cluster`` fails without one."""
+    if os.environ.get("RAY_AUTH_MODE") != "token" or os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if (path and Path(path).is_file()) or (Path.home() / ".ray" / "auth_token").is_file():
+        return
+    cli = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"]
+    done = subprocess.run([*cli, "get-auth-token", "--generate"], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise PlacementError(f"no Ray auth token and `ray get-auth-token --generate` failed: {done.stderr.strip()[-300:]}")
+
+
+def start_ray(cfg: RunConfig, address: str | None = None, dashboard: bool = False) -> bool:
+    """Connect to ``address`` or start an embedded single-node Ray. Returns True if we started it."""
+    loopback_env()
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+        return False
+    check_placement(cfg, local_resources(), [])  # refuse before starting anything
+    ray.init(
+        address="local",  # never join a cluster that another process started on this machine
+        num_cpus=os.cpu_count() or 1,
+        namespace=NAMESPACE,
+        include_dashboard=dashboard,
+        dashboard_host="127.0.0.1",
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+        configure_logging=True,
+        logging_level="WARNING",
+    )
+    return True
+
+
+def local_resources() -> dict[str, float]:
+    """What an embedded Ray on this machine would offer."""
+    import torch
+
+    return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+
+
+def check_placement(cfg: RunConfig, resources: dict[str, float], nodes: list[dict[str, Any]]) -> None:
+    """Refuse placements the cluster cannot satisfy (pure: resources in, error out)."""
+    par = cfg.parallel
+    n = par.stages * par.dp
+    problems = []
+    cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    if n * par.cpus_per_actor > cpus:
+        problems.append(
+            f"{par.stages} stages x {par.dp} replicas x parallel.cpus_per_actor={par.cpus_per_actor} needs "
+            f"{n * par.cpus_per_actor:g} CPUs but the cluster has {cpus:g}: lower parallel.cpus_per_actor "
+            "(fractions are allowed), parallel.dp or parallel.stages, or add nodes"
+        )
+    if par.gpus_per_actor > 0 and n * par.gpus_per_actor > gpus:
+        problems.append(
+            f"{n} actors x parallel.gpus_per_actor={par.gpus_per_actor} needs {n * par.gpus_per_actor:g} GPUs "
+            f"but the cluster has {gpus:g}: set parallel.gpus_per_actor=0 to train on CPUs, or use a fraction to share GPUs"
+        )
+    alive = [nd for nd in nodes if nd.get("Alive", True)] or [{"Resources": resources}]
+    largest = max(nd.get("Resources", {}).get("CPU", 0.0) for nd in alive)
+    if par.cpus_per_actor > largest:
+        problems.append(
+            f"parallel.cpus_per_actor={par.cpus_per_actor} exceeds the largest node's {largest:g} CPUs: no node can host one stage"
+        )
+    if par.placement_strategy == "STRICT_SPREAD" and n > len(alive):
+        problems.append(
+            f"parallel.placement_strategy=STRICT_SPREAD puts each of {n} actors on its own node but there are {len(alive)} nodes: use SPREAD or PACK"
+        )
+    if problems:
+        raise PlacementError("impossible placement:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -1,0 +1,141 @@
+"""The controller's states and the pure functions that move between them.
+
+Owns: the state classes (each carries its payload: the failure being recovered, what capacity is
+missing and until when, why the run failed), the table of allowed transitions, and the
+transition functions. Pure: no Ray, no clock (``now`` comes in as an argument), no I/O; the
+trainer calls them with what its executors observed and carries out the state they return.
+
+    starting -> running <-> recovering
+    starting | recovering -> waiting_for_capacity -> starting | recovering | failed
+    any -> failed;  running -> finished
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
+
+EXIT_FAILED = 4  # failure budget spent, or no capacity within recovery.capacity_timeout_s
+EXIT_UNRECOVERABLE = 3  # nothing lossless survives
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What placement needs and what the cluster has free, as said to the user."""
+
+    need: str  # e.g. "2 x {CPU: 1}"
+    have: str  # e.g. "0 CPUs free on 1 node"
+
+    def __str__(self) -> str:
+        return f"need {self.need}; the cluster has {self.have}"
+
+
+@dataclass(frozen=True)
+class Starting:
+    name = "starting"
+
+
+@dataclass(frozen=True)
+class Running:
+    step: int  # optimizer steps completed
+    name = "running"
+
+
+@dataclass(frozen=True)
+class Recovering:
+    failure: StepFailure
+    attempt: int = 1  # recoveries tried for this failure (a failure during recovery re-plans)
+    name = "recovering"
+
+
+@dataclass(frozen=True)
+class WaitingForCapacity:
+    capacity: Capacity
+    since: float
+    deadline: float
+    resume: Union[Starting, Recovering]  # what to try again once the actors can be placed
+    name = "waiting_for_capacity"
+
+
+@dataclass(frozen=True)
+class Failed:
+    reason: str
+    exit_code: int
+    failure: StepFailure | None = None
+    name = "failed"
+
+
+@dataclass(frozen=True)
+class Finished:
+    step: int
+    name = "finished"
+
+
+State = Union[Starting, Running, Recovering, WaitingForCapacity, Failed, Finished]
+
+ALLOWED: dict[type, tuple[type, ...]] = {
+    Starting: (Running, WaitingForCapacity, Failed, Finished),
+    Running: (Running, Recovering, Failed, Finished),
+    Recovering: (Running, Recovering, WaitingForCapacity, Failed, Finished),
+    WaitingForCapacity: (WaitingForCapacity, Starting, Recovering, Failed),
+    Failed: (),
+    Finished: (),
+}
+
+
+class TransitionError(RuntimeError):
+    """A transition the state machine does not allow: a bug in the controller."""
+
+
+def check_transition(old: State, new: State) -> None:
+    if not isinstance(new, ALLOWED[type(old)]):
+        raise TransitionError(f"{old.name} -> {new.name} is not a transition of the controller")
+
+
+def is_terminal(state: State) -> bool:
+    return isinstance(state, (Failed, Finished))
+
+
+# ---------------------------------------------------------------------- transitions
+
+
+def after_step(step: int, end: int) -> Union[Running, Finished]:
+    return Finished(step) if step >= end else Running(step)
+
+
+def after_failure(
+    failure: StepFailure, budget: FailureBudget, policy: FailurePolicy, attempt: int = 1
+) -> Union[Recovering, Failed]:
+    """A step (or a recovery) failed; ``budget`` already counts it."""
+    decision = policy.decide(failure, budget)
+    if decision.recover:
+        return Recovering(failure, attempt)
+    return Failed(f"{decision.reason}\nlast failure: {failure}", EXIT_FAILED, failure)
+
+
+def after_unrecoverable(failure: StepFailure, why: str) -> Failed:
+    return Failed(f"{failure}; nothing lossless survives: {why}", EXIT_UNRECOVERABLE, failure)
+
+
+def start_waiting(resume: Union[Starting, Recovering], capacity: Capacity, now: float, timeout_s: float) -> WaitingForCapacity:
+    return WaitingForCapacity(capacity, now, now + timeout_s, resume)
+
+
+def while_waiting(state: WaitingForCapacity, placed: bool, capacity: Capacity, now: float) -> State:
+    """One look at the cluster while waiting: resume once everything can be placed, fail at the
+    deadline, else keep waiting (with what is missing now)."""
+    if placed:
+        return state.resume
+    if now >= state.deadline:
+        failure = state.resume.failure if isinstance(state.resume, Recovering) else None
+        waited = now - state.since
+        during = f" while recovering from: {failure}" if failure is not None else " to start the run"
+        return Failed(
+            f"waited {waited:.0f} s for capacity{during} (recovery.capacity_timeout_s={state.deadline - state.since:g}): {capacity}. "
+            "Add nodes (or let the autoscaler add them), lower parallel.cpus_per_actor, or raise recovery.capacity_timeout_s",
+            EXIT_FAILED,
+            failure,
+        )
+    return WaitingForCapacity(capacity, state.since, state.deadline, state.resume)

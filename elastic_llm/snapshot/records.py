@@ -1,0 +1,130 @@
+"""Typed records that cross actor boundaries in the snapshot path: small frozen dataclasses.
+
+Owns: the names of things (a shard is a :class:`ShardKey`, never a ``"stage/replica"`` string),
+what a stage reports about one snapshot copy (:class:`ShardInfo`), what the coordinator tells a
+manager to do for one version (:class:`ManagerPlan`), what a manager reports back
+(:class:`ManagerPart`), the record of a committed version (:class:`VersionRecord`) and where a
+stage's committed state can be read from (:class:`StageSource`).
+Never does I/O, never talks to Ray and never holds bytes: the pieces travel as separate objects.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True, order=True)
+class ShardKey:
+    """One (stage, data-parallel replica): whose state a shard is."""
+
+    stage: int
+    replica: int
+
+    def __str__(self) -> str:
+        return f"stage {self.stage} replica {self.replica}"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A byte range of a stage's state and the CRC-32 of its bytes."""
+
+    offset: int
+    length: int
+    crc: int
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a stage reports about one snapshot copy of its state (its 1/DP slice).
+
+    ``node_id`` is empty as a stage returns it; the manager holding the pieces fills it in."""
+
+    key: ShardKey
+    version: int
+    lo: int
+    nbytes: int
+    pieces: tuple[Piece, ...]
+    manifest: str  # JSON: layout, RNG states, LR schedule, step, data position
+    copy_s: float = 0.0
+    node_id: str = ""
+
+    def on_node(self, node_id: str) -> "ShardInfo":
+        return replace(self, node_id=node_id)
+
+    def data_position(self) -> dict[str, int] | None:
+        return json.loads(self.manifest).get("data_position")
+
+
+@dataclass(frozen=True)
+class ParityInfo:
+    region: int
+    length: int
+    crc: int
+
+
+@dataclass(frozen=True)
+class ManagerPlan:
+    """One manager's part of one version: which of its node's stages to collect, and its place
+    in its erasure group (``group`` empty: no parity, a single node)."""
+
+    version: int
+    stages: tuple[tuple[ShardKey, Any], ...]  # (key, stage actor handle) on this node
+    group: tuple[str, ...] = ()  # node ids of this node's erasure group
+    me: int = 0  # this node's index in ``group``
+    peers: tuple[Any, ...] = ()  # the group's manager handles, in ``group`` order
+    parity: int = 1  # parity symbols per codeword
+
+
+@dataclass(frozen=True)
+class ManagerPart:
+    """A manager's finished part of one version."""
+
+    node_id: str
+    shards: tuple[ShardInfo, ...]
+    parity: tuple[ParityInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """A committed version: its erasure groups and every shard with the node holding it."""
+
+    version: int
+    groups: tuple[tuple[str, ...], ...]
+    shards: tuple[ShardInfo, ...]
+
+    def shard(self, key: ShardKey) -> ShardInfo:
+        for s in self.shards:
+            if s.key == key:
+                return s
+        raise KeyError(f"{key} has no shard in snapshot version {self.version}")
+
+    def infos_on(self, node: str) -> tuple[ShardInfo, ...]:
+        """The shards held on ``node``, in key order (the order chunks are built in)."""
+        return tuple(sorted((s for s in self.shards if s.node_id == node), key=lambda s: s.key))
+
+    def group_of(self, node: str) -> tuple[str, ...] | None:
+        return next((g for g in self.groups if node in g), None)
+
+
+@dataclass(frozen=True)
+class StageSource:
+    """Where the committed state of one stage (all its DP slices) can be read: ``refs[i]`` holds
+    the bytes at ``offsets[i]``; ``manifest`` is the restored replica's; ``sources`` says per
+    slice whether it came from its manager (``local_smp``) or was rebuilt (``parity``)."""
+
+    offsets: tuple[int, ...]
+    refs: tuple[Any, ...]
+    manifest: str
+    sources: tuple[str, ...]
+
+    @property
+    def source(self) -> str:
+        return "parity" if "parity" in self.sources else "local_smp"
+
+
+def chunk_pieces(infos: tuple[ShardInfo, ...], chunk: int) -> list[Piece]:
+    """The pieces that form data chunk ``chunk`` of a node: piece ``chunk`` of each of its shards,
+    in key order (``infos`` as :meth:`VersionRecord.infos_on` returns them)."""
+    return [s.pieces[chunk] for s in sorted(infos, key=lambda s: s.key)]

@@ -1,0 +1,150 @@
+"""The controller waits for capacity visibly and with a deadline, on a real loopback cluster.
+
+One ``ray.cluster_utils.Cluster`` with exactly the CPUs the run needs (a head without CPUs + 2
+worker nodes of 2 CPUs; 4 stage actors of 1 CPU each): when a node is removed for good, the
+lost stages' placement-group bundles cannot be re-placed, so the run must wait for capacity,
+say what is missing, and either carry on bit for bit when a node joins or stop with exit code 4
+at ``recovery.capacity_timeout_s`` with its snapshots intact.
+"""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from elastic_llm.config import load_config
+from elastic_llm.controller import NAMESPACE, RunFailed, Trainer
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.timeout(300)
+WORKERS = 2
+STEPS = 8
+BASE = [
+    "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4",
+    "parallel.stages=4", "parallel.microbatches=2", "parallel.cpus_per_actor=1",
+    "parallel.placement_strategy=SPREAD", "train.batch_size=4", "train.eval_every=0",
+    "snapshot.group_size=2", "snapshot.parity=1", "recovery.capacity_report_s=1",
+]
+LOSE_NODE = "chaos.events=[{step: 5, kill: node, stage: 1}]"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000},
+        },
+    )
+    for _ in range(WORKERS):
+        c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=NAMESPACE, logging_level="WARNING")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def live_workers():
+    return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
+
+
+def wait_until(predicate, seconds, what):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def nodes(cluster):
+    """Exactly WORKERS live worker nodes: no spare capacity."""
+    while len(cluster.worker_nodes) < WORKERS:
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    wait_until(lambda: live_workers() == WORKERS, 60, "worker nodes coming up")
+    return cluster
+
+
+def make_trainer(cluster, corpus_dir, tmp_path, *extra):
+    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
+    return Trainer(cfg, cluster=cluster, metrics_out=tmp_path / "metrics.jsonl")
+
+
+def events(tmp_path, name):
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if x.get("event") == name]
+
+
+@pytest.fixture(scope="module")
+def clean_losses(cluster, corpus_dir, tmp_path_factory):
+    t = make_trainer(cluster, corpus_dir, tmp_path_factory.mktemp("clean"))
+    try:
+        return {h["step"]: h["loss"] for h in t.fit(STEPS)}
+    finally:
+        t.shutdown()
+
+
+def test_lost_node_without_spare_capacity_waits_then_resumes_bit_identically(nodes, corpus_dir, tmp_path, clean_losses):
+    t = make_trainer(nodes, corpus_dir, tmp_path, LOSE_NODE)
+    result: dict = {}
+
+    def train():  # the run goes on in a thread; this thread plays the autoscaler
+        try:
+            result["history"] = t.fit(STEPS)
+        except BaseException as e:  # reported below
+            result["error"] = e
+
+    runner = threading.Thread(target=train, daemon=True)
+    runner.start()
+    try:
+        wait_until(lambda: t.state.name == "waiting_for_capacity" or not runner.is_alive(), 120, "waiting_for_capacity")
+        seen_waiting = t.state.name == "waiting_for_capacity"
+        time.sleep(3)  # it keeps reporting while nothing can be placed
+        nodes.add_node(num_cpus=2)
+        runner.join(timeout=180)
+        assert not runner.is_alive(), "training did not resume after a node joined"
+    finally:
+        if runner.is_alive():
+            t.shutdown()
+    t.shutdown()
+    assert "error" not in result, result.get("error")
+    history = result["history"]
+    assert seen_waiting, "the run never entered waiting_for_capacity"
+    waits = events(tmp_path, "waiting_for_capacity")
+    assert len(waits) >= 2
+    assert all(w["need"] == "2 x {CPU: 1}" for w in waits)
+    assert "CPUs free on 1 node" in waits[0]["have"]
+    transitions = [(x["old"], x["new"]) for x in events(tmp_path, "state")]
+    assert ("recovering", "waiting_for_capacity") in transitions and ("waiting_for_capacity", "recovering") in transitions
+    assert t.seconds_by_state["waiting_for_capacity"] >= 3
+    assert sorted(r["source"] for r in t.recoveries) == ["parity", "parity"]  # two stages lived on the lost node
+    assert all(r["rollback_steps"] >= 1 for r in t.recoveries)
+    assert {h["step"]: h["loss"] for h in history} == clean_losses
+
+
+def test_lost_node_and_no_capacity_within_the_timeout_stops_with_exit_4_and_snapshots_intact(nodes, corpus_dir, tmp_path):
+    t = make_trainer(nodes, corpus_dir, tmp_path, LOSE_NODE, "recovery.capacity_timeout_s=4")
+    try:
+        with pytest.raises(RunFailed) as failed:
+            t.fit(STEPS)
+        assert failed.value.exit_code == 4
+        assert "need 2 x {CPU: 1}" in str(failed.value) and "recovery.capacity_timeout_s=4" in str(failed.value)
+        assert "step 5" in str(failed.value)  # the failure it was recovering from
+        assert events(tmp_path, "waiting_for_capacity")
+        committed = t.snapshots.committed.version
+        assert committed >= 1  # (it may trail step 5 by up to snapshot.max_lag steps)
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        held = [ray.get(m.held.remote(), timeout=30) for node, m in t.snapshots.managers.items() if node in alive]
+        assert held and all(h.get(committed) is True for h in held)  # the committed version is still held, committed
+    finally:
+        t.shutdown()
