@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 
 EXIT_USAGE = 2
 
@@ -52,19 +53,36 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_benchmark(what: str) -> ModuleType | None:
+    """``benchmarks.<what>`` of the source checkout: the benchmarks are not installed with the
+    package. Looks in the current directory, then next to the ``elastic_llm`` package (an
+    editable install); None when neither holds ``benchmarks/``."""
+    import importlib
+
+    package_parent = Path(__file__).resolve().parent.parent
+    for root in (Path.cwd().resolve(), package_parent):
+        if (root / "benchmarks" / "__init__.py").is_file():
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+            return importlib.import_module(f"benchmarks.{what}")
+    return None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    bench = _import_benchmark(args.what)
+    if bench is None:
+        print(
+            "error: the benchmarks ship with the source checkout of elastic-llm, not with the installed package: "
+            "run `elastic-llm bench` from the root of a checkout (the folder holding benchmarks/)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     if args.what == "pipeline":
-        from elastic_llm.bench.pipeline import run_pipeline_bench
-
-        result = run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 6, overrides=args.set or [])
+        result = bench.run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 6, overrides=args.set or [])
     elif args.what == "snapshot":
-        from elastic_llm.bench.snapshot import run_snapshot_bench
-
-        result = run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 12, overrides=args.set or [])
+        result = bench.run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 12, overrides=args.set or [])
     elif args.what == "erasure":
-        from elastic_llm.bench.erasure import run_erasure_bench
-
-        result = run_erasure_bench(size_mib=args.size_mib)
+        result = bench.run_erasure_bench(size_mib=args.size_mib)
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     if args.json:
@@ -94,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--val-fraction", type=float, default=0.02)
     pr.set_defaults(func=cmd_prepare)
 
-    b = sub.add_parser("bench", help="benchmarks against real peers")
+    b = sub.add_parser("bench", help="benchmarks against real peers (from the root of a source checkout)")
     b.add_argument("what", choices=["pipeline", "erasure", "snapshot"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
@@ -107,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from elastic_llm.config import ConfigError
-    from elastic_llm.controller import PlacementError, loopback_env
+    from elastic_llm.controller import PlacementError, RunFailed, loopback_env
     from elastic_llm.data import DataError
     from elastic_llm.recovery.policy import UnrecoverableError
     from elastic_llm.snapshot.layout import LayoutError
@@ -126,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, PlacementError, LayoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RunFailed as e:  # the controller already logged the reason; repeat it as the last word
+        print(f"error: training stopped (exit {e.exit_code}), committed snapshots untouched: {e}", file=sys.stderr)
+        return e.exit_code
     except (UnrecoverableError, SnapshotFormatError) as e:
         print(f"error: training stopped, committed snapshots untouched: {e}", file=sys.stderr)
         return 3

@@ -1,61 +1,54 @@
-"""Snapshot benchmark: our in-memory erasure-coded snapshots against torch.save and DCP async_save.
+"""Snapshots: our in-memory erasure-coded snapshots against torch.save and DCP async_save.
 
-Owns: one measurement run, on the whole model's training state (parameters + AdamW moments) of a
-config, that reports
+Measures, on the whole model's training state (parameters + AdamW moments) of a config:
 
-* in-process, on one 1-stage :class:`~elastic_llm.pipeline.stage.StageWorker` holding every layer
-  (``parallel.stages=1``) after two real optimizer steps, with the peers taking turns round by
-  round (medians over rounds): ``torch.save`` (+ flush + fsync) and ``torch.load`` +
-  ``load_state_dict`` of ``{"model", "optim"}``; how long ``torch.distributed.checkpoint.async_save``
-  blocks its caller (single-process gloo group on 127.0.0.1); numpy memcpy of the state's bytes;
-  our ``capture_state`` copy; Reed-Solomon parity encoding of the state; our in-memory restore
-  (``load_state`` into a fresh worker), also through a real SnapshotManager actor
-  (``snapshot_version``, then ``shard_parts`` + ``load_parts`` into a new stage actor);
-* on real :class:`~elastic_llm.controller.Trainer` runs (``train.eval_every=0``): the training stall
-  caused by snapshotting every step (the stage actors' ``snapshot_wait_s`` plus the controller's
-  wait for a version in flight, ``snapshots.stats["wait_s"]``), and the throughput overhead of
-  snapshots, measured as two live Trainers on the same Ray (snapshots on / off) that take turns
-  in ``rounds`` blocks sharing ``steps`` timed steps each (stepped through ``Trainer.run_step``,
-  so a snapshot version in flight carries on across blocks as in one uninterrupted run). On a
-  ``ray.cluster_utils.Cluster`` of worker nodes on loopback (``snapshot.group_size`` = nodes,
-  SPREAD placement) where parity really runs, and, time permitting, on an embedded single-node
-  Ray (copy + hand-off to the local manager; no parity: it needs >= 2 nodes);
+* in process, on one 1-stage :class:`~elastic_llm.pipeline.stage.StageWorker` holding every layer
+  (``parallel.stages=1``) after two real optimizer steps, the peers taking turns round by round
+  (medians over rounds): ``torch.save`` (+ flush + fsync) and ``torch.load`` + ``load_state_dict``
+  of ``{"model", "optim"}``; how long ``torch.distributed.checkpoint.async_save`` blocks its
+  caller (single-process gloo group on 127.0.0.1); numpy memcpy of the state's bytes; our
+  ``capture_state`` copy; Reed-Solomon parity encoding and CRC-32 of the state; our in-memory
+  restore (``load_state`` into a fresh worker);
+* on a loopback ``ray.cluster_utils.Cluster`` of worker nodes (``snapshot.group_size`` = nodes,
+  SPREAD placement, where parity really runs) and, time permitting, on an embedded single-node
+  Ray: two live :class:`~elastic_llm.controller.Trainer` runs (``train.eval_every=0``, snapshots
+  on / off, ``snapshot.every=1``) taking turns in blocks of ``Trainer.run_step`` calls (a snapshot
+  version in flight carries on across blocks as in one uninterrupted run): the training stall
+  (the stage actors' ``snapshot_wait_s`` plus the controller's ``snapshots.stats.wait_s``), the
+  throughput and CPU overhead of snapshots, and versions committed;
+* on the cluster: the product's restore on the live Trainer with snapshots, from its committed
+  version (``snapshots.fetch_stage_state`` + ``load_parts`` into fresh replacement stage actors,
+  every stage), and how long a SnapshotManager takes to collect a whole-model stage's snapshot
+  (``snapshot_version`` of a one-stage ``ManagerPlan``).
 
-and the ratios against the targets. Everything heavy is measured side by side in one run
-(medians of rounds), because the machine is shared: compare ratios, not absolute numbers.
+Everything heavy is measured side by side in one run (medians of rounds), because the machine is
+shared: compare ratios, not absolute numbers.
 
-Must never: change the trainer, the stage actors or the snapshot code (public API only), leave
-Ray, clusters, process groups or temporary files behind (everything is torn down in ``finally``),
-or reach anything but 127.0.0.1.
+Must never: copy product code (the step loop, the restore path, the snapshot plans: it calls
+them), use a Trainer's private attributes, judge its results (targets and conclusions live in
+BENCHMARKS.md), leave Ray, clusters, process groups or temporary files behind (everything is torn
+down in ``finally``), or reach anything but 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import gc
-import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
-from elastic_llm.bench.common import free_port, machine_busy_s, machine_info, process_tree_cpu
+from benchmarks.common import free_port, load_at_end, machine_busy_s, machine_info, outside_share, process_tree_cpu, ratio
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.controller import NAMESPACE, Trainer, loopback_env
 from elastic_llm.model import count_parameters
-
-TARGETS = {
-    "stall_vs_torch_save": 0.01,  # <=
-    "stall_vs_dcp_async": 0.1,  # <=
-    "copy_vs_memcpy": 0.5,  # >=
-    "train_overhead_pct": 2.0,  # <=
-    "restore_speedup_vs_torch_load": 10.0,  # >=
-}
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -277,10 +270,10 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
             np.copyto(dst, src)
             times["memcpy"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            worker.capture_state()
+            copy_buf, _ = worker.capture_state()
             times["snapshot_copy"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            worker.arena.capture(worker._snapshot_buffer(2))
+            worker.arena.capture(copy_buf)  # the bare copy into the same buffer, without the manifest
             times["snapshot_copy_only"].append(time.perf_counter() - t0)
 
     def t_checksum() -> None:
@@ -364,52 +357,81 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
     return out, (worker, buf, manifest)
 
 
-def _restore_via_manager(cfg1: RunConfig, buf: np.ndarray, manifest: str, repeats: int) -> dict[str, Any]:
-    """The controller's restore path, end to end, on the driver's node: a real stage actor hands
-    a snapshot to a real SnapshotManager (``snapshot_version``), then a freshly started
-    replacement stage actor is restored from it (``shard_parts`` + ``load_parts``: the manager
-    checks the pieces' checksums and passes object refs; the stage copies the bytes into its
-    state)."""
+def _hand_off(cfg1: RunConfig, buf: np.ndarray, manifest: str) -> dict[str, Any]:
+    """How long a SnapshotManager on the driver's node takes to collect the snapshot of a stage
+    actor holding the whole model (``snapshot_version`` of a one-stage plan, no erasure group)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from elastic_llm.pipeline.stage import StageWorker
     from elastic_llm.snapshot.manager import SnapshotManager
+    from elastic_llm.snapshot.records import ManagerPlan, ShardKey
 
     node = ray.get_runtime_context().get_node_id()
     here = NodeAffinitySchedulingStrategy(node, soft=False)
     smp = ray.remote(SnapshotManager).options(num_cpus=0, max_concurrency=8, scheduling_strategy=here).remote(node, cfg1.snapshot.codec)
-    Stage = ray.remote(concurrency_groups={"snapshot": 1})(StageWorker).options(num_cpus=0, scheduling_strategy=here)
-    cfg_dict = cfg1.to_dict()
-    stage = Stage.remote(cfg_dict, 0, 0)
+    stage = ray.remote(concurrency_groups={"snapshot": 1})(StageWorker).options(num_cpus=0, scheduling_strategy=here).remote(cfg1.to_dict(), 0, 0)
     try:
         version = ray.get(stage.load_state.remote(buf, manifest), timeout=300)
-        ray.get(stage.snapshot_now.remote({}))
+        ray.get([stage.snapshot_now.remote({}), smp.held.remote()], timeout=300)  # both actors started
         t0 = time.perf_counter()
-        ray.get(smp.snapshot_version.remote(version, {"stages": [["0/0", stage]], "group": [], "me": 0, "peers": [], "m": 1}))
-        hand_off_s = time.perf_counter() - t0
-        ray.kill(stage)
-        parts_s, loads = [], []
-        for _ in range(repeats):
-            fresh = Stage.remote(cfg_dict, 0, 0)
-            ray.get(fresh.info.remote(), timeout=300)  # a started replacement (its state allocated)
-            t0 = time.perf_counter()
-            got = ray.get(smp.shard_parts.remote(version, "0/0"))
-            t1 = time.perf_counter()
-            offsets = [p[0] for p in got["info"]["pieces"]]
-            ray.get(fresh.load_parts.remote(got["info"]["manifest"], offsets, *got["refs"]))
-            t2 = time.perf_counter()
-            parts_s.append(t1 - t0)
-            loads.append(t2 - t1)
-            ray.kill(fresh)
-        total = [a + b for a, b in zip(parts_s, loads)]
-        return {
-            "restore_from_smp_s": _r(_median(total)),
-            "restore_from_smp_components_s": {"shard_parts_with_crc": _r(_median(parts_s)), "load_parts": _r(_median(loads))},
-            "smp_hand_off_s": _r(hand_off_s),
-        }
+        ray.get(smp.snapshot_version.remote(ManagerPlan(version, ((ShardKey(0, 0), stage),))), timeout=300)
+        return {"smp_hand_off_s": _r(time.perf_counter() - t0)}
     finally:
+        ray.kill(stage)
         ray.kill(smp)
+
+
+def _restore_from_trainer(trainer: Trainer, cfg: RunConfig, repeats: int) -> dict[str, Any]:
+    """The product's restore of a lost replica, end to end, from the live ``trainer``'s committed
+    snapshot, called as the controller calls it: for every stage of replica 0 in turn,
+    ``snapshots.fetch_stage_state`` (the managers check the pieces' CRCs and hand out their refs),
+    its ``load_parts`` submitted at once to a freshly started replacement stage actor on the node
+    holding that stage's shard; then the wait for every load. Together: the whole model's state
+    restored, as ``torch.load`` of it in one process is."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from elastic_llm.pipeline.stage import StageWorker
+    from elastic_llm.snapshot.records import ShardKey
+
+    snapshots = trainer.snapshots
+    record = snapshots.committed
+    if record is None:
+        raise RuntimeError("the trainer with snapshots has no committed version to restore from")
+    par = cfg.parallel
+    nodes = [record.shard(ShardKey(s, 0)).node_id for s in range(par.stages)]
+    Stage = ray.remote(StageWorker)
+    fetch_s, load_s, sources = [], [], set()
+    for _ in range(repeats):
+        fresh = [
+            Stage.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(cfg.to_dict(), s, 0)
+            for s, node in enumerate(nodes)
+        ]
+        try:
+            ray.get([a.info.remote() for a in fresh], timeout=300)  # started replacements (their state allocated)
+            loads, fetch = [], 0.0
+            for s, actor in enumerate(fresh):
+                t0 = time.perf_counter()
+                src = snapshots.fetch_stage_state(s, 0, par.dp, frozenset())
+                fetch += time.perf_counter() - t0
+                loads.append(actor.load_parts.remote(src.manifest, list(src.offsets), *src.refs))
+                sources.update(src.sources)
+            t0 = time.perf_counter()
+            ray.get(loads, timeout=300)
+            fetch_s.append(fetch)
+            load_s.append(time.perf_counter() - t0)  # what is left of the loads after the last fetch
+        finally:
+            for a in fresh:
+                ray.kill(a)
+    return {
+        "restore_from_smp_s": _r(_median([a + b for a, b in zip(fetch_s, load_s)])),
+        # fetch_stage_state calls (shard_parts with CRC checks), then the wait for the loads still running
+        "restore_from_smp_components_s": {"shard_parts_with_crc": _r(_median(fetch_s)), "load_parts": _r(_median(load_s))},
+        "restore_from_smp_bytes": int(sum(s.nbytes for s in record.shards)),
+        "restore_from_smp_sources": sorted(sources),
+        "restore_from_smp_stage_actors": par.stages,
+    }
 
 
 # --------------------------------------------------------------------------- trainer part
@@ -424,18 +446,15 @@ def _actor_waits(trainer: Trainer) -> list[float]:
 
 
 def _block(trainer: Trainer, n: int) -> dict[str, Any]:
-    """``n`` more steps of ``trainer`` through its public ``run_step`` (what ``fit`` runs per step,
-    minus fit's final wait for the version in flight: the snapshot pipeline carries on across
-    blocks as in one uninterrupted run). Per-step times and CPU seconds per process kind."""
-    tokens = trainer.cfg.tokens_per_step()
+    """``n`` more steps of ``trainer``, each one ``run_step`` (what ``fit`` runs per step, minus
+    fit's final wait for the version in flight: the snapshot pipeline carries on across blocks as
+    in one uninterrupted run). Per-step times and CPU seconds per process kind."""
     c0 = _cpu_tree(os.getpid())
     step_s = []
     for _ in range(n):
         t0 = time.perf_counter()
         trainer.run_step()
         step_s.append(time.perf_counter() - t0)
-        trainer.step += 1  # fit()'s bookkeeping of a completed step
-        trainer.tokens_seen = trainer.step * tokens
     cpu = _cpu_delta(c0, _cpu_tree(os.getpid()))
     return {"step_s": step_s, "cpu": cpu}
 
@@ -446,9 +465,18 @@ def _block_plan(steps: int, rounds: int) -> list[int]:
     return [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
 
 
-def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, blocks_plan: list[int], warmup: int, cluster: Any = None) -> dict[str, Any]:
+def _compare_trainers(
+    cfg_on: RunConfig,
+    cfg_off: RunConfig,
+    blocks_plan: list[int],
+    warmup: int,
+    cluster: Any = None,
+    then: Callable[[Trainer], dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Two live Trainers on the running Ray (snapshots on / off) taking turns, one block of
-    ``blocks_plan[r]`` steps each in round r (the order alternates every round)."""
+    ``blocks_plan[r]`` steps each in round r (the order alternates every round). Returns the
+    comparison and what ``then`` measured on the trainer with snapshots afterwards (before either
+    shuts down, its last version committed)."""
     on, off = Trainer(cfg_on, cluster=cluster), Trainer(cfg_off, cluster=cluster)
     try:
         t0 = time.perf_counter()
@@ -458,7 +486,7 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, blocks_plan: list[i
         if warmup:
             on.fit(warmup)
             off.fit(warmup)
-        waits0, stats0 = _actor_waits(on), dict(on.snapshots.stats)
+        waits0, stats0 = _actor_waits(on), asdict(on.snapshots.stats)
         busy0, wall0 = machine_busy_s(), time.perf_counter()
         blocks: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
         for r, n in enumerate(blocks_plan):
@@ -468,9 +496,11 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, blocks_plan: list[i
         busy1, wall1 = machine_busy_s(), time.perf_counter()
         waits1 = _actor_waits(on)
         on.snapshots.poll(block=True)  # let the version in flight commit (outside any timing)
-        stats1 = dict(on.snapshots.stats)
-        n_nodes = len(set(on.nodes.values()))
+        stats1 = asdict(on.snapshots.stats)
+        committed = on.snapshots.committed
+        n_nodes = len({s.node_id for s in committed.shards}) if committed is not None else None
         managers = len(on.snapshots.managers)
+        after = then(on) if then is not None else {}
     finally:
         on.shutdown()
         off.shutdown()
@@ -508,10 +538,8 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, blocks_plan: list[i
     offb = s_off["block_tokens_per_s_steady"]
     paired = [1 - a / b for a, b in zip(s_on["block_tokens_per_s_steady"], offb)]  # adjacent blocks share the outside load
     ours = sum(c for name in blocks for b in blocks[name] for c in (b["cpu"] or {}).values())
-    outside = None
-    if busy0 is not None and busy1 is not None:
-        outside = max(0.0, ((busy1 - busy0) - ours) / ((wall1 - wall0) * (os.cpu_count() or 1)))
-    return {
+    outside = outside_share(busy1 - busy0, ours, wall1 - wall0) if busy0 is not None and busy1 is not None else None
+    comparison = {
         "overhead_pct": pct("tokens_per_s_steady"),
         "overhead_all_steps_pct": pct("tokens_per_s_all_steps"),
         # how much the snapshot-free system alone moved between its blocks: the resolution of the above
@@ -537,6 +565,7 @@ def _compare_trainers(cfg_on: RunConfig, cfg_off: RunConfig, blocks_plan: list[i
         "with_snapshot": s_on,
         "without_snapshot": s_off,
     }
+    return comparison, after
 
 
 def _trainer_configs(config_path: str, overrides: Sequence[str], extra: Sequence[str]) -> tuple[RunConfig, RunConfig]:
@@ -559,7 +588,7 @@ def _cluster_phase(
     state_bytes: int,
 ) -> dict[str, Any]:
     """A loopback ``ray.cluster_utils.Cluster`` (a head without CPUs, where the driver and the
-    restore measurement live, + ``workers`` worker nodes, one erasure group): parity runs."""
+    hand-off measurement live, + ``workers`` worker nodes, one erasure group): parity runs."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -581,8 +610,12 @@ def _cluster_phase(
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
         cluster_s = time.perf_counter() - t0
-        out = _restore_via_manager(cfg1, buf, manifest, repeats)
-        out["trainers"] = _compare_trainers(cfg_on, cfg_off, blocks_plan, warmup, cluster=cluster)
+        out = _hand_off(cfg1, buf, manifest)
+        trainers, restore = _compare_trainers(
+            cfg_on, cfg_off, blocks_plan, warmup, cluster=cluster, then=lambda on: _restore_from_trainer(on, cfg_on, repeats)
+        )
+        out.update(restore)
+        out["trainers"] = trainers
         out["trainers"]["cluster"] = {
             "worker_nodes": workers,
             "logical_cpus_per_node": per_node,
@@ -617,52 +650,12 @@ def _single_node_phase(config_path: str, overrides: Sequence[str], blocks_plan: 
         logging_level="WARNING",
     )
     try:
-        return _compare_trainers(cfg_on, cfg_off, blocks_plan, warmup)
+        return _compare_trainers(cfg_on, cfg_off, blocks_plan, warmup)[0]
     finally:
         ray.shutdown()
 
 
 # --------------------------------------------------------------------------- the benchmark
-
-
-def _findings(res: dict[str, Any], tr_multi: dict[str, Any], tr_single: dict[str, Any]) -> list[str]:
-    """Where the time goes, from this run's own numbers (one line per target not met)."""
-    out: list[str] = []
-    met = res["targets_met"]
-    if met.get("stall_vs_torch_save") is False or met.get("stall_vs_dcp_async") is False:
-        comp = tr_multi["stall_components_s"]
-        out.append(
-            f"stall: {comp['stage_actor_wait_max_per_step']:.3f} s/step stage actors waiting for their background copy, "
-            f"{comp['controller_wait_per_step']:.3f} s/step the controller waiting because the committed snapshot trailed "
-            "by more than snapshot.max_lag."
-        )
-    for name, tr in (("train_overhead", tr_multi), ("train_overhead_single_node", tr_single)):
-        if not tr or met.get(f"{name}_pct") is not False:
-            continue
-        on, off = tr["with_snapshot"]["cpu_s_per_step_by_process"], tr["without_snapshot"]["cpu_s_per_step_by_process"]
-        extra = {k: on.get(k, 0.0) - off.get(k, 0.0) for k in set(on) | set(off)}
-        top = ", ".join(f"{k} {v:+.3f}" for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:4])
-        out.append(
-            f"{name}: {tr['overhead_pct']}% (paired-block median {tr['overhead_paired_median_pct']}%, noise {tr['noise_pct']}%) "
-            f"with {tr['snapshots_committed']} of {tr['timed_steps_per_system']} steps committed; extra CPU s/step with "
-            f"snapshots by process: {top} (cpu_overhead {tr['cpu_overhead_pct']}%). All nodes share this machine's cores "
-            "with training: raylet CPU is Ray moving the data chunks to their parity holders (m x state bytes per version, "
-            "node to node), StageWorker CPU the background copy, checksums and writing the pieces into the object store."
-        )
-    if met.get("copy_vs_memcpy") is False:
-        out.append(
-            f"copy: capture_state {res['snapshot_copy_GBps']} GB/s vs memcpy {res['memcpy_GBps']} GB/s (the bare arena "
-            f"copy {res['snapshot_copy_only_GBps']} GB/s; the rest is the JSON manifest)."
-        )
-    if met.get("restore_speedup_vs_torch_load") is False:
-        out.append(
-            f"restore: {res['restore_inmemory_s']:.4f} s into a fresh stage = one copy of the state into its arena at "
-            f"{_gbps(res['state_bytes'], res['restore_inmemory_s'])} GB/s. A restore that copies the bytes once cannot beat "
-            f"memcpy: torch_load_s / memcpy time = {res.get('restore_memcpy_bound_vs_torch_load')}x is the ceiling here, "
-            "below the 10x target. Through a SnapshotManager into a new actor: "
-            f"{res.get('restore_from_smp_s')} s ({res.get('restore_from_smp_components_s')})."
-        )
-    return out
 
 
 def run_snapshot_bench(
@@ -719,13 +712,8 @@ def run_snapshot_bench(
     if single_node:
         tr_single = _single_node_phase(config_path, overrides, blocks_plan, warmup)
 
-    def ratio(a: float | None, b: float | None, nd: int = 4) -> float | None:
-        return round(a / b, nd) if a is not None and b else None
-
     stall, stall_single = tr_multi["stall_s"], tr_single.get("stall_s")
-    copy_vs_memcpy = ratio(inproc["snapshot_copy_GBps"], inproc["memcpy_GBps"], 3)
-    restore_speedup = ratio(inproc["torch_load_s"], inproc["restore_inmemory_s"], 2)
-    overhead = tr_multi["overhead_pct"]
+
     result: dict[str, Any] = {
         "benchmark": "snapshot",
         "config": cfg.name,
@@ -742,7 +730,7 @@ def run_snapshot_bench(
         "snapshot_stall_components_s": tr_multi["stall_components_s"],
         "snapshot_stall_single_node_s": stall_single,
         "snapshot_stall_single_node_components_s": tr_single.get("stall_components_s"),
-        "train_overhead_pct": overhead,
+        "train_overhead_pct": tr_multi["overhead_pct"],
         "train_overhead_paired_median_pct": tr_multi["overhead_paired_median_pct"],
         "train_overhead_noise_pct": tr_multi["noise_pct"],
         "train_overhead_single_node_pct": tr_single.get("overhead_pct"),
@@ -757,38 +745,14 @@ def run_snapshot_bench(
         "stall_vs_dcp_async_reused_stager": ratio(stall, inproc["dcp_async_block_reused_stager_s"], 5),
         "stall_single_node_vs_torch_save": ratio(stall_single, inproc["torch_save_s"], 5),
         "stall_single_node_vs_dcp_async": ratio(stall_single, inproc["dcp_async_block_s"], 5),
-        "copy_vs_memcpy": copy_vs_memcpy,
-        "restore_speedup_vs_torch_load": restore_speedup,
+        "copy_vs_memcpy": ratio(inproc["snapshot_copy_GBps"], inproc["memcpy_GBps"], 3),
+        "restore_speedup_vs_torch_load": ratio(inproc["torch_load_s"], inproc["restore_inmemory_s"], 2),
         "restore_warm_speedup_vs_torch_load": ratio(inproc["torch_load_s"], inproc["restore_inmemory_warm_s"], 2),
         "restore_from_smp_speedup_vs_torch_load": ratio(inproc["torch_load_s"], multi.get("restore_from_smp_s"), 2),
         # what a restore that copies the state's bytes once at memcpy speed could reach at best
         "restore_memcpy_bound_vs_torch_load": ratio(inproc["torch_load_s"], inproc["state_bytes"] / (inproc["memcpy_GBps"] * 1e9), 2),
     }
 
-    def at_most(v: float | None, limit: float) -> bool | None:
-        return None if v is None else bool(v <= limit)
-
-    def at_least(v: float | None, limit: float) -> bool | None:
-        return None if v is None else bool(v >= limit)
-
-    result["targets"] = {
-        "stall_vs_torch_save": "<= 0.01",
-        "stall_vs_dcp_async": "<= 0.1",
-        "copy_vs_memcpy": ">= 0.5",
-        "train_overhead_pct": "<= 2",
-        "restore_speedup_vs_torch_load": ">= 10",
-    }
-    result["targets_met"] = {
-        "stall_vs_torch_save": at_most(result["stall_vs_torch_save"], 0.01),
-        "stall_vs_dcp_async": at_most(result["stall_vs_dcp_async"], 0.1),
-        "copy_vs_memcpy": at_least(copy_vs_memcpy, 0.5),
-        "train_overhead_pct": at_most(overhead, 2.0),
-        "restore_speedup_vs_torch_load": at_least(restore_speedup, 10.0),
-        # the same targets on the embedded single-node Ray (no parity); None where not run
-        "stall_single_node_vs_torch_save": at_most(result["stall_single_node_vs_torch_save"], 0.01),
-        "stall_single_node_vs_dcp_async": at_most(result["stall_single_node_vs_dcp_async"], 0.1),
-        "train_overhead_single_node_pct": at_most(result["train_overhead_single_node_pct"], 2.0),
-    }
     result["details"] = {"multi_node": tr_multi, "single_node": tr_single or None, "in_process_raw_s": inproc["raw_s"]}
 
     notes.append(
@@ -797,9 +761,9 @@ def run_snapshot_bench(
         "torch thread(s), with a warm buffer, file and page cache."
     )
     notes.append(
-        "torch_load_s and restore_inmemory_s both load into a freshly built stage (its state allocated at start), as a replacement actor would; "
-        "restore_inmemory_warm_s loads into a stage whose optimizer state exists (a survivor rolling back). torch.load reads "
-        "a page-cached file, its best case (evicting it with posix_fadvise made no difference on this VM's disk)."
+        "torch_load_s and restore_inmemory_s both load into a freshly built stage (its state allocated at start), as a "
+        "replacement actor would; restore_inmemory_warm_s loads into a stage whose optimizer state exists (a survivor "
+        "rolling back). torch.load reads a page-cached file."
     )
     notes.append(
         "dcp_async_block_s: the time async_save(state_dict, checkpoint_id=dir) blocks as called by default (a fresh "
@@ -812,11 +776,19 @@ def run_snapshot_bench(
         f"blocks of {blocks_plan} steps (order alternating) after {warmup} warm-up step(s), stepped with Trainer.run_step so "
         "the snapshot pipeline carries on across blocks. snapshot_stall_s and train_overhead_pct come "
         f"from a loopback Cluster of {workers} worker nodes (head without CPUs, SPREAD, snapshot.group_size={workers}: copy + "
-        "hand-off + parity + commit; restore_from_smp_s with the manager on the driver's node); *_single_node_* from an "
-        "embedded single-node Ray (copy + hand-off only). Stall per timed "
-        "step = max over stages of the actors' snapshot_wait_s + the controller's snapshots.stats wait_s. Overhead uses all "
-        "steps of a block but its first (which absorbs the switch between the two trainers); overhead_all_steps_pct uses "
-        "every step; noise_pct is how much the snapshot-free system alone varied between its blocks."
+        "hand-off + parity + commit); *_single_node_* from an embedded single-node Ray (copy + hand-off only). Stall per "
+        "timed step = max over stages of the actors' snapshot_wait_s + the controller's snapshots.stats.wait_s. Overhead "
+        "uses all steps of a block but its first (which absorbs the switch between the two trainers); "
+        "overhead_all_steps_pct uses every step; noise_pct is how much the snapshot-free system alone varied between its "
+        "blocks."
+    )
+    notes.append(
+        f"restore_from_smp_s: after the blocks, the cluster Trainer with snapshots restores every stage of replica 0 from "
+        "its committed version into freshly started stage actors on the nodes holding the shards, as the controller "
+        "does (snapshots.fetch_stage_state per stage, its load_parts submitted at once, then the wait for all loads), "
+        f"median of {repeats} rounds; "
+        "smp_hand_off_s: one SnapshotManager on the driver's node collecting a whole-model stage's snapshot "
+        "(snapshot_version of a one-stage ManagerPlan, no erasure group)."
     )
     for phase, tr in (("cluster", tr_multi), ("single-node", tr_single)):
         if tr and tr.get("snapshots_skipped"):
@@ -826,22 +798,13 @@ def run_snapshot_bench(
             )
     if cfg.parallel.cpus_per_actor * cfg.parallel.stages * cfg.parallel.dp >= (os.cpu_count() or 1):
         notes.append(
-            f"{cfg.parallel.stages * cfg.parallel.dp} stage actors share {os.cpu_count()} cores (and all 'nodes' share them): "
-            "snapshot copies, CRCs, object transfers and parity compete with training for the same cores."
+            f"{cfg.parallel.stages * cfg.parallel.dp} stage actors share {os.cpu_count()} cores (and all 'nodes' share them) "
+            "with the snapshot copies, CRCs, object transfers and parity."
         )
-    misses = [k for k, v in result["targets_met"].items() if v is False]
-    if misses:
-        notes.append(f"targets not met: {', '.join(misses)}")
-        notes.extend(_findings(result, tr_multi, tr_single))
     shares = [tr["outside_cpu_share"] for tr in (tr_multi, tr_single) if tr and tr.get("outside_cpu_share") is not None]
     if shares and max(shares) > 0.15:
-        notes.append(
-            f"other processes took up to {max(shares):.0%} of the machine's CPU while the trainers ran: the tokens/s "
-            "comparisons are disturbed beyond their noise_pct; cpu_overhead_pct (CPU seconds per step, all our processes) "
-            "is the steadier measure of what snapshots cost."
-        )
-    if hasattr(os, "getloadavg"):
-        machine["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+        notes.append(f"other processes took up to {max(shares):.0%} of the machine's CPU while the trainers ran.")
+    load_at_end(machine)
     result["notes"] = notes
     result["machine"] = machine
     result["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -849,12 +812,7 @@ def run_snapshot_bench(
     return result
 
 
-def main() -> None:
-    print(json.dumps(run_snapshot_bench()))
-
-
 if __name__ == "__main__":
-    main()
+    from benchmarks.common import main
 
-
-__all__ = ["run_snapshot_bench", "main"]
+    raise SystemExit(main("snapshot"))

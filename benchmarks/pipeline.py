@@ -1,37 +1,32 @@
-"""Pipeline throughput benchmark: our Ray pipeline against two real peers, side by side.
+"""Pipeline throughput: our Ray pipeline against two real peers, side by side in one run.
 
-Owns: one measurement run that trains the same model, from the same initial weights, on the same
-batches of the training stream with three systems:
+Measures tokens / s and CPU seconds per step of the same training (same model, initial weights,
+batches of the training stream, microbatches, per-stage clipping and AdamW) in three systems:
 
-* ``ray_pipeline``: the project's own path (:class:`~elastic_llm.controller.Trainer` stage actors
-  driven by :class:`~elastic_llm.pipeline.runner.PipelineRunner`), driven from this process;
-* ``single_process``: the unsplit model (``build_full_model``, same seed) in one spawned process
-  with every core (``torch.set_num_threads(os.cpu_count())``), gradient accumulation over
-  microbatches of the pipeline's size, clip + AdamW each step;
+* ``ray_pipeline``: the product itself, a :class:`~elastic_llm.controller.Trainer` stepped with
+  ``Trainer.run_step`` (``snapshot.enabled=false``, ``train.eval_every=0``: the pipeline alone);
+* ``single_process``: the same stage modules (``build_stage``) chained in one spawned process with
+  every core (``torch.set_num_threads(os.cpu_count())``), gradient accumulation over microbatches
+  of the pipeline's size, per-stage clip + AdamW each step;
 * ``torch_pipelining``: ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` /
-  ``Schedule1F1B`` as ``parallel.schedule``) over gloo on 127.0.0.1, one spawned process per
-  stage (x ``dp`` replicas) with the actors' threads per stage, clip + AdamW each step;
+  ``Schedule1F1B`` as ``parallel.schedule``) over gloo on 127.0.0.1, one spawned process per stage
+  (x ``dp`` replicas) with the actors' threads per stage, clip + AdamW each step;
 
-and the ratios between them. Clipping is per stage everywhere (what the stage actors do), so all
-three compute the same update: their first timed step's loss agrees, which the result shows.
+and the ratios between them. The peers build their optimizer with the product's
+``build_optimizer`` and read the batches the Trainer reads, so all three compute the same update:
+their first timed step's loss agrees (a note says so when it does not).
 
-Timing: every system gets ``warmup`` untimed steps, then ``steps`` timed steps; only the steps are
-inside ``time.perf_counter``; throughput is tokens / s over all timed steps. The systems take
-turns step by step (the order rotates every step) while the other two sit idle (children
-blocked on a pipe, actors waiting for calls): a burst of outside load on a shared machine then
-hits all three alike instead of whichever happened to run at that moment. Each system lives in
-its own processes, so thread settings never interfere. Besides wall time, each system's CPU
-seconds per step (all of its processes) are reported: they barely move with outside load and
-show the overhead a system adds on top of the same math. The Ray side is ``runner.train_step``
-alone: no validation, no snapshots (``snapshot.enabled=false``: no snapshot managers either).
+Timing: every system gets ``warmup`` untimed steps, then ``steps`` timed steps; throughput is
+tokens / s over all timed steps. The systems take turns step by step (the order rotates every
+step) while the other two sit idle, so a burst of outside load hits all three alike. Each system
+lives in its own processes; its CPU seconds per step count all of them (for Ray: driver, raylet,
+GCS, actors). Ray is a private embedded instance; the peers are started with ``spawn``, so a
+script calling :func:`run_pipeline_bench` needs the ``if __name__ == "__main__":`` guard.
 
-Ray is always a private embedded instance (``start_ray`` uses ``address='local'``), never
-a cluster found in /tmp/ray. Baselines are started with the ``spawn`` method, so a script calling
-:func:`run_pipeline_bench` needs the usual ``if __name__ == "__main__":`` guard (the CLI has it).
-
-Must never: change the model, runner or stage actors (it only calls their public API), leave
-Ray, actors, process groups or child processes behind (everything is torn down in ``finally``),
-write outside a temporary directory, or reach anything but 127.0.0.1.
+Must never: copy product code (the optimizer, the split into stages, the step loop: it calls
+them), judge its results (targets and conclusions live in BENCHMARKS.md), leave Ray, process
+groups or child processes behind (everything is torn down in ``finally``), write outside a
+temporary directory, or reach anything but 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -43,52 +38,30 @@ import os
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
 
-from elastic_llm.bench.common import free_port, machine_busy_s, machine_info, process_tree_cpu
+from benchmarks.common import free_port, load_at_end, machine_busy_s, machine_info, outside_share, ratio, tree_cpu_s
 from elastic_llm.config import RunConfig, config_from_dict, load_config
-from elastic_llm.controller import Trainer, loopback_env
 from elastic_llm.model import count_parameters
 
-READY_TIMEOUT_S = 300.0  # building a baseline (spawn, import torch, build the model, rendezvous)
+READY_TIMEOUT_S = 300.0  # building a peer (spawn, import torch, build the model, rendezvous)
 STEP_TIMEOUT_S = 300.0  # one step of one system; past it the system is stopped and reported failed
 SYSTEMS = ("ray_pipeline", "single_process", "torch_pipelining")
 
 StepFn = Callable[[int], dict[str, Any]]  # batch index -> {"time": s, "cpu": s, "loss": float | None}
 
 
-# --------------------------------------------------------------------------- shared helpers
+def _train_batches(cfg: RunConfig, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The first ``n`` batches a fresh Trainer of ``cfg`` trains on: its data (``data.dir``, else
+    the built-in corpus), its seed, its order."""
+    from elastic_llm.data import open_run_data
 
-
-def _optimizer(module: Any, cfg: RunConfig) -> tuple[Any, Any]:
-    """AdamW + LR schedule configured exactly like :class:`StageWorker`'s."""
-    import torch
-
-    from elastic_llm.pipeline.stage import lr_factor
-
-    train = cfg.train
-    decay = [p for p in module.parameters() if p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=train.lr,
-        betas=(train.beta1, train.beta2),
-        foreach=True,
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.min_lr / train.lr))
-    return opt, sched
-
-
-def _tree_cpu_s(root: int, exclude: Collection[int] = ()) -> float | None:
-    """CPU seconds used so far by ``root`` and its live descendants, skipping the subtrees of
-    ``exclude`` (the Ray pipeline's work is spread over the driver, raylet, GCS and the actors:
-    all descendants of this process when the benchmark starts Ray itself)."""
-    tree = process_tree_cpu(root, exclude)
-    return None if tree is None else sum(tree.values())
+    stream = open_run_data(cfg.data.dir, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size, cfg.data.val_fraction).train
+    return [stream.next_batch(cfg.train.batch_size) for _ in range(n)]
 
 
 def _load_batches(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -96,43 +69,23 @@ def _load_batches(path: str) -> tuple[np.ndarray, np.ndarray]:
     return data["x"], data["y"]
 
 
-# --------------------------------------------------------------------------- baseline 1: single process
-
-
-def _stage_param_groups(model: Any, n_stages: int) -> list[list[Any]]:
-    """The unsplit model's parameters grouped as ``build_stage`` splits them.
-
-    Stage actors clip each stage's gradient on its own; clipping the same groups here makes the
-    single process compute exactly the pipeline's update (at the cost of one global clip).
-    """
-    from elastic_llm.model import stage_layer_range
-
-    n_layers = len(model.layers)
-    stage_of_layer = {layer: s for s in range(n_stages) for layer in stage_layer_range(n_layers, n_stages, s)}
-    groups: list[list[Any]] = [[] for _ in range(n_stages)]
-    for name, p in model.named_parameters():
-        head, _, rest = name.partition(".")
-        if head == "embed":
-            groups[0].append(p)
-        elif head == "layers":
-            groups[stage_of_layer[int(rest.split(".")[0])]].append(p)
-        else:  # final norm and LM head live on the last stage
-            groups[-1].append(p)
-    return groups
+# --------------------------------------------------------------------------- peer 1: single process
 
 
 def _build_single_process(cfg_dict: dict[str, Any], batches_path: str) -> tuple[StepFn, Callable[[], None]]:
-    """Unsplit model on every core; one call = one optimizer step over dp x microbatches."""
+    """Every stage module chained in one process on every core; one call = one optimizer step
+    over dp x microbatches, each stage's gradient clipped on its own (as the actors do)."""
     import torch
 
-    from elastic_llm.model import build_full_model, lm_loss
+    from elastic_llm.model import build_stage, lm_loss
+    from elastic_llm.pipeline.stage import build_optimizer
 
     cfg = config_from_dict(cfg_dict)
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(cfg.train.seed)
-    model = build_full_model(cfg.model.shape(), cfg.train.seed)
-    opt, sched = _optimizer(model, cfg)
-    clip_groups = _stage_param_groups(model, cfg.parallel.stages)
+    stages = [build_stage(cfg.model.shape(), cfg.parallel.stages, s, cfg.train.seed) for s in range(cfg.parallel.stages)]
+    model = torch.nn.Sequential(*stages)
+    opt, sched = build_optimizer(model, cfg.train)
     n_micro = cfg.parallel.microbatches * cfg.parallel.dp  # same microbatch size as the pipeline
     xs, ys = _load_batches(batches_path)
 
@@ -143,8 +96,8 @@ def _build_single_process(cfg_dict: dict[str, Any], batches_path: str) -> tuple[
             loss = lm_loss(model(torch.from_numpy(xm)), torch.from_numpy(ym))
             (loss / n_micro).backward()
             total += float(loss.detach())
-        for group in clip_groups:
-            torch.nn.utils.clip_grad_norm_(group, cfg.train.grad_clip)
+        for stage in stages:
+            torch.nn.utils.clip_grad_norm_(stage.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
@@ -154,14 +107,14 @@ def _build_single_process(cfg_dict: dict[str, Any], batches_path: str) -> tuple[
     return step, lambda: None
 
 
-# --------------------------------------------------------------------------- baseline 2: torch.distributed.pipelining
+# --------------------------------------------------------------------------- peer 2: torch.distributed.pipelining
 
 
 def _build_torch_pp(rank: int, world: int, port: int, cfg_dict: dict[str, Any], batches_path: str) -> tuple[StepFn, Callable[[], None]]:
     """One stage of one replica under torch.distributed.pipelining.
 
     Rank ``r * stages + s`` is stage ``s`` of replica ``r``; with dp > 1 the replicas of a stage
-    average their flat gradient with one all-reduce (what the actors do through ``flat_grad``).
+    average their flat gradient with one all-reduce (the peer's own way of what the actors do).
     A step starts and ends with a barrier, so every rank times the same span.
     """
     import torch
@@ -169,6 +122,7 @@ def _build_torch_pp(rank: int, world: int, port: int, cfg_dict: dict[str, Any], 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from elastic_llm.model import build_stage, lm_loss
+    from elastic_llm.pipeline.stage import build_optimizer
 
     cfg = config_from_dict(cfg_dict)
     par = cfg.parallel
@@ -189,7 +143,7 @@ def _build_torch_pp(rank: int, world: int, port: int, cfg_dict: dict[str, Any], 
             dp_groups = [dist.new_group([r * n_stages + s for r in range(dp)]) for s in range(n_stages)]
             pp_group, dp_group = pp_groups[replica], dp_groups[stage]
         module = build_stage(cfg.model.shape(), n_stages, stage, cfg.train.seed)
-        opt, sched = _optimizer(module, cfg)
+        opt, sched = build_optimizer(module, cfg.train)
         pstage = PipelineStage(module, stage, n_stages, torch.device("cpu"), group=pp_group)
         schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[par.schedule]
         schedule = schedule_cls(pstage, n_microbatches=par.microbatches, loss_fn=lm_loss, scale_grads=True)
@@ -363,10 +317,6 @@ def _summary(records: list[dict[str, Any]], tokens_per_step: int) -> dict[str, A
     }
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
 def run_pipeline_bench(
     config_path: str = "jobs/tiny.yaml",
     steps: int = 6,
@@ -382,25 +332,31 @@ def run_pipeline_bench(
     run, with the reason in ``notes``), the workload, the machine and per-system details.
     Raises if the Ray pipeline itself fails; every process it started is gone when it returns.
     """
+    import ray
+
+    from elastic_llm.controller import Trainer, loopback_env
+
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     if warmup < 0:
         raise ValueError(f"warmup={warmup} must be >= 0")
     loopback_env()
-    cfg = load_config(config_path, ["snapshot.enabled=false", *overrides])  # the pipeline alone; snapshots: bench snapshot
+    # the pipeline alone: no snapshots (bench snapshot measures those), no validation
+    cfg = load_config(config_path, ["snapshot.enabled=false", "train.eval_every=0", *overrides])
     par, train = cfg.parallel, cfg.train
     tokens_per_step = cfg.tokens_per_step()
     notes: list[str] = []
     machine = machine_info()
     started = time.perf_counter()
 
-    trainer = Trainer(cfg)  # loads the data stream; Ray starts in setup()
-    batches = [trainer.train_stream.next_batch(train.batch_size) for _ in range(warmup + steps)]
+    batches = _train_batches(cfg, warmup + steps)  # what the Trainer's run_step reads, in order
+    ray_is_ours = not ray.is_initialized()  # then the driver's process tree holds all of Ray
+    trainer = Trainer(cfg)
     records: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
     failed: dict[str, str] = {}
     children: dict[str, _ChildSystem] = {}
     ray_setup_s: float | None = None
-    outside_share: float | None = None
+    outside: float | None = None
 
     with tempfile.TemporaryDirectory(prefix="elastic-llm-bench-") as workdir:
         batches_path = os.path.join(workdir, "batches.npz")
@@ -409,14 +365,14 @@ def run_pipeline_bench(
         world = par.stages * par.dp
         port = free_port()
         try:
-            # Start the baselines first: they build while Ray starts (nothing is timed yet).
+            # Start the peers first: they build while Ray starts (nothing is timed yet).
             t0 = time.perf_counter()
             children["single_process"] = _ChildSystem("single_process", "single_process", [(cfg_dict, batches_path)])
             children["torch_pipelining"] = _ChildSystem(
                 "torch_pipelining", "torch_pipelining", [(rank, world, port, cfg_dict, batches_path) for rank in range(world)]
             )
             trainer.setup()
-            ray_setup_s = time.perf_counter() - t0  # Ray start + actors (baselines build meanwhile)
+            ray_setup_s = time.perf_counter() - t0  # Ray start + actors (peers build meanwhile)
             for name, child in list(children.items()):
                 try:
                     child.wait_ready()
@@ -426,18 +382,17 @@ def run_pipeline_bench(
                     del children[name]
             child_pids = set().union(*(c.pids() for c in children.values())) if children else set()
 
-            def ray_step(i: int) -> dict[str, Any]:
-                x, y = batches[i]
-                c0 = _tree_cpu_s(os.getpid(), child_pids) if trainer.owns_ray else None
+            def ray_step(i: int) -> dict[str, Any]:  # run_step reads batch i itself
+                c0 = tree_cpu_s(os.getpid(), child_pids) if ray_is_ours else None
                 t0 = time.perf_counter()
-                result = trainer.runner.train_step(x, y)
+                record = trainer.run_step()
                 dt = time.perf_counter() - t0
-                c1 = _tree_cpu_s(os.getpid(), child_pids) if c0 is not None else None
-                return {"time": dt, "cpu": c1 - c0 if c0 is not None and c1 is not None else None, "loss": result.loss}
+                c1 = tree_cpu_s(os.getpid(), child_pids) if c0 is not None else None
+                return {"time": dt, "cpu": c1 - c0 if c0 is not None and c1 is not None else None, "loss": record["loss"]}
 
             step_fns: dict[str, Callable[[int], dict[str, Any]]] = {"ray_pipeline": ray_step}
             step_fns.update({name: child.step for name, child in children.items()})
-            busy0, ours0, wall0 = machine_busy_s(), _tree_cpu_s(os.getpid()), time.perf_counter()
+            busy0, ours0, wall0 = machine_busy_s(), tree_cpu_s(os.getpid()), time.perf_counter()
             for i in range(warmup + steps):
                 active = [name for name in SYSTEMS if name in step_fns and name not in failed]
                 k = i % len(active)
@@ -452,11 +407,9 @@ def run_pipeline_bench(
                         continue
                     if i >= warmup:
                         records[name].append(rec)
-            busy1, ours1, wall1 = machine_busy_s(), _tree_cpu_s(os.getpid()), time.perf_counter()
+            busy1, ours1 = machine_busy_s(), tree_cpu_s(os.getpid())
             if None not in (busy0, busy1, ours0, ours1):
-                # Share of the machine's capacity that other processes took while we measured.
-                others = (busy1 - busy0) - (ours1 - ours0)  # type: ignore[operator]
-                outside_share = max(0.0, others / ((wall1 - wall0) * (os.cpu_count() or 1)))
+                outside = outside_share(busy1 - busy0, ours1 - ours0, time.perf_counter() - wall0)  # type: ignore[operator]
         finally:
             for child in children.values():
                 child.close()
@@ -497,15 +450,10 @@ def run_pipeline_bench(
         f"{os.cpu_count()} cores; the single process uses {os.cpu_count()} threads. The systems take turns step by step; "
         "other load on the machine moves absolute numbers between runs, so compare ratios (median_ratios resist bursts)."
     )
-    if hasattr(os, "getloadavg"):
-        machine["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    machine["outside_cpu_share"] = round(outside_share, 3) if outside_share is not None else None
-    if outside_share is not None and outside_share > 0.15:
-        notes.append(
-            f"other processes used {outside_share:.0%} of the machine's CPU while the steps ran: every number is disturbed. "
-            "The multi-threaded single process suffers most (its threads wait for each other whenever one is descheduled), "
-            "so ratio_vs_single overstates the pipeline; rerun on a quieter machine for a clean comparison."
-        )
+    load_at_end(machine)
+    machine["outside_cpu_share"] = round(outside, 3) if outside is not None else None
+    if outside is not None and outside > 0.15:
+        notes.append(f"other processes used {outside:.0%} of the machine's CPU while the steps ran: every number is disturbed.")
 
     def median_of(name: str) -> float | None:
         return details[name].get("median_step_s")
@@ -529,12 +477,12 @@ def run_pipeline_bench(
         "ray_pipeline_tokens_per_s": ray_tps,
         "single_process_tokens_per_s": single_tps,
         "torch_pipelining_tokens_per_s": torch_tps,
-        "ratio_vs_single": _ratio(ray_tps, single_tps),
-        "ratio_vs_torch_pipelining": _ratio(ray_tps, torch_tps),
+        "ratio_vs_single": ratio(ray_tps, single_tps),
+        "ratio_vs_torch_pipelining": ratio(ray_tps, torch_tps),
         # The same ratios from median step times: robust to one step hit by a burst of outside load.
         "median_ratios": {
-            "vs_single": _ratio(median_of("single_process"), median_of("ray_pipeline")),
-            "vs_torch_pipelining": _ratio(median_of("torch_pipelining"), median_of("ray_pipeline")),
+            "vs_single": ratio(median_of("single_process"), median_of("ray_pipeline")),
+            "vs_torch_pipelining": ratio(median_of("torch_pipelining"), median_of("ray_pipeline")),
         },
         # CPU seconds per step over all of a system's processes: barely moved by outside load, it
         # shows what a system spends on top of the same model math.
@@ -547,4 +495,7 @@ def run_pipeline_bench(
     }
 
 
-__all__ = ["run_pipeline_bench"]
+if __name__ == "__main__":
+    from benchmarks.common import main
+
+    raise SystemExit(main("pipeline"))

@@ -1,7 +1,9 @@
-"""Helpers shared by the benchmarks: CPU accounting from /proc, the machine, a free loopback port.
+"""Helpers shared by the benchmarks: CPU accounting from /proc, the machine, a free loopback port,
+ratios, and the ``python -m benchmarks.<name>`` entry point.
 
 Owns: reading per-process and whole-machine CPU time on Linux (None elsewhere), describing the
-machine, and picking a free TCP port on 127.0.0.1. Never measures anything itself.
+machine, picking a free TCP port on 127.0.0.1. Never measures anything itself and never copies
+product code.
 """
 
 from __future__ import annotations
@@ -9,14 +11,27 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import sys
 from collections.abc import Collection
 from typing import Any
+
+
+def main(name: str) -> int:
+    """``python -m benchmarks.<name> [options]``: exactly ``elastic-llm bench <name> [options]``."""
+    from elastic_llm.cli import main as cli_main
+
+    return cli_main(["bench", name, *sys.argv[1:]])
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def ratio(a: float | None, b: float | None, nd: int = 3) -> float | None:
+    """``a / b`` rounded to ``nd`` digits; None when either is missing or ``b`` is zero."""
+    return round(a / b, nd) if a is not None and b else None
 
 
 def machine_busy_s() -> float | None:
@@ -28,6 +43,14 @@ def machine_busy_s() -> float | None:
     except (OSError, ValueError):
         return None
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def outside_share(busy_s: float | None, ours_s: float | None, wall_s: float) -> float | None:
+    """Share of the machine's capacity that processes other than ours took over ``wall_s``
+    seconds, given the machine's busy CPU seconds (:func:`machine_busy_s` difference) and ours."""
+    if busy_s is None or ours_s is None or wall_s <= 0:
+        return None
+    return max(0.0, (busy_s - ours_s) / (wall_s * (os.cpu_count() or 1)))
 
 
 def process_tree_cpu(root: int, exclude: Collection[int] = ()) -> dict[int, float] | None:
@@ -58,6 +81,12 @@ def process_tree_cpu(root: int, exclude: Collection[int] = ()) -> dict[int, floa
             out[pid] = cpu[pid]
         todo.extend(children.get(pid, ()))
     return out
+
+
+def tree_cpu_s(root: int, exclude: Collection[int] = ()) -> float | None:
+    """Total CPU seconds of :func:`process_tree_cpu` (None where /proc is missing)."""
+    tree = process_tree_cpu(root, exclude)
+    return None if tree is None else sum(tree.values())
 
 
 def cpu_model() -> str:
@@ -92,3 +121,9 @@ def machine_info() -> dict[str, Any]:
     if hasattr(os, "getloadavg"):
         info["loadavg_1m_at_start"] = round(os.getloadavg()[0], 2)
     return info
+
+
+def load_at_end(machine: dict[str, Any]) -> None:
+    """Add the 1-minute load average at the end of a run to ``machine`` (where the OS has one)."""
+    if hasattr(os, "getloadavg"):
+        machine["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)

@@ -1,19 +1,21 @@
-"""Erasure-codec throughput benchmark (``python -m elastic_llm.bench.erasure``).
+"""Erasure codec throughput: our Reed-Solomon codec against memcpy, reedsolo and zfec.
 
-Measures, single-threaded and in one run on ``size_mib`` MiB of random data:
-memcpy (``np.copyto``) as the memory-speed yardstick, reedsolo and zfec as
-reference encoders, and encode/decode of :class:`~elastic_llm.snapshot.erasure.ReedSolomon`
-for every available backend and (k, m) in (4, 2), (8, 2), (10, 4).
+Measures, single-threaded and in one run on ``size_mib`` MiB of random data: memcpy
+(``np.copyto``) as the memory-speed yardstick, reedsolo and zfec as reference encoders, encode and
+decode of the product's :class:`~elastic_llm.snapshot.erasure.ReedSolomon` for every available
+backend and (k, m) in (4, 2), (8, 2), (10, 4), and the product's ``checksum`` (CRC-32).
 
-Conventions: MB = 1e6 bytes; every rate is *data* bytes / second (the k data
-shards, not parity); every number is the best of ``repeats`` timed runs after a
-warm-up run, into preallocated, already-touched output buffers.
+Conventions: MB = 1e6 bytes; every rate is *data* bytes / second (the k data shards, not parity);
+every number is the best of ``repeats`` timed runs after a warm-up run, into preallocated,
+already-touched output buffers.
+
+Must never: copy product code (it calls the codec and checksum it measures), or judge its results
+(targets and conclusions live in BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import time
@@ -21,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from elastic_llm.bench.common import cpu_model
+from benchmarks.common import cpu_model
 from elastic_llm.snapshot.erasure import ReedSolomon, checksum, checksum_impl, isal_available
 
 CODES = ((4, 2), (8, 2), (10, 4))
@@ -146,9 +148,7 @@ def run_erasure_bench(size_mib: int = 64, seed: int = 0, *, repeats: int = 5) ->
     return result
 
 
-def main() -> None:
-    print(json.dumps(run_erasure_bench()))
-
-
 if __name__ == "__main__":
-    main()
+    from benchmarks.common import main
+
+    raise SystemExit(main("erasure"))
