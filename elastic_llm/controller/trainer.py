@@ -98,6 +98,7 @@ class Trainer:
         self.run_id = uuid.uuid4().hex[:6]
         self.chaos = Chaos(cfg, cluster)
         self.failure_policy = FailurePolicy(cfg.recovery.max_failures, cfg.recovery.max_retries_per_step)
+        self.recovery_policy = RecoveryPolicy()
         self.budget = FailureBudget()
         self.state: State = Starting()
         self.seconds_by_state: dict[str, float] = {}
@@ -107,6 +108,7 @@ class Trainer:
         self.recovery: RecoveryExecutor | None = None
         self.runner: PipelineRunner | None = None
         self.step = 0
+        self.end = cfg.train.max_steps  # fit(max_steps) may change it
         self.tokens_seen = 0
         self.history: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -226,8 +228,6 @@ class Trainer:
         return float(np.mean(losses))
 
     # ------------------------------------------------------------------ the run
-    end = 0
-
     def fit(self, max_steps: int | None = None, on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         """Train until ``max_steps`` (default ``train.max_steps``) through the controller's
         states; return the per-step records (after a rollback, replayed steps appear again).
@@ -309,7 +309,7 @@ class Trainer:
         t0 = time.perf_counter()
         try:
             obs = self.recovery.observe(self.runner, failure.step)
-            plan = RecoveryPolicy().decide(obs)
+            plan = self.recovery_policy.decide(obs)
             log(f"recovery plan for {failure.where}: {plan}")
             self.chaos.fire("recovery", failure.step, self._targets())
             outcome = self.recovery.execute(plan, obs, self.step)
