@@ -23,6 +23,10 @@ lives in its own processes; its CPU seconds per step count all of them (for Ray:
 GCS, actors). Ray is a private embedded instance; the peers are started with ``spawn``, so a
 script calling :func:`run_pipeline_bench` needs the ``if __name__ == "__main__":`` guard.
 
+Why it is this long (~500 lines): two of the three peers run in spawned child processes (one
+per pipeline stage for torch.distributed.pipelining) that the benchmark starts, feeds step by
+step and tears down itself; that harness is half the module.
+
 Must never: copy product code (the optimizer, the split into stages, the step loop: it calls
 them), judge its results (targets and conclusions live in BENCHMARKS.md), leave Ray, process
 groups or child processes behind (everything is torn down in ``finally``), write outside a

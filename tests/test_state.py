@@ -69,7 +69,7 @@ def test_capture_reuses_one_buffer_and_replica_slices_tile_it():
         w.step()
     full, _ = workers[0].capture_state()
     buf1, _ = workers[0].capture_state()
-    assert buf1 is workers[0]._snapshot_buffer(2) and full is buf1
+    assert buf1 is workers[0].copies.buffer(2) and full is buf1
     bounds = [json.loads(w.capture_state(replica_slice=True)[1])["slice"] for w in workers]
     assert bounds[0][0] == 0 and bounds[-1][1] == len(full)
     assert all(bounds[i][1] == bounds[i + 1][0] for i in range(2))

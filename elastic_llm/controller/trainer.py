@@ -318,7 +318,7 @@ class Trainer:
         except UnrecoverableError as e:
             return after_unrecoverable(failure, str(e))
         except (ray.exceptions.RayError, TimeoutError, StepFailed) as err:  # observed again and re-planned
-            again = StepFailure.from_exception(failure.step, getattr(err, "cause", err), during="recovery")
+            again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during="recovery")
             self.budget = self.budget.record(again.step)
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)
         self._apply(outcome, failure, time.perf_counter() - t0)

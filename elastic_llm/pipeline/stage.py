@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 import warnings
 from typing import Any
@@ -27,6 +24,7 @@ import torch
 
 from elastic_llm.config import RunConfig, TrainConfig, config_from_dict
 from elastic_llm.model import build_stage, lm_loss
+from elastic_llm.pipeline.copies import BackgroundCopies
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -85,24 +83,6 @@ def build_optimizer(module: torch.nn.Module, train: TrainConfig) -> tuple[torch.
     return optimizer, scheduler
 
 
-@dataclass
-class Copy:
-    """One background copy of the state: its version, buffer, byte range and manifest."""
-
-    version: int
-    buffer: np.ndarray
-    lo: int
-    hi: int
-    manifest: str
-    future: Future
-
-
-def piece_size(nbytes: int, k: int) -> int:
-    """Bytes per piece when a shard of ``nbytes`` is cut into ``k`` pieces (64-byte multiples;
-    the last pieces may be shorter or empty)."""
-    return -(-nbytes // (k * 64)) * 64 if nbytes else 0
-
-
 def stage_seed(seed: int, stage: int, replica: int) -> int:
     return (seed * 7919 + stage * 104_729 + replica * 15_485_863) % (2**31)
 
@@ -124,7 +104,6 @@ class StageWorker:
         from elastic_llm.snapshot.state import StateArena
 
         self.arena = StateArena(self.module, self.optimizer)  # state in one block: copies are single memcpys
-        self._buffers: list[np.ndarray] = []  # two reused snapshot buffers, alternating (pinned on CUDA)
         self.micro_per_replica = par.microbatches
         self.backwards_done = 0  # microbatches backpropagated in the current step
         self.inputs: dict[int, torch.Tensor] = {}
@@ -134,13 +113,7 @@ class StageWorker:
         # Lazy asynchronous snapshots: step(snapshot=...) starts copying the updated state into the
         # reused buffer on a background thread while the next forward/backward run; the next
         # step() waits for it only if it is unfinished. A snapshot manager collects the copy.
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-copy-{stage}-{replica}")
-        self._copy: Future | None = None  # the latest background copy
-        self._copies: dict[int, Copy] = {}  # version -> the last two copies (one per buffer)
-        self._next_buffer = 0
-        self._copy_started = threading.Condition()
-        self._resets = 0  # bumped by reset_step(): a snapshot_pieces() call waiting for its step gives up
-        self.snapshot_wait_s = 0.0  # total time step() was blocked by an unfinished copy
+        self.copies = BackgroundCopies(self.arena, self.device, f"{stage}-{replica}")
         self.injected_error: str | None = None  # chaos: every forward raises this from now on
 
     # ------------------------------------------------------------------ one microbatch
@@ -215,7 +188,7 @@ class StageWorker:
         overwrite tensors being copied). ``snapshot`` (the data position after this step's batch)
         starts a background copy of the updated state for :meth:`snapshot_pieces` to collect.
         """
-        self._wait_copy()
+        self.copies.wait()
         self._check_complete()
         if peer_grads:
             self.average_grads(*peer_grads)
@@ -230,58 +203,27 @@ class StageWorker:
         self.step_count += 1
         if snapshot is not None:
             self._start_copy(snapshot)
-        return StepStats(norm, lr, self.snapshot_wait_s)
+        return StepStats(norm, lr, self.copies.wait_s)
 
-    def _wait_copy(self) -> None:
-        if self._copy is not None and not self._copy.done():
-            t = time.perf_counter()
-            self._copy.result(timeout=600)
-            self.snapshot_wait_s += time.perf_counter() - t
+    @property
+    def snapshot_wait_s(self) -> float:
+        """Total seconds this actor's optimizer steps waited for an unfinished snapshot copy."""
+        return self.copies.wait_s
 
     def _start_copy(self, data_position: dict[str, int]) -> None:
         """Take the small JSON part now (RNG states move on with the next forward) and copy the
-        bytes in the background."""
+        bytes (this replica's 1/DP slice) in the background."""
         from elastic_llm.snapshot import state as st
 
         lo, hi = self.arena.layout.slice_bounds(self.replica, self.cfg.parallel.dp)
         extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position, self.cfg.config_hash())
         extra["slice"] = [lo, hi]
-        # Two buffers alternate: the pieces of the previous copy may still be on their way into the
-        # object store while this one is written. The controller keeps at most two versions in
-        # flight, so a buffer is reused only after its version was collected (or dropped).
-        buf = self._snapshot_buffer(self._next_buffer)
-        self._next_buffer ^= 1
-        after = None
-        if self.device.type == "cuda":  # the copy stream starts once the queued update is done
-            after = torch.cuda.Event()
-            after.record()
-        with self._copy_started:
-            self._copy = self._copier.submit(self._background_copy, buf, lo, hi, after)
-            job = Copy(self.step_count, buf, lo, hi, st.make_manifest(self.arena.layout, extra, self.stage), self._copy)
-            self._copies = {v: c for v, c in self._copies.items() if c.buffer is not buf}
-            self._copies[job.version] = job
-            self._copy_started.notify_all()
-
-    def _background_copy(self, buf: np.ndarray, lo: int, hi: int, after: Any = None) -> float:
-        t = time.perf_counter()
-        self.arena.capture(buf, lo, hi, after)
-        return time.perf_counter() - t
-
-    def _snapshot_buffer(self, i: int = 0) -> np.ndarray:
-        while len(self._buffers) <= i:
-            n = self.arena.layout.nbytes
-            if self.device.type == "cuda":
-                buf = torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
-            else:
-                buf = np.empty(n, dtype=np.uint8)
-            buf.fill(0)  # touch every page once: later copies write warm memory
-            self._buffers.append(buf)
-        return self._buffers[i]
+        self.copies.start(self.step_count, lo, hi, st.make_manifest(self.arena.layout, extra, self.stage))
 
     def snapshot_now(self, data_position: dict[str, int] | None = None) -> int:
         """Start a background copy of the current state outside a step (a final snapshot, or
         before a planned stop); returns its version (the current step) for :meth:`snapshot_pieces`."""
-        self._wait_copy()
+        self.copies.wait()
         self._start_copy(data_position or {})
         return self.step_count
 
@@ -293,27 +235,9 @@ class StageWorker:
         pieces become objects in this node's object store owned by the caller (the manager), so
         they outlive this process; ``info`` has the manifest, byte ranges and CRC-32 of each piece.
         """
-        from elastic_llm.snapshot.erasure import checksum
-
-        with self._copy_started:
-            resets = self._resets
-            ready = self._copy_started.wait_for(
-                lambda: version in self._copies or self._resets != resets or max(self._copies, default=0) > version, timeout=600
-            )
-            job = self._copies.get(version)
-            if self._resets != resets or job is None:
-                why = "was aborted or replaced" if ready else "was never marked for a snapshot"
-                raise RuntimeError(f"stage {self.stage} replica {self.replica}: step {version} {why}; no snapshot of it")
-        copy_s = job.future.result(timeout=600)
-        buf, lo, hi = job.buffer, job.lo, job.hi
-        per = piece_size(hi - lo, k)
-        pieces, meta = [], []
-        for i in range(k):
-            a, b = min(hi, lo + i * per), min(hi, lo + (i + 1) * per)
-            piece = buf[a:b]
-            pieces.append(piece)
-            meta.append(Piece(a, b - a, checksum(piece)))
-        info = ShardInfo(ShardKey(self.stage, self.replica), version, lo, hi - lo, tuple(meta), job.manifest, copy_s)
+        job, copy_s = self.copies.take(version, f"stage {self.stage} replica {self.replica}")
+        meta, pieces = self.copies.pieces(job, k)
+        info = ShardInfo(ShardKey(self.stage, self.replica), version, job.lo, job.hi - job.lo, tuple(meta), job.manifest, copy_s)
         return [info, *pieces]
 
     # ------------------------------------------------------------------ evaluation
@@ -333,9 +257,9 @@ class StageWorker:
         """
         from elastic_llm.snapshot import state as st
 
-        self._wait_copy()
+        self.copies.wait()
         lo, hi = self.arena.layout.slice_bounds(self.replica, self.cfg.parallel.dp) if replica_slice else (0, self.arena.layout.nbytes)
-        buf = self._snapshot_buffer(2)  # its own buffer: never one a snapshot in flight uses
+        buf = self.copies.buffer(2)  # its own buffer: never one a snapshot in flight uses
         self.arena.capture(buf, lo, hi)
         extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position, self.cfg.config_hash())
         extra["slice"] = [lo, hi]
@@ -352,7 +276,7 @@ class StageWorker:
 
         if len(offsets) != len(parts):
             raise st.SnapshotFormatError(f"{len(parts)} snapshot parts but {len(offsets)} offsets")
-        self._wait_copy()
+        self.copies.wait()
         m = st.restore(
             [(int(o), np.asarray(p)) for o, p in zip(offsets, parts)],
             st.parse_manifest(manifest),
@@ -373,11 +297,7 @@ class StageWorker:
         self.outputs.clear()
         self.optimizer.zero_grad(set_to_none=True)
         self.backwards_done = 0
-        self._wait_copy()
-        with self._copy_started:
-            self._copies = {v: c for v, c in self._copies.items() if v <= self.step_count}
-            self._resets += 1
-            self._copy_started.notify_all()
+        self.copies.forget_after(self.step_count)
         return self.step_count
 
     def restore_own_copy(self, version: int, pieces: tuple[Piece, ...]) -> bool:
@@ -385,13 +305,8 @@ class StageWorker:
         buffers still holds it and every byte range in ``pieces`` (the committed snapshot's
         record) has the recorded checksum. Returns False (nothing changed)
         otherwise: the caller then restores through the snapshot managers."""
-        from elastic_llm.snapshot.erasure import checksum
-
-        job = self._copies.get(version)
-        if job is None or (job.lo, job.hi) != (0, self.arena.layout.nbytes):
-            return False
-        job.future.result(timeout=600)
-        if any(checksum(job.buffer[p.offset : p.offset + p.length]) != p.crc for p in pieces) or sum(p.length for p in pieces) != job.hi:
+        job = self.copies.whole(version, self.arena.layout.nbytes, pieces)
+        if job is None:
             return False
         self.load_parts(job.manifest, [0], job.buffer)
         return True

@@ -1,0 +1,148 @@
+"""A stage's background snapshot copies: lazy and asynchronous (DataStates-LLM style).
+
+Owns: the reused, pre-touched copy buffers (two that alternate for snapshots, a third for direct
+captures; pinned host memory on CUDA), the one copy thread, the copies it holds (the last two,
+by version), waking a snapshot manager that waits for a copy when the step it waits for is
+aborted, and cutting a finished copy into checksummed pieces.
+Never decides when to copy (the stage does, when its step is told to) and never talks to Ray.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from elastic_llm.snapshot.erasure import checksum
+from elastic_llm.snapshot.records import Piece
+
+WAIT_S = 600.0  # longest a copy may take, or a manager may wait for one
+
+
+@dataclass
+class Copy:
+    """One background copy of the state: its version, buffer, byte range and manifest."""
+
+    version: int
+    buffer: np.ndarray
+    lo: int
+    hi: int
+    manifest: str
+    future: Future
+
+
+def piece_size(nbytes: int, k: int) -> int:
+    """Bytes per piece when a shard of ``nbytes`` is cut into ``k`` pieces (64-byte multiples;
+    the last pieces may be shorter or empty)."""
+    return -(-nbytes // (k * 64)) * 64 if nbytes else 0
+
+
+class BackgroundCopies:
+    """Copies of ``arena`` (a :class:`~elastic_llm.snapshot.state.StateArena`) made off the
+    training thread; the next optimizer step calls :meth:`wait` before it writes the tensors."""
+
+    def __init__(self, arena: Any, device: torch.device, name: str) -> None:
+        self.arena = arena
+        self.device = device
+        self.buffers: list[np.ndarray] = []
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-copy-{name}")
+        self.latest: Future | None = None
+        self.held: dict[int, Copy] = {}  # version -> copy (at most one per alternating buffer)
+        self.next_buffer = 0
+        self.changed = threading.Condition()
+        self.resets = 0  # bumped by forget_after(): a take() waiting for its step gives up
+        self.wait_s = 0.0  # total time the training thread waited for an unfinished copy
+
+    def wait(self) -> None:
+        """Block until the latest copy is finished (the optimizer is about to overwrite its source)."""
+        if self.latest is not None and not self.latest.done():
+            t = time.perf_counter()
+            self.latest.result(timeout=WAIT_S)
+            self.wait_s += time.perf_counter() - t
+
+    def buffer(self, i: int) -> np.ndarray:
+        while len(self.buffers) <= i:
+            n = self.arena.layout.nbytes
+            if self.device.type == "cuda":
+                buf = torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+            else:
+                buf = np.empty(n, dtype=np.uint8)
+            buf.fill(0)  # touch every page once: later copies write warm memory
+            self.buffers.append(buf)
+        return self.buffers[i]
+
+    def start(self, version: int, lo: int, hi: int, manifest: str) -> None:
+        """Copy bytes [lo, hi) of the state in the background as ``version``.
+
+        Two buffers alternate: the pieces of the previous copy may still be on their way into the
+        object store while this one is written. The controller keeps at most two versions in
+        flight, so a buffer is reused only after its version was collected (or dropped)."""
+        buf = self.buffer(self.next_buffer)
+        self.next_buffer ^= 1
+        after = None
+        if self.device.type == "cuda":  # the copy stream starts once the queued update is done
+            after = torch.cuda.Event()
+            after.record()
+        with self.changed:
+            self.latest = self.thread.submit(self._copy, buf, lo, hi, after)
+            job = Copy(version, buf, lo, hi, manifest, self.latest)
+            self.held = {v: c for v, c in self.held.items() if c.buffer is not buf}
+            self.held[version] = job
+            self.changed.notify_all()
+
+    def _copy(self, buf: np.ndarray, lo: int, hi: int, after: Any = None) -> float:
+        t = time.perf_counter()
+        self.arena.capture(buf, lo, hi, after)
+        return time.perf_counter() - t
+
+    def take(self, version: int, who: str) -> tuple[Copy, float]:
+        """The finished copy of ``version`` and the seconds it took; waits for it to be started.
+        Raises RuntimeError when its step was aborted (:meth:`forget_after`) or never copied."""
+        with self.changed:
+            resets = self.resets
+            ready = self.changed.wait_for(
+                lambda: version in self.held or self.resets != resets or max(self.held, default=0) > version, timeout=WAIT_S
+            )
+            job = self.held.get(version)
+            if self.resets != resets or job is None:
+                why = "was aborted or replaced" if ready else "was never marked for a snapshot"
+                raise RuntimeError(f"{who}: step {version} {why}; no snapshot of it")
+        return job, job.future.result(timeout=WAIT_S)
+
+    @staticmethod
+    def pieces(job: Copy, k: int) -> tuple[list[Piece], list[np.ndarray]]:
+        """Cut a copy into ``k`` pieces (views, no copy) with their byte ranges and checksums."""
+        per = piece_size(job.hi - job.lo, k)
+        meta, views = [], []
+        for i in range(k):
+            a, b = min(job.hi, job.lo + i * per), min(job.hi, job.lo + (i + 1) * per)
+            views.append(job.buffer[a:b])
+            meta.append(Piece(a, b - a, checksum(views[-1])))
+        return meta, views
+
+    def whole(self, version: int, nbytes: int, pieces: tuple[Piece, ...]) -> Copy | None:
+        """The finished copy of all ``nbytes`` of ``version`` if it is held and every byte range
+        in ``pieces`` (a committed snapshot's record) has the recorded checksum; else None."""
+        job = self.held.get(version)
+        if job is None or (job.lo, job.hi) != (0, nbytes):
+            return None
+        job.future.result(timeout=WAIT_S)
+        if sum(p.length for p in pieces) != nbytes:
+            return None
+        if any(checksum(job.buffer[p.offset : p.offset + p.length]) != p.crc for p in pieces):
+            return None
+        return job
+
+    def forget_after(self, step: int) -> None:
+        """Drop copies of steps after ``step`` and wake whoever waits for one (a reset or a
+        rollback); finished copies up to ``step`` stay (a rollback may restore from them)."""
+        self.wait()
+        with self.changed:
+            self.held = {v: c for v, c in self.held.items() if v <= step}
+            self.resets += 1
+            self.changed.notify_all()
