@@ -417,7 +417,7 @@ def _restore_from_trainer(trainer: Trainer, cfg: RunConfig, repeats: int) -> dic
             loads, fetch = [], 0.0
             for s, actor in enumerate(fresh):
                 t0 = time.perf_counter()
-                src = snapshots.fetch_stage_state(s, 0, par.dp, frozenset())
+                src = snapshots.fetch_stage_state(s, 0, frozenset())
                 fetch += time.perf_counter() - t0
                 loads.append(actor.load_parts.remote(src.manifest, list(src.offsets), *src.refs))
                 sources.update(src.sources)

@@ -112,6 +112,20 @@ class RecoveryConfig:
     capacity_report_s: float = 10.0  # while waiting for capacity, say what is missing this often
 
 
+@dataclass
+class ElasticConfig:
+    min_replicas: int | None = None  # fewest data-parallel replicas the run trains with; None: parallel.dp (no shrinking)
+    max_replicas: int | None = None  # most replicas it grows to when capacity appears; None: parallel.dp (no growing)
+    grow_check_s: float = 5.0  # how often (at step boundaries) the controller looks for room for another replica
+    drains: bool = True  # move stages off nodes Ray marks as draining (preemption notices) before their deadline
+
+    def bounds(self, dp: int) -> tuple[int, int]:
+        """(min, max) replicas, the unset ones filled in from the starting width ``dp``."""
+        lo = self.min_replicas if self.min_replicas is not None else dp
+        hi = self.max_replicas if self.max_replicas is not None else dp
+        return lo, hi
+
+
 CHAOS_KINDS = ("stage", "node", "smp", "error")
 CHAOS_HOW = ("ray_kill", "sigkill")
 CHAOS_DURING = ("step", "recovery")
@@ -143,6 +157,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,8 +166,9 @@ class RunConfig:
     def config_hash(self) -> str:
         """Hash of everything that shapes the trained state (not of run length or naming)."""
         d = self.to_dict()
-        for section in ("name", "snapshot", "recovery", "chaos"):
+        for section in ("name", "snapshot", "recovery", "elastic", "chaos"):
             d.pop(section)
+        d["parallel"].pop("dp")  # the width may change while training: the global batch fixes the math
         d["train"].pop("max_steps")
         d["train"].pop("eval_every")
         d["train"].pop("eval_batches")
@@ -215,6 +231,7 @@ def _validate(c: RunConfig) -> list[str]:
             f"train.batch_size={t.batch_size} is not divisible by parallel.dp x parallel.microbatches = {per}: "
             f"use a multiple of {per}, e.g. {per * max(1, round(t.batch_size / per))}"
         )
+    p += _validate_elastic(c)
     if t.min_lr < 0 or t.min_lr > t.lr:
         p.append(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     if t.warmup_steps < 0:
@@ -268,6 +285,45 @@ def _validate(c: RunConfig) -> list[str]:
     if not 0 < d.val_fraction < 1:
         p.append(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     return p
+
+
+def allowed_widths(batch_size: int, microbatches: int) -> list[int]:
+    """Data-parallel widths that split ``batch_size`` sequences into whole microbatches."""
+    return [w for w in range(1, batch_size + 1) if batch_size % (w * microbatches) == 0]
+
+
+def _validate_elastic(c: RunConfig) -> list[str]:
+    p: list[str] = []
+    el, par, t = c.elastic, c.parallel, c.train
+    lo, hi = el.bounds(par.dp)
+    if lo < 1:
+        p.append(f"elastic.min_replicas={lo} must be >= 1")
+    if not lo <= par.dp <= hi:
+        p.append(
+            f"elastic.min_replicas={lo} <= parallel.dp={par.dp} <= elastic.max_replicas={hi} does not hold: "
+            "the run starts at parallel.dp replicas, within the elastic bounds"
+        )
+    if el.grow_check_s <= 0:
+        p.append(f"elastic.grow_check_s={el.grow_check_s} must be > 0 seconds")
+    ok = allowed_widths(t.batch_size, par.microbatches)
+    bad = [w for w in range(max(lo, 1), hi + 1) if w not in ok]
+    if bad and lo >= 1 and not p:
+        p.append(
+            f"train.batch_size={t.batch_size} (the global batch) does not split into whole microbatches of "
+            f"parallel.microbatches={par.microbatches} at width(s) {bad} between elastic.min_replicas={lo} and "
+            f"elastic.max_replicas={hi}: widths that work are {ok}; choose bounds among them or a batch size that "
+            f"is a multiple of {par.microbatches} x every width (e.g. {par.microbatches * _lcm(range(max(lo, 1), hi + 1))})"
+        )
+    return p
+
+
+def _lcm(values: Any) -> int:
+    import math
+
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
 
 
 # --------------------------------------------------------------------------- loading

@@ -105,3 +105,24 @@ def test_cli_refuses_with_exit_2_and_no_traceback(args, expected):
 def test_cli_unknown_argument_exit_2():
     proc = run_cli("train", "--frobnicate")
     assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
+
+
+def test_elastic_bounds_must_hold_the_starting_width():
+    with pytest.raises(ConfigError, match=r"elastic.min_replicas=2 <= parallel.dp=1"):
+        load_config(None, ["elastic.min_replicas=2", "train.batch_size=16", "parallel.microbatches=2"])
+
+
+def test_elastic_widths_must_split_the_global_batch_into_whole_microbatches():
+    # 12 sequences, 2 microbatches: widths 1, 2, 3, 6 work; 4 does not
+    with pytest.raises(ConfigError, match=r"at width\(s\) \[4\].*widths that work are \[1, 2, 3, 6\]"):
+        load_config(None, ["train.batch_size=12", "parallel.microbatches=2", "elastic.min_replicas=1", "elastic.max_replicas=4"])
+    cfg = load_config(None, ["train.batch_size=12", "parallel.microbatches=2", "elastic.min_replicas=1", "elastic.max_replicas=3"])
+    assert cfg.elastic.bounds(cfg.parallel.dp) == (1, 3)
+
+
+def test_the_width_is_not_part_of_the_config_identity():
+    a = load_config(None, ["train.batch_size=8", "parallel.dp=1", "parallel.microbatches=2"])
+    b = load_config(None, ["train.batch_size=8", "parallel.dp=2", "parallel.microbatches=2"])
+    assert a.config_hash() == b.config_hash()
+    c = load_config(None, ["train.batch_size=16", "parallel.dp=2", "parallel.microbatches=2"])
+    assert c.config_hash() != b.config_hash()

@@ -7,9 +7,11 @@ from elastic_llm.controller.states import (
     EXIT_FAILED,
     EXIT_UNRECOVERABLE,
     Capacity,
+    Draining,
     Failed,
     Finished,
     Recovering,
+    Resizing,
     Running,
     Starting,
     TransitionError,
@@ -22,6 +24,7 @@ from elastic_llm.controller.states import (
     start_waiting,
     while_waiting,
 )
+from elastic_llm.controller.drains import Drain
 from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
 
 CAP = Capacity("2 x {CPU: 1}", "0 CPUs free on 1 node")
@@ -45,6 +48,15 @@ def test_a_step_before_the_end_keeps_running_and_the_last_one_finishes():
     assert after_step(3, 10) == Running(3)
     assert after_step(10, 10) == Finished(10)
     assert after_step(0, 0) == Finished(0)
+
+
+def test_after_a_step_a_stop_finishes_drains_come_before_growing():
+    d = (Drain("n1", 100.0),)
+    assert after_step(3, 10, stop=True, drains=d, width=1, grow_to=2) == Finished(3)
+    assert after_step(3, 10, drains=d, width=1, grow_to=2) == Draining(3, d)
+    assert after_step(3, 10, width=1, grow_to=2) == Resizing(3, 1, 2, "capacity")
+    assert after_step(3, 10, width=2, grow_to=2) == Running(3)  # not wider than now: nothing to do
+    assert after_step(10, 10, drains=d) == Finished(10)
 
 
 # ---------------------------------------------------------------------- failure budget
@@ -154,17 +166,21 @@ def test_placed_at_the_deadline_still_resumes():
 # ---------------------------------------------------------------------- the transition table
 
 
-STATES = [Starting(), Running(1), Recovering(failure()), start_waiting(Starting(), CAP, 0.0, 1.0), Failed("x", 4), Finished(1)]
+STATES = [
+    Starting(), Running(1), Recovering(failure()), start_waiting(Starting(), CAP, 0.0, 1.0),
+    Resizing(1, 1, 2, "capacity"), Draining(1, (Drain("n", None),)), Failed("x", 4), Finished(1),
+]
 
 
 @pytest.mark.parametrize("old", STATES, ids=lambda s: s.name)
 @pytest.mark.parametrize("new", STATES, ids=lambda s: s.name)
 def test_only_the_designed_transitions_are_allowed(old, new):
-    designed = {
-        ("starting", "running"), ("starting", "waiting_for_capacity"), ("starting", "failed"), ("starting", "finished"),
-        ("running", "running"), ("running", "recovering"), ("running", "failed"), ("running", "finished"),
-        ("recovering", "running"), ("recovering", "recovering"), ("recovering", "waiting_for_capacity"),
-        ("recovering", "failed"), ("recovering", "finished"),
+    after_a_step = {"running", "resizing", "draining", "finished"}
+    designed = {(a, b) for a in ("starting", "running", "recovering", "resizing", "draining") for b in after_a_step} | {
+        ("starting", "waiting_for_capacity"), ("starting", "failed"),
+        ("running", "recovering"), ("running", "failed"),
+        ("resizing", "recovering"), ("resizing", "failed"), ("draining", "recovering"), ("draining", "failed"),
+        ("recovering", "recovering"), ("recovering", "waiting_for_capacity"), ("recovering", "failed"),
         ("waiting_for_capacity", "waiting_for_capacity"), ("waiting_for_capacity", "starting"),
         ("waiting_for_capacity", "recovering"), ("waiting_for_capacity", "failed"),
     }

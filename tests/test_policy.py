@@ -1,5 +1,7 @@
 """RecoveryPolicy is pure: observations in, plans out."""
 
+from dataclasses import replace
+
 import pytest
 
 from elastic_llm.recovery.policy import Member, Observation, RecoveryPolicy, UnrecoverableError
@@ -60,3 +62,61 @@ def test_inconsistent_steps_roll_back_even_with_peers():
     members[1] = Member(1, 0, "n1", True, 6)  # finished its optimizer step, others did not
     plan = RecoveryPolicy().decide(obs(members))
     assert plan.rollback_to == 5 and plan.actions[0].source == "local_smp"
+
+
+# ---------------------------------------------------------------------- elastic width
+
+
+def elastic_obs(members, dead_nodes=(), min_width=1, unplaceable=(), committed=5):
+    return replace(obs(members, dead_nodes=dead_nodes, committed=committed), min_width=min_width, unplaceable=frozenset(unplaceable))
+
+
+def test_a_replica_that_cannot_be_placed_is_dropped_when_a_whole_one_survives():
+    members = pipeline(dead={(1, 1), (2, 1)}, dp=2)
+    plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n2"}, unplaceable={1}))
+    assert plan.drop_replicas == (1,) and plan.width == (2, 1)
+    assert plan.actions == () and plan.rollback_to is None and "dropped, 2 -> 1 replicas" in plan.reason
+
+
+def test_placeable_losses_are_replaced_not_dropped():
+    members = pipeline(dead={(1, 1)}, dp=2)
+    plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1"}, unplaceable=()))
+    assert plan.drop_replicas == () and [(a.stage, a.replica, a.source) for a in plan.actions] == [(1, 1, "dp_peer")]
+
+
+def test_never_below_min_replicas():
+    members = pipeline(dead={(1, 1)}, dp=2)
+    plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1"}, min_width=2, unplaceable={1}))
+    assert plan.drop_replicas == () and plan.actions[0].source == "dp_peer"  # the executor then waits for capacity
+
+
+def test_no_whole_replica_no_shrink():
+    members = pipeline(dead={(1, 0), (2, 1)}, dp=2)  # every replica broken
+    plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n2"}, unplaceable={0, 1}))
+    assert plan.drop_replicas == ()
+
+
+def test_dropping_renumbers_the_rest_and_repairs_them_from_a_peer():
+    # width 3: replica 0 loses a stage it cannot place, replica 2 loses one it can place
+    members = pipeline(dead={(1, 0), (3, 2)}, dp=3)
+    plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n3"}, unplaceable={0}))
+    assert plan.drop_replicas == (0,) and plan.width == (3, 2)
+    # old replica 2 is now replica 1; its peer old replica 1 is now replica 0
+    assert [(a.stage, a.replica, a.source, a.peer) for a in plan.actions] == [(3, 1, "dp_peer", 0)]
+
+
+def test_only_as_many_dropped_as_min_replicas_allows():
+    members = pipeline(dead={(0, 1), (0, 2)}, dp=3)
+    plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n0"}, min_width=2, unplaceable={1, 2}))
+    assert plan.drop_replicas == (2,) and plan.width == (3, 2)
+    assert [(a.stage, a.replica, a.source) for a in plan.actions] == [(0, 1, "dp_peer")]
+
+
+def test_beyond_parity_with_a_whole_replica_is_a_shrink_not_unrecoverable():
+    # replica 1 lost 3 of 4 stages with their nodes (parity 1 cannot rebuild its shards)
+    members = [Member(s, r, f"n{r}{s}", not (r == 1 and s < 3), None if (r == 1 and s < 3) else 5) for r in range(2) for s in range(4)]
+    dead = {"n10", "n11", "n12"}
+    groups = (tuple(f"n{r}{s}" for r in range(2) for s in range(4)),)
+    o = Observation(tuple(members), frozenset(dead), frozenset(dead), 5, tuple((ShardKey(m.stage, m.replica), m.node) for m in members), groups, 1, 1, frozenset({1}))
+    plan = RecoveryPolicy().decide(o)
+    assert plan.drop_replicas == (1,) and plan.rollback_to is None

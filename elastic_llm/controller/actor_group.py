@@ -1,11 +1,13 @@
-"""The stage actors of a run: one placement group, ``actors[replica][stage]``.
+"""The stage actors of a run: ``actors[replica][stage]``, one placement group per replica.
 
-Owns: the placement group (one bundle per stage actor), spawning an actor on its bundle,
-replacing lost ones, describing them (node, pid), resetting the survivors of a failed step, and
-saying what capacity is missing when bundles cannot be placed. Every wait has a deadline: a
-placement that does not happen within ``PLACE_S`` raises :class:`CapacityUnavailable` (the
-controller then waits for capacity, visibly) instead of blocking.
-Never decides anything: the controller says which actors to place, replace or kill.
+Owns: the placement groups (one per data-parallel replica, one bundle per stage, so a replica
+can be added, dropped or moved whole), spawning an actor on its bundle, replacing lost ones,
+describing them (node, pid), resetting the survivors of a failed step, changing the width
+(add a replica, drop replicas and renumber the rest), and saying what capacity is missing when
+bundles cannot be placed. Every wait has a deadline: a placement that does not happen within
+``PLACE_S`` raises :class:`CapacityUnavailable` (the controller then shrinks or waits for
+capacity, visibly) instead of blocking.
+Never decides anything: the controller says which actors to place, replace, add or drop.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from elastic_llm.snapshot.records import ShardKey
 PLACE_S = 5.0  # how long a placement may stay pending before the run waits for capacity instead
 START_S = 300.0  # longest an actor may take to start once placed (imports torch, builds the model)
 PROBE_S = 60.0  # longest the survivors of a failed step may take to reset
+COPY_S = 600.0  # longest a state copy from one actor to another may take
+WIDTH_S = 60.0  # longest the actors may take to learn a new width
 
 
 class CapacityUnavailable(RuntimeError):
@@ -39,15 +43,19 @@ class ActorGroup:
     def __init__(self, cfg: RunConfig, run_id: str) -> None:
         self.cfg = cfg
         self.run_id = run_id
-        self.pg: Any = None
-        par = cfg.parallel
-        self.shape = (par.dp, par.stages)
-        self.actors: list[list[Any]] = []
+        self.stages = cfg.parallel.stages
+        self.pgs: list[Any] = []  # one placement group per replica (bundle i: stage i)
+        self.actors: list[list[Any]] = []  # [replica][stage]; the width is len(actors) once spawned
         self.nodes: dict[ShardKey, str] = {}
         self.pids: dict[ShardKey, int] = {}
         self.ready: set[ShardKey] = set()  # actors that answered since they were spawned
         self.generation = 0
+        self.width = cfg.parallel.dp
         self._cls: Any = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.width, self.stages)
 
     # ------------------------------------------------------------------ placement
     @property
@@ -59,39 +67,52 @@ class ActorGroup:
         return b
 
     def keys(self) -> list[ShardKey]:
-        dp, stages = self.shape
-        return [ShardKey(s, r) for r in range(dp) for s in range(stages)]
+        return [ShardKey(s, r) for r in range(self.width) for s in range(self.stages)]
 
-    def bundle_index(self, key: ShardKey) -> int:
-        return key.replica * self.shape[1] + key.stage
-
-    def place(self, wait_s: float = PLACE_S) -> None:
-        """Create the placement group (once) and make sure all its bundles are placed; raises
-        :class:`CapacityUnavailable` if they are not within ``wait_s``. Ray re-places the bundles
-        of a lost node by itself once capacity appears."""
+    def _new_pg(self) -> Any:
         from ray.util.placement_group import placement_group
 
-        if self.pg is None:
-            dp, stages = self.shape
-            self.pg = placement_group([dict(self.bundle) for _ in range(dp * stages)], strategy=self.cfg.parallel.placement_strategy)
-        if not self.pg.wait(wait_s):
+        return placement_group([dict(self.bundle) for _ in range(self.stages)], strategy=self.cfg.parallel.placement_strategy)
+
+    def place(self, wait_s: float = PLACE_S) -> None:
+        """Create the replicas' placement groups (once) and make sure all their bundles are
+        placed; raises :class:`CapacityUnavailable` if they are not within ``wait_s``. Ray
+        re-places the bundles of a lost node by itself once capacity appears."""
+        while len(self.pgs) < self.width:
+            self.pgs.append(self._new_pg())
+        if self.unplaced_replicas(range(self.width), wait_s):
             raise CapacityUnavailable(self.capacity())
+
+    def unplaced_replicas(self, replicas: Any, wait_s: float) -> set[int]:
+        """Those of ``replicas`` whose placement group is still not fully placed after up to
+        ``wait_s`` seconds (one deadline for all)."""
+        from ray.util.placement_group import placement_group_table
+
+        deadline = time.monotonic() + wait_s
+        pending = set(replicas)
+        while True:
+            pending = {r for r in pending if placement_group_table(self.pgs[r]).get("state") != "CREATED"}
+            if not pending or time.monotonic() >= deadline:
+                return pending
+            time.sleep(0.2)
 
     def placed(self) -> bool:
         """Whether every bundle is placed now (no waiting)."""
-        from ray.util.placement_group import placement_group_table
+        return bool(self.pgs) and not self.unplaced_replicas(range(self.width), 0)
 
-        return self.pg is not None and placement_group_table(self.pg).get("state") == "CREATED"
-
-    def capacity(self) -> Capacity:
-        """What is missing: bundles not placed (all of them before the first placement) and
-        what the cluster has free."""
+    def capacity(self, replicas: int | None = None) -> Capacity:
+        """What is missing: bundles not placed (all of them before the first placement; or a
+        whole ``replicas`` more, when asked about growing) and what the cluster has free."""
         import ray
         from ray.util.placement_group import placement_group_table
 
-        table = placement_group_table(self.pg) if self.pg is not None else {}
-        placed = table.get("bundles_to_node_id", {})
-        missing = sum(1 for i in range(self.shape[0] * self.shape[1]) if not placed.get(i))
+        if replicas is not None:
+            missing = replicas * self.stages
+        else:
+            missing = (self.width - len(self.pgs)) * self.stages
+            for pg in self.pgs[: self.width]:
+                placed = placement_group_table(pg).get("bundles_to_node_id", {})
+                missing += sum(1 for i in range(self.stages) if not placed.get(i))
         free = ray.available_resources()
         nodes = sum(1 for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0)
         have = f"{free.get('CPU', 0.0):g} CPUs free on {nodes} node{'s' if nodes != 1 else ''}"
@@ -99,10 +120,25 @@ class ActorGroup:
             have += f", {free.get('GPU', 0.0):g} GPUs free"
         return Capacity(f"{missing} x {_fmt(self.bundle)}", have)
 
+    def room_for_replica(self, avoid: set[str] | frozenset[str] = frozenset()) -> bool:
+        """Whether the free resources of the live nodes not in ``avoid`` (draining ones) look
+        like they fit one more replica (a cheap look, no reservation; the placement decides)."""
+        import ray
+
+        per_node = ray._private.state.state.available_resources_per_node()
+        fit = 0
+        for node, free in per_node.items():
+            if node in avoid:
+                continue
+            n = int(free.get("CPU", 0.0) // self.bundle["CPU"] + 1e-9)
+            if "GPU" in self.bundle:
+                n = min(n, int(free.get("GPU", 0.0) // self.bundle["GPU"] + 1e-9))
+            fit += n
+        return fit >= self.stages
+
     # ------------------------------------------------------------------ actors
     def spawn_all(self) -> None:
-        dp, stages = self.shape
-        self.actors = [[None] * stages for _ in range(dp)]
+        self.actors = [[None] * self.stages for _ in range(self.width)]
         self.replace(self.keys())
 
     def actor(self, key: ShardKey) -> Any:
@@ -120,6 +156,7 @@ class ActorGroup:
             self._cls = ray.remote(concurrency_groups={"snapshot": 1})(StageWorker)
         par = self.cfg.parallel
         self.generation += 1
+        config = self.cfg.to_dict()
         for key in keys:
             self.kill(key)
             self.actors[key.replica][key.stage] = self._cls.options(
@@ -127,8 +164,8 @@ class ActorGroup:
                 num_cpus=par.cpus_per_actor,
                 num_gpus=par.gpus_per_actor,
                 max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.bundle_index(key)),
-            ).remote(self.cfg.to_dict(), key.stage, key.replica)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[key.replica], placement_group_bundle_index=key.stage),
+            ).remote(config, key.stage, key.replica, self.width)
         self.describe(keys)
 
     def describe(self, keys: list[ShardKey]) -> list[Any]:
@@ -137,6 +174,7 @@ class ActorGroup:
 
         refs = {self.actor(k).info.remote(): k for k in keys}
         pending = list(refs)
+        replicas = {k.replica for k in keys}
         start = time.monotonic()
         unplaced_since: float | None = None
         while pending:
@@ -144,7 +182,7 @@ class ActorGroup:
             if not pending:
                 break
             now = time.monotonic()
-            if self.placed():
+            if not self.unplaced_replicas(replicas, 0):
                 unplaced_since = None
             elif unplaced_since is None:
                 unplaced_since = now
@@ -188,14 +226,86 @@ class ActorGroup:
     def members(self) -> list[StageMember]:
         return [StageMember(k, self.actor(k), self.nodes[k]) for k in self.keys()]
 
+    def copy_stages(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
+        """For each (source, target): the target actor takes the whole state of the source (a
+        live actor holding the state wanted). Object refs only: the bytes go actor to actor."""
+        import ray
+
+        loads = []
+        for src, dst in pairs:
+            buf, manifest = self.actor(src).capture_state.options(num_returns=2).remote()
+            loads.append(self.actor(dst).load_state.remote(buf, manifest))
+        ray.get(loads, timeout=COPY_S)
+
+    def replicas_on(self, nodes: set[str] | frozenset[str]) -> list[int]:
+        """Replicas with at least one actor on ``nodes``."""
+        return sorted({k.replica for k in self.keys() if self.nodes.get(k) in nodes})
+
+    # ------------------------------------------------------------------ width
+    def add_replica(self, wait_s: float = PLACE_S) -> int:
+        """Place one more replica (a placement group of its own) and start its actors, with
+        fresh state: the caller copies state in. Returns its index (the old width). Raises
+        :class:`CapacityUnavailable` (and reserves nothing) if it cannot be placed in ``wait_s``."""
+        from ray.util import remove_placement_group
+
+        pg = self._new_pg()
+        r = self.width
+        self.pgs.append(pg)
+        self.actors.append([None] * self.stages)
+        self.width += 1
+        try:
+            if self.unplaced_replicas([r], wait_s):
+                raise CapacityUnavailable(self.capacity(replicas=1))
+            self.replace([ShardKey(s, r) for s in range(self.stages)])
+        except BaseException:
+            self._forget(r)
+            remove_placement_group(pg)
+            raise
+        return r
+
+    def drop_replicas(self, replicas: list[int] | set[int]) -> dict[int, int]:
+        """Kill the actors of ``replicas``, release their placement groups and renumber the rest
+        (keeping their order). Returns old replica index -> new one, for the survivors. The
+        survivors learn their new place with :meth:`set_width`."""
+        from ray.util import remove_placement_group
+
+        gone = set(replicas)
+        for r in sorted(gone, reverse=True):
+            for s in range(self.stages):
+                self.kill(ShardKey(s, r))
+            try:
+                remove_placement_group(self.pgs[r])
+            except Exception:
+                pass
+            self._forget(r)
+        return {old: new for new, old in enumerate(r for r in range(self.width + len(gone)) if r not in gone)}
+
+    def _forget(self, r: int) -> None:
+        """Remove replica ``r`` from the bookkeeping, shifting the ones after it down by one."""
+        del self.pgs[r]
+        del self.actors[r]
+        self.width -= 1
+        for table in (self.nodes, self.pids):
+            moved = {(ShardKey(k.stage, k.replica - 1) if k.replica > r else k): v for k, v in table.items() if k.replica != r}
+            table.clear()
+            table.update(moved)
+        self.ready = {ShardKey(k.stage, k.replica - 1) if k.replica > r else k for k in self.ready if k.replica != r}
+
+    def set_width(self) -> None:
+        """Tell every actor its replica index and the width (after adding or dropping replicas)."""
+        import ray
+
+        calls = [self.actor(k).set_width.remote(k.replica, self.width) for k in self.keys()]
+        ray.get(calls, timeout=WIDTH_S)
+
     def shutdown(self) -> None:
         import ray
 
         for key in self.keys() if self.actors else []:
             self.kill(key)
-        if self.pg is not None:
+        for pg in self.pgs:
             try:
-                ray.util.remove_placement_group(self.pg)
+                ray.util.remove_placement_group(pg)
             except Exception:
                 pass
-        self.actors, self.pg = [], None
+        self.actors, self.pgs = [], []

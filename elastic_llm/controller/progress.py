@@ -1,4 +1,5 @@
-"""The live progress bar of a run (tqdm on stderr): step, loss, tokens/s, validation loss, state.
+"""The live progress bar of a run (tqdm on stderr): step, loss, tokens/s, validation loss,
+data-parallel width, state.
 
 Owns the bar only; never decides anything and never reads the run itself: the trainer tells it
 what happened. Disabled, every method does nothing.
@@ -25,17 +26,17 @@ class ProgressBar:
     def step(self, record: dict[str, Any], state: str) -> None:
         if self.bar is None:
             return
-        post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "state": state}
+        post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "dp": record.get("dp", 1), "state": state}
         if "val_loss" in record:
             post["val"] = f"{record['val_loss']:.3f}"
         self.bar.set_postfix(post, refresh=False)
         self.bar.n = record["step"]
         self.bar.refresh()
 
-    def state(self, state: str, step: int) -> None:
+    def state(self, state: str, step: int, width: int) -> None:
         if self.bar is not None:
             self.bar.n = step
-            self.bar.set_postfix({"state": state})
+            self.bar.set_postfix({"dp": width, "state": state})
 
     def close(self) -> None:
         if self.bar is not None:

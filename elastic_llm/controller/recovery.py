@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_llm.controller.actor_group import ActorGroup
+from elastic_llm.controller.actor_group import PLACE_S, ActorGroup
+from elastic_llm.recovery.failure import StepFailure
 from elastic_llm.recovery.policy import Member, Observation, RecoveryPlan
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.records import ShardKey
@@ -41,6 +42,8 @@ def build_observation(
     dead_managers: frozenset[str],
     snapshots: SnapshotCoordinator | None,
     parity: int,
+    min_width: int = 1,
+    unplaceable: frozenset[int] = frozenset(),
 ) -> Observation:
     """Assemble the policy's input from what was seen (pure)."""
     members = tuple(Member(k.stage, k.replica, nodes.get(k, ""), steps[k] is not None, steps[k]) for k in sorted(steps))
@@ -54,14 +57,17 @@ def build_observation(
         shard_nodes=tuple((s.key, s.node_id) for s in rec.shards) if rec else (),
         groups=rec.groups if rec else (),
         parity=parity,
+        min_width=min_width,
+        unplaceable=unplaceable,
     )
 
 
 class RecoveryExecutor:
-    def __init__(self, group: ActorGroup, snapshots: SnapshotCoordinator | None, parity: int) -> None:
+    def __init__(self, group: ActorGroup, snapshots: SnapshotCoordinator | None, parity: int, min_width: int = 1) -> None:
         self.group = group
         self.snapshots = snapshots
         self.parity = parity
+        self.min_width = min_width
 
     def observe(self, runner: Any, failed_step: int) -> Observation:
         import ray
@@ -77,17 +83,31 @@ class RecoveryExecutor:
             sn.poll(block=True, timeout=COMMIT_S)  # commit what completed before the failure
             sn.abandon_pending()
             dead_managers = sn.dead_managers(alive_nodes)
-        return build_observation(steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity)
+        return build_observation(
+            steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, self._unplaceable(steps, alive_nodes)
+        )
+
+    def _unplaceable(self, steps: dict[ShardKey, int | None], alive_nodes: set[str]) -> frozenset[int]:
+        """Replicas that lost actors with their node and whose bundles Ray cannot re-place
+        within ``PLACE_S`` (only looked at when the run could shrink)."""
+        if self.group.width <= self.min_width:
+            return frozenset()
+        moved = {k.replica for k, st in steps.items() if st is None and self.group.nodes.get(k) not in alive_nodes}
+        return frozenset(self.group.unplaced_replicas(moved, PLACE_S)) if moved else frozenset()
 
     def execute(self, plan: RecoveryPlan, obs: Observation, step: int) -> RecoveryOutcome:
         """Carry ``plan`` out. New actors that did not get their state are killed again if
         anything fails, so the next observation sees them as lost."""
+        if plan.drop_replicas:
+            self.group.drop_replicas(plan.drop_replicas)
         lost = [ShardKey(a.stage, a.replica) for a in plan.actions]
         if self.snapshots is not None:
             self.snapshots.ensure_managers()
         self.group.place()
         try:
             self.group.replace(lost)
+            if plan.drop_replicas:
+                self.group.set_width()
             if plan.rollback_to is not None:
                 sources, own = self._roll_back(plan, lost, obs)
                 rec = self.snapshots.committed if self.snapshots else None
@@ -110,10 +130,10 @@ class RecoveryExecutor:
         sn = self.snapshots
         assert sn is not None and sn.committed is not None, "a rollback plan needs a committed snapshot"
         rec = sn.committed
-        dp = self.group.shape[0]
+        whole = rec.width == 1 and self.group.width == 1  # with DP, a stage's own copy is only its 1/DP slice
         survivors = [k for k in self.group.keys() if k not in lost]
         own: set[ShardKey] = set()
-        if dp == 1 and survivors:  # with DP, a stage's own copy is only its 1/DP slice
+        if whole and survivors:
             calls = [self.group.actor(k).restore_own_copy.remote(rec.version, rec.shard(k).pieces) for k in survivors]
             own = {k for k, ok in zip(survivors, ray.get(calls, timeout=RESTORE_S)) if ok}
         sources: list[tuple[ShardKey, str]] = []
@@ -121,20 +141,38 @@ class RecoveryExecutor:
         for key in self.group.keys():
             if key in own:
                 continue
-            src = sn.fetch_stage_state(key.stage, key.replica, dp, obs.dead_managers)
+            src = sn.fetch_stage_state(key.stage, key.replica, obs.dead_managers)
             sources.append((key, src.source))
             loads.append(self.group.actor(key).load_parts.remote(src.manifest, list(src.offsets), *src.refs))
         ray.get(loads, timeout=RESTORE_S)
         return tuple(sources), len(own)
 
     def _copy_from_peers(self, plan: RecoveryPlan) -> None:
-        """Lost replicas copy the whole state of a live data-parallel peer (object refs only: the
-        bytes go peer to peer, not through the driver)."""
-        import ray
-
-        loads = []
+        """Lost replicas copy the whole state of a live data-parallel peer."""
+        pairs = []
         for a in plan.actions:
             assert a.peer is not None, f"{a}: a dp_peer action names its peer"
-            buf, manifest = self.group.actor(ShardKey(a.stage, a.peer)).capture_state.options(num_returns=2).remote()
-            loads.append(self.group.actor(ShardKey(a.stage, a.replica)).load_state.remote(buf, manifest))
-        ray.get(loads, timeout=RESTORE_S)
+            pairs.append((ShardKey(a.stage, a.peer), ShardKey(a.stage, a.replica)))
+        self.group.copy_stages(pairs)
+
+
+def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: float) -> list[dict[str, Any]]:
+    """The metrics lines of a finished recovery: one per restored actor (one with source
+    ``none`` when nothing was lost). Pure."""
+    plan = outcome.plan
+    common = {"step": failure.step, "rollback_steps": outcome.rollback_steps, "seconds": seconds, "reason": plan.reason}
+    if not plan.actions:
+        return [{"event": "recovery", "stage": None, "replica": None, "source": "none", **common}]
+    restored = dict(outcome.sources)
+    out = []
+    for a in plan.actions:
+        key = ShardKey(a.stage, a.replica)
+        out.append({
+            "event": "recovery",
+            "stage": a.stage,
+            "replica": a.replica,
+            "source": restored.get(key, a.source),
+            "survivors_restored_from_own_copy": outcome.survivors_from_own_copy,
+            **common,
+        })
+    return out

@@ -6,8 +6,9 @@ transition functions. Pure: no Ray, no clock (``now`` comes in as an argument), 
 trainer calls them with what its executors observed and carries out the state they return.
 
     starting -> running <-> recovering
+    running -> resizing (room for another replica) | draining (nodes announced their end) -> running
     starting | recovering -> waiting_for_capacity -> starting | recovering | failed
-    any -> failed;  running -> finished
+    any -> failed;  running | resizing | draining -> finished
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from elastic_llm.controller.drains import Drain
 from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
 
 EXIT_FAILED = 4  # failure budget spent, or no capacity within recovery.capacity_timeout_s
@@ -60,6 +62,22 @@ class WaitingForCapacity:
 
 
 @dataclass(frozen=True)
+class Resizing:
+    step: int
+    from_dp: int
+    to_dp: int
+    reason: str
+    name = "resizing"
+
+
+@dataclass(frozen=True)
+class Draining:
+    step: int
+    drains: tuple[Drain, ...]  # nodes hosting the run's stages that Ray marks as draining
+    name = "draining"
+
+
+@dataclass(frozen=True)
 class Failed:
     reason: str
     exit_code: int
@@ -73,12 +91,15 @@ class Finished:
     name = "finished"
 
 
-State = Union[Starting, Running, Recovering, WaitingForCapacity, Failed, Finished]
+State = Union[Starting, Running, Recovering, WaitingForCapacity, Resizing, Draining, Failed, Finished]
+_AFTER_STEP = (Running, Resizing, Draining, Finished)
 
 ALLOWED: dict[type, tuple[type, ...]] = {
-    Starting: (Running, WaitingForCapacity, Failed, Finished),
-    Running: (Running, Recovering, Failed, Finished),
-    Recovering: (Running, Recovering, WaitingForCapacity, Failed, Finished),
+    Starting: (*_AFTER_STEP, WaitingForCapacity, Failed),
+    Running: (*_AFTER_STEP, Recovering, Failed),
+    Resizing: (*_AFTER_STEP, Recovering, Failed),
+    Draining: (*_AFTER_STEP, Recovering, Failed),
+    Recovering: (*_AFTER_STEP, Recovering, WaitingForCapacity, Failed),
     WaitingForCapacity: (WaitingForCapacity, Starting, Recovering, Failed),
     Failed: (),
     Finished: (),
@@ -101,8 +122,23 @@ def is_terminal(state: State) -> bool:
 # ---------------------------------------------------------------------- transitions
 
 
-def after_step(step: int, end: int) -> Union[Running, Finished]:
-    return Finished(step) if step >= end else Running(step)
+def after_step(
+    step: int,
+    end: int,
+    stop: bool = False,
+    drains: tuple[Drain, ...] = (),
+    width: int = 1,
+    grow_to: int | None = None,
+) -> Union[Running, Resizing, Draining, Finished]:
+    """Where a run goes after a step (or a recovery, a resize, a drain): finished at ``end`` or
+    when asked to stop; nodes announcing their end come first, then growing into new room."""
+    if step >= end or stop:
+        return Finished(step)
+    if drains:
+        return Draining(step, drains)
+    if grow_to is not None and grow_to > width:
+        return Resizing(step, width, grow_to, "capacity")
+    return Running(step)
 
 
 def after_failure(

@@ -5,10 +5,16 @@ stream on the driver, validation, metrics lines and the progress bar, and the fa
 Each state has one handler that returns the next state; the decisions are pure (the transition
 functions, :class:`FailurePolicy`, :class:`RecoveryPolicy`) and the side effects are done by
 small executors: :class:`ActorGroup` (placement, actors), :class:`RecoveryExecutor` (observe,
-carry out a plan), :class:`SnapshotCoordinator` (snapshot timing and versions) and
-:class:`Chaos` (fault injection, one hook).
+carry out a plan), :class:`ElasticExecutor` (grow, evacuate draining nodes, shrink),
+:class:`SnapshotCoordinator` (snapshot timing and versions) and :class:`Chaos` (fault
+injection, one hook). After every step the controller looks (cheaply) at Ray's draining nodes
+and, every ``elastic.grow_check_s``, for room for another replica.
 Never computes model math (stage actors do, driven by :class:`PipelineRunner`), never decides a
 recovery inline, and never waits without a deadline.
+
+Why ~450 lines: one small handler per state (eight of them) plus the step and the setup; each
+handler calls one executor and one pure transition, and keeping them side by side is what lets
+``fit`` and the handlers read as the whole story of a run.
 """
 
 from __future__ import annotations
@@ -25,14 +31,17 @@ import numpy as np
 from elastic_llm.chaos import Chaos, ChaosTargets
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable
+from elastic_llm.controller.elastic import ElasticExecutor
 from elastic_llm.controller.metrics import MetricsWriter
 from elastic_llm.controller.progress import ProgressBar
-from elastic_llm.controller.recovery import RecoveryExecutor, RecoveryOutcome
+from elastic_llm.controller.recovery import RecoveryExecutor, RecoveryOutcome, recovery_records
 from elastic_llm.controller.session import NAMESPACE, start_ray
 from elastic_llm.controller.states import (
+    Draining,
     Failed,
     Finished,
     Recovering,
+    Resizing,
     Running,
     Starting,
     State,
@@ -106,6 +115,9 @@ class Trainer:
         self.group: ActorGroup | None = None
         self.snapshots: Any = None
         self.recovery: RecoveryExecutor | None = None
+        self.elastic: ElasticExecutor | None = None
+        self.stop_requested = False
+        self.drains_seen: set[str] = set()  # draining nodes already acted on
         self.runner: PipelineRunner | None = None
         self.step = 0
         self.end = cfg.train.max_steps  # fit(max_steps) may change it
@@ -148,7 +160,9 @@ class Trainer:
                 self.group.spawn_all()
             else:
                 self.group.replace(missing)
-        self.recovery = RecoveryExecutor(self.group, self.snapshots, self.cfg.snapshot.parity)
+        min_width = self.cfg.elastic.bounds(self.cfg.parallel.dp)[0]
+        self.recovery = RecoveryExecutor(self.group, self.snapshots, self.cfg.snapshot.parity, min_width)
+        self.elastic = ElasticExecutor(self.group, self.snapshots, min_width, self.cfg)
         self._new_runner()
         self.metrics.event(
             "start",
@@ -212,6 +226,7 @@ class Trainer:
             "elapsed_s": now - self._t0,
             "lr": result.lr,
             "grad_norm": max(result.grad_norms),
+            "dp": self.group.width,
         }
         ev = self.cfg.train.eval_every
         if ev and (step % ev == 0 or step == self.end):
@@ -223,7 +238,7 @@ class Trainer:
     def evaluate(self) -> float:
         assert self.runner is not None
         stream = TokenStream(self.val_tokens, self.cfg.model.seq_len, seed=0, shuffle=False)
-        per_replica = self.cfg.train.batch_size // self.cfg.parallel.dp
+        per_replica = self.cfg.train.batch_size // self.group.width
         losses = [self.runner.eval_loss(*stream.next_batch(per_replica)) for _ in range(self.cfg.train.eval_batches)]
         return float(np.mean(losses))
 
@@ -234,7 +249,7 @@ class Trainer:
         Raises :class:`RunFailed` (exit code 4, or 3 when nothing lossless survived)."""
         self.end = max_steps if max_steps is not None else self.cfg.train.max_steps
         self.on_step = on_step
-        self.state = Starting() if self.runner is None else after_step(self.step, self.end)
+        self.state = Starting() if self.runner is None else self._next()
         self._t0 = self._t0 if self._t0 is not None else time.perf_counter()
         self.bar.open(self.end, self.step)
         handlers: dict[type, Callable[[Any], State]] = {
@@ -242,6 +257,8 @@ class Trainer:
             Running: self._run,
             Recovering: self._recover,
             WaitingForCapacity: self._wait,
+            Resizing: self._resize,
+            Draining: self._drain,
         }
         try:
             while not is_terminal(self.state):
@@ -280,14 +297,24 @@ class Trainer:
         self.metrics.event("state", step=self.step, old=old.name, new=new.name, reason=why)
         if isinstance(new, WaitingForCapacity):
             self._report_capacity(new, force=True)
-        self.bar.state(self.state.name, self.step)
+        self.bar.state(self.state.name, self.step, self.group.width if self.group else 0)
+
+    def request_stop(self) -> None:
+        """Finish the run at the next step boundary (from another thread: a replay, a signal)."""
+        self.stop_requested = True
+
+    def _next(self) -> State:
+        """After a step: finish, or act on draining nodes, or grow into new room, or go on."""
+        assert self.group is not None and self.elastic is not None
+        drains, grow_to = self.elastic.look(self.drains_seen)
+        return after_step(self.step, self.end, self.stop_requested, drains, self.group.width, grow_to)
 
     def _start(self, state: Starting) -> State:
         try:
             self.setup()
         except CapacityUnavailable as e:
             return start_waiting(state, e.capacity, time.monotonic(), self.cfg.recovery.capacity_timeout_s)
-        return after_step(self.step, self.end)
+        return self._next()
 
     def _run(self, state: Running) -> State:
         try:
@@ -299,7 +326,7 @@ class Trainer:
         if self.on_step:
             self.on_step(record)
         self.bar.step(record, self.state.name)
-        return after_step(self.step, self.end)
+        return self._next()
 
     def _recover(self, state: Recovering) -> State:
         import ray
@@ -322,35 +349,68 @@ class Trainer:
             self.budget = self.budget.record(again.step)
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)
         self._apply(outcome, failure, time.perf_counter() - t0)
-        return after_step(self.step, self.end)
+        return self._next()
 
     def _apply(self, outcome: RecoveryOutcome, failure: StepFailure, seconds: float) -> None:
         """Adopt a finished recovery: step counter, data position, a runner over the new actors,
-        and one metrics line per restored actor."""
+        and one metrics line per restored actor (and one for a shrink)."""
         self.step = outcome.step
         self.tokens_seen = self.step * self.cfg.tokens_per_step()
         if outcome.data_position is not None:
             self.stream.load_state_dict(outcome.data_position)
         self._new_runner()
-        plan = outcome.plan
-        common = {"step": failure.step, "rollback_steps": outcome.rollback_steps, "seconds": seconds, "reason": plan.reason}
-        restored = dict(outcome.sources)
-        if not plan.actions:
-            rec = {"event": "recovery", "stage": None, "replica": None, "source": "none", **common}
+        if outcome.plan.width is not None:
+            self._resized(*outcome.plan.width, "lost stages could not be placed", seconds)
+        for rec in recovery_records(outcome, failure, seconds):
             self.recoveries.append(rec)
             self.metrics.write(rec)
-        for a in plan.actions:
-            key = next(k for k in restored if (k.stage, k.replica) == (a.stage, a.replica))
-            rec = {
-                "event": "recovery",
-                "stage": a.stage,
-                "replica": a.replica,
-                "source": restored[key],
-                "survivors_restored_from_own_copy": outcome.survivors_from_own_copy,
-                **common,
-            }
-            self.recoveries.append(rec)
-            self.metrics.write(rec)
+
+    def _failed_between_steps(self, err: BaseException, during: str) -> State:
+        """A resize or a drain failed (an actor died meanwhile): recover as for a failed step."""
+        failure = StepFailure.from_exception(self.step + 1, err.cause if isinstance(err, StepFailed) else err, during=during)
+        self.budget = self.budget.record(failure.step)
+        return after_failure(failure, self.budget, self.failure_policy)
+
+    def _resize(self, state: Resizing) -> State:
+        import ray
+
+        assert self.elastic is not None
+        try:
+            out = self.elastic.grow()
+        except CapacityUnavailable as e:
+            log(f"no room for replica {state.to_dp} after all ({e.capacity}); staying at {state.from_dp}")
+            return after_step(self.step, self.end, self.stop_requested)
+        except (ray.exceptions.RayError, TimeoutError) as err:
+            return self._failed_between_steps(err, "resize")
+        self._new_runner()
+        self._resized(out.from_dp, out.to_dp, out.reason, out.seconds)
+        return self._next()
+
+    def _drain(self, state: Draining) -> State:
+        import ray
+
+        assert self.elastic is not None
+        nodes = frozenset(d.node_id for d in state.drains)
+        now = time.time()
+        try:
+            ev = self.elastic.evacuate(nodes)
+        except (ray.exceptions.RayError, TimeoutError) as err:
+            return self._failed_between_steps(err, "drain")
+        self.drains_seen |= nodes
+        self._new_runner()
+        for d in state.drains:
+            left = d.seconds_left(now)
+            log(f"node {d.node_id[:12]} is draining ({'no deadline' if left is None else f'{left:.0f} s left'}): "
+                f"{ev.moved} stage actors moved, {ev.dropped} replicas dropped, {ev.stayed} left in place, {ev.seconds:.1f} s")
+            self.metrics.event("drain", step=self.step, node=d.node_id, deadline_s=left, moved=ev.moved, dropped=ev.dropped,
+                               stayed=ev.stayed, seconds=ev.seconds, rollback_steps=0)
+        if ev.to_dp != ev.from_dp:
+            self._resized(ev.from_dp, ev.to_dp, "drain: no room to move", ev.seconds)
+        return self._next()
+
+    def _resized(self, from_dp: int, to_dp: int, reason: str, seconds: float) -> None:
+        log(f"width {from_dp} -> {to_dp} replicas ({reason}, {seconds:.1f} s)")
+        self.metrics.event("resize", step=self.step, from_dp=from_dp, to_dp=to_dp, reason=reason, seconds=seconds)
 
     def _wait(self, state: WaitingForCapacity) -> State:
         assert self.group is not None

@@ -60,7 +60,7 @@ class PipelineRunner:
         xs, ys = self.split(x), self.split(y)
         last = self.n_stages - 1
         loss_refs: list[ray.ObjectRef] = []
-        self.inflight = []
+        self.inflight: list[ray.ObjectRef] = []
         self.calls: list[tuple[ray.ObjectRef, int, int]] = []  # (ref, replica, stage) in submission order
         self.first_op: dict[tuple[int, int], ray.ObjectRef] = {}  # (replica, stage) -> its first call of the step
         for r, stages in enumerate(self.actors):
@@ -110,20 +110,39 @@ class PipelineRunner:
     def submit_optimizer_step(self, snapshot: dict[str, int] | None = None) -> list[list[ray.ObjectRef]]:
         """Submit the data-parallel gradient exchange and the optimizer step of every stage.
 
+        With data parallelism the exchange is a phase of its own: every replica of every stage
+        fetches its peers' gradients and averages them, and only once all of them have (the
+        driver waits for that, with a deadline) does any stage update. A failure during the
+        exchange (an actor or a node with its gradients gone) then leaves every survivor at the
+        same step, which is what lets the run drop or replace a replica without rolling back.
         ``snapshot`` (the data position after this step's batch) makes every stage start a
         background copy of its updated state. Returns refs[stage][replica] of the step statistics.
         """
+        if self.dp > 1:
+            averaged = []
+            for s in range(self.n_stages):
+                replicas = [self.actors[r][s] for r in range(self.dp)]
+                grads = [a.flat_grad.remote() for a in replicas]
+                refs = [a.average_grads.remote(*grads) for a in replicas]
+                averaged += refs
+                self.calls += [(ref, r, s) for r, ref in enumerate(refs)]
+            self.inflight += averaged
+            self._barrier(averaged)
         step_refs: list[list[ray.ObjectRef]] = []
         for s in range(self.n_stages):
-            replicas = [self.actors[r][s] for r in range(self.dp)]
-            if self.dp > 1:
-                grads = [a.flat_grad.remote() for a in replicas]
-                step_refs.append([a.step.remote(*grads, snapshot=snapshot) for a in replicas])
-            else:
-                step_refs.append([replicas[0].step.remote(snapshot=snapshot)])
-            self.inflight = getattr(self, "inflight", []) + step_refs[-1]
-            self.calls = getattr(self, "calls", []) + [(ref, r, s) for r, ref in enumerate(step_refs[-1])]
+            step_refs.append([self.actors[r][s].step.remote(snapshot=snapshot) for r in range(self.dp)])
+            self.inflight += step_refs[-1]
+            self.calls += [(ref, r, s) for r, ref in enumerate(step_refs[-1])]
         return step_refs
+
+    def _barrier(self, refs: list[ray.ObjectRef]) -> None:
+        """Wait until ``refs`` are all done; raise :class:`StepFailed` if any failed."""
+        try:
+            ray.get(refs, timeout=STEP_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as err:
+            self.settle()
+            stage, replica, first = self.first_failed()
+            raise StepFailed(first or err, stage, replica) from err
 
     def submit_step(self, x: np.ndarray, y: np.ndarray) -> tuple[list[ray.ObjectRef], list[list[ray.ObjectRef]]]:
         """Submit one whole optimizer step; return (loss refs, step refs[stage][replica])."""

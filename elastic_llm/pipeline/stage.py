@@ -90,10 +90,11 @@ def stage_seed(seed: int, stage: int, replica: int) -> int:
 class StageWorker:
     """Layers + optimizer of (stage, replica). Methods are called in schedule order."""
 
-    def __init__(self, config: dict[str, Any] | RunConfig, stage: int, replica: int) -> None:
+    def __init__(self, config: dict[str, Any] | RunConfig, stage: int, replica: int, dp: int | None = None) -> None:
         self.cfg = config if isinstance(config, RunConfig) else config_from_dict(config)
         par, train = self.cfg.parallel, self.cfg.train
         self.stage, self.replica = stage, replica
+        self.dp = dp or par.dp  # data-parallel width now (it changes as the run resizes): which 1/dp slice of the state this replica snapshots
         self.n_stages = par.stages
         self.first, self.last = stage == 0, stage == par.stages - 1
         self.device = torch.device("cuda" if par.gpus_per_actor > 0 and torch.cuda.is_available() else "cpu")
@@ -169,7 +170,9 @@ class StageWorker:
         return torch.cat(grads).cpu().numpy()
 
     def average_grads(self, *peer_grads: np.ndarray) -> None:
-        """Replace local gradients by the mean of ``peer_grads`` (every replica's flat_grad, in replica order)."""
+        """Replace local gradients by the mean of ``peer_grads`` (every replica's flat_grad, in
+        replica order). The first phase of a data-parallel step: nothing is updated yet."""
+        self._check_complete()
         total = torch.from_numpy(np.asarray(peer_grads[0])).clone()
         for g in peer_grads[1:]:  # fixed replica order: every replica gets identical bits
             total += torch.from_numpy(np.asarray(g))
@@ -215,7 +218,7 @@ class StageWorker:
         bytes (this replica's 1/DP slice) in the background."""
         from elastic_llm.snapshot import state as st
 
-        lo, hi = self.arena.layout.slice_bounds(self.replica, self.cfg.parallel.dp)
+        lo, hi = self.arena.layout.slice_bounds(self.replica, self.dp)
         extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position, self.cfg.config_hash())
         extra["slice"] = [lo, hi]
         self.copies.start(self.step_count, lo, hi, st.make_manifest(self.arena.layout, extra, self.stage))
@@ -258,7 +261,7 @@ class StageWorker:
         from elastic_llm.snapshot import state as st
 
         self.copies.wait()
-        lo, hi = self.arena.layout.slice_bounds(self.replica, self.cfg.parallel.dp) if replica_slice else (0, self.arena.layout.nbytes)
+        lo, hi = self.arena.layout.slice_bounds(self.replica, self.dp) if replica_slice else (0, self.arena.layout.nbytes)
         buf = self.copies.buffer(2)  # its own buffer: never one a snapshot in flight uses
         self.arena.capture(buf, lo, hi)
         extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position, self.cfg.config_hash())
@@ -310,6 +313,14 @@ class StageWorker:
             return False
         self.load_parts(job.manifest, [0], job.buffer)
         return True
+
+    def set_width(self, replica: int, dp: int) -> int:
+        """The run resized: this actor is now replica ``replica`` of ``dp``. Changes no state, only
+        which slice of it the next snapshot copies. Returns the completed steps."""
+        if not 0 <= replica < dp:
+            raise ValueError(f"replica {replica} is not in a width of {dp}")
+        self.replica, self.dp = replica, dp
+        return self.step_count
 
     def inject_error(self, message: str) -> None:
         """Fault injection: from now on every forward raises :class:`InjectedFault` (``message``)."""

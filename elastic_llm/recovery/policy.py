@@ -1,6 +1,9 @@
 """RecoveryPolicy: observed failure in, recovery plan out. Pure: no Ray, no clock, no I/O.
 
-Owns the recovery ladder (cheapest lossless source first):
+Owns the recovery ladder (cheapest lossless source first), after one elastic decision: a
+replica whose lost stages cannot be placed now (no capacity) is dropped when a whole replica
+survives and at least ``min_width`` replicas remain (shrink: no rollback, the run goes on
+narrower; the remaining replicas are renumbered 0..w-1 and the plan speaks of the new numbers).
 1. the stage process died, its node and snapshot manager live: restore from the local manager;
 2. a data-parallel peer of the lost replica is alive: copy its state;
 3. the node is lost, at most m nodes of its erasure group are lost: rebuild from parity;
@@ -13,7 +16,7 @@ finished later steps, or stages disagree on their step), everyone rolls back to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elastic_llm.snapshot.records import ShardKey
 
@@ -42,6 +45,8 @@ class Observation:
     shard_nodes: tuple[tuple[ShardKey, str], ...] = ()  # (shard, node holding it) of the committed version
     groups: tuple[tuple[str, ...], ...] = ()  # erasure groups of the committed version
     parity: int = 0
+    min_width: int = 1  # elastic.min_replicas: never shrink below this many replicas
+    unplaceable: frozenset[int] = frozenset()  # replicas whose lost stages cannot be placed now
 
 
 @dataclass(frozen=True)
@@ -62,14 +67,51 @@ class RecoveryPlan:
     rollback_to: int | None  # every stage restores this committed version; None: keep current state
     reason: str
     lost_shards: tuple[ShardKey, ...] = field(default=())  # shards that must be rebuilt from parity
+    drop_replicas: tuple[int, ...] = ()  # replicas (numbered as observed) dropped first; actions use the new numbers
+    width: tuple[int, int] | None = None  # (from, to) when replicas are dropped
 
     def __str__(self) -> str:
         rb = f"roll back to step {self.rollback_to}" if self.rollback_to is not None else "no rollback"
-        return f"RecoveryPlan({'; '.join(map(str, self.actions)) or 'nothing lost'}; {rb}; {self.reason})"
+        drop = f"drop replica(s) {list(self.drop_replicas)}; " if self.drop_replicas else ""
+        return f"RecoveryPlan({drop}{'; '.join(map(str, self.actions)) or 'nothing lost'}; {rb}; {self.reason})"
+
+
+def replicas_to_drop(obs: Observation) -> tuple[int, ...]:
+    """Broken replicas that cannot be placed now and may go: only while a whole replica
+    survives (every stage alive, all at one step), and never below ``min_width``."""
+    width = 1 + max((m.replica for m in obs.members), default=-1)
+    broken = {m.replica for m in obs.members if not m.alive}
+    whole = [r for r in range(width) if r not in broken]
+    whole_steps = {m.step for m in obs.members if m.replica in whole}
+    if not whole or len(whole_steps) != 1:
+        return ()
+    candidates = sorted(broken & obs.unplaceable)
+    room = max(0, width - obs.min_width)
+    return tuple(candidates[len(candidates) - room :]) if room < len(candidates) else tuple(candidates)
+
+
+def without_replicas(obs: Observation, drop: tuple[int, ...]) -> Observation:
+    """``obs`` as if ``drop`` were gone, the other replicas renumbered 0..w-1 in order."""
+    kept = sorted({m.replica for m in obs.members} - set(drop))
+    new = {old: i for i, old in enumerate(kept)}
+    members = tuple(replace(m, replica=new[m.replica]) for m in obs.members if m.replica in new)
+    return replace(obs, members=members, unplaceable=frozenset(new[r] for r in obs.unplaceable if r in new))
 
 
 class RecoveryPolicy:
     def decide(self, obs: Observation) -> RecoveryPlan:
+        drop = replicas_to_drop(obs)
+        if not drop:
+            return self._ladder(obs)
+        width = 1 + max(m.replica for m in obs.members)
+        plan = self._ladder(without_replicas(obs, drop))
+        why = (
+            f"replica(s) {list(drop)} lost stages that cannot be placed now (no capacity): dropped, "
+            f"{width} -> {width - len(drop)} replicas; "
+        )
+        return replace(plan, drop_replicas=drop, width=(width, width - len(drop)), reason=why + plan.reason)
+
+    def _ladder(self, obs: Observation) -> RecoveryPlan:
         lost = [m for m in obs.members if not m.alive]
         alive = [m for m in obs.members if m.alive]
         steps = {m.step for m in alive}

@@ -82,6 +82,7 @@ class SnapshotCoordinator:
         self.stats = SnapshotStats()
         self.events: list[dict[str, Any]] = []
         self.refresh_managers = False
+        self.avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
 
     # ------------------------------------------------------------------ managers
@@ -167,7 +168,7 @@ class SnapshotCoordinator:
             self.ensure_managers()
             self.refresh_managers = False
         sn = self.cfg.snapshot
-        groups = make_groups(sorted(self.managers), sn.group_size, sn.parity)
+        groups = make_groups(sorted(n for n in self.managers if n not in self.avoid), sn.group_size, sn.parity)
         group_of = {node: g for g in groups for node in g}
         by_node: dict[str, list[tuple[ShardKey, Any]]] = {node: [] for node in self.managers}
         lost = []
@@ -178,6 +179,8 @@ class SnapshotCoordinator:
                 lost.append(m.key)
         refs = {}
         for node, handle in self.managers.items():
+            if node in self.avoid and not by_node[node]:
+                continue  # a draining node with nothing of this version: its end must not fail it
             group = group_of.get(node, ())
             plan = ManagerPlan(
                 version=version,
@@ -276,11 +279,12 @@ class SnapshotCoordinator:
             self._discard(p, "its training step failed", expected=True)
 
     # ------------------------------------------------------------------ restore
-    def fetch_stage_state(self, stage: int, replica: int, dp: int, dead_nodes: set[str] | frozenset[str]) -> StageSource:
-        """Where the committed state of ``stage`` is (all DP slices), with the manifest of
-        ``replica`` (its RNG). Shards on dead nodes, dead managers or failing their checksums are
-        rebuilt from parity. The refs go straight to the stage being restored: no bytes pass
-        through the driver."""
+    def fetch_stage_state(self, stage: int, replica: int, dead_nodes: set[str] | frozenset[str]) -> StageSource:
+        """Where the committed state of ``stage`` is (all its data-parallel slices, as many as
+        the run had replicas when the version was taken), with the manifest of ``replica`` (its
+        RNG; the last one recorded if the run was narrower then). Shards on dead nodes, dead
+        managers or failing their checksums are rebuilt from parity. The refs go straight to the
+        stage being restored: no bytes pass through the driver."""
         import ray
 
         rec = self.committed
@@ -289,8 +293,8 @@ class SnapshotCoordinator:
         offsets: list[int] = []
         refs: list[Any] = []
         sources: list[str] = []
-        for r in range(dp):
-            info = rec.shard(ShardKey(stage, r))
+        slices = [info for info in rec.shards if info.key.stage == stage]
+        for info in slices:
             node = info.node_id
             got = None
             if node not in dead_nodes and node in self.managers:
@@ -306,7 +310,7 @@ class SnapshotCoordinator:
                 offsets.append(info.lo)
                 refs.append(self._rebuild_shard(info.key, set(dead_nodes) | {node}))
                 sources.append("parity")
-        manifest = rec.shard(ShardKey(stage, replica)).manifest
+        manifest = slices[min(replica, len(slices) - 1)].manifest
         return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources))
 
     def _rebuild_shard(self, key: ShardKey, lost_nodes: set[str]) -> Any:

@@ -100,6 +100,11 @@ class VersionRecord:
                 return s
         raise KeyError(f"{key} has no shard in snapshot version {self.version}")
 
+    @property
+    def width(self) -> int:
+        """Data-parallel replicas the run had when this version was taken."""
+        return 1 + max((s.key.replica for s in self.shards), default=0)
+
     def infos_on(self, node: str) -> tuple[ShardInfo, ...]:
         """The shards held on ``node``, in key order (the order chunks are built in)."""
         return tuple(sorted((s for s in self.shards if s.node_id == node), key=lambda s: s.key))

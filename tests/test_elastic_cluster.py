@@ -1,0 +1,245 @@
+"""Elastic width on a real loopback cluster: shrink, grow, drain, and what a resize does to the math.
+
+One ``ray.cluster_utils.Cluster`` (a head without CPUs + 4 worker nodes of 1 CPU each) shared by
+the module; each test starts from 4 live worker nodes. Runs have 2 stages; with ``dp=2`` the 4
+stage actors fill the cluster (SPREAD: one per node), so a lost node leaves no room and the
+broken replica must be dropped; nodes added later give room to grow back. Nodes are removed
+and added from the main thread while the run trains in another one (as an autoscaler would),
+and drains are asked for with ``ray drain-node``, as Ray's autoscaler does on a preemption notice.
+"""
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from elastic_llm.config import load_config
+from elastic_llm.controller import NAMESPACE, Trainer
+from elastic_llm.controller.drains import draining_nodes, request_drain
+from elastic_llm.snapshot.records import ShardKey
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.timeout(300)
+WORKERS = 4
+BASE = [
+    "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4",
+    "parallel.stages=2", "parallel.microbatches=2", "parallel.cpus_per_actor=1",
+    "parallel.placement_strategy=SPREAD", "train.batch_size=8", "train.eval_every=0",
+    "snapshot.group_size=4", "snapshot.parity=1", "recovery.capacity_report_s=1",
+    "elastic.min_replicas=1", "elastic.max_replicas=2", "elastic.grow_check_s=1",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000},
+        },
+    )
+    for _ in range(WORKERS):
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=NAMESPACE, logging_level="WARNING")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def live_workers():
+    return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
+
+
+def wait_until(predicate, seconds, what):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def nodes(cluster):
+    """Exactly WORKERS live worker nodes of 1 CPU, none draining."""
+    draining = set(draining_nodes())
+    for node in list(cluster.worker_nodes):
+        if node.node_id in draining:
+            cluster.remove_node(node)
+    while len(cluster.worker_nodes) > WORKERS:
+        cluster.remove_node(list(cluster.worker_nodes)[-1])
+    while len(cluster.worker_nodes) < WORKERS:
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    wait_until(lambda: live_workers() == WORKERS, 60, "worker nodes coming up")
+    return cluster
+
+
+def make_trainer(cluster, corpus_dir, tmp_path, *extra):
+    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
+    return Trainer(cfg, cluster=cluster, metrics_out=tmp_path / "metrics.jsonl")
+
+
+def events(tmp_path, name):
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if x.get("event") == name]
+
+
+def node_of(cluster, node_id):
+    return next(n for n in cluster.worker_nodes if n.node_id == node_id)
+
+
+class Background:
+    """``trainer.fit(steps)`` in a thread, recording the data position after every step; the
+    test thread plays the autoscaler (Cluster.add_node/remove_node must run on the main thread)."""
+
+    def __init__(self, trainer, steps):
+        self.t = trainer
+        self.positions = []
+        self.result = {}
+        self.thread = threading.Thread(target=self._fit, args=(steps,), daemon=True)
+        self.thread.start()
+
+    def _fit(self, steps):
+        try:
+            self.result["history"] = self.t.fit(steps, on_step=lambda r: self.positions.append((r["step"], dict(self.t.stream.state_dict()))))
+        except BaseException as e:  # reported by join()
+            self.result["error"] = e
+
+    def join(self, seconds=240):
+        self.thread.join(timeout=seconds)
+        assert not self.thread.is_alive(), f"training did not finish within {seconds} s (state {self.t.state.name})"
+        assert "error" not in self.result, self.result.get("error")
+        return self.result["history"]
+
+
+def assert_stream_in_order(positions, batch_size):
+    """Every step took the next batch: no window skipped or read twice (epoch 0 throughout)."""
+    assert positions, "no step completed"
+    for step, pos in positions:
+        assert pos == {"epoch": 0, "index": step * batch_size}, (step, pos)
+
+
+@pytest.fixture(scope="module")
+def clean_dp1(cluster, corpus_dir, tmp_path_factory):
+    """An undisturbed dp=1 run: its losses, and the parameters after its first step."""
+    t = make_trainer(cluster, corpus_dir, tmp_path_factory.mktemp("clean"), "parallel.dp=1", "elastic.max_replicas=1")
+    try:
+        first = t.fit(1)
+        params = [ray.get(t.actors[0][s].parameters.remote(), timeout=60) for s in range(2)]
+        history = t.fit(10)
+        return {"losses": {h["step"]: h["loss"] for h in history}, "step1_loss": first[0]["loss"], "step1_params": params}
+    finally:
+        t.shutdown()
+
+
+def test_one_step_at_width_2_equals_width_1_within_1e_6(nodes, corpus_dir, tmp_path, clean_dp1):
+    t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=2")
+    try:
+        [record] = t.fit(1)
+        assert record["dp"] == 2
+        assert abs(record["loss"] - clean_dp1["step1_loss"]) <= 1e-6 * abs(clean_dp1["step1_loss"])
+        for r in range(2):
+            for s in range(2):
+                got = ray.get(t.actors[r][s].parameters.remote(), timeout=60)
+                want = clean_dp1["step1_params"][s]
+                assert got.keys() == want.keys()
+                for name in want:
+                    err = np.linalg.norm(got[name] - want[name]) / max(np.linalg.norm(want[name]), 1e-30)
+                    assert err <= 1e-6, (r, s, name, err)
+    finally:
+        t.shutdown()
+
+
+def test_a_lost_node_without_room_shrinks_without_rollback_then_two_new_nodes_grow_it_back(nodes, corpus_dir, tmp_path):
+    t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=2")
+    run = Background(t, 1000)  # stopped below, once it has grown back
+    try:
+        wait_until(lambda: t.step >= 3, 120, "three steps")
+        nodes.remove_node(node_of(nodes, t.group.nodes[ShardKey(1, 1)]))
+        wait_until(lambda: events(tmp_path, "resize"), 120, "the shrink")
+        assert t.group.width == 1
+        shrunk_at = t.step
+        for _ in range(2):
+            nodes.add_node(num_cpus=1)
+        wait_until(lambda: len(events(tmp_path, "resize")) >= 2, 120, "growing back")
+        grown_at = t.step
+        wait_until(lambda: t.step >= grown_at + 3, 60, "three steps at width 2")
+        t.request_stop()
+        history = run.join()
+    finally:
+        t.shutdown()
+    resizes = [(e["from_dp"], e["to_dp"]) for e in events(tmp_path, "resize")]
+    assert resizes == [(2, 1), (1, 2)]
+    assert [e["reason"] for e in events(tmp_path, "resize")] == ["lost stages could not be placed", "capacity"]
+    assert all(r["rollback_steps"] == 0 for r in events(tmp_path, "recovery"))
+    assert [h["step"] for h in history] == list(range(1, len(history) + 1))  # no step replayed
+    assert history[shrunk_at]["dp"] == 1 and history[-1]["dp"] == 2
+    assert_stream_in_order(run.positions, 8)
+    losses = [h["loss"] for h in history]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+
+
+def test_two_nodes_lost_at_once_beyond_parity_with_a_whole_replica_left_shrinks(nodes, corpus_dir, tmp_path):
+    t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=2")
+    run = Background(t, 10)
+    try:
+        wait_until(lambda: t.step >= 3, 120, "three steps")
+        doomed = {t.group.nodes[ShardKey(s, 1)] for s in range(2)}
+        assert len(doomed) == 2  # SPREAD: replica 1 on two nodes of its own
+        for node_id in doomed:  # two of the four nodes of the erasure group: more than parity 1 covers
+            nodes.remove_node(node_of(nodes, node_id))
+        history = run.join()
+    finally:
+        t.shutdown()
+    assert [(e["from_dp"], e["to_dp"]) for e in events(tmp_path, "resize")] == [(2, 1)]
+    assert all(r["rollback_steps"] == 0 for r in events(tmp_path, "recovery"))
+    assert history[-1]["step"] == 10 and history[-1]["dp"] == 1
+    assert_stream_in_order(run.positions, 8)
+
+
+def test_a_drain_with_a_deadline_moves_the_stages_first_with_no_rollback_and_identical_losses(nodes, corpus_dir, tmp_path, clean_dp1):
+    t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=1")
+    run = Background(t, 10)
+    try:
+        wait_until(lambda: t.step >= 3, 120, "three steps")
+        victim = t.group.nodes[ShardKey(0, 0)]
+        asked = time.monotonic()
+        subprocess.run(
+            ["ray", "drain-node", "--address", nodes.address, "--node-id", victim,
+             "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot interruption (test)",
+             "--deadline-remaining-seconds", "20"],
+            check=True, capture_output=True, timeout=60,
+        )
+        wait_until(lambda: events(tmp_path, "drain") or time.monotonic() - asked > 20, 30, "the drain")
+        moved_in_s = time.monotonic() - asked
+        nodes.remove_node(node_of(nodes, victim))  # the deadline: the instance goes
+        history = run.join()
+    finally:
+        t.shutdown()
+    [drain] = events(tmp_path, "drain")
+    assert moved_in_s < 20, "the stages were not moved before the deadline"
+    assert drain["node"] == victim and drain["moved"] == 2 and drain["rollback_steps"] == 0
+    assert 0 < drain["deadline_s"] <= 20
+    assert events(tmp_path, "recovery") == []  # the node went after the move: nothing to recover
+    assert victim not in t.group.nodes.values()
+    assert {h["step"]: h["loss"] for h in history} == clean_dp1["losses"]
+
+
+def test_draining_nodes_reads_what_ray_drain_node_marked(nodes):
+    victim = sorted(n.node_id for n in nodes.worker_nodes)[-1]
+    request_drain(victim, 30, "test")
+    wait_until(lambda: victim in draining_nodes(), 10, "Ray showing the drain")
+    seen = draining_nodes()
+    assert victim in seen and 20 < seen[victim].seconds_left(time.time()) <= 30
+    assert all(n == victim for n in seen)
