@@ -28,6 +28,7 @@ from .conftest import REPO
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 4
+CLEAN_STEPS = 300  # steps of the undisturbed run: more than the drained run takes (0.1-0.3 s each)
 BASE = [
     "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4",
     "parallel.stages=2", "parallel.microbatches=2", "parallel.cpus_per_actor=1",
@@ -137,7 +138,7 @@ def clean_dp1(cluster, corpus_dir, tmp_path_factory):
     try:
         first = t.fit(1)
         params = [ray.get(t.actors[0][s].parameters.remote(), timeout=60) for s in range(2)]
-        history = t.fit(10)
+        history = t.fit(CLEAN_STEPS)
         return {"losses": {h["step"]: h["loss"] for h in history}, "step1_loss": first[0]["loss"], "step1_params": params}
     finally:
         t.shutdown()
@@ -210,7 +211,7 @@ def test_two_nodes_lost_at_once_beyond_parity_with_a_whole_replica_left_shrinks(
 
 def test_a_drain_with_a_deadline_moves_the_stages_first_with_no_rollback_and_identical_losses(nodes, corpus_dir, tmp_path, clean_dp1):
     t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=1")
-    run = Background(t, 10)
+    run = Background(t, 10**6)  # stopped below, a few steps after the move
     try:
         wait_until(lambda: t.step >= 3, 120, "three steps")
         victim = t.group.nodes[ShardKey(0, 0)]
@@ -224,6 +225,9 @@ def test_a_drain_with_a_deadline_moves_the_stages_first_with_no_rollback_and_ide
         wait_until(lambda: events(tmp_path, "drain") or time.monotonic() - asked > 20, 30, "the drain")
         moved_in_s = time.monotonic() - asked
         nodes.remove_node(node_of(nodes, victim))  # the deadline: the instance goes
+        moved_at = t.step
+        wait_until(lambda: t.step >= moved_at + 3, 60, "three steps after the move")
+        t.request_stop()
         history = run.join()
     finally:
         t.shutdown()
@@ -233,7 +237,8 @@ def test_a_drain_with_a_deadline_moves_the_stages_first_with_no_rollback_and_ide
     assert 0 < drain["deadline_s"] <= 20
     assert events(tmp_path, "recovery") == []  # the node went after the move: nothing to recover
     assert victim not in t.group.nodes.values()
-    assert {h["step"]: h["loss"] for h in history} == clean_dp1["losses"]
+    assert len(history) <= CLEAN_STEPS, "the undisturbed run is too short to compare with"
+    assert {h["step"]: h["loss"] for h in history} == {k: v for k, v in clean_dp1["losses"].items() if k <= len(history)}
 
 
 def test_draining_nodes_reads_what_ray_drain_node_marked(nodes):

@@ -3,7 +3,8 @@
 Owns: the placement groups (one per data-parallel replica, one bundle per stage, so a replica
 can be added, dropped or moved whole), spawning an actor on its bundle, replacing lost ones,
 describing them (node, pid), resetting the survivors of a failed step, changing the width
-(add a replica, drop replicas and renumber the rest), and saying what capacity is missing when
+(add a replica, drop replicas and renumber the rest), spare replicas started in the background
+(so that growing or moving off a draining node waits for no process start), and saying what capacity is missing when
 bundles cannot be placed. Every wait has a deadline: a placement that does not happen within
 ``PLACE_S`` raises :class:`CapacityUnavailable` (the controller then shrinks or waits for
 capacity, visibly) instead of blocking.
@@ -13,6 +14,7 @@ Never decides anything: the controller says which actors to place, replace, add 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from elastic_llm.config import RunConfig
@@ -25,6 +27,16 @@ START_S = 300.0  # longest an actor may take to start once placed (imports torch
 PROBE_S = 60.0  # longest the survivors of a failed step may take to reset
 COPY_S = 600.0  # longest a state copy from one actor to another may take
 WIDTH_S = 60.0  # longest the actors may take to learn a new width
+
+
+@dataclass(frozen=True, eq=False)
+class Spare:
+    """A replica started in the background: its placement group, actors and their ``info`` calls."""
+
+    pg: Any
+    actors: tuple[Any, ...]
+    infos: tuple[Any, ...]
+    started: float  # time.monotonic()
 
 
 class CapacityUnavailable(RuntimeError):
@@ -51,6 +63,7 @@ class ActorGroup:
         self.ready: set[ShardKey] = set()  # actors that answered since they were spawned
         self.generation = 0
         self.width = cfg.parallel.dp
+        self.spares: list[Spare] = []  # replicas started in the background, not yet in the width
         self._cls: Any = None
 
     @property
@@ -147,6 +160,14 @@ class ActorGroup:
     def replace(self, keys: list[ShardKey]) -> None:
         """Kill whatever runs as ``keys`` and start fresh actors on their bundles; returns once
         they answer (raises :class:`CapacityUnavailable` if their bundles cannot be placed)."""
+        self.generation += 1
+        for key in keys:
+            self.kill(key)
+            self.actors[key.replica][key.stage] = self._spawn(key, self.pgs[key.replica])
+        self.describe(keys)
+
+    def _spawn(self, key: ShardKey, pg: Any) -> Any:
+        """Start the actor of ``key`` on bundle ``key.stage`` of ``pg`` (returns at once)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -155,18 +176,13 @@ class ActorGroup:
         if self._cls is None:
             self._cls = ray.remote(concurrency_groups={"snapshot": 1})(StageWorker)
         par = self.cfg.parallel
-        self.generation += 1
-        config = self.cfg.to_dict()
-        for key in keys:
-            self.kill(key)
-            self.actors[key.replica][key.stage] = self._cls.options(
-                name=f"stage-{self.run_id}-{key.stage}-{key.replica}.{self.generation}",
-                num_cpus=par.cpus_per_actor,
-                num_gpus=par.gpus_per_actor,
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[key.replica], placement_group_bundle_index=key.stage),
-            ).remote(config, key.stage, key.replica, self.width)
-        self.describe(keys)
+        return self._cls.options(
+            name=f"stage-{self.run_id}-{key.stage}-{key.replica}.{self.generation}",
+            num_cpus=par.cpus_per_actor,
+            num_gpus=par.gpus_per_actor,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=key.stage),
+        ).remote(self.cfg.to_dict(), key.stage, key.replica, self.width)
 
     def describe(self, keys: list[ShardKey]) -> list[Any]:
         """Wait (with deadlines) until ``keys`` answer; record their nodes and pids."""
@@ -242,27 +258,6 @@ class ActorGroup:
         return sorted({k.replica for k in self.keys() if self.nodes.get(k) in nodes})
 
     # ------------------------------------------------------------------ width
-    def add_replica(self, wait_s: float = PLACE_S) -> int:
-        """Place one more replica (a placement group of its own) and start its actors, with
-        fresh state: the caller copies state in. Returns its index (the old width). Raises
-        :class:`CapacityUnavailable` (and reserves nothing) if it cannot be placed in ``wait_s``."""
-        from ray.util import remove_placement_group
-
-        pg = self._new_pg()
-        r = self.width
-        self.pgs.append(pg)
-        self.actors.append([None] * self.stages)
-        self.width += 1
-        try:
-            if self.unplaced_replicas([r], wait_s):
-                raise CapacityUnavailable(self.capacity(replicas=1))
-            self.replace([ShardKey(s, r) for s in range(self.stages)])
-        except BaseException:
-            self._forget(r)
-            remove_placement_group(pg)
-            raise
-        return r
-
     def drop_replicas(self, replicas: list[int] | set[int]) -> dict[int, int]:
         """Kill the actors of ``replicas``, release their placement groups and renumber the rest
         (keeping their order). Returns old replica index -> new one, for the survivors. The
@@ -291,6 +286,61 @@ class ActorGroup:
             table.update(moved)
         self.ready = {ShardKey(k.stage, k.replica - 1) if k.replica > r else k for k in self.ready if k.replica != r}
 
+    # ------------------------------------------------------------------ spare replicas
+    def start_spare(self) -> Spare:
+        """Place one more replica and start its actors in the background (nothing waits): the
+        run trains on while the processes start. Not part of the width until :meth:`adopt`."""
+        self.generation += 1
+        pg = self._new_pg()
+        actors = [self._spawn(ShardKey(s, self.width), pg) for s in range(self.stages)]
+        spare = Spare(pg, tuple(actors), tuple(a.info.remote() for a in actors), time.monotonic())
+        self.spares.append(spare)
+        return spare
+
+    def spare_ready(self, spare: Spare) -> bool:
+        """Whether every actor of ``spare`` has started (no waiting)."""
+        import ray
+
+        done, _ = ray.wait(list(spare.infos), num_returns=len(spare.infos), timeout=0)
+        return len(done) == len(spare.infos)
+
+    def spare_nodes(self, spare: Spare) -> set[str]:
+        """Nodes the bundles of ``spare`` are placed on (empty while unplaced)."""
+        from ray.util.placement_group import placement_group_table
+
+        return {n for n in placement_group_table(spare.pg).get("bundles_to_node_id", {}).values() if n}
+
+    def adopt(self, spare: Spare) -> int:
+        """Make a started spare the last replica; returns its index. The caller copies state in
+        and then calls :meth:`set_width`."""
+        import ray
+
+        self.spares.remove(spare)
+        r = self.width
+        self.pgs.append(spare.pg)
+        self.actors.append(list(spare.actors))
+        self.width += 1
+        for s, info in enumerate(ray.get(list(spare.infos), timeout=START_S)):
+            self.nodes[ShardKey(s, r)], self.pids[ShardKey(s, r)] = info.node_id, info.pid
+            self.ready.add(ShardKey(s, r))
+        return r
+
+    def cancel(self, spare: Spare) -> None:
+        """Stop a spare's actors and release its placement group."""
+        import ray
+
+        if spare in self.spares:
+            self.spares.remove(spare)
+        for a in spare.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        try:
+            ray.util.remove_placement_group(spare.pg)
+        except Exception:
+            pass
+
     def set_width(self) -> None:
         """Tell every actor its replica index and the width (after adding or dropping replicas)."""
         import ray
@@ -301,6 +351,8 @@ class ActorGroup:
     def shutdown(self) -> None:
         import ray
 
+        for spare in list(self.spares):
+            self.cancel(spare)
         for key in self.keys() if self.actors else []:
             self.kill(key)
         for pg in self.pgs:

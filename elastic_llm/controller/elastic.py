@@ -1,12 +1,15 @@
 """Elastic width: grow into new room, move replicas off draining nodes, shrink when there is no room.
 
 Owns: the look at the cluster after each step (draining nodes that host the run's stages, and
-every ``elastic.grow_check_s`` whether there is room for one more replica), and carrying out a change of the data-parallel width at a step boundary, where every replica
-holds the same state: growing by one replica (placed whole, state copied from a healthy
-replica), evacuating the replicas that have stages on draining nodes (a new replica placed
-elsewhere takes the state of an unaffected peer, or of the replica itself while its node still
-lives, then the old one goes), and dropping replicas. Nothing rolls back: the state moves actor
-to actor. Before the membership changes, the snapshot versions in flight get to commit.
+every ``elastic.grow_check_s`` whether there is room for one more replica), the spare replicas
+it starts in the background when it sees room or a drain (their processes start while the run
+trains on, so a resize waits for no process start), and carrying out a change of the
+data-parallel width at a step boundary, where every replica holds the same state: growing by one
+replica (a started spare takes the state of replica 0), evacuating the replicas that have stages
+on draining nodes (a spare placed elsewhere takes the state of an unaffected peer, or of the
+replica itself while its node still lives, then the old one goes), and dropping replicas.
+Nothing rolls back: the state moves actor to actor. Before the membership changes, the snapshot
+versions in flight get to commit.
 Never decides *whether* to resize or move (the controller's pure transitions do, and
 :func:`shrink_instead` when there is no room) and never touches the data stream.
 """
@@ -18,11 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_llm.config import RunConfig
-from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable
+from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable, Spare
 from elastic_llm.controller.drains import Drain, draining_nodes
+from elastic_llm.controller.session import log
 from elastic_llm.snapshot.records import ShardKey
 
 SETTLE_S = 60.0  # how long versions in flight get to commit before the membership changes
+DRAIN_MARGIN_S = 5.0  # act on a drain this long before its deadline even if its spares have not started
+MOVE_S = 2.0  # a move (state copy, new width) must start at least this long before the drain's deadline
+SPARE_START_S = 60.0  # a spare that has not started in this long is given up (its room went away)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,15 @@ def shrink_instead(width: int, min_width: int) -> bool:
     return width - 1 >= max(1, min_width)
 
 
+def drain_due(spares_ready: int, needed: int, started_any: bool, seconds_left: float | None, margin_s: float) -> bool:
+    """Whether to act on a drain now: every replica to move has a started spare, or no spare
+    could be started at all (no room: shrink or stay at once), or the deadline is within
+    ``margin_s``. Otherwise the run trains on while the spares start. Pure."""
+    if spares_ready >= needed or not started_any:
+        return True
+    return seconds_left is not None and seconds_left <= margin_s
+
+
 class ElasticExecutor:
     def __init__(self, group: ActorGroup, snapshots: Any, min_width: int, cfg: RunConfig | None = None) -> None:
         self.group = group
@@ -61,48 +77,86 @@ class ElasticExecutor:
         self._last_grow_look = 0.0
 
     def look(self, seen: set[str]) -> tuple[tuple[Drain, ...], int | None]:
-        """One cheap look at the cluster at a step boundary: the draining nodes that host this
-        run's stages and were not acted on yet (``seen``), and, every ``elastic.grow_check_s``,
-        whether free resources away from draining nodes look like room for one more replica
-        (the width to grow to, or None). Tells the snapshot coordinator to avoid draining nodes."""
+        """One cheap look at the cluster at a step boundary. Returns the draining nodes that
+        host this run's stages, not acted on yet (``seen``), once it is time to act on them (see
+        :func:`drain_due`), and the width to grow to once a spare has started (else None).
+        Starts spares where there is room (one per look), gives up spares on draining nodes or
+        that never started, and tells the snapshot coordinator to avoid draining nodes."""
         if self.cfg is None:
             return (), None
-        el = self.cfg.elastic
+        g, el = self.group, self.cfg.elastic
         draining = draining_nodes() if el.drains else {}
         if self.snapshots is not None:
             self.snapshots.avoid = frozenset(draining)
-        hosting = set(self.group.nodes.values())
-        drains = tuple(d for n, d in sorted(draining.items()) if n in hosting and n not in seen)
-        grow_to = None
         now = time.monotonic()
-        if self.group.width < el.bounds(self.cfg.parallel.dp)[1] and now - self._last_grow_look >= el.grow_check_s:
+        for spare in list(g.spares):
+            if g.spare_nodes(spare) & set(draining) or (now - spare.started > SPARE_START_S and not g.spare_ready(spare)):
+                g.cancel(spare)
+        hosting = set(g.nodes.values())
+        drains = tuple(d for n, d in sorted(draining.items()) if n in hosting and n not in seen)
+        if drains:
+            needed = len(g.replicas_on({d.node_id for d in drains}))
+            if len(g.spares) < needed and g.room_for_replica(avoid=frozenset(draining)):
+                g.start_spare()
+                log(f"nodes {[d.node_id[:12] for d in drains]} are draining: starting a spare replica to move to")
+            ready = sum(1 for sp in g.spares if g.spare_ready(sp))
+            lefts = [x for x in (d.seconds_left(time.time()) for d in drains) if x is not None]
+            if drain_due(ready, needed, bool(g.spares), min(lefts) if lefts else None, DRAIN_MARGIN_S):
+                return drains, None
+            return (), None
+        if g.width >= el.bounds(self.cfg.parallel.dp)[1]:
+            for spare in list(g.spares):  # spares started for a drain that needed fewer
+                g.cancel(spare)
+            return (), None
+        if any(g.spare_ready(sp) for sp in g.spares):
+            return (), g.width + 1
+        if not g.spares and now - self._last_grow_look >= el.grow_check_s:
             self._last_grow_look = now
-            if self.group.room_for_replica(avoid=frozenset(draining)):
-                grow_to = self.group.width + 1
-        return drains, grow_to
+            if g.room_for_replica(avoid=frozenset(draining)):
+                g.start_spare()
+                log(f"room for replica {g.width + 1}: starting it in the background")
+        return (), None
 
     def _settle_snapshots(self) -> None:
         if self.snapshots is not None:
             self.snapshots.poll(block=True, timeout=SETTLE_S)
 
+    def _ready_spare(self, until: float | None = None) -> Spare | None:
+        """A started spare; with ``until`` (a ``time.time()`` instant), wait until then for one
+        that is still starting (the deadline of a drain is near: moving late beats not moving)."""
+        while True:
+            spare = next((sp for sp in self.group.spares if self.group.spare_ready(sp)), None)
+            if spare is not None or until is None or not self.group.spares or time.time() >= until:
+                return spare
+            time.sleep(0.2)
+
     def grow(self) -> ResizeOutcome:
-        """One more replica with the state of replica 0. Raises :class:`CapacityUnavailable`
-        (and changes nothing) if it cannot be placed."""
+        """A started spare joins with the state of replica 0. Raises :class:`CapacityUnavailable`
+        (and changes nothing) if no spare has started after all."""
         t0 = time.perf_counter()
         width = self.group.width
+        spare = self._ready_spare()
+        if spare is None:
+            raise CapacityUnavailable(self.group.capacity(replicas=1))
         self._settle_snapshots()
-        r = self.group.add_replica()
+        self._join(spare, 0)
+        return ResizeOutcome(width, self.group.width, time.perf_counter() - t0, "capacity")
+
+    def _join(self, spare: Spare, source: int) -> int:
+        """Adopt ``spare`` as the last replica with the state of replica ``source``."""
+        r = self.group.adopt(spare)
         try:
-            self.group.copy_stages([(ShardKey(s, 0), ShardKey(s, r)) for s in range(self.group.stages)])
+            self.group.copy_stages([(ShardKey(s, source), ShardKey(s, r)) for s in range(self.group.stages)])
             self.group.set_width()
         except BaseException:
             self.group.drop_replicas([r])
             raise
-        return ResizeOutcome(width, self.group.width, time.perf_counter() - t0, "capacity")
+        return r
 
-    def evacuate(self, nodes: frozenset[str]) -> Evacuation:
-        """Move every replica with a stage on ``nodes`` elsewhere (highest index first, so the
-        indices still to handle do not shift), or drop it when there is no room."""
+    def evacuate(self, nodes: frozenset[str], deadline: float | None = None) -> Evacuation:
+        """Move every replica with a stage on ``nodes`` onto a started spare (highest index
+        first, so the indices still to handle do not shift), or drop it when there is none.
+        Spares still starting are waited for until ``MOVE_S`` before ``deadline`` (``time.time()``)."""
         t0 = time.perf_counter()
         width = self.group.width
         affected = self.group.replicas_on(nodes)
@@ -111,28 +165,16 @@ class ElasticExecutor:
         moved = dropped = stayed = 0
         for r in sorted(affected, reverse=True):
             peers = [p for p in range(self.group.width) if p not in affected]
-            source = peers[0] if peers else r
-            try:
-                self._move(r, source)
+            spare = self._ready_spare(None if deadline is None else deadline - MOVE_S)
+            if spare is not None:
+                self._join(spare, peers[0] if peers else r)
+                self.group.drop_replicas([r])
+                self.group.set_width()
                 moved += self.group.stages
-            except CapacityUnavailable:
-                if shrink_instead(self.group.width, self.min_width):
-                    self.group.drop_replicas([r])
-                    self.group.set_width()
-                    dropped += 1
-                else:
-                    stayed += 1
+            elif shrink_instead(self.group.width, self.min_width):
+                self.group.drop_replicas([r])
+                self.group.set_width()
+                dropped += 1
+            else:
+                stayed += 1
         return Evacuation(moved, dropped, stayed, width, self.group.width, time.perf_counter() - t0)
-
-    def _move(self, r: int, source: int) -> None:
-        """A new replica (placed by Ray away from draining nodes) takes ``source``'s state; then
-        replica ``r`` goes. The new one is last in the order: which actor takes which slice of the
-        batch does not change the math, as every replica holds the same state."""
-        new = self.group.add_replica()
-        try:
-            self.group.copy_stages([(ShardKey(s, source), ShardKey(s, new)) for s in range(self.group.stages)])
-        except BaseException:
-            self.group.drop_replicas([new])
-            raise
-        self.group.drop_replicas([r])
-        self.group.set_width()

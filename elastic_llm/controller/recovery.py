@@ -156,11 +156,15 @@ class RecoveryExecutor:
         self.group.copy_stages(pairs)
 
 
-def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: float) -> list[dict[str, Any]]:
+def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: float, committed_lost: int = 0) -> list[dict[str, Any]]:
     """The metrics lines of a finished recovery: one per restored actor (one with source
-    ``none`` when nothing was lost). Pure."""
+    ``none`` when nothing was lost). ``committed_lost``: committed steps the rollback undid
+    (0 when it went back to the newest committed snapshot). Pure."""
     plan = outcome.plan
-    common = {"step": failure.step, "rollback_steps": outcome.rollback_steps, "seconds": seconds, "reason": plan.reason}
+    common = {
+        "step": failure.step, "rollback_steps": outcome.rollback_steps, "committed_steps_lost": committed_lost,
+        "seconds": seconds, "reason": plan.reason,
+    }
     if not plan.actions:
         return [{"event": "recovery", "stage": None, "replica": None, "source": "none", **common}]
     restored = dict(outcome.sources)

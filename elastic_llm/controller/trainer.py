@@ -19,7 +19,6 @@ handler calls one executor and one pure transition, and keeping them side by sid
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 from dataclasses import asdict
@@ -35,7 +34,7 @@ from elastic_llm.controller.elastic import ElasticExecutor
 from elastic_llm.controller.metrics import MetricsWriter
 from elastic_llm.controller.progress import ProgressBar
 from elastic_llm.controller.recovery import RecoveryExecutor, RecoveryOutcome, recovery_records
-from elastic_llm.controller.session import NAMESPACE, start_ray
+from elastic_llm.controller.session import NAMESPACE, log, start_ray
 from elastic_llm.controller.states import (
     Draining,
     Failed,
@@ -76,10 +75,6 @@ class RunFailed(RuntimeError):
 
 class RunUnrecoverable(RunFailed, UnrecoverableError):
     """The run failed because no lossless source survived (exit code 3)."""
-
-
-def log(line: str) -> None:
-    print(f"[elastic-llm] {line}", file=sys.stderr, flush=True)
 
 
 class Trainer:
@@ -124,6 +119,10 @@ class Trainer:
         self.tokens_seen = 0
         self.history: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
+        self.committed_high = 0  # newest step a committed snapshot ever held (every step, without snapshots)
+        self.committed_steps_lost = 0  # committed steps that rollbacks undid (beyond the newest committed snapshot)
+        self.resizes: list[dict[str, Any]] = []
+        self.drains: list[dict[str, Any]] = []
         self._t0: float | None = None
         self.bar = ProgressBar(progress, cfg.name)
         self._last_report = 0.0
@@ -216,6 +215,7 @@ class Trainer:
         if self.snapshots is not None:
             self.snapshots.poll()
         self.step = step
+        self.committed_high = max(self.committed_high, self.committed_step)
         self.tokens_seen = step * self.cfg.tokens_per_step()
         now = time.perf_counter()
         record: dict[str, Any] = {
@@ -234,6 +234,14 @@ class Trainer:
         self.history.append(record)
         self.metrics.write(record)
         return record
+
+    @property
+    def committed_step(self) -> int:
+        """The newest step a committed snapshot holds (without snapshots: the last completed step)."""
+        if self.snapshots is None:
+            return self.step
+        rec = self.snapshots.committed
+        return rec.version if rec is not None else 0
 
     def evaluate(self) -> float:
         assert self.runner is not None
@@ -354,6 +362,8 @@ class Trainer:
     def _apply(self, outcome: RecoveryOutcome, failure: StepFailure, seconds: float) -> None:
         """Adopt a finished recovery: step counter, data position, a runner over the new actors,
         and one metrics line per restored actor (and one for a shrink)."""
+        lost = max(0, self.committed_high - outcome.step)  # committed steps this recovery undid
+        self.committed_steps_lost += lost
         self.step = outcome.step
         self.tokens_seen = self.step * self.cfg.tokens_per_step()
         if outcome.data_position is not None:
@@ -361,7 +371,7 @@ class Trainer:
         self._new_runner()
         if outcome.plan.width is not None:
             self._resized(*outcome.plan.width, "lost stages could not be placed", seconds)
-        for rec in recovery_records(outcome, failure, seconds):
+        for rec in recovery_records(outcome, failure, seconds, lost):
             self.recoveries.append(rec)
             self.metrics.write(rec)
 
@@ -393,7 +403,8 @@ class Trainer:
         nodes = frozenset(d.node_id for d in state.drains)
         now = time.time()
         try:
-            ev = self.elastic.evacuate(nodes)
+            deadlines = [d.deadline for d in state.drains if d.deadline is not None]
+            ev = self.elastic.evacuate(nodes, min(deadlines) if deadlines else None)
         except (ray.exceptions.RayError, TimeoutError) as err:
             return self._failed_between_steps(err, "drain")
         self.drains_seen |= nodes
@@ -402,15 +413,17 @@ class Trainer:
             left = d.seconds_left(now)
             log(f"node {d.node_id[:12]} is draining ({'no deadline' if left is None else f'{left:.0f} s left'}): "
                 f"{ev.moved} stage actors moved, {ev.dropped} replicas dropped, {ev.stayed} left in place, {ev.seconds:.1f} s")
-            self.metrics.event("drain", step=self.step, node=d.node_id, deadline_s=left, moved=ev.moved, dropped=ev.dropped,
-                               stayed=ev.stayed, seconds=ev.seconds, rollback_steps=0)
+            self.drains.append(self.metrics.event(
+                "drain", step=self.step, node=d.node_id, deadline_s=left, moved=ev.moved, dropped=ev.dropped,
+                stayed=ev.stayed, seconds=ev.seconds, rollback_steps=0,
+            ))
         if ev.to_dp != ev.from_dp:
             self._resized(ev.from_dp, ev.to_dp, "drain: no room to move", ev.seconds)
         return self._next()
 
     def _resized(self, from_dp: int, to_dp: int, reason: str, seconds: float) -> None:
         log(f"width {from_dp} -> {to_dp} replicas ({reason}, {seconds:.1f} s)")
-        self.metrics.event("resize", step=self.step, from_dp=from_dp, to_dp=to_dp, reason=reason, seconds=seconds)
+        self.resizes.append(self.metrics.event("resize", step=self.step, from_dp=from_dp, to_dp=to_dp, reason=reason, seconds=seconds))
 
     def _wait(self, state: WaitingForCapacity) -> State:
         assert self.group is not None

@@ -168,8 +168,6 @@ class SnapshotCoordinator:
             self.ensure_managers()
             self.refresh_managers = False
         sn = self.cfg.snapshot
-        groups = make_groups(sorted(n for n in self.managers if n not in self.avoid), sn.group_size, sn.parity)
-        group_of = {node: g for g in groups for node in g}
         by_node: dict[str, list[tuple[ShardKey, Any]]] = {node: [] for node in self.managers}
         lost = []
         for m in stages:
@@ -177,6 +175,11 @@ class SnapshotCoordinator:
                 by_node[m.node_id].append((m.key, m.actor))
             else:
                 lost.append(m.key)
+        # a draining node takes no parity duties unless it still hosts stages: then its shards
+        # must be covered by a group until they are moved (or it goes and they are rebuilt)
+        members = sorted(n for n in self.managers if n not in self.avoid or by_node[n])
+        groups = make_groups(members, sn.group_size, sn.parity)
+        group_of = {node: g for g in groups for node in g}
         refs = {}
         for node, handle in self.managers.items():
             if node in self.avoid and not by_node[node]:
