@@ -1,4 +1,4 @@
-"""Command line: ``elastic-llm train | prepare | bench``.
+"""Command line: ``elastic-llm train | prepare | replay | bench``.
 
 Owns: argument parsing and turning user errors into one clear message and exit code 2.
 Everything else is delegated (controller, data, bench).
@@ -53,6 +53,32 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from elastic_llm.config import load_config
+    from elastic_llm.replay.runner import Replay, ReplayOptions, nodes_per_replica
+    from elastic_llm.replay.trace import load_trace, parse_window, plan_replay
+
+    cfg = load_config(args.config, list(args.set or []))
+    try:
+        plan = plan_replay(
+            load_trace(args.trace),
+            window=parse_window(args.window) if args.window else None,
+            time_scale=args.time_scale,
+            node_scale=args.node_scale,
+            notice_s=args.notice_s,
+            seed=args.seed,
+        )
+        nodes_per_replica(cfg, args.cpus_per_node)
+    except ValueError as e:  # TraceError too: it names the line or the option and the fix
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    report = Replay(cfg, plan, ReplayOptions(args.cpus_per_node, args.seed, not args.no_progress)).run(args.out)
+    keys = ("steps", "committed_steps_lost", "useful_fraction", "seconds_by_state", "events", "failed")
+    print(json.dumps({k: report[k] for k in keys}))
+    print(f"wrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.png'}", file=sys.stderr)
+    return int(report["exit_code"])
+
+
 def _import_benchmark(what: str) -> ModuleType | None:
     """``benchmarks.<what>`` of the source checkout: the benchmarks are not installed with the
     package. Looks in the current directory, then next to the ``elastic_llm`` package (an
@@ -83,6 +109,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 12, overrides=args.set or [])
     elif args.what == "erasure":
         result = bench.run_erasure_bench(size_mib=args.size_mib)
+    elif args.what == "recovery":
+        result = bench.run_recovery_bench([args.config] if args.config else None, overrides=args.set or [])
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     if args.json:
@@ -112,8 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--val-fraction", type=float, default=0.02)
     pr.set_defaults(func=cmd_prepare)
 
+    rp = sub.add_parser("replay", help="replay a spot availability trace on a loopback Ray cluster while a run trains")
+    rp.add_argument("--trace", required=True, help="CSV lines time_ms,add|remove,node_name")
+    rp.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
+    rp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
+    rp.add_argument("--time-scale", type=float, default=60.0, help="trace seconds per replay second (default 60: an hour in a minute)")
+    rp.add_argument("--window", help="START_S:END_S, the stretch of trace time to replay (default: all of it)")
+    rp.add_argument("--node-scale", type=float, default=0.25, help="replay nodes per trace node (default 0.25)")
+    rp.add_argument("--cpus-per-node", type=float, default=1.0, help="CPUs of each replay node (default 1)")
+    rp.add_argument("--notice-s", type=float, default=0.0, help="drain each removed node this many replay seconds before it goes (default 0: no notice)")
+    rp.add_argument("--seed", type=int, default=0, help="seed of the victims drawn when the fleet shrinks")
+    rp.add_argument("--out", required=True, help="directory for replay.json, replay.png and metrics.jsonl")
+    rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rp.set_defaults(func=cmd_replay)
+
     b = sub.add_parser("bench", help="benchmarks against real peers (from the root of a source checkout)")
-    b.add_argument("what", choices=["pipeline", "erasure", "snapshot"])
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
     b.add_argument("--steps", type=int, default=None, help="timed steps per system (default: 6 for pipeline, 12 for snapshot)")

@@ -1,0 +1,184 @@
+"""Replay a spot availability trace on a loopback Ray cluster while a real run trains on it.
+
+Owns: the loopback ``ray.cluster_utils.Cluster`` of a replay (a head without CPUs plus one Ray
+node per replay node), carrying out a :class:`ReplayPlan`'s actions at their times (add a node,
+ask Ray to drain one with the notice's deadline, remove one), sampling the timeline, and the
+numbers of ``replay.json`` (what the run kept, where its time went, how much of the time with
+room for a replica it spent training).
+Never decides anything about the run: the trainer reacts to the cluster as it would to a real
+autoscaler and real preemptions. Never sends traffic off loopback. Nodes are added and removed
+from the calling (main) thread, which ``Cluster`` requires; the run trains in another thread.
+
+Ray start and the run's first placement happen before the replay clock starts: the trace
+replays availability during a run, not its launch.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastic_llm.config import RunConfig
+from elastic_llm.replay.report import seconds_with_room, useful_fraction, write_report
+from elastic_llm.replay.trace import ReplayAction, ReplayPlan
+
+SAMPLE_S = 1.0  # timeline resolution
+JOIN_S = 300.0  # longest the run may take to stop at a step boundary once the replay is over
+HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000}
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    cpus_per_node: float = 1.0
+    seed: int = 0
+    progress: bool = True
+
+
+def nodes_per_replica(cfg: RunConfig, cpus_per_node: float) -> int:
+    """Replay nodes one data-parallel replica needs (its stages' bundles packed onto nodes)."""
+    per_node = int(cpus_per_node // cfg.parallel.cpus_per_actor + 1e-9)
+    if per_node < 1:
+        raise ValueError(
+            f"--cpus-per-node={cpus_per_node:g} cannot hold one stage actor (parallel.cpus_per_actor="
+            f"{cfg.parallel.cpus_per_actor:g}): give each node at least {cfg.parallel.cpus_per_actor:g} CPUs"
+        )
+    return math.ceil(cfg.parallel.stages / per_node)
+
+
+def say(line: str) -> None:
+    print(f"[replay] {line}", file=sys.stderr, flush=True)
+
+
+class Replay:
+    """One replay: ``Replay(cfg, plan, options).run(out_dir) -> report``."""
+
+    def __init__(self, cfg: RunConfig, plan: ReplayPlan, options: ReplayOptions) -> None:
+        self.cfg, self.plan, self.options = cfg, plan, options
+        self.nodes: dict[str, Any] = {}  # replay label -> Ray node handle
+        self.timeline: list[tuple[float, int, int]] = []
+        self.cluster: Any = None
+        self.trainer: Any = None
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ the cluster
+    def _start_cluster(self) -> None:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        from elastic_llm.controller import NAMESPACE
+
+        if ray.is_initialized():
+            ray.shutdown()
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH})
+        for label in self.plan.initial_nodes:
+            self._add(label)
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, namespace=NAMESPACE, logging_level="WARNING")
+
+    def _add(self, label: str) -> None:
+        self.nodes[label] = self.cluster.add_node(num_cpus=self.options.cpus_per_node)
+
+    def _act(self, action: ReplayAction) -> None:
+        from elastic_llm.controller.drains import request_drain
+
+        if action.kind == "add":
+            self._add(action.node)
+        elif action.kind == "drain":
+            request_drain(self.nodes[action.node].node_id, action.deadline_s, f"spot interruption (replay of {action.node})")
+        else:
+            self.cluster.remove_node(self.nodes.pop(action.node))
+        say(f"t={action.at_s:6.1f} s {action.kind} {action.node}" + (f" (deadline {action.deadline_s:.0f} s)" if action.deadline_s else "")
+            + f"; {len(self.nodes)} nodes")
+
+    # ------------------------------------------------------------------ the run
+    def run(self, out_dir: str | Path) -> dict[str, Any]:
+        from elastic_llm.controller import Trainer
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._start_cluster()
+        try:
+            self.trainer = Trainer(self.cfg, cluster=self.cluster, metrics_out=out / "metrics.jsonl", progress=self.options.progress)
+            self.trainer.setup()  # Ray start and first placement are not part of the trace
+            t0 = time.monotonic()
+            thread = threading.Thread(target=self._fit, daemon=True)
+            thread.start()
+            self._play(t0, thread)
+            self.trainer.request_stop()
+            thread.join(timeout=JOIN_S)
+            if thread.is_alive():
+                raise TimeoutError(f"the run did not stop within {JOIN_S:.0f} s after the replay ended (state {self.trainer.state.name})")
+            self._sample(time.monotonic() - t0)
+            report = self._report(time.monotonic() - t0)
+        finally:
+            if self.trainer is not None:
+                self.trainer.shutdown()
+            self._stop_cluster()
+        write_report(out, report, self.timeline)
+        return report
+
+    def _fit(self) -> None:
+        try:
+            self.trainer.fit(10**9)
+        except BaseException as e:  # reported in replay.json; the replay goes on to its end
+            self.error = e
+            say(f"the run stopped: {str(e).splitlines()[0]}")
+
+    def _play(self, t0: float, thread: threading.Thread) -> None:
+        pending = list(self.plan.actions)
+        next_sample = 0.0
+        while True:
+            now = time.monotonic() - t0
+            while pending and pending[0].at_s <= now:
+                self._act(pending.pop(0))
+            if now >= next_sample:
+                self._sample(now)
+                next_sample += SAMPLE_S
+            if now >= self.plan.duration_s or not thread.is_alive():
+                return
+            wake = min([next_sample, self.plan.duration_s] + ([pending[0].at_s] if pending else []))
+            time.sleep(max(0.0, min(wake - now, SAMPLE_S)))
+
+    def _sample(self, t: float) -> None:
+        self.timeline.append((round(t, 3), len(self.nodes), self.trainer.committed_step))
+
+    def _stop_cluster(self) -> None:
+        import ray
+
+        ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+
+    # ------------------------------------------------------------------ the numbers
+    def _report(self, wall_s: float) -> dict[str, Any]:
+        t = self.trainer
+        room_s = seconds_with_room(self.plan.replay_alive, self.plan.duration_s, nodes_per_replica(self.cfg, self.options.cpus_per_node))
+        training_s = t.seconds_by_state.get("running", 0.0)
+        recoveries = [r for r in t.recoveries if r.get("source") != "none"]
+        return {
+            "title": f"replay of {self.cfg.name}: {len(self.plan.actions)} actions over {self.plan.duration_s:.0f} s",
+            "config": self.cfg.name,
+            "steps": t.step,
+            "committed_steps": t.committed_step,
+            "committed_steps_lost": t.committed_steps_lost,
+            "seconds_by_state": {k: round(v, 3) for k, v in t.seconds_by_state.items()},
+            "wall_s": round(wall_s, 3),
+            "duration_s": self.plan.duration_s,
+            "seconds_with_room": round(room_s, 3),
+            "useful_fraction": useful_fraction(training_s, room_s),
+            "events": {
+                "recoveries": dict(Counter(r["source"] for r in recoveries)),
+                "resizes": dict(Counter(f"{e['from_dp']}->{e['to_dp']}" for e in t.resizes)),
+                "drains": len(t.drains),
+                "replay_actions": dict(Counter(a.kind for a in self.plan.actions)),
+            },
+            "final_width": t.group.width if t.group is not None else 0,
+            "failed": None if self.error is None else str(self.error).splitlines()[0],
+            "exit_code": getattr(self.error, "exit_code", 1) if self.error is not None else 0,
+        }
