@@ -40,3 +40,20 @@ def corpus_dir():
     from elastic_llm.data import ensure_builtin_corpus
 
     return ensure_builtin_corpus()
+
+
+def live_workers():
+    """Live Ray nodes with CPUs (the head of a test cluster has none)."""
+    import ray
+
+    return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
+
+
+def wait_until(predicate, seconds, what):
+    """Poll ``predicate`` until it holds; fail naming ``what`` after ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
+        time.sleep(0.1)

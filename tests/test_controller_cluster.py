@@ -14,12 +14,12 @@ import time
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from elastic_llm.config import load_config
-from elastic_llm.controller import NAMESPACE, RunFailed, Trainer
+from elastic_llm.controller import RunFailed, Trainer
+from elastic_llm.controller.session import loopback_cluster
 
-from .conftest import REPO
+from .conftest import REPO, live_workers, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 2
@@ -35,34 +35,12 @@ LOSE_NODE = "chaos.events=[{step: 5, kill: node, stage: 1}]"
 
 @pytest.fixture(scope="module")
 def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000},
-        },
-    )
-    for _ in range(WORKERS):
-        c.add_node(num_cpus=2)
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace=NAMESPACE, logging_level="WARNING")
+    c = loopback_cluster(WORKERS, 2)
     yield c
     ray.shutdown()
     c.shutdown()
 
 
-def live_workers():
-    return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
-
-
-def wait_until(predicate, seconds, what):
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
-        time.sleep(0.2)
 
 
 @pytest.fixture

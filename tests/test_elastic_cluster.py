@@ -17,14 +17,14 @@ import time
 import numpy as np
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from elastic_llm.config import load_config
-from elastic_llm.controller import NAMESPACE, Trainer
+from elastic_llm.controller import Trainer
+from elastic_llm.controller.session import loopback_cluster
 from elastic_llm.controller.drains import draining_nodes, request_drain
 from elastic_llm.snapshot.records import ShardKey
 
-from .conftest import REPO
+from .conftest import REPO, live_workers, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 4
@@ -40,34 +40,12 @@ BASE = [
 
 @pytest.fixture(scope="module")
 def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000},
-        },
-    )
-    for _ in range(WORKERS):
-        c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace=NAMESPACE, logging_level="WARNING")
+    c = loopback_cluster(WORKERS, 1)
     yield c
     ray.shutdown()
     c.shutdown()
 
 
-def live_workers():
-    return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
-
-
-def wait_until(predicate, seconds, what):
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
-        time.sleep(0.1)
 
 
 @pytest.fixture

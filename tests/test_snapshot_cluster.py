@@ -7,20 +7,19 @@ checked bit for bit against an uninterrupted run of the same config and seed.
 
 import os
 import signal
-import time
 import zlib
 
 import numpy as np
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from elastic_llm.config import load_config
-from elastic_llm.controller import NAMESPACE, Trainer
+from elastic_llm.controller import Trainer
+from elastic_llm.controller.session import loopback_cluster
 from elastic_llm.recovery.policy import UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
 
-from .conftest import REPO
+from .conftest import REPO, live_workers, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 5
@@ -35,20 +34,7 @@ BASE = [
 
 @pytest.fixture(scope="module")
 def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000},
-        },
-    )
-    for _ in range(WORKERS):
-        c.add_node(num_cpus=2)
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace=NAMESPACE, logging_level="WARNING")
+    c = loopback_cluster(WORKERS, 2)
     yield c
     ray.shutdown()
     c.shutdown()
@@ -60,10 +46,7 @@ def nodes(cluster):
     while len(cluster.worker_nodes) < WORKERS:
         cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
-    deadline = time.monotonic() + 60
-    while sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0) < WORKERS:
-        assert time.monotonic() < deadline, "worker nodes did not come up"
-        time.sleep(0.2)
+    wait_until(lambda: live_workers() >= WORKERS, 60, "worker nodes coming up")
     return cluster
 
 

@@ -117,3 +117,23 @@ def check_placement(cfg: RunConfig, resources: dict[str, float], nodes: list[dic
         )
     if problems:
         raise PlacementError("impossible placement:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000}
+
+
+def loopback_cluster(workers: int, cpus_per_node: float) -> Any:
+    """A ``ray.cluster_utils.Cluster`` on 127.0.0.1 (for tests, replays and benchmarks): a head
+    without CPUs plus ``workers`` nodes of ``cpus_per_node`` CPUs, a lost node noticed within
+    about 2 s; this driver is connected to it. The caller shuts down Ray, then the cluster."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_HEALTH})
+    for _ in range(workers):
+        c.add_node(num_cpus=cpus_per_node)
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=NAMESPACE, logging_level="WARNING")
+    return c

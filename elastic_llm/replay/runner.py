@@ -30,7 +30,6 @@ from elastic_llm.replay.trace import ReplayAction, ReplayPlan
 
 SAMPLE_S = 1.0  # timeline resolution
 JOIN_S = 300.0  # longest the run may take to stop at a step boundary once the replay is over
-HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000}
 
 
 @dataclass(frozen=True)
@@ -68,18 +67,12 @@ class Replay:
 
     # ------------------------------------------------------------------ the cluster
     def _start_cluster(self) -> None:
-        import ray
-        from ray.cluster_utils import Cluster
+        from elastic_llm.controller.session import loopback_cluster
 
-        from elastic_llm.controller import NAMESPACE
-
-        if ray.is_initialized():
-            ray.shutdown()
-        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH})
+        self.cluster = loopback_cluster(0, self.options.cpus_per_node)
         for label in self.plan.initial_nodes:
             self._add(label)
         self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, namespace=NAMESPACE, logging_level="WARNING")
 
     def _add(self, label: str) -> None:
         self.nodes[label] = self.cluster.add_node(num_cpus=self.options.cpus_per_node)
