@@ -219,8 +219,18 @@ def test_a_drain_with_a_deadline_moves_the_stages_first_with_no_rollback_and_ide
     assert {h["step"]: h["loss"] for h in history} == {k: v for k, v in clean_dp1["losses"].items() if k <= len(history)}
 
 
+class Busy:
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+
 def test_draining_nodes_reads_what_ray_drain_node_marked(nodes):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     victim = sorted(n.node_id for n in nodes.worker_nodes)[-1]
+    # a busy node, as the run's nodes are (Ray may let an idle draining node go at once)
+    busy = ray.remote(num_cpus=1)(Busy).options(scheduling_strategy=NodeAffinitySchedulingStrategy(victim, soft=False)).remote()
+    assert ray.get(busy.node.remote(), timeout=60) == victim
     request_drain(victim, 30, "test")
     wait_until(lambda: victim in draining_nodes(), 10, "Ray showing the drain")
     seen = draining_nodes()

@@ -119,7 +119,8 @@ class RecoveryExecutor:
                 self.group.kill(key)
             raise
         sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
-        return RecoveryOutcome(plan, step, 0, sources, 0, None)
+        done = {m.step for m in obs.members if m.alive}  # one step (else the plan rolls back)
+        return RecoveryOutcome(plan, max(done) if done else step, 0, sources, 0, None)
 
     def _roll_back(self, plan: RecoveryPlan, lost: list[ShardKey], obs: Observation) -> tuple[tuple[tuple[ShardKey, str], ...], int]:
         """Every actor restores the committed version: survivors whose own background copy is

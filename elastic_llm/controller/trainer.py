@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,11 +55,23 @@ from elastic_llm.controller.states import (
 )
 from elastic_llm.data import TokenStream, open_run_data
 from elastic_llm.model import count_parameters
-from elastic_llm.pipeline.runner import PipelineRunner, StepFailed
+from elastic_llm.pipeline.runner import PipelineRunner, StepFailed, StepResult
 from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
 from elastic_llm.recovery.policy import RecoveryPolicy, UnrecoverableError
 
 WAIT_POLL_S = 1.0  # how often the cluster is looked at while waiting for capacity
+
+
+@dataclass(frozen=True)
+class InterruptedStep:
+    """What the driver holds of a step whose optimizer calls were submitted: if a recovery finds
+    that every survivor finished it, the step is counted from these."""
+
+    step: int
+    loss_refs: list[Any]
+    step_refs: list[list[Any]]
+    position_after: dict[str, int]  # the data position after the step's batch
+    started: float
 
 
 class RunFailed(RuntimeError):
@@ -114,6 +126,7 @@ class Trainer:
         self.stop_requested = False
         self.drains_seen: set[str] = set()  # draining nodes already acted on
         self.runner: PipelineRunner | None = None
+        self.interrupted: InterruptedStep | None = None  # the step in progress once its updates were submitted
         self.step = 0
         self.end = cfg.train.max_steps  # fit(max_steps) may change it
         self.tokens_seen = 0
@@ -196,12 +209,14 @@ class Trainer:
         step = self.step + 1
         position = self.stream.state_dict()
         ts = time.perf_counter()
+        self.interrupted = None
         try:
             x, y = self.stream.next_batch(self.cfg.train.batch_size)
             self.chaos.fire("before_step", step, self._targets())
             snap = self.snapshots is not None and self.snapshots.due(step)
             loss_refs = self.runner.submit_microbatches(x, y)
             step_refs = self.runner.submit_optimizer_step(snapshot=self.stream.state_dict() if snap else None)
+            self.interrupted = InterruptedStep(step, loss_refs, step_refs, self.stream.state_dict(), ts)
             if snap:
                 self.snapshots.begin(step, self.group.members())
             self.chaos.fire("in_step", step, self._targets())
@@ -212,6 +227,10 @@ class Trainer:
         except (ray.exceptions.RayError, TimeoutError) as err:
             self.stream.load_state_dict(position)
             raise StepFailed(err, None, None) from err
+        return self._finish_step(step, result, ts)
+
+    def _finish_step(self, step: int, result: StepResult, ts: float) -> dict[str, Any]:
+        """Count ``step`` as done: step counter, validation, the step's record."""
         if self.snapshots is not None:
             self.snapshots.poll()
         self.step = step
@@ -364,11 +383,18 @@ class Trainer:
         and one metrics line per restored actor (and one for a shrink)."""
         lost = max(0, self.committed_high - outcome.step)  # committed steps this recovery undid
         self.committed_steps_lost += lost
-        self.step = outcome.step
-        self.tokens_seen = self.step * self.cfg.tokens_per_step()
-        if outcome.data_position is not None:
-            self.stream.load_state_dict(outcome.data_position)
+        done = self.interrupted
         self._new_runner()
+        if outcome.step == failure.step and done is not None and done.step == failure.step:
+            # every survivor had finished the failed step (a stage died after the gradient
+            # exchange) and the replaced ones took a peer's state of that step: it counts as done
+            self.stream.load_state_dict(done.position_after)
+            self._finish_step(done.step, self.runner.survivors_result(done.loss_refs, done.step_refs), done.started)
+        else:
+            self.step = outcome.step
+            self.tokens_seen = self.step * self.cfg.tokens_per_step()
+            if outcome.data_position is not None:
+                self.stream.load_state_dict(outcome.data_position)
         if outcome.plan.width is not None:
             self._resized(*outcome.plan.width, "lost stages could not be placed", seconds)
         for rec in recovery_records(outcome, failure, seconds, lost):

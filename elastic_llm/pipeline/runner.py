@@ -168,6 +168,29 @@ class PipelineRunner:
             lr=stats[0].lr,
         )
 
+    def survivors_result(self, loss_refs: list[ray.ObjectRef], step_refs: list[list[ray.ObjectRef]]) -> StepResult:
+        """The result of a step that failed after its gradient exchange but that every surviving
+        replica finished: the loss from whatever microbatch losses survive (NaN if none) and, per
+        stage, the statistics of the first replica that answered."""
+        losses, stats = [], []
+        for ref in loss_refs:
+            try:
+                losses.append(ray.get(ref, timeout=STEP_TIMEOUT_S))
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
+        for refs in step_refs:
+            for ref in refs:
+                try:
+                    stats.append(ray.get(ref, timeout=STEP_TIMEOUT_S))
+                    break
+                except (ray.exceptions.RayError, TimeoutError):
+                    continue
+        return StepResult(
+            loss=float(np.mean(losses)) if len(losses) == len(loss_refs) else float("nan"),
+            grad_norms=[st.grad_norm for st in stats] or [float("nan")],
+            lr=stats[0].lr if stats else float("nan"),
+        )
+
     def eval_loss(self, x: np.ndarray, y: np.ndarray) -> float:
         """Forward-only loss of a batch through replica 0's stages."""
         refs = []
