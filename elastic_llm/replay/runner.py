@@ -159,7 +159,8 @@ class Replay:
             "config": self.cfg.name,
             "steps": t.step,
             "committed_steps": t.committed_step,
-            "committed_steps_lost": t.committed_steps_lost,
+            # a run that found nothing lossless lost every committed step (no durable tier yet)
+            "committed_steps_lost": t.committed_step if getattr(self.error, "exit_code", None) == 3 else t.committed_steps_lost,
             "seconds_by_state": {k: round(v, 3) for k, v in t.seconds_by_state.items()},
             "wall_s": round(wall_s, 3),
             "duration_s": self.plan.duration_s,
