@@ -117,7 +117,9 @@ def test_lost_node_and_no_capacity_within_the_timeout_stops_with_exit_4_and_snap
             t.fit(STEPS)
         assert failed.value.exit_code == 4
         assert "need 2 x {CPU: 1}" in str(failed.value) and "recovery.capacity_timeout_s=4" in str(failed.value)
-        assert "step 5" in str(failed.value)  # the failure it was recovering from
+        # the failure it was recovering from: the step the node went in (step 5, or 6 when step 5's
+        # calls all finished before the node's processes were gone)
+        assert t.step in (4, 5) and f"step {t.step + 1}," in str(failed.value)
         assert events(tmp_path, "waiting_for_capacity")
         committed = t.snapshots.committed.version
         assert committed >= 1  # (it may trail step 5 by up to snapshot.max_lag steps)
