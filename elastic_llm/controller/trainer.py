@@ -12,7 +12,8 @@ and, every ``elastic.grow_check_s``, for room for another replica.
 Never computes model math (stage actors do, driven by :class:`PipelineRunner`), never decides a
 recovery inline, and never waits without a deadline.
 
-Why ~450 lines: one small handler per state (eight of them) plus the step and the setup; each
+Why ~490 lines: one small handler per state (eight of them) plus the step, the setup and counting
+a step that every survivor finished after a failure; each
 handler calls one executor and one pure transition, and keeping them side by side is what lets
 ``fit`` and the handlers read as the whole story of a run.
 """
