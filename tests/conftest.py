@@ -57,3 +57,11 @@ def wait_until(predicate, seconds, what):
     while not predicate():
         assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
         time.sleep(0.1)
+
+
+def events(tmp_path, name):
+    """The ``{"event": name}`` lines of ``tmp_path/metrics.jsonl``."""
+    import json
+
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if x.get("event") == name]

@@ -7,7 +7,6 @@ say what is missing, and either carry on bit for bit when a node joins or stop w
 at ``recovery.capacity_timeout_s`` with its snapshots intact.
 """
 
-import json
 import os
 import threading
 import time
@@ -19,7 +18,7 @@ from elastic_llm.config import load_config
 from elastic_llm.controller import RunFailed, Trainer
 from elastic_llm.controller.session import loopback_cluster
 
-from .conftest import REPO, live_workers, wait_until
+from .conftest import REPO, events, live_workers, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 2
@@ -56,11 +55,6 @@ def nodes(cluster):
 def make_trainer(cluster, corpus_dir, tmp_path, *extra):
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
     return Trainer(cfg, cluster=cluster, metrics_out=tmp_path / "metrics.jsonl")
-
-
-def events(tmp_path, name):
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    return [x for x in lines if x.get("event") == name]
 
 
 @pytest.fixture(scope="module")

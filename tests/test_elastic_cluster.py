@@ -8,7 +8,6 @@ and added from the main thread while the run trains in another one (as an autosc
 and drains are asked for with ``ray drain-node``, as Ray's autoscaler does on a preemption notice.
 """
 
-import json
 import os
 import subprocess
 import threading
@@ -24,7 +23,7 @@ from elastic_llm.controller.session import loopback_cluster
 from elastic_llm.controller.drains import draining_nodes, request_drain
 from elastic_llm.snapshot.records import ShardKey
 
-from .conftest import REPO, live_workers, wait_until
+from .conftest import REPO, events, live_workers, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 4
@@ -67,11 +66,6 @@ def nodes(cluster):
 def make_trainer(cluster, corpus_dir, tmp_path, *extra):
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
     return Trainer(cfg, cluster=cluster, metrics_out=tmp_path / "metrics.jsonl")
-
-
-def events(tmp_path, name):
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    return [x for x in lines if x.get("event") == name]
 
 
 def node_of(cluster, node_id):
