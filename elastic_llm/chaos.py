@@ -6,6 +6,11 @@ application error on every step). The controller calls one hook, :meth:`Chaos.fi
 points: ``before_step`` (errors), ``in_step`` (kills, after the victim ran its first call of the
 step, so they land mid-step reproducibly) and ``recovery`` (kills after a recovery plan was
 made, before it is carried out). Each event fires once.
+
+Failures at a rate (``chaos.failure_prob_per_step``, or ``chaos.failure_rate_per_hour`` turned
+into a per-step probability once the first steps were timed) come from :func:`failures_at`, a
+pure function of (seed, step): every run with the same seed sees the same stages fail at the same
+steps, whatever its strategy or speed, and a higher probability only adds failures.
 Never recovers anything and never decides: it only breaks things, as configured.
 """
 
@@ -22,6 +27,25 @@ from elastic_llm.snapshot.records import ShardKey
 
 POINTS = ("before_step", "in_step", "recovery")
 NODE_GONE_S = 60.0  # how long a node removal waits for Ray to see the node dead
+CALIBRATION_STEPS = 3  # steps timed (after the first) before failure_rate_per_hour becomes a per-step probability
+
+
+def failures_at(seed: int, step: int, n_stages: int, dp: int, prob: float) -> tuple[tuple[int, int], ...]:
+    """(stage, replica) that fail in ``step``: each actor with probability ``prob``, at most one
+    per step (the lowest draw; two in one step would break CheckFree's neighbour rule, and the
+    chance, about (n p)^2 / 2, is negligible at the rates used). Pure and seeded by (seed, step)."""
+    if prob <= 0:
+        return ()
+    import numpy as np
+
+    u = np.random.default_rng([seed, step]).random((n_stages, dp))
+    stage, replica = np.unravel_index(int(np.argmin(u)), u.shape)
+    return ((int(stage), int(replica)),) if u[stage, replica] < prob else ()
+
+
+def prob_per_step(rate_per_hour: float, step_s: float) -> float:
+    """Per-step failure probability of a stage that fails within an hour with ``rate_per_hour``."""
+    return 1.0 - (1.0 - rate_per_hour) ** (step_s / 3600.0)
 
 
 @dataclass
@@ -41,6 +65,25 @@ class Chaos:
         self.events = list(cfg.chaos.events)
         self.cluster = cluster
         self.fired: set[int] = set()
+        ch = cfg.chaos
+        self.seed, self.how = ch.failure_seed, ch.failure_how
+        self.rate_per_hour = ch.failure_rate_per_hour
+        self.prob = ch.failure_prob_per_step  # set from the rate once steps were timed
+        self.shape = (cfg.parallel.stages, cfg.parallel.dp)
+        self.rate_fired: set[int] = set()  # steps whose rate failure fired (a retried step is not hit again)
+        self.step_times: list[float] = []
+
+    def observe_step(self, step: int, seconds: float, width: int) -> float | None:
+        """Time a finished step; with ``failure_rate_per_hour`` the probability is set after
+        :data:`CALIBRATION_STEPS` steps (the first is not counted). Returns it once, when set."""
+        self.shape = (self.shape[0], width)
+        if not self.rate_per_hour or self.prob or step < 2:
+            return None
+        self.step_times.append(seconds)
+        if len(self.step_times) < CALIBRATION_STEPS:
+            return None
+        self.prob = prob_per_step(self.rate_per_hour, sum(self.step_times) / len(self.step_times))
+        return self.prob
 
     def _point(self, ev: ChaosEvent) -> str:
         if ev.during == "recovery":
@@ -50,6 +93,10 @@ class Chaos:
     def fire(self, point: str, step: int, t: ChaosTargets) -> None:
         """Fire the events due at ``point`` of ``step``."""
         assert point in POINTS, point
+        if point == "in_step" and step not in self.rate_fired:
+            for stage, replica in failures_at(self.seed, step, *self.shape, self.prob):
+                self.rate_fired.add(step)
+                self._strike(ChaosEvent(step, "stage", stage, replica, how=self.how), point, step, t)
         for i, ev in enumerate(self.events):
             if ev.step != step or i in self.fired or self._point(ev) != point:
                 continue

@@ -1,4 +1,4 @@
-"""Command line: ``elastic-llm train | prepare | replay | bench``.
+"""Command line: ``elastic-llm train | prepare | replay | experiment | bench``.
 
 Owns: argument parsing and turning user errors into one clear message and exit code 2.
 Everything else is delegated (controller, data, bench).
@@ -79,6 +79,48 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return int(report["exit_code"])
 
 
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from elastic_llm.experiment.convergence import (
+        PAPER_RATES,
+        ExperimentError,
+        default_eval_every,
+        parse_failure_probs,
+        parse_failure_rates,
+        parse_strategies,
+    )
+    from elastic_llm.experiment.runner import ConvergenceSpec, files, run_convergence
+
+    try:
+        if args.failure_rates is not None and args.failure_probs is not None:
+            raise ExperimentError("--failure-rates and --failure-probs are both given: give one (rates from the paper's table, or per-step probabilities)")
+        for opt, value in (("--eval-every", args.eval_every), ("--checkpoint-every", args.checkpoint_every)):
+            if value is not None and value < 1:
+                raise ExperimentError(f"{opt}={value} must be >= 1")
+        if args.failure_probs is not None:
+            rates = parse_failure_probs(args.failure_probs)
+        else:
+            rates = parse_failure_rates(args.failure_rates if args.failure_rates is not None else ",".join(map(str, PAPER_RATES)))
+        spec = ConvergenceSpec(
+            config=args.config,
+            overrides=tuple(args.set or ()),
+            strategies=parse_strategies(args.strategies),
+            rates=rates,
+            steps=args.steps,
+            eval_every=args.eval_every or default_eval_every(args.steps),
+            checkpoint_every=args.checkpoint_every,
+            seed=args.seed,
+            target_loss=args.target_loss,
+            progress=not args.no_progress,
+        )
+        summary = run_convergence(spec, args.out)
+    except ExperimentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(summary))
+    print("wrote " + ", ".join(str(f) for f in files(args.out)), file=sys.stderr)
+    return 0
+
+
 def _import_benchmark(what: str) -> ModuleType | None:
     """``benchmarks.<what>`` of the source checkout: the benchmarks are not installed with the
     package. Looks in the current directory, then next to the ``elastic_llm`` package (an
@@ -121,6 +163,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # pure and light: no Ray, no matplotlib
+    from elastic_llm.experiment.convergence import STRATEGIES
+
     p = argparse.ArgumentParser(prog="elastic-llm", description="Elastic pipeline-parallel LLM pretraining on Ray")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -153,6 +198,25 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", required=True, help="directory for replay.json, replay.png and metrics.jsonl")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
     rp.set_defaults(func=cmd_replay)
+
+    ex = sub.add_parser("experiment", help="experiments that drive real training runs and compare them")
+    ex_sub = ex.add_subparsers(dest="experiment", required=True)
+    cv = ex_sub.add_parser(
+        "convergence", help="validation loss against wall-clock per fault-tolerance strategy and failure rate (resumable)"
+    )
+    cv.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
+    cv.add_argument("--failure-rates", help="the paper's failure rates in %% per stage per hour, from 5,10,16 (default: 5,10,16)")
+    cv.add_argument("--failure-probs", help="per-step failure probabilities of each stage instead, e.g. 0.002,0.02")
+    cv.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, from {','.join(STRATEGIES)} (default: all)")
+    cv.add_argument("--steps", type=int, required=True, help="training steps N of every run (>= 2)")
+    cv.add_argument("--out", required=True, help="directory for results.json, results.md, loss_vs_time.png and cells/")
+    cv.add_argument("--checkpoint-every", type=int, default=100, help="strategy checkpoint: a checkpoint every K steps (default 100)")
+    cv.add_argument("--eval-every", type=int, help="validate every E steps (default: max(1, N // 25))")
+    cv.add_argument("--target-loss", type=float, help="the validation loss to reach (default: none's at the eval step nearest 80%% of N)")
+    cv.add_argument("--seed", type=int, default=0, help="seed of the failure schedule, the same for every strategy (default 0)")
+    cv.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value of every run")
+    cv.add_argument("--no-progress", action="store_true", help="no progress bars")
+    cv.set_defaults(func=cmd_experiment)
 
     b = sub.add_parser("bench", help="benchmarks against real peers (from the root of a source checkout)")
     b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery"])

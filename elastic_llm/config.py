@@ -22,6 +22,10 @@ from elastic_llm.model import ModelShape
 SCHEDULES = ("gpipe", "1f1b")
 TOKENIZERS = ("byte",)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# lossless: in-memory snapshots + parity (CheckFree+ only as the last rung); checkfree /
+# checkfree_plus: no snapshots, a lost stage is rebuilt from its neighbours; checkpoint: periodic
+# checkpoints on disk and rollback; redundant: every stage also trains a copy of its successor.
+RECOVERY_MODES = ("lossless", "checkfree", "checkfree_plus", "checkpoint", "redundant")
 
 
 class ConfigError(ValueError):
@@ -110,6 +114,15 @@ class RecoveryConfig:
     max_retries_per_step: int = 3  # times one step is retried after failing; one more failure stops the run (exit 4)
     capacity_timeout_s: float = 600.0  # longest wait for actors that cannot be placed, then the run stops (exit 4)
     capacity_report_s: float = 10.0  # while waiting for capacity, say what is missing this often
+    mode: str = "lossless"  # one of RECOVERY_MODES; only lossless takes snapshots
+    checkpoint_every: int = 100  # mode checkpoint: a checkpoint every this many steps
+    checkpoint_dir: str | None = None  # mode checkpoint: where (None: a fresh temporary directory per run)
+
+
+@dataclass
+class CheckFreeConfig:
+    lr_scale: float = 1.1  # a stage rebuilt from its neighbours trains with learning rate x this
+    mirror_every: int = 1  # copy embedding / LM head onto the neighbouring stage every N steps (0: never)
 
 
 @dataclass
@@ -146,6 +159,10 @@ class ChaosEvent:
 @dataclass
 class ChaosConfig:
     events: list[ChaosEvent] = field(default_factory=list)
+    failure_prob_per_step: float = 0.0  # each stage actor fails in a step with this probability (seeded)
+    failure_rate_per_hour: float = 0.0  # or: probability that a stage fails within an hour (0.1 = 10%), per step from the measured step time
+    failure_seed: int = 0  # the failure schedule's seed: same seed, same (step, stage) failures in every run
+    failure_how: str = "ray_kill"  # ray_kill | sigkill
 
 
 @dataclass
@@ -158,6 +175,7 @@ class RunConfig:
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    checkfree: CheckFreeConfig = field(default_factory=CheckFreeConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,13 +184,28 @@ class RunConfig:
     def config_hash(self) -> str:
         """Hash of everything that shapes the trained state (not of run length or naming)."""
         d = self.to_dict()
-        for section in ("name", "snapshot", "recovery", "elastic", "chaos"):
+        for section in ("name", "snapshot", "recovery", "elastic", "checkfree", "chaos"):
             d.pop(section)
         d["parallel"].pop("dp")  # the width may change while training: the global batch fixes the math
         d["train"].pop("max_steps")
         d["train"].pop("eval_every")
         d["train"].pop("eval_batches")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def snapshots_on(self) -> bool:
+        """Whether the run takes in-memory snapshots: only ``recovery.mode: lossless`` does."""
+        return self.snapshot.enabled and self.recovery.mode == "lossless"
+
+    @property
+    def swapped(self) -> bool:
+        """Whether odd microbatches run the first two and last two stages in swapped order (CheckFree+)."""
+        return self.recovery.mode == "checkfree_plus"
+
+    @property
+    def mirrors(self) -> bool:
+        """Whether the embedding / LM head are mirrored on the neighbouring stages."""
+        return self.recovery.mode in ("lossless", "checkfree_plus") and self.checkfree.mirror_every > 0 and self.parallel.stages >= 2
 
     def tokens_per_step(self) -> int:
         return self.train.batch_size * self.model.seq_len
@@ -269,6 +302,7 @@ def _validate(c: RunConfig) -> list[str]:
         p.append(f"recovery.capacity_timeout_s={rc.capacity_timeout_s} must be > 0 seconds (default 600)")
     if rc.capacity_report_s <= 0:
         p.append(f"recovery.capacity_report_s={rc.capacity_report_s} must be > 0 seconds (default 10)")
+    p += _validate_recovery_mode(c)
     for i, ev in enumerate(c.chaos.events):
         where = f"chaos.events[{i}]"
         one_of(f"{where}.kill", ev.kill, CHAOS_KINDS)
@@ -284,6 +318,34 @@ def _validate(c: RunConfig) -> list[str]:
             p.append(f"{where}.node={ev.node}: a node index (>= 0) only goes with kill: node or kill: smp")
     if not 0 < d.val_fraction < 1:
         p.append(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    return p
+
+
+def _validate_recovery_mode(c: RunConfig) -> list[str]:
+    p: list[str] = []
+    rc, cf, ch, n = c.recovery, c.checkfree, c.chaos, c.parallel.stages
+    if rc.mode not in RECOVERY_MODES:
+        return [f"recovery.mode={rc.mode!r} is unknown: use one of {', '.join(RECOVERY_MODES)}"]
+    if rc.mode == "checkfree_plus" and n < 4:
+        p.append(f"recovery.mode=checkfree_plus needs parallel.stages >= 4 (it swaps the first two and the last two stages), got {n}: use more stages or recovery.mode=lossless")
+    if rc.mode in ("checkfree", "redundant") and n < 3:
+        p.append(f"recovery.mode={rc.mode} needs parallel.stages >= 3, got {n}: use more stages or recovery.mode=lossless")
+    if rc.mode == "redundant" and max(c.parallel.dp, c.elastic.bounds(c.parallel.dp)[1]) > 1:
+        p.append("recovery.mode=redundant trains one pipeline (parallel.dp=1, elastic.max_replicas<=1): a lost stage is covered by its predecessor's copy, not by a replica")
+    if rc.checkpoint_every < 1:
+        p.append(f"recovery.checkpoint_every={rc.checkpoint_every} must be >= 1")
+    if cf.lr_scale <= 0:
+        p.append(f"checkfree.lr_scale={cf.lr_scale} must be > 0 (the paper uses 1.1 or 1.2)")
+    if cf.mirror_every < 0:
+        p.append(f"checkfree.mirror_every={cf.mirror_every} must be >= 0 (0: no mirrors)")
+    if not 0 <= ch.failure_prob_per_step < 1:
+        p.append(f"chaos.failure_prob_per_step={ch.failure_prob_per_step} must be in [0, 1)")
+    if not 0 <= ch.failure_rate_per_hour < 1:
+        p.append(f"chaos.failure_rate_per_hour={ch.failure_rate_per_hour} must be in [0, 1): write 0.1 for 10% per stage per hour")
+    if ch.failure_prob_per_step and ch.failure_rate_per_hour:
+        p.append("chaos.failure_prob_per_step and chaos.failure_rate_per_hour are both set: set one of them")
+    if ch.failure_how not in CHAOS_HOW:
+        p.append(f"chaos.failure_how={ch.failure_how!r} is unknown: use one of {', '.join(CHAOS_HOW)}")
     return p
 
 

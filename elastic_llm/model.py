@@ -159,11 +159,17 @@ class StageModule(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
+        return self.run(x, self.first, True, self.last)
+
+    def run(self, x: torch.Tensor, embed: bool, layers: bool, head: bool) -> torch.Tensor:
+        """Some of the stage's parts: the embedding, the transformer layers, the final norm and
+        LM head (CheckFree+'s swapped order visits the first and last stage twice)."""
+        if embed:
             x = self.embed(x)  # (B, T) -> (B, T, C)
-        for block in self.layers:
-            x = block(x, self.rope_cos, self.rope_sin)
-        if self.last:
+        if layers:
+            for block in self.layers:
+                x = block(x, self.rope_cos, self.rope_sin)
+        if head:
             x = self.head(self.norm(x))  # (B, T, V)
         return x
 

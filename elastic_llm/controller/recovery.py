@@ -5,7 +5,8 @@ failed step's calls finish, reset the survivors (their pending snapshot calls gi
 what completed and drop the versions in flight, then look (once) at nodes, actors and snapshot
 managers and return a frozen :class:`Observation`. Then :meth:`RecoveryExecutor.execute`:
 replace dead managers and lost actors, and restore state from the plan's sources (own copies,
-snapshot managers, parity, data-parallel peers). Never decides: the plan comes from the pure
+snapshot managers, parity, data-parallel peers, the neighbours for CheckFree, the predecessor's
+redundant copy, checkpoint files). Never decides: the plan comes from the pure
 :class:`~elastic_llm.recovery.policy.RecoveryPolicy`. A failure inside either step propagates;
 the controller observes again and re-plans.
 """
@@ -16,8 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_llm.controller.actor_group import PLACE_S, ActorGroup
+from elastic_llm.controller.checkpoints import CheckpointExecutor
+from elastic_llm.controller.neighbours import promote_copies, rebuild_from_neighbours
 from elastic_llm.recovery.failure import StepFailure
-from elastic_llm.recovery.policy import Member, Observation, RecoveryPlan
+from elastic_llm.recovery.policy import LOSSY, Member, Observation, RecoveryPlan
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.records import ShardKey
 
@@ -33,6 +36,7 @@ class RecoveryOutcome:
     sources: tuple[tuple[ShardKey, str], ...]  # restored actor -> where its state came from
     survivors_from_own_copy: int
     data_position: dict[str, int] | None  # where the data stream resumes (None: unchanged)
+    details: tuple[tuple[ShardKey, dict[str, Any]], ...] = ()  # per rebuilt actor: CheckFree weights, CRC-32 of its parameters
 
 
 def build_observation(
@@ -44,6 +48,9 @@ def build_observation(
     parity: int,
     min_width: int = 1,
     unplaceable: frozenset[int] = frozenset(),
+    mode: str = "lossless",
+    mirrors: bool = False,
+    checkpoint: int | None = None,
 ) -> Observation:
     """Assemble the policy's input from what was seen (pure)."""
     members = tuple(Member(k.stage, k.replica, nodes.get(k, ""), steps[k] is not None, steps[k]) for k in sorted(steps))
@@ -59,15 +66,29 @@ def build_observation(
         parity=parity,
         min_width=min_width,
         unplaceable=unplaceable,
+        mode=mode,
+        mirrors=mirrors,
+        checkpoint=checkpoint,
     )
 
 
+@dataclass(frozen=True)
+class ModeOptions:
+    """What the executor needs of ``recovery.mode`` beyond the lossless ladder."""
+
+    mode: str = "lossless"
+    mirrors: bool = False
+    lr_scale: float = 1.1
+    checkpoints: CheckpointExecutor | None = None
+
+
 class RecoveryExecutor:
-    def __init__(self, group: ActorGroup, snapshots: SnapshotCoordinator | None, parity: int, min_width: int = 1) -> None:
+    def __init__(self, group: ActorGroup, snapshots: SnapshotCoordinator | None, parity: int, min_width: int = 1, options: ModeOptions | None = None) -> None:
         self.group = group
         self.snapshots = snapshots
         self.parity = parity
         self.min_width = min_width
+        self.options = options or ModeOptions()
 
     def observe(self, runner: Any, failed_step: int) -> Observation:
         import ray
@@ -83,8 +104,11 @@ class RecoveryExecutor:
             sn.poll(block=True, timeout=COMMIT_S)  # commit what completed before the failure
             sn.abandon_pending()
             dead_managers = sn.dead_managers(alive_nodes)
+        o = self.options
+        ckpt = o.checkpoints.latest() if o.checkpoints is not None else None
         return build_observation(
-            steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, self._unplaceable(steps, alive_nodes)
+            steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, self._unplaceable(steps, alive_nodes),
+            o.mode, o.mirrors, ckpt[0] if ckpt else None,
         )
 
     def _unplaceable(self, steps: dict[ShardKey, int | None], alive_nodes: set[str]) -> frozenset[int]:
@@ -108,19 +132,35 @@ class RecoveryExecutor:
             self.group.replace(lost)
             if plan.drop_replicas:
                 self.group.set_width()
+            if plan.rollback_to is not None and obs.mode == "checkpoint":
+                return self._from_checkpoint(plan, step)
             if plan.rollback_to is not None:
                 sources, own = self._roll_back(plan, lost, obs)
                 rec = self.snapshots.committed if self.snapshots else None
                 position = rec.shard(ShardKey(0, 0)).data_position() if rec else None
                 return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, own, position)
+            done = {m.step for m in obs.members if m.alive}  # one step (else the plan rolls back)
+            at = max(done) if done else step
             self._copy_from_peers(plan)
+            details = rebuild_from_neighbours(self.group, [a for a in plan.actions if a.source in LOSSY], at, self.options.lr_scale)
+            promote_copies(self.group, [a for a in plan.actions if a.source == "redundant"])
         except BaseException:
             for key in lost:
                 self.group.kill(key)
             raise
         sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
-        done = {m.step for m in obs.members if m.alive}  # one step (else the plan rolls back)
-        return RecoveryOutcome(plan, max(done) if done else step, 0, sources, 0, None)
+        return RecoveryOutcome(plan, at, 0, sources, 0, None, tuple(details.items()))
+
+    def _from_checkpoint(self, plan: RecoveryPlan, step: int) -> RecoveryOutcome:
+        """Everyone loads the checkpoint of ``plan.rollback_to`` (step 0 is written at the start)."""
+        ck = self.options.checkpoints
+        assert ck is not None and plan.rollback_to is not None, "a checkpoint rollback needs the checkpoint executor"
+        latest = ck.latest()
+        if latest is None or latest[0] != plan.rollback_to:
+            raise RuntimeError(f"checkpoint of step {plan.rollback_to} is not the newest committed one under {ck.root} ({latest})")
+        ck.restore(plan.rollback_to)
+        sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
+        return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, 0, latest[1])
 
     def _roll_back(self, plan: RecoveryPlan, lost: list[ShardKey], obs: Observation) -> tuple[tuple[tuple[ShardKey, str], ...], int]:
         """Every actor restores the committed version: survivors whose own background copy is
@@ -151,7 +191,7 @@ class RecoveryExecutor:
     def _copy_from_peers(self, plan: RecoveryPlan) -> None:
         """Lost replicas copy the whole state of a live data-parallel peer."""
         pairs = []
-        for a in plan.actions:
+        for a in (a for a in plan.actions if a.source == "dp_peer"):
             assert a.peer is not None, f"{a}: a dp_peer action names its peer"
             pairs.append((ShardKey(a.stage, a.peer), ShardKey(a.stage, a.replica)))
         self.group.copy_stages(pairs)
@@ -167,8 +207,9 @@ def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: fl
         "seconds": seconds, "reason": plan.reason,
     }
     if not plan.actions:
-        return [{"event": "recovery", "stage": None, "replica": None, "source": "none", **common}]
+        return [{"event": "recovery", "stage": None, "replica": None, "source": "none", "lossless": True, **common}]
     restored = dict(outcome.sources)
+    details = dict(outcome.details)
     out = []
     for a in plan.actions:
         key = ShardKey(a.stage, a.replica)
@@ -177,7 +218,9 @@ def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: fl
             "stage": a.stage,
             "replica": a.replica,
             "source": restored.get(key, a.source),
+            "lossless": a.lossless,
             "survivors_restored_from_own_copy": outcome.survivors_from_own_copy,
+            **details.get(key, {}),
             **common,
         })
     return out

@@ -31,10 +31,12 @@ import numpy as np
 from elastic_llm.chaos import Chaos, ChaosTargets
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable
+from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.elastic import ElasticExecutor
 from elastic_llm.controller.metrics import MetricsWriter
+from elastic_llm.controller.neighbours import refresh_mirrors
 from elastic_llm.controller.progress import ProgressBar
-from elastic_llm.controller.recovery import RecoveryExecutor, RecoveryOutcome, recovery_records
+from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor, RecoveryOutcome, recovery_records
 from elastic_llm.controller.session import NAMESPACE, log, start_ray
 from elastic_llm.controller.states import (
     Draining,
@@ -124,6 +126,8 @@ class Trainer:
         self.snapshots: Any = None
         self.recovery: RecoveryExecutor | None = None
         self.elastic: ElasticExecutor | None = None
+        self.checkpoints: CheckpointExecutor | None = None  # recovery.mode: checkpoint
+        self.failures = 0  # failed steps (each one recovered, or the run stopped)
         self.stop_requested = False
         self.drains_seen: set[str] = set()  # draining nodes already acted on
         self.runner: PipelineRunner | None = None
@@ -159,7 +163,7 @@ class Trainer:
         if self.runner is not None:
             return
         self.owns_ray = start_ray(self.cfg, self.address, self.dashboard) or self.owns_ray
-        if self.cfg.snapshot.enabled and self.snapshots is None:  # managers first: they outlive any stage
+        if self.cfg.snapshots_on and self.snapshots is None:  # managers first: they outlive any stage
             from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 
             self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE, self.run_id)
@@ -173,10 +177,16 @@ class Trainer:
                 self.group.spawn_all()
             else:
                 self.group.replace(missing)
-        min_width = self.cfg.elastic.bounds(self.cfg.parallel.dp)[0]
-        self.recovery = RecoveryExecutor(self.group, self.snapshots, self.cfg.snapshot.parity, min_width)
-        self.elastic = ElasticExecutor(self.group, self.snapshots, min_width, self.cfg)
+        c = self.cfg
+        min_width = c.elastic.bounds(c.parallel.dp)[0]
+        if c.recovery.mode == "checkpoint" and self.checkpoints is None:
+            self.checkpoints = CheckpointExecutor(self.group, c.recovery.checkpoint_every, c.recovery.checkpoint_dir)
+            self._checkpoint(0)  # a failure before the first periodic checkpoint rolls back to the start
+        options = ModeOptions(c.recovery.mode, c.mirrors, c.checkfree.lr_scale, self.checkpoints)
+        self.recovery = RecoveryExecutor(self.group, self.snapshots, c.snapshot.parity, min_width, options)
+        self.elastic = ElasticExecutor(self.group, self.snapshots, min_width, c)
         self._new_runner()
+        self._refresh_mirrors(force=True)
         self.metrics.event(
             "start",
             run_id=self.run_id,
@@ -191,7 +201,21 @@ class Trainer:
 
     def _new_runner(self) -> None:
         assert self.group is not None
-        self.runner = PipelineRunner(self.group.actors, self.cfg.parallel.schedule, self.cfg.parallel.microbatches)
+        c = self.cfg
+        self.runner = PipelineRunner(self.group.actors, c.parallel.schedule, c.parallel.microbatches, c.swapped, c.recovery.mode == "redundant")
+
+    def _refresh_mirrors(self, force: bool = False) -> None:
+        """CheckFree+: copy the embedding / LM head onto the neighbouring stages (every
+        ``checkfree.mirror_every`` steps; ``force`` after start and after every recovery)."""
+        every = self.cfg.checkfree.mirror_every
+        if self.cfg.mirrors and self.group is not None and (force or self.step % every == 0):
+            refresh_mirrors(self.group, self.step)
+
+    def _checkpoint(self, step: int) -> None:
+        """Write checkpoint ``step`` (training waits: the baseline's cost), one metrics line."""
+        assert self.checkpoints is not None
+        seconds = self.checkpoints.save(step, self.stream.state_dict())
+        self.metrics.event("checkpoint", step=step, seconds=seconds, path=self.checkpoints.root)
 
     def _targets(self) -> ChaosTargets:
         return ChaosTargets(self.group, self.runner, self.snapshots, self.metrics)
@@ -216,11 +240,11 @@ class Trainer:
             self.chaos.fire("before_step", step, self._targets())
             snap = self.snapshots is not None and self.snapshots.due(step)
             loss_refs = self.runner.submit_microbatches(x, y)
+            self.chaos.fire("in_step", step, self._targets())  # lands during forward/backward
             step_refs = self.runner.submit_optimizer_step(snapshot=self.stream.state_dict() if snap else None)
             self.interrupted = InterruptedStep(step, loss_refs, step_refs, self.stream.state_dict(), ts)
             if snap:
                 self.snapshots.begin(step, self.group.members())
-            self.chaos.fire("in_step", step, self._targets())
             result = self.runner.collect(loss_refs, step_refs)
         except StepFailed:
             self.stream.load_state_dict(position)
@@ -235,9 +259,16 @@ class Trainer:
         if self.snapshots is not None:
             self.snapshots.poll()
         self.step = step
+        self._refresh_mirrors()
+        if self.checkpoints is not None and self.checkpoints.due(step):
+            self._checkpoint(step)
         self.committed_high = max(self.committed_high, self.committed_step)
         self.tokens_seen = step * self.cfg.tokens_per_step()
         now = time.perf_counter()
+        prob = self.chaos.observe_step(step, now - ts, self.group.width)
+        if prob is not None:
+            log(f"chaos.failure_rate_per_hour={self.cfg.chaos.failure_rate_per_hour} at {now - ts:.2f} s per step: each stage fails with probability {prob:.2e} per step")
+            self.metrics.event("chaos_rate", step=step, rate_per_hour=self.cfg.chaos.failure_rate_per_hour, prob_per_step=prob)
         record: dict[str, Any] = {
             "step": step,
             "loss": result.loss,
@@ -257,7 +288,11 @@ class Trainer:
 
     @property
     def committed_step(self) -> int:
-        """The newest step a committed snapshot holds (without snapshots: the last completed step)."""
+        """The newest step a committed snapshot (or checkpoint) holds (without either: the last
+        completed step)."""
+        if self.checkpoints is not None:
+            latest = self.checkpoints.latest()
+            return latest[0] if latest else 0
         if self.snapshots is None:
             return self.step
         rec = self.snapshots.committed
@@ -278,8 +313,7 @@ class Trainer:
         self.end = max_steps if max_steps is not None else self.cfg.train.max_steps
         self.on_step = on_step
         self.state = Starting() if self.runner is None else self._next()
-        self._t0 = self._t0 if self._t0 is not None else time.perf_counter()
-        self.bar.open(self.end, self.step)
+        self.bar.open(self.end, self.step)  # the clock (elapsed_s) starts at the first step, not at setup
         handlers: dict[type, Callable[[Any], State]] = {
             Starting: self._start,
             Running: self._run,
@@ -301,7 +335,8 @@ class Trainer:
             raise (RunUnrecoverable if self.state.exit_code == 3 else RunFailed)(self.state)
         if self.snapshots is not None:
             self.snapshots.poll(block=True)
-        self.metrics.event("end", step=self.step, tokens=self.tokens_seen, elapsed_s=time.perf_counter() - self._t0, seconds_by_state=self.seconds_by_state)
+        elapsed = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
+        self.metrics.event("end", step=self.step, tokens=self.tokens_seen, elapsed_s=elapsed, seconds_by_state=self.seconds_by_state)
         return self.history
 
     def _enter(self, new: State) -> None:
@@ -348,6 +383,7 @@ class Trainer:
         try:
             record = self.run_step()
         except StepFailed as e:
+            self.failures += 1
             failure = StepFailure.from_exception(self.step + 1, e.cause, e.stage, e.replica)
             self.budget = self.budget.record(failure.step)
             return after_failure(failure, self.budget, self.failure_policy)
@@ -401,6 +437,7 @@ class Trainer:
         for rec in recovery_records(outcome, failure, seconds, lost):
             self.recoveries.append(rec)
             self.metrics.write(rec)
+        self._refresh_mirrors(force=True)
 
     def _failed_between_steps(self, err: BaseException, during: str) -> State:
         """A resize or a drain failed (an actor died meanwhile): recover as for a failed step."""
@@ -484,6 +521,8 @@ class Trainer:
                 self.group.shutdown()
             if self.snapshots is not None:
                 self.snapshots.shutdown()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         self.runner = None
         self.metrics.close()
         if self.owns_ray:

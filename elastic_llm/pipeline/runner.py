@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import ray
 
-from elastic_llm.pipeline.schedules import Op, build_schedule, submission_order
+from elastic_llm.pipeline.schedules import Op, build_schedule, hop_index, routes, submission_order
 
 STEP_TIMEOUT_S = 900.0  # a step that takes longer is treated as a failure (a hung stage)
 SETTLE_S = 120.0  # after a failure, how long the step's other calls get to finish or fail
@@ -43,12 +43,14 @@ class StepResult:
 class PipelineRunner:
     """Drives ``actors[replica][stage]`` through the named schedule."""
 
-    def __init__(self, actors: Sequence[Sequence[Any]], schedule: str, n_micro: int) -> None:
+    def __init__(self, actors: Sequence[Sequence[Any]], schedule: str, n_micro: int, swapped: bool = False, redundant: bool = False) -> None:
         self.actors = [list(r) for r in actors]
         self.dp = len(self.actors)
         self.n_stages = len(self.actors[0])
         self.n_micro = n_micro
-        self.order = submission_order(build_schedule(schedule, self.n_stages, n_micro))
+        self.routes = routes(self.n_stages, n_micro, swapped)
+        self.order = submission_order(build_schedule(schedule, self.n_stages, n_micro, swapped), self.routes)
+        self.redundant = redundant  # every stage also trains a copy of its successor (recovery.mode=redundant)
 
     def split(self, x: np.ndarray) -> list[list[np.ndarray]]:
         """Global batch (B, T) -> [replica][microbatch] of (B / dp / n_micro, T)."""
@@ -63,27 +65,48 @@ class PipelineRunner:
         self.inflight: list[ray.ObjectRef] = []
         self.calls: list[tuple[ray.ObjectRef, int, int]] = []  # (ref, replica, stage) in submission order
         self.first_op: dict[tuple[int, int], ray.ObjectRef] = {}  # (replica, stage) -> its first call of the step
+        self.tails: list[ray.ObjectRef] = []  # calls that finish only once the whole forward/backward did
         for r, stages in enumerate(self.actors):
-            fwd: dict[tuple[int, int], ray.ObjectRef] = {}
-            bwd: dict[tuple[int, int], ray.ObjectRef] = {}
+            fwd: dict[tuple[int, int], ray.ObjectRef] = {}  # (hop index, microbatch) -> output
+            bwd: dict[tuple[int, int], ray.ObjectRef] = {}  # (hop index, microbatch) -> input gradient
             for s, op in self.order:
                 actor = stages[s]
+                route = self.routes[op.mb]
+                h, last = hop_index(route, s, op.visit), len(route) - 1
                 if op.kind == "F":
-                    inp = xs[r][op.mb] if s == 0 else fwd[(s - 1, op.mb)]
-                    if s == last:
-                        fwd[(s, op.mb)] = actor.forward.remote(op.mb, inp, ys[r][op.mb])
-                        loss_refs.append(fwd[(s, op.mb)])
-                    else:
-                        fwd[(s, op.mb)] = actor.forward.remote(op.mb, inp)
+                    inp = xs[r][op.mb] if h == 0 else fwd[(h - 1, op.mb)]
+                    kwargs = {}
+                    if self.redundant and s == last:  # its copy of stage 0 starts from the tokens
+                        kwargs["shadow_x"] = xs[r][op.mb]
+                    if self.redundant and s == last - 1:  # its copy of the last stage computes the loss
+                        kwargs["shadow_targets"] = ys[r][op.mb]
+                    ref = fwd[(h, op.mb)] = actor.forward.remote(op.mb, inp, ys[r][op.mb] if h == last else None, op.visit, **kwargs)
+                    if h == last:
+                        loss_refs.append(ref)
                 else:
-                    grad = None if s == last else bwd[(s + 1, op.mb)]
-                    bwd[(s, op.mb)] = actor.backward.remote(op.mb, grad)
-                ref = fwd[(s, op.mb)] if op.kind == "F" else bwd[(s, op.mb)]
+                    grad = None if h == last else bwd[(h + 1, op.mb)]
+                    ref = bwd[(h, op.mb)] = actor.backward.remote(op.mb, grad, op.visit)
+                    if h == 0:  # the microbatch's last call: it fails if any call of the microbatch did
+                        self.tails.append(ref)
                 self.calls.append((ref, r, s))
                 if (r, s) not in self.first_op:
                     self.first_op[(r, s)] = ref
             self.inflight += list(fwd.values()) + list(bwd.values())
+            if self.redundant:
+                self._shadow_backwards(r, bwd)
         return loss_refs
+
+    def _shadow_backwards(self, r: int, bwd: dict[tuple[int, int], ray.ObjectRef]) -> None:
+        """Every stage backpropagates its copy of the successor with the gradients the successor
+        received (from the stage after it; none when the successor is the last stage)."""
+        n = self.n_stages
+        for s in range(n):
+            succ = (s + 1) % n
+            grads = [] if succ == n - 1 else [bwd[((succ + 1) % n, mb)] for mb in range(self.n_micro)]
+            ref = self.actors[r][s].shadow_backward.remote(*grads)
+            self.inflight.append(ref)
+            self.tails.append(ref)
+            self.calls.append((ref, r, s))
 
     def settle(self, timeout: float = SETTLE_S) -> None:
         """Wait until every call of the last step has finished or failed (after a failure, so
@@ -117,8 +140,14 @@ class PipelineRunner:
         same step, which is what lets the run drop or replace a replica without rolling back.
         ``snapshot`` (the data position after this step's batch) makes every stage start a
         background copy of its updated state. Returns refs[stage][replica] of the step statistics.
+
+        Without data parallelism the driver waits the same way for every backward to finish
+        before any update: a stage lost during the step then leaves all survivors at the previous
+        step (CheckFree rebuilds from neighbours at one step; the ladder's rollbacks stay minimal).
         """
-        if self.dp > 1:
+        if self.dp == 1:
+            self._barrier(self.tails)
+        else:
             averaged = []
             for s in range(self.n_stages):
                 replicas = [self.actors[r][s] for r in range(self.dp)]

@@ -6,6 +6,12 @@ data-parallel peers, clipping at ``grad_clip`` and the L2 norm of the last clipp
 (CheckFree weights rebuilt stages by it). Activations and gradients cross actors as numpy arrays
 (zero-copy through Ray's object store; torch tensors would be pickled).
 
+With ``recovery.mode: checkfree_plus`` a microbatch may visit a stage twice (the swapped order of
+:mod:`elastic_llm.pipeline.schedules`), so activations are kept per (microbatch, visit). The stage
+also carries what the other recovery modes need: the mirror of its neighbour's embedding or LM
+head (CheckFree+), rebuilding itself from neighbours' layers (CheckFree), a trained copy of its
+successor stage (``redundant``), and writing / reading checkpoint files (``checkpoint``).
+
 Never decides anything about the run: the controller tells it what to do, in which order.
 The class is plain Python so tests can drive it in-process; the controller wraps it in
 ``ray.remote``.
@@ -25,6 +31,7 @@ import torch
 from elastic_llm.config import RunConfig, TrainConfig, config_from_dict
 from elastic_llm.model import build_stage, lm_loss
 from elastic_llm.pipeline.copies import BackgroundCopies
+from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -106,9 +113,14 @@ class StageWorker:
 
         self.arena = StateArena(self.module, self.optimizer)  # state in one block: copies are single memcpys
         self.micro_per_replica = par.microbatches
-        self.backwards_done = 0  # microbatches backpropagated in the current step
-        self.inputs: dict[int, torch.Tensor] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.routes = routes(par.stages, par.microbatches, self.cfg.swapped)
+        self.backwards_per_step = sum(len(hops_of(r, stage)) for r in self.routes)
+        self.backwards_done = 0  # visits backpropagated in the current step
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (microbatch, visit) -> input
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.mirror: np.ndarray | None = None  # CheckFree+: the neighbour's embedding / head, flat
+        self.mirror_step = -1
+        self.shadow: Shadow | None = Shadow(self.cfg, (stage + 1) % par.stages) if self.cfg.recovery.mode == "redundant" else None
         self.last_grad_norm = 0.0
         self.step_count = 0
         # Lazy asynchronous snapshots: step(snapshot=...) starts copying the updated state into the
@@ -118,49 +130,74 @@ class StageWorker:
         self.injected_error: str | None = None  # chaos: every forward raises this from now on
 
     # ------------------------------------------------------------------ one microbatch
-    def forward(self, mb: int, x: np.ndarray, targets: np.ndarray | None = None) -> np.ndarray | float:
-        """Run the stage on microbatch ``mb``; keep what backward needs.
+    def _hop(self, mb: int, visit: int) -> Hop:
+        route = self.routes[mb]
+        return route[hop_index(route, self.stage, visit)]
 
-        Returns the output activations (numpy), or on the last stage the microbatch loss.
-        """
+    def forward(
+        self,
+        mb: int,
+        x: np.ndarray,
+        targets: np.ndarray | None = None,
+        visit: int = 0,
+        shadow_x: np.ndarray | None = None,
+        shadow_targets: np.ndarray | None = None,
+    ) -> np.ndarray | float:
+        """Run the stage's parts of visit ``visit`` of microbatch ``mb``; keep what backward needs.
+
+        Returns the output activations (numpy), or after the LM head the microbatch loss. With a
+        redundant copy of the successor, the copy runs too, on this stage's output (or on
+        ``shadow_x``, the tokens, when the successor is stage 0; ``shadow_targets`` when it is the
+        last stage)."""
         if self.injected_error is not None:
             raise InjectedFault(f"stage {self.stage} replica {self.replica}: {self.injected_error}")
-        if self.first:
-            inp = torch.from_numpy(np.asarray(x)).to(self.device)
-        else:
-            inp = torch.from_numpy(np.asarray(x)).to(self.device).requires_grad_(True)
-        out = self.module(inp)
-        self.inputs[mb] = inp
-        if self.last:
+        hop = self._hop(mb, visit)
+        inp = torch.from_numpy(np.asarray(x)).to(self.device)
+        if not hop.embed:
+            inp.requires_grad_(True)
+        out = self.module.run(inp, hop.embed, hop.layers, hop.head)
+        self.inputs[(mb, visit)] = inp
+        if self.shadow is not None:
+            copy_in = out.detach().requires_grad_(True) if shadow_x is None else torch.from_numpy(np.asarray(shadow_x))  # as the successor gets it
+            self.shadow.forward(mb, copy_in, shadow_targets, self.micro_per_replica)
+        if hop.head:
             if targets is None:
-                raise ValueError("the last stage needs targets to compute the loss")
+                raise ValueError("the stage applying the LM head needs targets to compute the loss")
             loss = lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device))
-            self.outputs[mb] = loss / self.micro_per_replica
+            self.outputs[(mb, visit)] = loss / self.micro_per_replica
             return float(loss.detach())
-        self.outputs[mb] = out
+        self.outputs[(mb, visit)] = out
         return out.detach().cpu().numpy()
 
-    def backward(self, mb: int, grad: np.ndarray | None = None) -> np.ndarray | None:
-        """Backpropagate microbatch ``mb``; return the gradient of its input (None on stage 0)."""
-        out = self.outputs.pop(mb)
-        inp = self.inputs.pop(mb)
-        if self.last:
+    def backward(self, mb: int, grad: np.ndarray | None = None, visit: int = 0) -> np.ndarray | None:
+        """Backpropagate visit ``visit`` of microbatch ``mb``; return the gradient of its input
+        (None when the visit started from tokens)."""
+        out = self.outputs.pop((mb, visit))
+        inp = self.inputs.pop((mb, visit))
+        if grad is None:
             out.backward()
         else:
             out.backward(torch.from_numpy(np.asarray(grad)).to(self.device))
         self.backwards_done += 1
-        if self.first:
+        if self._hop(mb, visit).embed:
             return None
         return inp.grad.cpu().numpy()
+
+    def shadow_backward(self, *grads: np.ndarray) -> None:
+        """Backpropagate the redundant copy of the successor over every microbatch of the step
+        (``grads[mb]``: the gradient the successor received for its output; none when the
+        successor is the last stage), in microbatch order as the successor does."""
+        assert self.shadow is not None, "shadow_backward needs recovery.mode=redundant"
+        self.shadow.backward(grads, self.micro_per_replica)
 
     # ------------------------------------------------------------------ optimizer step
     def _check_complete(self) -> None:
         """Refuse to share or apply gradients of a step whose backward did not fully run (a call
         queued behind failed ones still executes: this keeps it from using partial gradients)."""
-        if self.backwards_done != self.micro_per_replica or self.inputs or self.outputs:
+        if self.backwards_done != self.backwards_per_step or self.inputs or self.outputs:
             raise RuntimeError(
-                f"stage {self.stage} replica {self.replica}: only {self.backwards_done} of {self.micro_per_replica} "
-                "microbatches were backpropagated this step"
+                f"stage {self.stage} replica {self.replica}: only {self.backwards_done} of {self.backwards_per_step} "
+                "microbatch visits were backpropagated this step"
             )
 
     def flat_grad(self) -> np.ndarray:
@@ -204,6 +241,8 @@ class StageWorker:
         self.backwards_done = 0
         self.scheduler.step()
         self.step_count += 1
+        if self.shadow is not None:
+            self.shadow.step(clip)
         if snapshot is not None:
             self._start_copy(snapshot)
         return StepStats(norm, lr, self.copies.wait_s)
@@ -300,6 +339,8 @@ class StageWorker:
         self.outputs.clear()
         self.optimizer.zero_grad(set_to_none=True)
         self.backwards_done = 0
+        if self.shadow is not None:
+            self.shadow.reset()
         self.copies.forget_after(self.step_count)
         return self.step_count
 
@@ -313,6 +354,104 @@ class StageWorker:
             return False
         self.load_parts(job.manifest, [0], job.buffer)
         return True
+
+    # ------------------------------------------------------------------ CheckFree / CheckFree+
+    def _outer(self) -> list[torch.nn.Parameter]:
+        """Parameters outside the transformer layers: the embedding, or final norm + LM head."""
+        return [p for n, p in self.module.named_parameters() if not n.startswith("layers.")]
+
+    def layer_params(self) -> np.ndarray:
+        """The transformer layers' parameters, flat float32 in module order (what CheckFree
+        averages: every stage has the same layers in the same layout)."""
+        return torch.cat([p.detach().reshape(-1) for n, p in self.module.named_parameters() if n.startswith("layers.")]).cpu().numpy()
+
+    def mirror_source(self) -> np.ndarray:
+        """This stage's embedding (first stage) or final norm + LM head (last stage), flat."""
+        return torch.cat([p.detach().reshape(-1) for p in self._outer()]).cpu().numpy()
+
+    def hold_mirror(self, values: np.ndarray, step: int) -> int:
+        """Keep the neighbour's embedding / head (its :meth:`mirror_source` after ``step``)."""
+        self.mirror = np.array(values, copy=True)
+        self.mirror_step = step
+        return step
+
+    def mirror_params(self) -> np.ndarray:
+        if self.mirror is None:
+            raise RuntimeError(f"stage {self.stage} holds no mirror yet")
+        return self.mirror
+
+    def rebuild(self, step: int, lr_scale: float, a: float, b: float, next_layers: np.ndarray, prev_layers: np.ndarray | None = None, mirror: np.ndarray | None = None) -> int:
+        """Become a stage rebuilt from neighbours at ``step``: layers = the average
+        ``(a next + b prev) / (a + b)`` (CheckFree), or a copy of ``next_layers`` when
+        ``prev_layers`` is None (CheckFree+: the first / last stage copies its neighbour); the
+        embedding / head from ``mirror`` (else they keep their fresh initialisation). The
+        optimizer starts fresh with the learning rate x ``lr_scale``; the LR schedule resumes at
+        ``step``. Returns the CRC-32 of the new parameters (the recovery record carries it)."""
+        import zlib
+
+        from elastic_llm.recovery.checkfree import average
+
+        self.copies.wait()
+        layers = np.asarray(next_layers) if prev_layers is None else average(np.asarray(next_layers), np.asarray(prev_layers), a, b)
+        with torch.no_grad():
+            self._load_flat([p for n, p in self.module.named_parameters() if n.startswith("layers.")], layers)
+            if mirror is not None:
+                self._load_flat(self._outer(), np.asarray(mirror))
+            for st in self.optimizer.state.values():  # a fresh optimizer: moments and step counts zero (in the arena)
+                for value in st.values():
+                    if torch.is_tensor(value):
+                        value.zero_()
+        self._resume_schedule(step, lr_scale)
+        self.reset_step()
+        return zlib.crc32(np.ascontiguousarray(torch.cat([p.detach().reshape(-1) for p in self.module.parameters()]).numpy()).view(np.uint8))
+
+    @staticmethod
+    def _load_flat(params: list[torch.nn.Parameter], flat: np.ndarray) -> None:
+        total = sum(p.numel() for p in params)
+        if flat.size != total:
+            raise ValueError(f"{flat.size} values for {total} parameters: the neighbour's layout differs")
+        offset = 0
+        for p in params:
+            p.copy_(torch.from_numpy(flat[offset : offset + p.numel()]).view_as(p))
+            offset += p.numel()
+
+    def _resume_schedule(self, step: int, lr_scale: float) -> None:
+        """Put the (fresh) optimizer's LR schedule at ``step`` with its peak LR x ``lr_scale``."""
+        sched = self.scheduler
+        sched.base_lrs = [lr * lr_scale for lr in sched.base_lrs]
+        for g, base in zip(self.optimizer.param_groups, sched.base_lrs):
+            g["initial_lr"] = base
+        sched.last_epoch = step
+        for g, base, fn in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            g["lr"] = base * fn(step)
+        sched._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self.step_count = step
+
+    # ------------------------------------------------------------------ redundant copy (Bamboo-style)
+    def shadow_state(self) -> tuple[np.ndarray, str]:
+        """The redundant copy's whole state as (bytes, manifest): what promotes it."""
+        assert self.shadow is not None, "no redundant copy: recovery.mode is not redundant"
+        return self.shadow.capture(self.step_count, self.cfg.config_hash())
+
+    def load_shadow(self, buffer: np.ndarray, manifest: str) -> int:
+        """Restore the redundant copy from the successor's own state (after this actor was replaced)."""
+        assert self.shadow is not None, "no redundant copy: recovery.mode is not redundant"
+        return self.shadow.load(buffer, manifest, self.cfg.config_hash())
+
+    # ------------------------------------------------------------------ checkpoint files
+    def save_checkpoint(self, root: str, step: int) -> int:
+        """Write this stage's whole state to checkpoint ``step`` under ``root``; returns bytes."""
+        from elastic_llm.checkpoint import write_stage
+
+        buf, manifest = self.capture_state()
+        return write_stage(root, step, self.stage, self.replica, buf, manifest)
+
+    def load_checkpoint(self, root: str, step: int) -> int:
+        """Restore this stage from checkpoint ``step`` under ``root`` (raw bytes and JSON only)."""
+        from elastic_llm.checkpoint import read_stage
+
+        data, manifest = read_stage(root, step, self.stage, self.replica)
+        return self.load_state(data, manifest)
 
     def set_width(self, replica: int, dp: int) -> int:
         """The run resized: this actor is now replica ``replica`` of ``dp``. Changes no state, only
@@ -351,3 +490,58 @@ class StageWorker:
 
     def grad_norm(self) -> float:
         return self.last_grad_norm
+
+
+class Shadow:
+    """A trained copy of another stage (``recovery.mode: redundant``, after Bamboo): its layers
+    and its own AdamW, fed the same inputs and output gradients as the real stage, so it stays
+    bit-identical to it and replaces it when it is lost. The compute it costs is real."""
+
+    def __init__(self, cfg: RunConfig, stage: int) -> None:
+        from elastic_llm.snapshot.state import StateArena
+
+        self.cfg, self.stage = cfg, stage
+        self.last = stage == cfg.parallel.stages - 1
+        self.module = build_stage(cfg.model.shape(), cfg.parallel.stages, stage, cfg.train.seed)
+        self.optimizer, self.scheduler = build_optimizer(self.module, cfg.train)
+        self.arena = StateArena(self.module, self.optimizer)
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.buffer = np.zeros(self.arena.layout.nbytes, dtype=np.uint8)
+
+    def forward(self, mb: int, x: torch.Tensor, targets: np.ndarray | None, n_micro: int) -> None:
+        out = self.module(x)
+        if self.last:
+            if targets is None:
+                raise ValueError("the redundant copy of the last stage needs the targets")
+            out = lm_loss(out, torch.from_numpy(np.asarray(targets))) / n_micro
+        self.outputs[mb] = out
+
+    def backward(self, grads: tuple[np.ndarray, ...], n_micro: int) -> None:
+        for mb in range(n_micro):
+            out = self.outputs.pop(mb)
+            if self.last:
+                out.backward()
+            else:
+                out.backward(torch.from_numpy(np.asarray(grads[mb])))
+
+    def step(self, clip: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def reset(self) -> None:
+        self.outputs.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def capture(self, step: int, config_hash: str) -> tuple[np.ndarray, str]:
+        from elastic_llm.snapshot import state as st
+
+        self.arena.capture(self.buffer)
+        return self.buffer, st.make_manifest(self.arena.layout, st.json_state(self.optimizer, self.scheduler, step, None, config_hash), self.stage)
+
+    def load(self, buffer: np.ndarray, manifest: str, config_hash: str) -> int:
+        from elastic_llm.snapshot import state as st
+
+        m = st.restore([(0, np.asarray(buffer))], st.parse_manifest(manifest), self.arena, self.optimizer, self.scheduler, config_hash, self.stage)
+        return int(m["step"])

@@ -1,14 +1,22 @@
 """RecoveryPolicy: observed failure in, recovery plan out. Pure: no Ray, no clock, no I/O.
 
-Owns the recovery ladder (cheapest lossless source first), after one elastic decision: a
+Owns the choice of source per ``recovery.mode`` (the observation carries it):
+- ``lossless`` (default): the ladder below, CheckFree / CheckFree+ as its last rung;
+- ``checkfree`` / ``checkfree_plus``: a data-parallel peer if one holds the same state, else the
+  stage is rebuilt from its neighbours (:mod:`elastic_llm.recovery.checkfree`), no rollback;
+- ``redundant``: the lost stage's copy held by its predecessor is promoted (lossless, no rollback);
+- ``checkpoint``: everyone rolls back to the newest checkpoint (or the initial state).
+
+The lossless ladder (cheapest lossless source first), after one elastic decision: a
 replica whose lost stages cannot be placed now (no capacity) is dropped when a whole replica
 survives and at least ``min_width`` replicas remain (shrink: no rollback, the run goes on
 narrower; the remaining replicas are renumbered 0..w-1 and the plan speaks of the new numbers).
 1. the stage process died, its node and snapshot manager live: restore from the local manager;
 2. a data-parallel peer of the lost replica is alive: copy its state;
 3. the node is lost, at most m nodes of its erasure group are lost: rebuild from parity;
-4. otherwise nothing lossless survives: :class:`UnrecoverableError` (durable checkpoints and
-   CheckFree come later) naming what was lost and what would have covered it.
+4. otherwise nothing lossless survives: every lost stage without a peer is rebuilt from its
+   neighbours (CheckFree, lossy, no rollback), the plan's reason says why; only when that is
+   impossible too (a neighbour lost as well) :class:`UnrecoverableError` names what was lost.
 
 Whenever the source is older than the healthy stages (a snapshot of step v while the others
 finished later steps, or stages disagree on their step), everyone rolls back to v: lossless.
@@ -18,7 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from elastic_llm.recovery.checkfree import Rebuild, plan_rebuild
 from elastic_llm.snapshot.records import ShardKey
+
+LOSSY = ("checkfree", "checkfree_plus")
 
 
 class UnrecoverableError(RuntimeError):
@@ -47,17 +58,32 @@ class Observation:
     parity: int = 0
     min_width: int = 1  # elastic.min_replicas: never shrink below this many replicas
     unplaceable: frozenset[int] = frozenset()  # replicas whose lost stages cannot be placed now
+    mode: str = "lossless"  # recovery.mode
+    mirrors: bool = False  # embedding / LM head mirrored on the neighbouring stages
+    checkpoint: int | None = None  # mode checkpoint: the newest checkpoint's step (0: the initial state)
+
+    @property
+    def n_stages(self) -> int:
+        return 1 + max((m.stage for m in self.members), default=-1)
 
 
 @dataclass(frozen=True)
 class Action:
     stage: int
     replica: int
-    source: str  # local_smp | dp_peer | parity
+    source: str  # local_smp | dp_peer | parity | checkfree | checkfree_plus | redundant | checkpoint
     peer: int | None = None  # replica to copy from, for dp_peer
+    donors: tuple[ShardKey, ...] = ()  # checkfree: (next, prev); checkfree_plus: (neighbour,); redundant: (holder of the copy, successor)
+    mirror: ShardKey | None = None  # checkfree_plus: the stage holding the embedding / head mirror
+
+    @property
+    def lossless(self) -> bool:
+        return self.source not in LOSSY
 
     def __str__(self) -> str:
         extra = f" from replica {self.peer}" if self.peer is not None else ""
+        if self.donors:
+            extra += " from " + ", ".join(f"stage {k.stage} replica {k.replica}" for k in self.donors)
         return f"stage {self.stage} replica {self.replica}: {self.source}{extra}"
 
 
@@ -112,6 +138,15 @@ class RecoveryPolicy:
         return replace(plan, drop_replicas=drop, width=(width, width - len(drop)), reason=why + plan.reason)
 
     def _ladder(self, obs: Observation) -> RecoveryPlan:
+        if obs.mode in LOSSY:
+            return self._checkfree_mode(obs)
+        if obs.mode == "redundant":
+            return self._redundant(obs)
+        if obs.mode == "checkpoint":
+            return self._checkpoint(obs)
+        return self._lossless(obs)
+
+    def _lossless(self, obs: Observation) -> RecoveryPlan:
         lost = [m for m in obs.members if not m.alive]
         alive = [m for m in obs.members if m.alive]
         steps = {m.step for m in alive}
@@ -147,9 +182,7 @@ class RecoveryPolicy:
                 actions.append(Action(m.stage, m.replica, "dp_peer", peer=peers[0].replica))
                 continue
             if snap_problem is not None:
-                raise UnrecoverableError(
-                    f"stage {m.stage} replica {m.replica} is lost and no lossless copy survives: {snap_problem}"
-                )
+                return self._last_rung(obs, snap_problem)
             need_snapshot = True
             source = "parity" if key in lost_shards or shard_node.get(key) in obs.dead_managers else "local_smp"
             actions.append(Action(m.stage, m.replica, source))
@@ -164,3 +197,67 @@ class RecoveryPolicy:
             return RecoveryPlan(tuple(actions), obs.committed, f"stages disagree on their step ({sorted(steps)}): everyone rolls back", lost_shards)
         reason = "data-parallel peers hold the same state" if actions else "no stage lost"
         return RecoveryPlan(tuple(actions), None, reason + f"; step {current} is replayed", lost_shards)
+
+    # ------------------------------------------------------------------ beyond the lossless ladder
+    def _rebuilds(self, obs: Observation, why: str) -> tuple[Action, ...]:
+        """CheckFree actions for every lost member without a data-parallel peer at one step
+        (a peer copy for the others); raises :class:`UnrecoverableError` if any cannot be done."""
+        alive = [m for m in obs.members if m.alive]
+        if len({m.step for m in alive}) > 1:
+            raise UnrecoverableError(f"stages disagree on their step ({sorted({m.step for m in alive})}) and {why}")
+        alive_keys = frozenset(ShardKey(m.stage, m.replica) for m in alive)
+        actions = []
+        for m in (m for m in obs.members if not m.alive):
+            peers = [p for p in alive if p.stage == m.stage]
+            if peers:
+                actions.append(Action(m.stage, m.replica, "dp_peer", peer=peers[0].replica))
+                continue
+            rb = plan_rebuild(m.stage, m.replica, obs.n_stages, alive_keys, obs.mirrors, reinit=obs.mode != "lossless")
+            if not isinstance(rb, Rebuild):
+                raise UnrecoverableError(f"stage {m.stage} replica {m.replica} is lost, {why}, and it cannot be rebuilt from its neighbours: {rb}")
+            actions.append(Action(m.stage, m.replica, rb.source, donors=rb.donors, mirror=rb.mirror))
+        return tuple(actions)
+
+    def _last_rung(self, obs: Observation, snap_problem: str) -> RecoveryPlan:
+        actions = self._rebuilds(obs, f"no lossless copy survives ({snap_problem})")
+        rebuilt = [a for a in actions if not a.lossless]
+        reason = (
+            f"no lossless copy survives ({snap_problem}): stage(s) {[a.stage for a in rebuilt]} rebuilt from their neighbours "
+            "(CheckFree, lossy); healthy stages keep their state"
+        )
+        return RecoveryPlan(actions, None, reason)
+
+    def _checkfree_mode(self, obs: Observation) -> RecoveryPlan:
+        actions = self._rebuilds(obs, f"recovery.mode={obs.mode} keeps no snapshots")
+        if not actions:
+            return RecoveryPlan((), None, "no stage lost")
+        how = "; ".join(sorted({a.source for a in actions}))
+        return RecoveryPlan(actions, None, f"recovery.mode={obs.mode}: {how}, healthy stages keep their state")
+
+    def _redundant(self, obs: Observation) -> RecoveryPlan:
+        """Promote the copy the predecessor trains (ring: the last stage holds stage 0's); the new
+        actor's own copy of its successor comes from that successor."""
+        alive = {ShardKey(m.stage, m.replica): m for m in obs.members if m.alive}
+        steps = {m.step for m in alive.values()}
+        if len(steps) > 1:
+            raise UnrecoverableError(f"stages disagree on their step ({sorted(steps)}): redundant copies cannot line up")
+        n = obs.n_stages
+        actions = []
+        for m in (m for m in obs.members if not m.alive):
+            holder, successor = ShardKey((m.stage - 1) % n, m.replica), ShardKey((m.stage + 1) % n, m.replica)
+            gone = [k.stage for k in (holder, successor) if k not in alive]
+            if gone:
+                raise UnrecoverableError(
+                    f"stage {m.stage} replica {m.replica} is lost and so are stage(s) {gone}, which hold its redundant copy "
+                    "or the copy it held: recovery.mode=redundant covers one lost stage of every two neighbours"
+                )
+            actions.append(Action(m.stage, m.replica, "redundant", donors=(holder, successor)))
+        return RecoveryPlan(tuple(actions), None, "the predecessor's redundant copy is promoted" if actions else "no stage lost")
+
+    def _checkpoint(self, obs: Observation) -> RecoveryPlan:
+        lost = [m for m in obs.members if not m.alive]
+        to = obs.checkpoint if obs.checkpoint is not None else 0
+        current = max((m.step or 0 for m in obs.members if m.alive), default=0)
+        actions = tuple(Action(m.stage, m.replica, "checkpoint") for m in lost)
+        where = f"the checkpoint of step {to}" if to else "the initial state (no checkpoint yet)"
+        return RecoveryPlan(actions, to, f"everyone rolls back from step {current} to {where}")
