@@ -163,10 +163,25 @@ def test_corrupted_chunk_is_detected_and_repaired_from_parity(nodes, corpus_dir,
     assert losses == clean(1)
 
 
-def test_more_lost_nodes_than_parity_is_a_clear_error_and_keeps_survivors(nodes, corpus_dir):
+def test_more_lost_nodes_than_parity_and_no_peer_rebuilds_from_neighbours(nodes, corpus_dir, clean, tmp_path):
+    """Stages 1 and 3 go with their nodes; parity 1 cannot rebuild two shards and there is no
+    data-parallel peer: CheckFree (the last rung of the lossless ladder) rebuilds stage 1 from
+    stages 0 and 2 and stage 3 from stage 2 and its head mirror; the run finishes."""
+    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", "snapshot.parity=1",
+                      "chaos.events=[{step: 5, kill: node, stage: 1}, {step: 5, kill: node, stage: 3}]"])
+    t = Trainer(cfg, cluster=nodes, metrics_out=tmp_path / "metrics.jsonl")
+    losses = run(t, 12)
+    got = [(r["stage"], r["source"], r["lossless"], r["rollback_steps"]) for r in t.recoveries]
+    assert got == [(1, "checkfree", False, 0), (3, "checkfree_plus", False, 0)]
+    assert all("no lossless copy survives" in r["reason"] and "parity covers 1" in r["reason"] for r in t.recoveries)
+    assert sorted(losses) == list(range(1, 13)) and losses[12] < losses[1]
+    assert losses[4] == clean(1)[4]  # nothing before the failure changed
+
+
+def test_adjacent_stages_lost_beyond_parity_is_a_clear_error_and_keeps_survivors(nodes, corpus_dir):
     t = make_trainer(nodes, corpus_dir, "snapshot.parity=1", "chaos.events=[{step: 5, kill: node, stage: 1}, {step: 5, kill: node, stage: 2}]")
     try:
-        with pytest.raises(UnrecoverableError, match="2 nodes of an erasure group of 5 lost their snapshots but parity covers 1"):
+        with pytest.raises(UnrecoverableError, match="2 nodes of an erasure group of 5 lost their snapshots but parity covers 1(.|\n)*neighbour"):
             t.fit(STEPS)
         committed = t.snapshots.committed.version
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
