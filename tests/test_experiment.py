@@ -311,3 +311,20 @@ def test_cli_end_to_end_two_small_cells_then_a_rerun_that_runs_nothing(tmp_path,
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ran"] == 0
     assert json.loads((tmp_path / "results.json").read_text())["rows"] == rows
     assert [m.stat().st_mtime_ns for m in metrics] == stamps
+
+
+def test_time_breakdown_splits_steps_replays_recovery_checkpoints():
+    from elastic_llm.experiment.convergence import time_breakdown
+
+    step = lambda n, dur: {"step": n, "tokens": 100 * n, "tokens_per_s": 100 / dur}  # noqa: E731
+    lines = [
+        {"event": "checkpoint", "step": 0, "seconds": 5.0},  # the one at start-up is not training time
+        step(1, 1.0), step(2, 1.0), {"event": "checkpoint", "step": 2, "seconds": 0.5}, step(3, 2.0),
+        {"event": "recovery", "step": 4, "seconds": 3.0}, step(3, 1.5), step(4, 1.0),
+        {"event": "end", "elapsed_s": 12.0, "seconds_by_state": {"running": 8.5, "recovering": 3.0}},
+    ]
+    t = time_breakdown(lines)
+    assert t["steps_s"] == pytest.approx(1.0 + 1.0 + 1.5 + 1.0) and t["replayed_s"] == pytest.approx(2.0)
+    assert (t["recovery_s"], t["checkpoint_s"], t["total_s"]) == (3.0, 0.5, 12.0)
+    assert t["other_s"] == pytest.approx(12.0 - 4.5 - 2.0 - 3.0 - 0.5)
+    assert time_breakdown(lines[:-1]) is None

@@ -411,9 +411,36 @@ def rate_mapping(rates: Sequence[Rate]) -> str:
     return "per-step failure probabilities of each stage, given directly with --failure-probs"
 
 
-def render_markdown(ctx: ReportContext, rows: Sequence[dict[str, Any]]) -> str:
+def time_breakdown(lines: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """Where a cell's training time went, from its metrics lines: ``steps_s`` (steps that
+    counted), ``replayed_s`` (steps a rollback undid), ``recovery_s`` (the recovering state),
+    ``checkpoint_s`` (checkpoint writes), ``other_s`` (validation, failed step attempts, the
+    driver) and ``total_s`` (seconds from the first step to the end). None without an end line."""
+    end = next((x for x in lines if x.get("event") == "end"), None)
+    if end is None:
+        return None
+    steps = [x for x in lines if "event" not in x and "tokens_per_s" in x]
+    durations = [x["tokens"] / x["step"] / x["tokens_per_s"] if x["step"] else 0.0 for x in steps]
+    undone = [any(later["step"] <= x["step"] for later in steps[i + 1 :]) for i, x in enumerate(steps)]
+    by_state = end.get("seconds_by_state") or {}
+    checkpoint_s = sum(float(x.get("seconds") or 0.0) for x in lines if x.get("event") == "checkpoint" and x.get("step"))
+    steps_s = sum(d for d, u in zip(durations, undone) if not u)
+    replayed_s = sum(d for d, u in zip(durations, undone) if u)
+    recovery_s = float(by_state.get("recovering", 0.0))
+    total = float(end.get("elapsed_s") or 0.0)
+    return {
+        "total_s": total, "steps_s": steps_s, "replayed_s": replayed_s, "recovery_s": recovery_s, "checkpoint_s": checkpoint_s,
+        "other_s": max(0.0, total - steps_s - replayed_s - recovery_s - checkpoint_s),
+    }
+
+
+TIME_COLUMNS = ("total_s", "steps_s", "replayed_s", "recovery_s", "checkpoint_s", "other_s")
+
+
+def render_markdown(ctx: ReportContext, rows: Sequence[dict[str, Any]], times: dict[str, dict[str, float]] | None = None) -> str:
     """``results.md``: the header (config, N, target and how it was chosen, rate mapping,
-    machine, date, command), then one table per rate with the ``none`` reference on top."""
+    machine, date, command), then one table per rate with the ``none`` reference on top, then
+    where each cell's time went (``times``: cell -> :func:`time_breakdown`)."""
     s = ctx.settings
     overrides = ", ".join(f"`{o}`" for o in s.overrides) or "none"
     target = _fmt(ctx.target.loss, 4)
@@ -436,6 +463,19 @@ def render_markdown(ctx: ReportContext, rows: Sequence[dict[str, Any]]) -> str:
     for rate in ctx.rates:
         lines += ["", f"## failure rate {rate.label}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += [_table_line(r, base) for r in panel_rows(rows, ctx.strategies, rate)]
+    if times:
+        lines += [
+            "", "## where the time went (seconds from the first step)", "",
+            "steps: steps that counted; replayed: steps a rollback undid; recovery: the recovering state "
+            "(new actor processes, state restore); checkpoint: checkpoint writes; other: validation, failed "
+            "step attempts, the driver.", "",
+            "| cell | " + " | ".join(c.removesuffix("_s") for c in TIME_COLUMNS) + " |", "|" + "---|" * (len(TIME_COLUMNS) + 1),
+        ]
+        wanted = {r["cell"] for rate in ctx.rates for r in panel_rows(rows, ctx.strategies, rate)}
+        for r in rows:
+            t = times.get(r["cell"])
+            if t is not None and r["cell"] in wanted:
+                lines.append(f"| {r['cell']} | " + " | ".join(f"{t[c]:.1f}" for c in TIME_COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 
 

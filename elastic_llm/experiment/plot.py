@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_llm.experiment.convergence import BASELINE, STRATEGIES, Rate, panel_rows
-from elastic_llm.replay.report import _write_atomic
+from elastic_llm.files import write_atomic
 
 COLORS = dict(zip(STRATEGIES, ("black", "tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red")))
 
@@ -56,5 +56,5 @@ def write_plot(path: str | Path, strategies: Sequence[str], rates: Sequence[Rate
     axes[0].set_ylabel("validation loss")
     fig.suptitle("validation loss against wall-clock (x: a recovery)")
     out = Path(path)
-    _write_atomic(out, "wb", lambda f: fig.savefig(f, format="png", dpi=100))
+    write_atomic(out, "wb", lambda f: fig.savefig(f, format="png", dpi=100))
     return out

@@ -41,9 +41,10 @@ from elastic_llm.experiment.convergence import (
     command_line,
     grid,
     render_markdown,
+    time_breakdown,
     with_target,
 )
-from elastic_llm.replay.report import _write_atomic
+from elastic_llm.files import write_atomic
 
 RESULTS, REPORT, PLOT = "results.json", "results.md", "loss_vs_time.png"
 
@@ -194,7 +195,7 @@ class Convergence:
         target = self._target()
         doc = {"experiment": self.settings.to_dict(), "target": {"loss": target.loss, "how": target.how}, "rows": self.rows}
         payload = json.dumps(doc, indent=2) + "\n"
-        _write_atomic(self.out / RESULTS, "w", lambda f: f.write(payload))
+        write_atomic(self.out / RESULTS, "w", lambda f: f.write(payload))
 
     def _write_report(self) -> None:
         from elastic_llm.experiment.plot import write_plot
@@ -205,9 +206,21 @@ class Convergence:
             machine=f"{os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}",
             date=_now(), command=command_line(self.settings, s.strategies, s.rates, str(self.out), s.target_loss),
         )
-        text = render_markdown(ctx, self.rows)
-        _write_atomic(self.out / REPORT, "w", lambda f: f.write(text))
+        text = render_markdown(ctx, self.rows, self._times())
+        write_atomic(self.out / REPORT, "w", lambda f: f.write(text))
         write_plot(self.out / PLOT, s.strategies, s.rates, self.rows, ctx.target.loss)
+
+    def _times(self) -> dict[str, dict[str, float]]:
+        """Each finished cell's time breakdown, from its ``metrics.jsonl``."""
+        out = {}
+        for r in self.rows:
+            path = self.out / "cells" / r["cell"] / "metrics.jsonl"
+            if path.is_file():
+                lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+                t = time_breakdown(lines)
+                if t is not None:
+                    out[r["cell"]] = t
+        return out
 
     def summary(self, ran: int) -> dict[str, Any]:
         target = self._target()

@@ -9,11 +9,11 @@ clock and never decides anything about the run: it only measures and draws what 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from elastic_llm.files import write_atomic
 
 
 def seconds_with_room(
@@ -41,19 +41,6 @@ def useful_fraction(training_s: float, room_s: float) -> float | None:
     return min(1.0, max(0.0, training_s / room_s))
 
 
-def _write_atomic(path: Path, mode: str, write: Callable[[IO[Any]], None]) -> None:
-    """Write ``path`` through a temporary file beside it and ``os.replace``: all or nothing."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a report is for everyone to read
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_report(
     out_dir: str | Path, report: dict[str, Any], timeline: list[tuple[float, int, int]]
 ) -> tuple[Path, Path]:
@@ -76,7 +63,7 @@ def write_report(
     ]
     json_path, png_path = out / "replay.json", out / "replay.png"
     payload = json.dumps({**report, "timeline": rows}, indent=2, sort_keys=True) + "\n"
-    _write_atomic(json_path, "w", lambda f: f.write(payload))
+    write_atomic(json_path, "w", lambda f: f.write(payload))
 
     fig = Figure(figsize=(9, 4.5), layout="constrained")
     nodes_ax = fig.add_subplot()
@@ -91,5 +78,5 @@ def write_report(
     steps_ax.set_ylim(bottom=0)
     if report.get("title"):
         fig.suptitle(str(report["title"]))
-    _write_atomic(png_path, "wb", lambda f: fig.savefig(f, format="png", dpi=100))
+    write_atomic(png_path, "wb", lambda f: fig.savefig(f, format="png", dpi=100))
     return json_path, png_path
