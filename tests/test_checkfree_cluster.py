@@ -124,14 +124,16 @@ def test_checkpoint_rolls_back_to_the_newest_checkpoint_bit_for_bit(ray_local, c
 
 
 def test_failures_at_a_rate_hit_the_same_steps_and_stages_in_every_mode(ray_local, corpus_dir):
-    seen = {}
-    for mode in ("checkfree_plus", "redundant"):
-        t = make(corpus_dir, f"recovery.mode={mode}", "chaos.failure_prob_per_step=0.04", "chaos.failure_seed=5")
+    seen, losses = {}, {}
+    for mode, schedule in (("checkfree_plus", "gpipe"), ("redundant", "1f1b")):  # the swapped order under GPipe too
+        t = make(corpus_dir, f"recovery.mode={mode}", f"parallel.schedule={schedule}", "chaos.failure_prob_per_step=0.04", "chaos.failure_seed=5")
         try:
-            t.fit(14)
+            history = t.fit(14)
         finally:
             t.shutdown()
         seen[mode] = [(r["step"], r["stage"]) for r in t.recoveries]
+        losses[mode] = [h["loss"] for h in history]
+    assert np.mean(losses["checkfree_plus"][-3:]) < np.mean(losses["checkfree_plus"][:3]) - 0.5
     from elastic_llm.chaos import failures_at
 
     expected = [(step, f[0][0]) for step in range(1, 15) for f in [failures_at(5, step, N, 1, 0.04)] if f]

@@ -46,6 +46,9 @@ def write_plot(path: str | Path, strategies: Sequence[str], rates: Sequence[Rate
                 ax.plot(marks, np.interp(marks, t, v), "x", color=color, markersize=7)
         if target is not None:
             ax.axhline(target, color="gray", linestyle="--", linewidth=1.2, label=f"target {target:.3f}")
+            lows = [p["val_loss"] for row in panel_rows(rows, strategies, rate) for p in row.get("val_curve") or []]
+            if lows:  # the first evaluations are far above the target: zoom on where strategies differ
+                ax.set_ylim(min(lows) - 0.05, target + 1.0)
         ax.set_title(f"failure rate {rate.label}")
         ax.set_xlabel("wall-clock since the first step (s)")
         ax.grid(alpha=0.3)
