@@ -12,11 +12,12 @@ manifest against itself before using them. Never decides when to checkpoint (the
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from elastic_llm.files import write_atomic
 
 MARKER = "COMMITTED"
 
@@ -30,15 +31,8 @@ def step_dir(root: str | Path, step: int) -> Path:
 
 
 def _write(path: Path, data: bytes | np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        if isinstance(data, np.ndarray):
-            data.tofile(f)
-        else:
-            f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """All or nothing, on disk before the rename (a checkpoint must survive a crash)."""
+    write_atomic(path, "wb", (lambda f: data.tofile(f)) if isinstance(data, np.ndarray) else (lambda f: f.write(data)), fsync=True)
 
 
 def write_stage(root: str | Path, step: int, stage: int, replica: int, buffer: np.ndarray, manifest: str) -> int:

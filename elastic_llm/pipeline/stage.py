@@ -120,7 +120,7 @@ class StageWorker:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.mirror: np.ndarray | None = None  # CheckFree+: the neighbour's embedding / head, flat
         self.mirror_step = -1
-        self.shadow: Shadow | None = Shadow(self.cfg, (stage + 1) % par.stages) if self.cfg.recovery.mode == "redundant" else None
+        self.shadow: Shadow | None = Shadow(self.cfg, (stage + 1) % par.stages, self.device) if self.cfg.recovery.mode == "redundant" else None
         self.last_grad_norm = 0.0
         self.step_count = 0
         # Lazy asynchronous snapshots: step(snapshot=...) starts copying the updated state into the
@@ -497,23 +497,23 @@ class Shadow:
     and its own AdamW, fed the same inputs and output gradients as the real stage, so it stays
     bit-identical to it and replaces it when it is lost. The compute it costs is real."""
 
-    def __init__(self, cfg: RunConfig, stage: int) -> None:
+    def __init__(self, cfg: RunConfig, stage: int, device: torch.device) -> None:
         from elastic_llm.snapshot.state import StateArena
 
-        self.cfg, self.stage = cfg, stage
+        self.cfg, self.stage, self.device = cfg, stage, device
         self.last = stage == cfg.parallel.stages - 1
-        self.module = build_stage(cfg.model.shape(), cfg.parallel.stages, stage, cfg.train.seed)
+        self.module = build_stage(cfg.model.shape(), cfg.parallel.stages, stage, cfg.train.seed).to(device)
         self.optimizer, self.scheduler = build_optimizer(self.module, cfg.train)
         self.arena = StateArena(self.module, self.optimizer)
         self.outputs: dict[int, torch.Tensor] = {}
         self.buffer = np.zeros(self.arena.layout.nbytes, dtype=np.uint8)
 
     def forward(self, mb: int, x: torch.Tensor, targets: np.ndarray | None, n_micro: int) -> None:
-        out = self.module(x)
+        out = self.module(x.to(self.device))
         if self.last:
             if targets is None:
                 raise ValueError("the redundant copy of the last stage needs the targets")
-            out = lm_loss(out, torch.from_numpy(np.asarray(targets))) / n_micro
+            out = lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)) / n_micro
         self.outputs[mb] = out
 
     def backward(self, grads: tuple[np.ndarray, ...], n_micro: int) -> None:
@@ -522,7 +522,7 @@ class Shadow:
             if self.last:
                 out.backward()
             else:
-                out.backward(torch.from_numpy(np.asarray(grads[mb])))
+                out.backward(torch.from_numpy(np.asarray(grads[mb])).to(self.device))
 
     def step(self, clip: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
