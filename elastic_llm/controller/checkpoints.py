@@ -33,6 +33,7 @@ class CheckpointExecutor:
         self._tmp = None if root else tempfile.TemporaryDirectory(prefix="elastic-llm-ckpt-")
         self.root = root or self._tmp.name
         self.stats = CheckpointStats()
+        self._latest = files.latest(self.root)  # this executor writes every checkpoint: kept in memory, not re-read each step
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -45,6 +46,7 @@ class CheckpointExecutor:
         calls = [self.group.actor(k).save_checkpoint.remote(self.root, step) for k in self.group.keys()]
         self.stats.nbytes += sum(ray.get(calls, timeout=COPY_S))
         files.commit(self.root, step, data_position)
+        self._latest = (step, dict(data_position))
         seconds = time.perf_counter() - t0
         self.stats.saved += 1
         self.stats.seconds += seconds
@@ -52,7 +54,8 @@ class CheckpointExecutor:
         return seconds
 
     def latest(self) -> tuple[int, dict[str, int]] | None:
-        return files.latest(self.root)
+        """(step, data position) of the newest committed checkpoint."""
+        return self._latest
 
     def restore(self, step: int) -> None:
         """Every stage loads checkpoint ``step``."""

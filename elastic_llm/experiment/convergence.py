@@ -6,6 +6,10 @@ loop is the product's), the mapping of the paper's failure rates to per-step pro
 and the fix), the grid of cells (the ``none`` baseline once, rate-independent), the target loss,
 the numbers of a row and the Markdown of ``results.md``.
 Pure: never imports Ray or matplotlib, never reads a clock and never does I/O.
+
+Why ~500 lines: it is the whole experiment except running cells and drawing: parsing and
+checking every option, the grid, target and rows, where each cell's time went, and the report;
+kept together so that everything a results file says is computed in one pure, tested place.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ head (CheckFree+), rebuilding itself from neighbours' layers (CheckFree), a trai
 successor stage (``redundant``), and writing / reading checkpoint files (``checkpoint``).
 
 Never decides anything about the run: the controller tells it what to do, in which order.
+
+Why ~500 lines: every method here is a remote call the controller makes on a stage actor (Ray
+exposes methods of the actor class only), grouped by the job they serve: one microbatch, the
+optimizer step, snapshot copies, restore, CheckFree, the redundant copy (its module and optimizer
+live in :mod:`elastic_llm.pipeline.redundant`) and checkpoint files (:mod:`elastic_llm.checkpoint`).
 The class is plain Python so tests can drive it in-process; the controller wraps it in
 ``ray.remote``.
 """
@@ -31,6 +36,7 @@ import torch
 from elastic_llm.config import RunConfig, TrainConfig, config_from_dict
 from elastic_llm.model import build_stage, lm_loss
 from elastic_llm.pipeline.copies import BackgroundCopies
+from elastic_llm.pipeline.redundant import Shadow
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
 
@@ -490,58 +496,3 @@ class StageWorker:
 
     def grad_norm(self) -> float:
         return self.last_grad_norm
-
-
-class Shadow:
-    """A trained copy of another stage (``recovery.mode: redundant``, after Bamboo): its layers
-    and its own AdamW, fed the same inputs and output gradients as the real stage, so it stays
-    bit-identical to it and replaces it when it is lost. The compute it costs is real."""
-
-    def __init__(self, cfg: RunConfig, stage: int, device: torch.device) -> None:
-        from elastic_llm.snapshot.state import StateArena
-
-        self.cfg, self.stage, self.device = cfg, stage, device
-        self.last = stage == cfg.parallel.stages - 1
-        self.module = build_stage(cfg.model.shape(), cfg.parallel.stages, stage, cfg.train.seed).to(device)
-        self.optimizer, self.scheduler = build_optimizer(self.module, cfg.train)
-        self.arena = StateArena(self.module, self.optimizer)
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.buffer = np.zeros(self.arena.layout.nbytes, dtype=np.uint8)
-
-    def forward(self, mb: int, x: torch.Tensor, targets: np.ndarray | None, n_micro: int) -> None:
-        out = self.module(x.to(self.device))
-        if self.last:
-            if targets is None:
-                raise ValueError("the redundant copy of the last stage needs the targets")
-            out = lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)) / n_micro
-        self.outputs[mb] = out
-
-    def backward(self, grads: tuple[np.ndarray, ...], n_micro: int) -> None:
-        for mb in range(n_micro):
-            out = self.outputs.pop(mb)
-            if self.last:
-                out.backward()
-            else:
-                out.backward(torch.from_numpy(np.asarray(grads[mb])).to(self.device))
-
-    def step(self, clip: float) -> None:
-        torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-
-    def reset(self) -> None:
-        self.outputs.clear()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def capture(self, step: int, config_hash: str) -> tuple[np.ndarray, str]:
-        from elastic_llm.snapshot import state as st
-
-        self.arena.capture(self.buffer)
-        return self.buffer, st.make_manifest(self.arena.layout, st.json_state(self.optimizer, self.scheduler, step, None, config_hash), self.stage)
-
-    def load(self, buffer: np.ndarray, manifest: str, config_hash: str) -> int:
-        from elastic_llm.snapshot import state as st
-
-        m = st.restore([(0, np.asarray(buffer))], st.parse_manifest(manifest), self.arena, self.optimizer, self.scheduler, config_hash, self.stage)
-        return int(m["step"])

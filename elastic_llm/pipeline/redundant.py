@@ -1,0 +1,71 @@
+"""The redundant copy of another stage (``recovery.mode: redundant``, after Bamboo).
+
+Owns: the copy's layers and its own AdamW, its forward on the inputs the real stage gets, its
+backward on the gradients the real stage gets (in microbatch order), its update, and packing its
+state as a snapshot of that stage so the copy can be promoted. Never talks to Ray: the stage actor
+that holds it calls it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from elastic_llm.config import RunConfig
+from elastic_llm.model import build_stage, lm_loss
+
+
+class Shadow:
+    """A trained copy of another stage (``recovery.mode: redundant``, after Bamboo): its layers
+    and its own AdamW, fed the same inputs and output gradients as the real stage, so it stays
+    bit-identical to it and replaces it when it is lost. The compute it costs is real."""
+
+    def __init__(self, cfg: RunConfig, stage: int, device: torch.device) -> None:
+        from elastic_llm.pipeline.stage import build_optimizer  # stage.py imports this module
+        from elastic_llm.snapshot.state import StateArena
+
+        self.cfg, self.stage, self.device = cfg, stage, device
+        self.last = stage == cfg.parallel.stages - 1
+        self.module = build_stage(cfg.model.shape(), cfg.parallel.stages, stage, cfg.train.seed).to(device)
+        self.optimizer, self.scheduler = build_optimizer(self.module, cfg.train)
+        self.arena = StateArena(self.module, self.optimizer)
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.buffer = np.zeros(self.arena.layout.nbytes, dtype=np.uint8)
+
+    def forward(self, mb: int, x: torch.Tensor, targets: np.ndarray | None, n_micro: int) -> None:
+        out = self.module(x.to(self.device))
+        if self.last:
+            if targets is None:
+                raise ValueError("the redundant copy of the last stage needs the targets")
+            out = lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)) / n_micro
+        self.outputs[mb] = out
+
+    def backward(self, grads: tuple[np.ndarray, ...], n_micro: int) -> None:
+        for mb in range(n_micro):
+            out = self.outputs.pop(mb)
+            if self.last:
+                out.backward()
+            else:
+                out.backward(torch.from_numpy(np.asarray(grads[mb])).to(self.device))
+
+    def step(self, clip: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def reset(self) -> None:
+        self.outputs.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def capture(self, step: int, config_hash: str) -> tuple[np.ndarray, str]:
+        from elastic_llm.snapshot import state as st
+
+        self.arena.capture(self.buffer)
+        return self.buffer, st.make_manifest(self.arena.layout, st.json_state(self.optimizer, self.scheduler, step, None, config_hash), self.stage)
+
+    def load(self, buffer: np.ndarray, manifest: str, config_hash: str) -> int:
+        from elastic_llm.snapshot import state as st
+
+        m = st.restore([(0, np.asarray(buffer))], st.parse_manifest(manifest), self.arena, self.optimizer, self.scheduler, config_hash, self.stage)
+        return int(m["step"])
