@@ -1,4 +1,4 @@
-"""Command line: ``elastic-llm train | prepare | replay | experiment | bench``.
+"""Command line: ``elastic-llm train | prepare | replay | experiment | checkpoints | export | bench``.
 
 Owns: argument parsing and turning user errors into one clear message and exit code 2.
 Everything else is delegated (controller, data, bench).
@@ -27,7 +27,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
     cfg = load_config(args.config, overrides)
-    trainer = Trainer(cfg, address=args.address, metrics_out=args.metrics_out, progress=not args.no_progress, dashboard=args.dashboard)
+    trainer = Trainer(cfg, address=args.address, metrics_out=args.metrics_out, progress=not args.no_progress, dashboard=args.dashboard, resume=args.resume)
     try:
         history = trainer.fit()
     finally:
@@ -121,6 +121,52 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    from elastic_llm.durable.format import Checkpoint, list_checkpoints, open_checkpoint
+    from elastic_llm.durable.storage import Storage
+
+    if args.action == "list":
+        run = Storage(args.uri)
+        entries = list_checkpoints(run)
+        if not entries and not run.is_dir():
+            print(f"error: {run.display()} does not exist: give a run directory of durable checkpoints", file=sys.stderr)
+            return EXIT_USAGE
+        for e in entries:
+            size = ""
+            if e.committed:
+                ck = Checkpoint(run, e.name)
+                size = f"{sum(f['nbytes'] for f in ck.manifest['files'].values()) / 1e6:.1f} MB, width {ck.manifest.get('width')}"
+            print(json.dumps({"checkpoint": run.display(e.name), "step": e.step, "committed": e.committed, "size": size, "problem": e.problem}))
+        return 0
+    ck = open_checkpoint(args.uri)
+    print(json.dumps(ck.verify()))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from elastic_llm.durable.format import TOKENIZER, open_checkpoint
+    from elastic_llm.export import write_hf
+    from elastic_llm.model import ModelShape
+
+    ck = open_checkpoint(args.checkpoint)
+    m = ck.manifest["model"]
+    shape = ModelShape(
+        vocab_size=m["vocab_size"], dim=m["dim"], n_heads=m["n_heads"], n_layers=m["n_layers"], seq_len=m["seq_len"],
+        ffn_hidden=m["ffn_hidden"] or 4 * m["dim"], norm_eps=m["norm_eps"], rope_theta=m["rope_theta"],
+    )
+    tensors = ck.model_tensors()
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = None
+        if ck.manifest.get("tokenizer_file"):
+            tok = Path(tmp) / TOKENIZER
+            tok.write_bytes(ck.storage.read_bytes(f"{ck.name}/{TOKENIZER}"))
+        out = write_hf(shape, tensors, args.out, tokenizer_file=tok)
+    print(json.dumps({"out": str(out), "step": ck.step, "parameters": sum(t.numel() for t in tensors.values()), "tokenizer": tok is not None}))
+    return 0
+
+
 def _import_benchmark(what: str) -> ModuleType | None:
     """``benchmarks.<what>`` of the source checkout: the benchmarks are not installed with the
     package. Looks in the current directory, then next to the ``elastic_llm`` package (an
@@ -151,6 +197,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 12, overrides=args.set or [])
     elif args.what == "erasure":
         result = bench.run_erasure_bench(size_mib=args.size_mib)
+    elif args.what == "durable":
+        result = bench.run_durable_bench(args.config or "jobs/tiny.yaml", overrides=args.set or [])
     elif args.what == "recovery":
         result = bench.run_recovery_bench([args.config] if args.config else None, overrides=args.set or [])
     else:  # argparse restricts choices
@@ -177,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. --set train.lr=3e-4")
     t.add_argument("--dashboard", action="store_true", help="start the Ray dashboard on 127.0.0.1:8265 (embedded Ray)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--resume", metavar="URI_OR_RUN_DIR", help="start from a durable checkpoint (a checkpoint_* directory, or a run directory: its newest committed one)")
     t.set_defaults(func=cmd_train)
 
     pr = sub.add_parser("prepare", help="tokenize text into Parquet shards (default: the Python standard library)")
@@ -218,8 +267,19 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--no-progress", action="store_true", help="no progress bars")
     cv.set_defaults(func=cmd_experiment)
 
+    ck = sub.add_parser("checkpoints", help="list or verify durable checkpoints (local directory or URI)")
+    ck.add_argument("action", choices=["list", "verify"], help="list: every checkpoint of a run directory; verify: read and check every tensor of one")
+    ck.add_argument("uri", help="run directory (list), or checkpoint / run directory (verify: its newest committed checkpoint)")
+    ck.set_defaults(func=cmd_checkpoints)
+
+    exp = sub.add_parser("export", help="export a durable checkpoint to another format")
+    exp.add_argument("checkpoint", help="checkpoint directory, or a run directory (its newest committed checkpoint)")
+    exp.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face LlamaForCausalLM (config.json, model.safetensors, tokenizer)")
+    exp.add_argument("--out", required=True, help="new directory to write (must not exist or be empty)")
+    exp.set_defaults(func=cmd_export)
+
     b = sub.add_parser("bench", help="benchmarks against real peers (from the root of a source checkout)")
-    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery"])
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
     b.add_argument("--steps", type=int, default=None, help="timed steps per system (default: 6 for pipeline, 12 for snapshot)")
@@ -233,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_llm.config import ConfigError
     from elastic_llm.controller import PlacementError, RunFailed, loopback_env
     from elastic_llm.data import DataError
+    from elastic_llm.durable.format import DurableError
+    from elastic_llm.durable.storage import StorageError
     from elastic_llm.recovery.policy import UnrecoverableError
     from elastic_llm.snapshot.layout import LayoutError
     from elastic_llm.snapshot.state import SnapshotFormatError
@@ -247,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
-    except (ConfigError, DataError, PlacementError, LayoutError) as e:
+    except (ConfigError, DataError, PlacementError, LayoutError, DurableError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as e:  # the controller already logged the reason; repeat it as the last word

@@ -104,7 +104,8 @@ class DataConfig:
 @dataclass
 class SnapshotConfig:
     enabled: bool = True
-    every: int = 1  # snapshot every N steps
+    every: int | str = 1  # snapshot every N steps, or "auto": the smallest N whose measured cost stays under max_overhead_pct
+    max_overhead_pct: float = 2.0  # every: auto: training time the snapshots may cost, in percent
     group_size: int = 4  # nodes per erasure group (fewer nodes: one group of all of them)
     parity: int = 1  # parity chunks per codeword = nodes of a group that may be lost at once
     codec: str = "auto"  # auto | isal | numpy
@@ -120,6 +121,16 @@ class RecoveryConfig:
     mode: str = "lossless"  # one of RECOVERY_MODES; only lossless takes snapshots
     checkpoint_every: int = 100  # mode checkpoint: a checkpoint every this many steps
     checkpoint_dir: str | None = None  # mode checkpoint: where (None: a fresh temporary directory per run)
+
+
+@dataclass
+class DurableConfig:
+    storage_path: str | None = None  # local directory or pyarrow URI (s3://bucket/dir?endpoint_override=..., gs://, hdfs://); None: no durable tier
+    every: int | str = 50  # flush every N-th committed snapshot, or "auto" (Young/Daly from the flush cost and the observed failure rate)
+    keep_last: int = 3  # committed checkpoints kept in {storage_path}/{run_name}; older ones are deleted (never the newest)
+    run_name: str | None = None  # directory under storage_path (None: the run's name)
+    mtbf_h: float = 24.0  # every: auto: mean time between failures assumed until the run has seen failures of its own
+    max_write_mb_s: float = 0.0  # throttle each manager's flush writes to this many MB/s (0: as fast as storage takes them)
 
 
 @dataclass
@@ -166,6 +177,7 @@ class ChaosConfig:
     failure_rate_per_hour: float = 0.0  # or: probability that a stage fails within an hour (0.1 = 10%), per step from the measured step time
     failure_seed: int = 0  # the failure schedule's seed: same seed, same (step, stage) failures in every run
     failure_how: str = "ray_kill"  # ray_kill | sigkill
+    snapshot_delay_s: float = 0.0  # every stage's snapshot copy takes this much longer (a snapshot of known cost, for snapshot.every: auto)
 
 
 @dataclass
@@ -179,6 +191,7 @@ class RunConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     checkfree: CheckFreeConfig = field(default_factory=CheckFreeConfig)
+    durable: DurableConfig = field(default_factory=DurableConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -187,7 +200,7 @@ class RunConfig:
     def config_hash(self) -> str:
         """Hash of everything that shapes the trained state (not of run length or naming)."""
         d = self.to_dict()
-        for section in ("name", "snapshot", "recovery", "elastic", "checkfree", "chaos"):
+        for section in ("name", "snapshot", "recovery", "elastic", "checkfree", "durable", "chaos"):
             d.pop(section)
         d["parallel"].pop("dp")  # the width may change while training: the global batch fixes the math
         d["train"].pop("max_steps")
@@ -285,8 +298,11 @@ def _validate(c: RunConfig) -> list[str]:
     if d.tokenizer == "byte" and m.vocab_size < 256:
         p.append(f"model.vocab_size={m.vocab_size} is too small for data.tokenizer='byte': use 256 or more")
     sn = c.snapshot
-    if sn.every < 1:
-        p.append(f"snapshot.every={sn.every} must be >= 1 (or set snapshot.enabled=false)")
+    if sn.every != "auto" and (isinstance(sn.every, str) or sn.every < 1):
+        p.append(f"snapshot.every={sn.every!r} must be an integer >= 1 or auto (or set snapshot.enabled=false)")
+    if sn.max_overhead_pct <= 0:
+        p.append(f"snapshot.max_overhead_pct={sn.max_overhead_pct} must be > 0 (percent of training time; default 2)")
+    p += _validate_durable(c)
     if sn.max_lag < 1:
         p.append(f"snapshot.max_lag={sn.max_lag} must be >= 1")
     if sn.parity < 1:
@@ -321,6 +337,29 @@ def _validate(c: RunConfig) -> list[str]:
             p.append(f"{where}.node={ev.node}: a node index (>= 0) only goes with kill: node or kill: smp")
     if not 0 < d.val_fraction < 1:
         p.append(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    return p
+
+
+def _validate_durable(c: RunConfig) -> list[str]:
+    p: list[str] = []
+    du = c.durable
+    if du.every != "auto" and (isinstance(du.every, str) or du.every < 1):
+        p.append(f"durable.every={du.every!r} must be an integer >= 1 (flush every N-th committed snapshot) or auto")
+    if du.keep_last < 1:
+        p.append(f"durable.keep_last={du.keep_last} must be >= 1 (the newest committed checkpoint is always kept)")
+    if du.mtbf_h <= 0:
+        p.append(f"durable.mtbf_h={du.mtbf_h} must be > 0 hours")
+    if du.max_write_mb_s < 0:
+        p.append(f"durable.max_write_mb_s={du.max_write_mb_s} must be >= 0 (0: no throttle)")
+    if du.run_name is not None and (not du.run_name or "/" in du.run_name or du.run_name in (".", "..")):
+        p.append(f"durable.run_name={du.run_name!r} must be one directory name (no '/'), or null for the run's name")
+    if du.storage_path is not None and not du.storage_path.strip():
+        p.append("durable.storage_path is empty: give a directory or URI, or null for no durable tier")
+    if du.storage_path and not c.snapshots_on:
+        p.append(
+            f"durable.storage_path is set but the run takes no snapshots (recovery.mode={c.recovery.mode}, snapshot.enabled={c.snapshot.enabled}): "
+            "the durable tier flushes committed snapshots; use recovery.mode lossless with snapshots on"
+        )
     return p
 
 
@@ -406,6 +445,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if isinstance(value, str) and str in inner:
+            return value
         return _coerce(value, inner[0], where)
     if origin is list:
         if not isinstance(value, list):

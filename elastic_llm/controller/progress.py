@@ -29,6 +29,10 @@ class ProgressBar:
         post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "dp": record.get("dp", 1), "state": state}
         if "val_loss" in record:
             post["val"] = f"{record['val_loss']:.3f}"
+        if "snapshot_every" in record:  # snapshot.every: auto
+            post["snap/"] = record["snapshot_every"]
+        if "durable_every" in record:
+            post["durable/"] = record["durable_every"]
         self.bar.set_postfix(post, refresh=False)
         self.bar.n = record["step"]
         self.bar.refresh()

@@ -6,7 +6,7 @@ what completed and drop the versions in flight, then look (once) at nodes, actor
 managers and return a frozen :class:`Observation`. Then :meth:`RecoveryExecutor.execute`:
 replace dead managers and lost actors, and restore state from the plan's sources (own copies,
 snapshot managers, parity, data-parallel peers, the neighbours for CheckFree, the predecessor's
-redundant copy, checkpoint files). Never decides: the plan comes from the pure
+redundant copy, checkpoint files, the durable tier). Never decides: the plan comes from the pure
 :class:`~elastic_llm.recovery.policy.RecoveryPolicy`. A failure inside either step propagates;
 the controller observes again and re-plans.
 """
@@ -51,6 +51,7 @@ def build_observation(
     mode: str = "lossless",
     mirrors: bool = False,
     checkpoint: int | None = None,
+    durable: int | None = None,
 ) -> Observation:
     """Assemble the policy's input from what was seen (pure)."""
     members = tuple(Member(k.stage, k.replica, nodes.get(k, ""), steps[k] is not None, steps[k]) for k in sorted(steps))
@@ -69,6 +70,7 @@ def build_observation(
         mode=mode,
         mirrors=mirrors,
         checkpoint=checkpoint,
+        durable=durable,
     )
 
 
@@ -80,6 +82,7 @@ class ModeOptions:
     mirrors: bool = False
     lr_scale: float = 1.1
     checkpoints: CheckpointExecutor | None = None
+    durable: Any = None  # DurableTier: the newest durable checkpoint, the last rung before CheckFree
 
 
 class RecoveryExecutor:
@@ -106,9 +109,10 @@ class RecoveryExecutor:
             dead_managers = sn.dead_managers(alive_nodes)
         o = self.options
         ckpt = o.checkpoints.latest() if o.checkpoints is not None else None
+        durable = o.durable.latest() if o.durable is not None else None
         return build_observation(
             steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, self._unplaceable(steps, alive_nodes),
-            o.mode, o.mirrors, ckpt[0] if ckpt else None,
+            o.mode, o.mirrors, ckpt[0] if ckpt else None, durable[0] if durable else None,
         )
 
     def _unplaceable(self, steps: dict[ShardKey, int | None], alive_nodes: set[str]) -> frozenset[int]:
@@ -132,8 +136,10 @@ class RecoveryExecutor:
             self.group.replace(lost)
             if plan.drop_replicas:
                 self.group.set_width()
-            if plan.rollback_to is not None and obs.mode == "checkpoint":
+            if plan.rollback_to is not None and plan.rollback_from == "checkpoint":
                 return self._from_checkpoint(plan, step)
+            if plan.rollback_to is not None and plan.rollback_from == "durable":
+                return self._from_durable(plan, step)
             if plan.rollback_to is not None:
                 sources, own = self._roll_back(plan, lost, obs)
                 rec = self.snapshots.committed if self.snapshots else None
@@ -161,6 +167,27 @@ class RecoveryExecutor:
         ck.restore(plan.rollback_to)
         sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
         return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, 0, latest[1])
+
+    def _from_durable(self, plan: RecoveryPlan, step: int) -> RecoveryOutcome:
+        """Every stage loads the newest durable checkpoint (each reads its own tensors from
+        storage); the snapshot versions held in memory are newer than it and are forgotten."""
+        import ray
+
+        tier = self.options.durable
+        assert tier is not None and plan.rollback_to is not None, "a durable rollback needs the durable tier"
+        latest = tier.latest()
+        if latest is None or latest[0] != plan.rollback_to:
+            raise RuntimeError(f"durable checkpoint of step {plan.rollback_to} is not the newest committed one ({latest})")
+        tier.reset()
+        if self.snapshots is not None:
+            self.snapshots.forget_all()
+        from elastic_llm.durable.format import Checkpoint
+
+        ck = Checkpoint(tier.run, latest[1])
+        calls = [self.group.actor(k).load_durable.remote(tier.run.uri, latest[1]) for k in self.group.keys()]
+        ray.get(calls, timeout=RESTORE_S)
+        sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
+        return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, 0, ck.manifest.get("data_position"))
 
     def _roll_back(self, plan: RecoveryPlan, lost: list[ShardKey], obs: Observation) -> tuple[tuple[tuple[ShardKey, str], ...], int]:
         """Every actor restores the committed version: survivors whose own background copy is

@@ -6,8 +6,9 @@ Each state has one handler that returns the next state; the decisions are pure (
 functions, :class:`FailurePolicy`, :class:`RecoveryPolicy`) and the side effects are done by
 small executors: :class:`ActorGroup` (placement, actors), :class:`RecoveryExecutor` (observe,
 carry out a plan), :class:`ElasticExecutor` (grow, evacuate draining nodes, shrink),
-:class:`SnapshotCoordinator` (snapshot timing and versions) and :class:`Chaos` (fault
-injection, one hook). After every step the controller looks (cheaply) at Ray's draining nodes
+:class:`SnapshotCoordinator` (snapshot timing and versions), :class:`DurableTier` (flushes to
+durable storage, in the background) and :class:`Chaos` (fault injection, one hook). A run
+started with ``resume`` loads a durable checkpoint into its fresh actors before the first step. After every step the controller looks (cheaply) at Ray's draining nodes
 and, every ``elastic.grow_check_s``, for room for another replica.
 Never computes model math (stage actors do, driven by :class:`PipelineRunner`), never decides a
 recovery inline, and never waits without a deadline.
@@ -58,12 +59,16 @@ from elastic_llm.controller.states import (
     while_waiting,
 )
 from elastic_llm.data import TokenStream, open_run_data
+from elastic_llm.durable.format import Checkpoint, open_checkpoint
+from elastic_llm.durable.restore import check_fits
+from elastic_llm.durable.tier import DurableTier
 from elastic_llm.model import count_parameters
 from elastic_llm.pipeline.runner import PipelineRunner, StepFailed, StepResult
 from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
 from elastic_llm.recovery.policy import RecoveryPolicy, UnrecoverableError
 
 WAIT_POLL_S = 1.0  # how often the cluster is looked at while waiting for capacity
+RESUME_S = 600.0  # longest the stages may take to load a durable checkpoint
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class Trainer:
         progress: bool = False,
         dashboard: bool = False,
         cluster: Any = None,
+        resume: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.address = address
@@ -128,6 +134,7 @@ class Trainer:
         self.recovery: RecoveryExecutor | None = None
         self.elastic: ElasticExecutor | None = None
         self.checkpoints: CheckpointExecutor | None = None  # recovery.mode: checkpoint
+        self.durable: DurableTier | None = None  # durable.storage_path
         self.failures = 0  # failed steps (each one recovered, or the run stopped)
         self.stop_requested = False
         self.drains_seen: set[str] = set()  # draining nodes already acted on
@@ -146,6 +153,11 @@ class Trainer:
         self.bar = ProgressBar(progress, cfg.name)
         self._last_report = 0.0
         self._load_data()
+        self.resume_from: Checkpoint | None = None
+        if resume:  # checked now (JSON only), before any actor starts: a wrong checkpoint is refused at once
+            self.resume_from = open_checkpoint(resume)
+            for warning in check_fits(self.resume_from, cfg):
+                log(f"warning: {warning}")
 
     @property
     def actors(self) -> list[list[Any]]:
@@ -169,6 +181,9 @@ class Trainer:
 
             self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE, self.run_id)
             self.snapshots.ensure_managers()
+            if self.cfg.durable.storage_path:
+                self.durable = DurableTier(self.cfg, self.snapshots, str(self.data_dir), self.metrics)
+                self.snapshots.durable = self.durable
         if self.group is None:
             self.group = ActorGroup(self.cfg, self.run_id)
         self.group.place()
@@ -183,7 +198,9 @@ class Trainer:
         if c.recovery.mode == "checkpoint" and self.checkpoints is None:
             self.checkpoints = CheckpointExecutor(self.group, c.recovery.checkpoint_every, c.recovery.checkpoint_dir)
             self._checkpoint(0)  # a failure before the first periodic checkpoint rolls back to the start
-        options = ModeOptions(c.recovery.mode, c.mirrors, c.checkfree.lr_scale, self.checkpoints)
+        if self.resume_from is not None:
+            self._resume(self.resume_from)
+        options = ModeOptions(c.recovery.mode, c.mirrors, c.checkfree.lr_scale, self.checkpoints, self.durable)
         self.recovery = RecoveryExecutor(self.group, self.snapshots, c.snapshot.parity, min_width, options)
         self.elastic = ElasticExecutor(self.group, self.snapshots, min_width, c)
         self._new_runner()
@@ -199,6 +216,24 @@ class Trainer:
             ],
             data_dir=str(self.data_dir),
         )
+
+    def _resume(self, ck: Checkpoint) -> None:
+        """Every stage loads its layers from the durable checkpoint ``ck`` (whatever width or stage
+        count wrote it); the step counter and the data stream continue from it."""
+        import ray
+
+        assert self.group is not None
+        t = time.perf_counter()
+        calls = [self.group.actor(k).load_durable.remote(ck.storage.uri, ck.name) for k in self.group.keys()]
+        ray.get(calls, timeout=RESUME_S)
+        self.resume_from = None
+        self.step = self.committed_high = ck.step
+        self.tokens_seen = self.step * self.cfg.tokens_per_step()
+        if ck.manifest.get("data_position"):
+            self.stream.load_state_dict(ck.manifest["data_position"])
+        seconds = time.perf_counter() - t
+        log(f"resumed from {ck.uri} at step {ck.step} ({ck.manifest.get('width')} replica(s) x {ck.manifest.get('stages')} stages then) in {seconds:.1f} s")
+        self.metrics.event("resume", step=ck.step, path=ck.uri, seconds=seconds, width_then=ck.manifest.get("width"), stages_then=ck.manifest.get("stages"))
 
     def _new_runner(self) -> None:
         assert self.group is not None
@@ -257,8 +292,16 @@ class Trainer:
 
     def _finish_step(self, step: int, result: StepResult, ts: float) -> dict[str, Any]:
         """Count ``step`` as done: step counter, validation, the step's record."""
+        now = time.perf_counter()
         if self.snapshots is not None:
             self.snapshots.poll()
+            self.snapshots.observe_step(now - ts)
+            for change in self.snapshots.changes:
+                self.metrics.event("snapshot_every", step=step, **change)
+            self.snapshots.changes.clear()
+        if self.durable is not None:
+            self.durable.observe(now - ts, now - (self._t0 or now), self.failures)
+            self.durable.poll()
         self.step = step
         self._refresh_mirrors()
         if self.checkpoints is not None and self.checkpoints.due(step):
@@ -280,6 +323,10 @@ class Trainer:
             "grad_norm": max(result.grad_norms),
             "dp": self.group.width,
         }
+        if self.snapshots is not None and self.snapshots.auto:
+            record["snapshot_every"] = self.snapshots.every
+        if self.durable is not None:
+            record["durable_every"] = self.durable.every
         ev = self.cfg.train.eval_every
         if ev and (step % ev == 0 or step == self.end):
             record["val_loss"] = self.evaluate()
@@ -336,6 +383,8 @@ class Trainer:
             raise (RunUnrecoverable if self.state.exit_code == 3 else RunFailed)(self.state)
         if self.snapshots is not None:
             self.snapshots.poll(block=True)
+        if self.durable is not None:
+            self.durable.finish()
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
         self.metrics.event("end", step=self.step, tokens=self.tokens_seen, elapsed_s=elapsed, seconds_by_state=self.seconds_by_state)
         return self.history

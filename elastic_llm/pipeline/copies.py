@@ -46,8 +46,9 @@ class BackgroundCopies:
     """Copies of ``arena`` (a :class:`~elastic_llm.snapshot.state.StateArena`) made off the
     training thread; the next optimizer step calls :meth:`wait` before it writes the tensors."""
 
-    def __init__(self, arena: Any, device: torch.device, name: str) -> None:
+    def __init__(self, arena: Any, device: torch.device, name: str, delay_s: float = 0.0) -> None:
         self.arena = arena
+        self.delay_s = delay_s
         self.device = device
         self.buffers: list[np.ndarray] = []
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-copy-{name}")
@@ -98,6 +99,8 @@ class BackgroundCopies:
     def _copy(self, buf: np.ndarray, lo: int, hi: int, after: Any = None) -> float:
         t = time.perf_counter()
         self.arena.capture(buf, lo, hi, after)
+        if self.delay_s:
+            time.sleep(self.delay_s)  # chaos.snapshot_delay_s: a snapshot of known cost
         return time.perf_counter() - t
 
     def take(self, version: int, who: str) -> tuple[Copy, float]:

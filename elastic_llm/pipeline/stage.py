@@ -132,7 +132,7 @@ class StageWorker:
         # Lazy asynchronous snapshots: step(snapshot=...) starts copying the updated state into the
         # reused buffer on a background thread while the next forward/backward run; the next
         # step() waits for it only if it is unfinished. A snapshot manager collects the copy.
-        self.copies = BackgroundCopies(self.arena, self.device, f"{stage}-{replica}")
+        self.copies = BackgroundCopies(self.arena, self.device, f"{stage}-{replica}", self.cfg.chaos.snapshot_delay_s)
         self.injected_error: str | None = None  # chaos: every forward raises this from now on
 
     # ------------------------------------------------------------------ one microbatch
@@ -458,6 +458,22 @@ class StageWorker:
 
         data, manifest = read_stage(root, step, self.stage, self.replica)
         return self.load_state(data, manifest)
+
+    def load_durable(self, run_uri: str, name: str) -> int:
+        """Restore this stage from durable checkpoint ``name`` of the run at ``run_uri``: its
+        layers' tensors by global name (any data-parallel width or stage count wrote them), every
+        tensor checked against its CRC-32 first. Returns the step."""
+        import json
+
+        from elastic_llm.durable.format import Checkpoint
+        from elastic_llm.durable.restore import stage_state
+        from elastic_llm.durable.storage import Storage
+
+        self.copies.wait()
+        layout = self.arena.layout
+        buf = self.copies.buffer(2)
+        m = stage_state(Checkpoint(Storage(run_uri), name), layout.entries, layout.nbytes, self.module.layer_ids, self.stage, self.replica, self.cfg.config_hash(), buf)
+        return self.load_parts(json.dumps(m), [0], buf)
 
     def set_width(self, replica: int, dp: int) -> int:
         """The run resized: this actor is now replica ``replica`` of ``dp``. Changes no state, only

@@ -14,7 +14,9 @@ narrower; the remaining replicas are renumbered 0..w-1 and the plan speaks of th
 1. the stage process died, its node and snapshot manager live: restore from the local manager;
 2. a data-parallel peer of the lost replica is alive: copy its state;
 3. the node is lost, at most m nodes of its erasure group are lost: rebuild from parity;
-4. otherwise nothing lossless survives: every lost stage without a peer is rebuilt from its
+4. no in-memory copy survives but a durable checkpoint exists: everyone rolls back to it
+   (lossless to that step; the plan's reason says why the snapshot could not serve);
+5. otherwise nothing lossless survives: every lost stage without a peer is rebuilt from its
    neighbours (CheckFree, lossy, no rollback), the plan's reason says why; only when that is
    impossible too (a neighbour lost as well) :class:`UnrecoverableError` names what was lost.
 
@@ -61,6 +63,7 @@ class Observation:
     mode: str = "lossless"  # recovery.mode
     mirrors: bool = False  # embedding / LM head mirrored on the neighbouring stages
     checkpoint: int | None = None  # mode checkpoint: the newest checkpoint's step (0: the initial state)
+    durable: int | None = None  # the newest committed durable checkpoint's step (None: none)
 
     @property
     def n_stages(self) -> int:
@@ -71,7 +74,7 @@ class Observation:
 class Action:
     stage: int
     replica: int
-    source: str  # local_smp | dp_peer | parity | checkfree | checkfree_plus | redundant | checkpoint
+    source: str  # local_smp | dp_peer | parity | checkfree | checkfree_plus | redundant | checkpoint | durable
     peer: int | None = None  # replica to copy from, for dp_peer
     donors: tuple[ShardKey, ...] = ()  # checkfree: (next, prev); checkfree_plus: (neighbour,); redundant: (holder of the copy, successor)
     mirror: ShardKey | None = None  # checkfree_plus: the stage holding the embedding / head mirror
@@ -95,6 +98,7 @@ class RecoveryPlan:
     lost_shards: tuple[ShardKey, ...] = field(default=())  # shards that must be rebuilt from parity
     drop_replicas: tuple[int, ...] = ()  # replicas (numbered as observed) dropped first; actions use the new numbers
     width: tuple[int, int] | None = None  # (from, to) when replicas are dropped
+    rollback_from: str = "snapshot"  # where everyone's state of rollback_to comes from: snapshot | checkpoint | durable
 
     def __str__(self) -> str:
         rb = f"roll back to step {self.rollback_to}" if self.rollback_to is not None else "no rollback"
@@ -182,7 +186,7 @@ class RecoveryPolicy:
                 actions.append(Action(m.stage, m.replica, "dp_peer", peer=peers[0].replica))
                 continue
             if snap_problem is not None:
-                return self._last_rung(obs, snap_problem)
+                return self._durable(obs, snap_problem) if obs.durable is not None else self._last_rung(obs, snap_problem)
             need_snapshot = True
             source = "parity" if key in lost_shards or shard_node.get(key) in obs.dead_managers else "local_smp"
             actions.append(Action(m.stage, m.replica, source))
@@ -192,6 +196,8 @@ class RecoveryPolicy:
                 reason += f", older than the healthy stages (step {current}): everyone rolls back"
             return RecoveryPlan(tuple(actions), obs.committed, reason, lost_shards)
         if not consistent:
+            if snap_problem is not None and obs.durable is not None:
+                return self._durable(obs, f"stages disagree on their step ({sorted(steps)}) and {snap_problem}")
             if snap_problem is not None:
                 raise UnrecoverableError(f"stages disagree on their step ({sorted(steps)}) and {snap_problem}")
             return RecoveryPlan(tuple(actions), obs.committed, f"stages disagree on their step ({sorted(steps)}): everyone rolls back", lost_shards)
@@ -199,6 +205,14 @@ class RecoveryPolicy:
         return RecoveryPlan(tuple(actions), None, reason + f"; step {current} is replayed", lost_shards)
 
     # ------------------------------------------------------------------ beyond the lossless ladder
+    def _durable(self, obs: Observation, why: str) -> RecoveryPlan:
+        """Everyone rolls back to the newest durable checkpoint (lost stages come from it too)."""
+        assert obs.durable is not None
+        current = max((m.step or 0 for m in obs.members if m.alive), default=0)
+        actions = tuple(Action(m.stage, m.replica, "durable") for m in obs.members if not m.alive)
+        reason = f"no in-memory copy survives ({why}): everyone rolls back from step {current} to the durable checkpoint of step {obs.durable}"
+        return RecoveryPlan(actions, obs.durable, reason, rollback_from="durable")
+
     def _rebuilds(self, obs: Observation, why: str) -> tuple[Action, ...]:
         """CheckFree actions for every lost member without a data-parallel peer at one step
         (a peer copy for the others); raises :class:`UnrecoverableError` if any cannot be done."""
@@ -260,4 +274,4 @@ class RecoveryPolicy:
         current = max((m.step or 0 for m in obs.members if m.alive), default=0)
         actions = tuple(Action(m.stage, m.replica, "checkpoint") for m in lost)
         where = f"the checkpoint of step {to}" if to else "the initial state (no checkpoint yet)"
-        return RecoveryPlan(actions, to, f"everyone rolls back from step {current} to {where}")
+        return RecoveryPlan(actions, to, f"everyone rolls back from step {current} to {where}", rollback_from="checkpoint")

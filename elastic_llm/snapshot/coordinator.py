@@ -1,7 +1,8 @@
 """Driver-side bookkeeping of snapshot versions: two-phase commit across snapshot managers.
 
 Owns: one SnapshotManager actor per node (named ``smp-<run>-<node>``), when a snapshot is due
-(``snapshot.every``, and ``snapshot.max_lag``: how far the committed version may trail training
+(``snapshot.every``, re-chosen after every commit from the measured cost with ``auto``
+(:func:`elastic_llm.cadence.snapshot_every`), and ``snapshot.max_lag``: how far the committed version may trail training
 before a step waits for it), the erasure groups of each version, the versions in flight (shards
 in -> parity encoded -> committed), the record of the latest committed version, and fetching a
 stage's committed state back from the managers, rebuilding lost shards from parity.
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_llm.cadence import Ema, snapshot_every
 from elastic_llm.config import RunConfig
 from elastic_llm.recovery.policy import UnrecoverableError
 from elastic_llm.snapshot.manager import SnapshotManager
@@ -84,6 +86,15 @@ class SnapshotCoordinator:
         self.refresh_managers = False
         self.avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
+        self.durable: Any = None  # the durable tier (DurableTier): decides at each commit whether to flush it
+        sn = cfg.snapshot
+        self.auto = sn.every == "auto"
+        self.every = 1 if self.auto else int(sn.every)  # auto: start at every step, to measure the cost
+        self.why = "auto: measuring the cost" if self.auto else f"snapshot.every={sn.every}"
+        self.cost = Ema(alpha=0.3)  # seconds one version costs its busiest node
+        self.step_s = Ema(alpha=0.1)
+        self.last_begin = 0
+        self.changes: list[dict[str, Any]] = []  # snapshot.every: auto decisions, for the metrics file
 
     # ------------------------------------------------------------------ managers
     def ensure_managers(self) -> dict[str, Any]:
@@ -142,7 +153,7 @@ class SnapshotCoordinator:
         the committed version would then trail by more than ``max_lag`` steps: then waits (with a
         deadline) for a version to finish, so a recovery never loses more than that."""
         sn = self.cfg.snapshot
-        if step % sn.every:
+        if (step - self.last_begin < self.every) if self.auto else (step % self.every):
             return False
         self.poll()
         if self.can_begin():
@@ -195,6 +206,7 @@ class SnapshotCoordinator:
             )
             refs[node] = handle.snapshot_version.remote(plan)
         self.inflight.append(_Inflight(version, refs, groups, tuple(lost)))
+        self.last_begin = version
 
     def can_begin(self) -> bool:
         return len(self.inflight) < MAX_INFLIGHT
@@ -242,11 +254,36 @@ class SnapshotCoordinator:
     def _commit(self, p: _Inflight) -> None:
         shards = tuple(s for part in p.results.values() for s in part.shards)
         record = VersionRecord(p.version, p.groups, tuple(sorted(shards, key=lambda s: s.key)))
+        flush = self.durable is not None and self.durable.wants(record)
         for handle in self.managers.values():  # fire and forget: a dead manager is a later failure
-            handle.commit.remote(record.version)
+            handle.commit.remote(record.version, flush)  # pinned until its flush is over
         self.committed = record
         self.inflight.remove(p)
         self.stats.committed += 1
+        self._choose(p)
+        if flush:
+            self.durable.start(record)
+
+    def observe_step(self, seconds: float) -> None:
+        """A training step's wall time (the denominator of the snapshot overhead)."""
+        self.step_s.add(seconds)
+
+    def _choose(self, p: _Inflight) -> None:
+        """``snapshot.every: auto``: the smallest interval whose measured cost per version (the
+        busiest node's stage copies and manager CPU) stays under ``snapshot.max_overhead_pct`` of
+        the training time. The first version is not counted (its buffers are cold)."""
+        if not self.auto:
+            return
+        cost = max((part.cost_s() for part in p.results.values()), default=0.0)
+        if self.stats.committed <= 1 or self.step_s.value is None:
+            return
+        self.cost.add(cost)
+        pct = self.cfg.snapshot.max_overhead_pct
+        every = snapshot_every(self.cost.value or 0.0, self.step_s.value, pct)
+        self.why = f"auto: {self.cost.value:.3f} s per snapshot, {self.step_s.value:.3f} s per step, budget {pct:g}% -> every {every}"
+        if every != self.every:
+            self.changes.append({"every": every, "previous": self.every, "cost_s": self.cost.value, "step_s": self.step_s.value, "max_overhead_pct": pct, "why": self.why, "version": p.version})
+            self.every = every
 
     def _discard(self, p: _Inflight, why: str | None, expected: bool = False) -> None:
         """Drop a version in flight: superseded by a newer complete one (``why`` None) or failed
@@ -280,6 +317,16 @@ class SnapshotCoordinator:
         their partial data is discarded."""
         for p in [p for p in self.inflight if p.version >= from_version]:
             self._discard(p, "its training step failed", expected=True)
+
+    def forget_all(self) -> None:
+        """Everyone rolled back to a durable checkpoint older than every version held: forget
+        them all (the next committed version starts the record again)."""
+        import ray
+
+        self.abandon_pending()
+        calls = [m.discard_all.remote() for m in self.managers.values()]
+        ray.wait(calls, num_returns=len(calls), timeout=PING_S)  # before any new version starts (threaded actors do not keep call order)
+        self.committed = None
 
     # ------------------------------------------------------------------ restore
     def fetch_stage_state(self, stage: int, replica: int, dead_nodes: set[str] | frozenset[str]) -> StageSource:

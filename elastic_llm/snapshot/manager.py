@@ -4,8 +4,9 @@ Owns: the pieces of every stage shard on its node (collected from the stages wit
 ``snapshot_pieces``: return values of a call are owned by the caller, so the pieces sit in this
 node's object store owned by this actor and outlive the stage that produced them), their
 checksums, the parity this node holds for its erasure group (in reused, preallocated buffers),
-versions (in flight until the controller commits one; older ones freed then), and rebuilding a
-lost node's shard from the surviving pieces and parity.
+versions (in flight until the controller commits one; older ones freed then, unless pinned for a
+durable flush), rebuilding a lost node's shard from the surviving pieces and parity, and writing
+its part of a committed version to durable storage (:mod:`elastic_llm.durable.flush`).
 
 A version runs without the driver in the loop: the controller sends every manager one
 ``snapshot_version`` call; the manager collects its stages' pieces, offers the data chunks of each
@@ -49,6 +50,7 @@ class Version:
     parity: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)  # region -> (parity, crc)
     offers: dict[int, dict[int, tuple[list[Any], list[Piece]]]] = field(default_factory=dict)  # region -> member -> (refs, pieces)
     committed: bool = False
+    pinned: bool = False  # being flushed to durable storage: not freed when a newer version commits
 
     def infos(self) -> tuple[ShardInfo, ...]:
         return tuple(self.shards[k].info for k in sorted(self.shards))
@@ -132,6 +134,9 @@ class SnapshotManager:
     def snapshot_version(self, plan: ManagerPlan) -> ManagerPart:
         """Take this node's part of ``plan.version``: collect its stages' pieces, offer the data
         chunks of each region to that region's parity holders, encode the parity it holds."""
+        import time
+
+        cpu0 = time.thread_time()
         version, group, m, me = plan.version, plan.group, plan.parity, plan.me
         layout = ParityLayout(len(group), m) if group else None
         k = layout.k if layout else 1
@@ -148,7 +153,7 @@ class SnapshotManager:
                 v.shards[key] = Shard(list(refs[1:]), info.on_node(self.node_id))
         shards = v.infos()
         if layout is None:
-            return ManagerPart(self.node_id, shards)
+            return ManagerPart(self.node_id, shards, cpu_s=time.thread_time() - cpu0)
         for region in range(layout.n):  # offer each data chunk to the holders of its region
             if layout.is_holder(me, region):
                 continue
@@ -158,7 +163,7 @@ class SnapshotManager:
             for h in layout.holders(region):
                 plan.peers[h].offer.remote(version, region, me, refs, pieces)
         parity = tuple(self._encode(version, layout, region, row) for region, row in layout.parity_regions(me))
-        return ManagerPart(self.node_id, shards, parity)
+        return ManagerPart(self.node_id, shards, parity, time.thread_time() - cpu0)
 
     @staticmethod
     def _collect(version: int, calls: dict[ShardKey, Any]) -> list[ShardInfo]:
@@ -228,15 +233,49 @@ class SnapshotManager:
         return ParityInfo(region, length, crc)
 
     # ------------------------------------------------------------------ commit / free
-    def commit(self, version: int) -> list[int]:
-        """Mark ``version`` committed and free every older version. Returns the versions held."""
+    def commit(self, version: int, pin: bool = False) -> list[int]:
+        """Mark ``version`` committed and free every older version that is not pinned. ``pin``:
+        keep ``version`` until :meth:`unpin` (a durable flush reads it). Returns the versions held."""
         with self.lock:
             if version in self.versions:  # a manager with no part in this version just frees older ones
                 self.versions[version].committed = True
-            for old in [x for x in self.versions if x < version]:
+                self.versions[version].pinned = pin
+            for old in [x for x in self.versions if x < version and not self.versions[x].pinned]:
                 self._free(self.versions.pop(old))
             self.lock.notify_all()
             return sorted(self.versions)
+
+    def unpin(self, version: int) -> None:
+        """The flush of ``version`` is over: free it if a newer version has committed since."""
+        with self.lock:
+            v = self.versions.get(version)
+            if v is None:
+                return
+            v.pinned = False
+            if any(x > version and w.committed for x, w in self.versions.items()):
+                self._free(self.versions.pop(version))
+
+    def discard_all(self) -> None:
+        """Forget every version (everyone rolled back to a durable checkpoint older than them)."""
+        with self.lock:
+            for v in list(self.versions):
+                self._free(self.versions.pop(v))
+            self.lock.notify_all()
+
+    # ------------------------------------------------------------------ durable flush
+    def flush_part(self, plan: Any) -> Any:
+        """Write this node's part of a committed version to durable storage
+        (:class:`~elastic_llm.durable.flush.FlushPlan` in, ``PartResult`` out)."""
+        from elastic_llm.durable.flush import write_part
+
+        def local(key: ShardKey) -> list[np.ndarray] | None:
+            with self.lock:
+                v = self.versions.get(plan.version)
+                if v is None or key not in v.shards:
+                    return None
+            return self._pieces(plan.version, key, verify=False)[1]  # the flush checks every piece itself
+
+        return write_part(plan, local)
 
     def discard(self, version: int) -> None:
         with self.lock:

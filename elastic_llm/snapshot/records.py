@@ -84,6 +84,11 @@ class ManagerPart:
     node_id: str
     shards: tuple[ShardInfo, ...]
     parity: tuple[ParityInfo, ...] = ()
+    cpu_s: float = 0.0  # CPU time the manager spent on this version (collecting, encoding parity)
+
+    def cost_s(self) -> float:
+        """Time this version cost the node: the manager's CPU time and its stages' copies."""
+        return self.cpu_s + sum(s.copy_s for s in self.shards)
 
 
 @dataclass(frozen=True)

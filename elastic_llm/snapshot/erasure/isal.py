@@ -96,8 +96,11 @@ def checksum_impl() -> str:
     return "isal" if isal_available() else "zlib"
 
 
-def checksum(arr: Any) -> int:
+def checksum(arr: Any, start: int = 0) -> int:
     """CRC-32 (the zlib/gzip polynomial) of a C-contiguous buffer, as an int.
+
+    ``start``: the CRC of the bytes before ``arr`` (chaining: ``checksum(b, checksum(a))`` is
+    the CRC of a + b), as with ``zlib.crc32(data, value)``.
 
     The value is always ``zlib.crc32(bytes(arr))``; it is computed by ISA-L's
     ``crc32_gzip_refl`` (tens of GB/s, releases the GIL) when libisal is present
@@ -114,10 +117,10 @@ def checksum(arr: Any) -> int:
         lib = _load_isal()
         if lib is not None:
             if nbytes == 0:
-                return 0
-            return int(lib.crc32_gzip_refl(0, addr(arr), nbytes))
-        return zlib.crc32(arr.reshape(-1).view(np.uint8)) & 0xFFFFFFFF
-    return zlib.crc32(arr) & 0xFFFFFFFF
+                return start
+            return int(lib.crc32_gzip_refl(start, addr(arr), nbytes))
+        return zlib.crc32(arr.reshape(-1).view(np.uint8), start) & 0xFFFFFFFF
+    return zlib.crc32(arr, start) & 0xFFFFFFFF
 
 
 class _IsalPlan:

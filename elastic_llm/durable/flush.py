@@ -1,0 +1,124 @@
+"""Flushing one committed snapshot version to durable storage: what each manager writes.
+
+Owns: cutting a committed version into shard files (:func:`plan_parts`, pure: stage ``s``'s
+tensors go into as many parts as the version has data-parallel slices, part ``r`` holding the
+tensors that start in slice ``r``, written by the manager that holds that slice), the
+:class:`FlushPlan` a manager receives, and :func:`write_part`, which a snapshot manager runs to
+stream its part from the snapshot pieces in the object store into one safetensors file.
+
+Memory: the manager maps its own pieces (zero-copy views of the object store) and pulls only the
+pieces of other nodes' slices that its tensors overlap (a tensor crossing a slice boundary), so
+the extra host memory of a flush is bounded by one part, not by the version. Never decides when
+to flush, never commits (the driver writes the manifest and marker once every part is in).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from elastic_llm.durable.format import PartResult, TensorSpec, checkpoint_dir, global_name, shard_file, write_shard
+from elastic_llm.durable.storage import Storage
+from elastic_llm.snapshot.erasure import checksum
+from elastic_llm.snapshot.records import Piece, ShardKey, VersionRecord
+
+
+@dataclass(frozen=True)
+class SliceSource:
+    """One data-parallel slice of a stage's state in the object store: held by ``manager``."""
+
+    key: ShardKey
+    lo: int
+    pieces: tuple[Piece, ...]
+    manager: Any  # SnapshotManager handle (None: the writing manager itself)
+    node_id: str
+
+
+@dataclass(frozen=True)
+class FlushPlan:
+    version: int
+    storage_uri: str  # the run's directory
+    stage: int
+    part: int
+    file: str  # relative to the run's directory: checkpoint_XXXXXXXX/stage_..._part_....safetensors
+    tensors: tuple[TensorSpec, ...]
+    slices: tuple[SliceSource, ...]
+    max_mb_s: float = 0.0
+
+
+def stage_tensors(manifest: str, layer_ids: list[int]) -> list[TensorSpec]:
+    """The tensors of a stage's state (from a shard's manifest) under their global names."""
+    m = json.loads(manifest)
+    out = []
+    for name, dtype, shape, offset, nbytes in m["entries"]:
+        out.append(TensorSpec(global_name(name, layer_ids), dtype, tuple(shape), int(offset), int(nbytes)))
+    return out
+
+
+def plan_parts(
+    record: VersionRecord, storage_uri: str, layers_of: Callable[[int], list[int]], managers: dict[str, Any], max_mb_s: float = 0.0
+) -> list[tuple[str, FlushPlan]]:
+    """(node, plan) per shard file of ``record``: the writer is the node holding the part's slice."""
+    plans = []
+    for stage in sorted({s.key.stage for s in record.shards}):
+        slices = sorted((s for s in record.shards if s.key.stage == stage), key=lambda s: s.lo)
+        tensors = stage_tensors(slices[0].manifest, layers_of(stage))
+        sources = tuple(SliceSource(s.key, s.lo, s.pieces, managers.get(s.node_id), s.node_id) for s in slices)
+        for part, sl in enumerate(slices):
+            hi = sl.lo + sl.nbytes if part < len(slices) - 1 else None
+            mine = tuple(t for t in tensors if t.src >= sl.lo and (hi is None or t.src < hi))
+            file = f"{checkpoint_dir(record.version)}/{shard_file(stage, part)}"
+            plans.append((sl.node_id, FlushPlan(record.version, storage_uri, stage, part, file, mine, sources, max_mb_s)))
+    return plans
+
+
+class PieceReader:
+    """Byte ranges of a stage's state from the pieces of its slices, fetched on first use and
+    each checked against its recorded CRC-32 once."""
+
+    def __init__(self, plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | None]) -> None:
+        self.pieces = sorted(((p, s) for s in plan.slices for p in s.pieces if p.length), key=lambda ps: ps[0].offset)
+        self.local = local
+        self.version = plan.version
+        self._arrays: dict[ShardKey, list[np.ndarray]] = {}
+
+    def _slice_arrays(self, src: SliceSource) -> list[np.ndarray]:
+        import ray
+
+        if src.key not in self._arrays:
+            arrays = self.local(src.key)
+            if arrays is None:
+                if src.manager is None:
+                    raise RuntimeError(f"{src.key} of step {self.version}: its snapshot manager on {src.node_id[:12]} is gone")
+                refs = ray.get(src.manager.shard_parts.remote(self.version, src.key), timeout=600)
+                arrays = [np.asarray(a) for a in ray.get(refs, timeout=600)]
+            for arr, piece in zip(arrays, src.pieces):
+                if len(arr) != piece.length or checksum(arr) != piece.crc:
+                    raise RuntimeError(f"a piece of {src.key}, step {self.version} fails its checksum: not flushed")
+            self._arrays[src.key] = arrays
+        return self._arrays[src.key]
+
+    def read(self, lo: int, hi: int) -> Iterator[np.ndarray]:
+        for piece, src in self.pieces:
+            a, b = max(lo, piece.offset), min(hi, piece.offset + piece.length)
+            if a >= b:
+                continue
+            arr = self._slice_arrays(src)[src.pieces.index(piece)]
+            yield arr[a - piece.offset : b - piece.offset]
+
+
+def write_part(plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | None]) -> PartResult:
+    """Stream ``plan``'s tensors into its file (run inside the snapshot manager holding the slice).
+    ``local(key)``: this manager's own pieces of ``key`` (None if it does not hold them)."""
+    t0 = time.perf_counter()
+    storage = Storage(plan.storage_uri)
+    storage.makedirs(plan.file.rsplit("/", 1)[0])
+    reader = PieceReader(plan, local)
+    meta = {"format": "pt", "elastic_llm": "checkpoint shard", "stage": str(plan.stage), "part": str(plan.part), "step": str(plan.version)}
+    nbytes, records = write_shard(storage, plan.file, list(plan.tensors), reader.read, meta, plan.max_mb_s)
+    return PartResult(plan.stage, plan.part, plan.file.rsplit("/", 1)[1], nbytes, time.perf_counter() - t0, records)

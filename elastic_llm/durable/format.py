@@ -1,0 +1,327 @@
+"""The durable checkpoint format: safetensors shards, a JSON manifest, a commit marker.
+
+Owns: the layout ``{run}/checkpoint_{step:08d}/`` (Ray Train's convention, so each directory
+opens with ``ray.train.Checkpoint.from_directory``) holding ``stage_{s:03d}_part_{p:03d}.
+safetensors`` (whole tensors under global names: ``param/layers.7.attn.wqkv.weight``,
+``optim/layers.7.attn.wqkv.weight/exp_avg``), ``manifest.json`` (config identity, step, data
+position, per-stage RNG / schedule state of every replica, per tensor: file, dtype, shape,
+CRC-32) and ``COMMITTED`` (the manifest's SHA-256, written last); the global names; writing one
+shard by streaming byte ranges into it; reading and verifying. Never talks to Ray and never
+decides when to write.
+
+Shards are written here rather than by ``safetensors.save_file`` because that builds every tensor
+as a Python ``bytes`` first (a second copy of the state in host memory); the streamed file is the
+plain safetensors layout (8-byte header length, JSON header, tensors back to back) and is read
+back with the ``safetensors`` library. Nothing here unpickles: a file is JSON or tensor bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from elastic_llm.durable.storage import Storage, StorageError
+from elastic_llm.snapshot.erasure import checksum
+
+FORMAT = "elastic-llm-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MARKER = "COMMITTED"
+TOKENIZER = "tokenizer.json"
+_DIR = re.compile(r"^checkpoint_(\d{8})$")
+SAFETENSORS_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64", "int32": "I32", "uint8": "U8"}
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+class DurableError(RuntimeError):
+    """A durable checkpoint cannot be used; the message names the file and the fix."""
+
+
+def checkpoint_dir(step: int) -> str:
+    return f"checkpoint_{step:08d}"
+
+
+def shard_file(stage: int, part: int) -> str:
+    return f"stage_{stage:03d}_part_{part:03d}.safetensors"
+
+
+def step_of(name: str) -> int | None:
+    m = _DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+# --------------------------------------------------------------------------- global names
+def global_name(local: str, layer_ids: list[int]) -> str:
+    """A stage's state entry name (``param/layers.0.x`` / ``optim/layers.0.x/exp_avg``) with the
+    layer index made global (layer 0 of a stage holding layers 6..8 is layer 6)."""
+    kind, rest = local.split("/", 1)
+
+    def sub(m: re.Match[str]) -> str:
+        return f"layers.{layer_ids[int(m.group(1))]}."
+
+    return f"{kind}/{_LAYER.sub(sub, rest, count=1)}"
+
+
+# --------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to write: its global name, dtype, shape and where its bytes lie in the stage's state."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    src: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    crc32: int
+
+
+@dataclass(frozen=True)
+class PartResult:
+    stage: int
+    part: int
+    file: str
+    nbytes: int
+    seconds: float
+    tensors: tuple[TensorRecord, ...]
+
+
+# --------------------------------------------------------------------------- writing a shard
+def safetensors_header(tensors: Iterable[TensorSpec], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length + JSON header (space-padded to 8 bytes) of a safetensors file whose
+    tensors follow back to back in the given order."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    pos = 0
+    for t in tensors:
+        if t.dtype not in SAFETENSORS_DTYPE:
+            raise DurableError(f"tensor {t.name} has dtype {t.dtype}, which safetensors cannot store")
+        header[t.name] = {"dtype": SAFETENSORS_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_shard(
+    storage: Storage, rel: str, tensors: list[TensorSpec], read: Callable[[int, int], Iterator[np.ndarray]], metadata: dict[str, str], max_mb_s: float = 0.0
+) -> tuple[int, tuple[TensorRecord, ...]]:
+    """Stream ``tensors`` into the safetensors file ``rel``: ``read(lo, hi)`` yields the stage
+    state's bytes [lo, hi) in pieces (views, no copies). Returns (bytes written, records with
+    each tensor's CRC-32)."""
+    records = []
+    with storage.writer(rel, max_mb_s) as w:
+        w.write(safetensors_header(tensors, metadata))
+        for t in tensors:
+            crc = 0
+            for chunk in read(t.src, t.src + t.nbytes):
+                crc = checksum(chunk, crc)
+                w.write(chunk)
+            records.append(TensorRecord(t.name, t.dtype, t.shape, crc))
+        return w.nbytes, tuple(records)
+
+
+# --------------------------------------------------------------------------- manifest and commit
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=1, sort_keys=True).encode()
+
+
+def commit(storage: Storage, ckpt: str, manifest: dict[str, Any]) -> str:
+    """Write the manifest, then the marker naming its SHA-256. Returns the digest."""
+    data = manifest_bytes(manifest)
+    storage.write_bytes(f"{ckpt}/{MANIFEST}", data, atomic=True)
+    digest = hashlib.sha256(data).hexdigest()
+    storage.write_bytes(f"{ckpt}/{MARKER}", json.dumps({"step": manifest["step"], "manifest_sha256": digest}).encode(), atomic=True)
+    return digest
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint directory of a run as :func:`list_checkpoints` sees it."""
+
+    name: str
+    step: int
+    committed: bool
+    problem: str | None = None  # why it is not trusted (None: marker and manifest agree)
+
+
+def _read_json(storage: Storage, rel: str, what: str) -> dict[str, Any]:
+    try:
+        data = storage.read_bytes(rel)
+    except FileNotFoundError:
+        raise DurableError(f"{storage.display(rel)} is missing: {what}") from None
+    except OSError as e:
+        raise DurableError(f"{storage.display(rel)} cannot be read ({e})") from None
+    try:
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DurableError(f"{storage.display(rel)} is not JSON: the checkpoint is corrupted or not an elastic-llm checkpoint") from None
+    if not isinstance(value, dict):
+        raise DurableError(f"{storage.display(rel)} is not a JSON object: not an elastic-llm checkpoint")
+    return value
+
+
+def read_manifest(storage: Storage, ckpt: str) -> dict[str, Any]:
+    """The manifest of a committed checkpoint, after checking the marker's digest of it."""
+    marker = _read_json(storage, f"{ckpt}/{MARKER}", "the checkpoint was never committed (a flush did not finish): use an older one")
+    try:
+        data = storage.read_bytes(f"{ckpt}/{MANIFEST}")
+    except FileNotFoundError:
+        raise DurableError(f"{storage.display(ckpt)} has a commit marker but no {MANIFEST}: the checkpoint is damaged, use an older one") from None
+    if hashlib.sha256(data).hexdigest() != marker.get("manifest_sha256"):
+        raise DurableError(f"{storage.display(ckpt + '/' + MANIFEST)} does not match its commit marker's SHA-256: the manifest was changed or damaged")
+    m = json.loads(data)
+    if m.get("format") != FORMAT:
+        raise DurableError(f"{storage.display(ckpt)} is not an elastic-llm checkpoint (format {m.get('format')!r})")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise DurableError(f"{storage.display(ckpt)} has format version {m.get('format_version')}, this elastic-llm reads {FORMAT_VERSION}")
+    return m
+
+
+def list_checkpoints(run: Storage) -> list[Entry]:
+    """Every ``checkpoint_*`` directory of a run, oldest first, with whether it is trusted."""
+    out = []
+    for name in run.list_dirs():
+        step = step_of(name)
+        if step is None:
+            continue
+        try:
+            read_manifest(run, name)
+            out.append(Entry(name, step, True))
+        except DurableError as e:
+            out.append(Entry(name, step, False, str(e)))
+    return out
+
+
+def newest_committed(run: Storage) -> Entry | None:
+    trusted = [e for e in list_checkpoints(run) if e.committed]
+    return trusted[-1] if trusted else None
+
+
+# --------------------------------------------------------------------------- reading
+class Checkpoint:
+    """One committed checkpoint: its manifest, and its tensors read back and verified."""
+
+    def __init__(self, storage: Storage, name: str) -> None:
+        self.storage = storage
+        self.name = name
+        self.manifest = read_manifest(storage, name)
+        self.step = int(self.manifest["step"])
+
+    @property
+    def uri(self) -> str:
+        return self.storage.display(self.name)
+
+    def file_tensors(self, file: str, names: set[str] | None = None) -> dict[str, Any]:
+        """The tensors of one shard file (all, or ``names``), each checked against its CRC-32."""
+        import torch
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        rel = f"{self.name}/{file}"
+        try:
+            data = self.storage.read_bytes(rel)
+        except FileNotFoundError:
+            raise DurableError(f"{self.storage.display(rel)} is missing: the checkpoint is incomplete, use an older one") from None
+        try:
+            tensors = load(data)
+        except (SafetensorError, ValueError, RuntimeError) as e:
+            raise DurableError(
+                f"{self.storage.display(rel)} is not a safetensors file ({str(e).splitlines()[0]}): refused without running or unpickling anything"
+            ) from None
+        want = self.manifest["files"].get(file, {}).get("nbytes")
+        if want is not None and len(data) != want:
+            raise DurableError(f"{self.storage.display(rel)} has {len(data)} bytes, the manifest says {want}: truncated or replaced")
+        out = {}
+        for name, t in tensors.items():
+            if names is not None and name not in names:
+                continue
+            rec = self.manifest["tensors"].get(name)
+            if rec is None or rec["file"] != file:
+                raise DurableError(f"{self.storage.display(rel)} holds tensor {name!r}, which the manifest does not list there: foreign file")
+            if str(t.dtype).removeprefix("torch.") != rec["dtype"] or list(t.shape) != rec["shape"]:
+                raise DurableError(f"tensor {name} in {self.storage.display(rel)} is {t.dtype}{list(t.shape)}, the manifest says {rec['dtype']}{rec['shape']}")
+            if checksum(t.contiguous().reshape(-1).view(torch.uint8).numpy()) != rec["crc32"]:
+                raise DurableError(f"tensor {name} in {self.storage.display(rel)} fails its CRC-32: the file is corrupted, use an older checkpoint")
+            out[name] = t
+        return out
+
+    def tensors(self, names: Iterable[str] | None = None) -> dict[str, Any]:
+        """Tensors by global name (all of them, or ``names``), verified."""
+        wanted = set(names) if names is not None else set(self.manifest["tensors"])
+        missing = sorted(wanted - set(self.manifest["tensors"]))
+        if missing:
+            raise DurableError(f"{self.uri} has no tensor(s) {missing[:3]}: it was written by another model")
+        files = sorted({self.manifest["tensors"][n]["file"] for n in wanted})
+        out: dict[str, Any] = {}
+        for f in files:
+            out.update(self.file_tensors(f, wanted))
+        lost = sorted(wanted - set(out))
+        if lost:
+            raise DurableError(f"{self.uri}: tensor(s) {lost[:3]} listed in the manifest are not in their files: the checkpoint is damaged")
+        return out
+
+    def verify(self) -> dict[str, Any]:
+        """Read every file and check every tensor; returns a summary (raises on the first problem)."""
+        n = nbytes = 0
+        for f in sorted(self.manifest["files"]):
+            n += len(self.file_tensors(f))
+            nbytes += int(self.manifest["files"][f]["nbytes"])
+        if n != len(self.manifest["tensors"]):
+            raise DurableError(f"{self.uri}: {n} tensors found, the manifest lists {len(self.manifest['tensors'])}")
+        return {"checkpoint": self.uri, "step": self.step, "tensors": n, "bytes": nbytes, "files": len(self.manifest["files"]), "ok": True}
+
+    def model_tensors(self) -> dict[str, Any]:
+        """The model's parameters only, by their global module names (``layers.3.attn.wo.weight``)."""
+        names = [n for n in self.manifest["tensors"] if n.startswith("param/")]
+        return {n.removeprefix("param/"): t for n, t in self.tensors(names).items()}
+
+
+def open_checkpoint(uri: str) -> Checkpoint:
+    """A checkpoint directory, or a run directory (its newest committed checkpoint)."""
+    storage = Storage(uri)
+    try:
+        if storage.exists(MARKER) or storage.exists(MANIFEST) or step_of(storage.root.rsplit("/", 1)[-1]) is not None:
+            run, name = storage.split()
+            return Checkpoint(run, name)
+        if not storage.is_dir():
+            raise DurableError(f"{storage.display()} does not exist: give a checkpoint directory or a run directory of durable checkpoints")
+        entry = newest_committed(storage)
+    except StorageError as e:
+        raise DurableError(str(e)) from None
+    if entry is None:
+        seen = [e for e in list_checkpoints(storage)]
+        why = f" ({len(seen)} uncommitted: {seen[-1].problem})" if seen else ""
+        raise DurableError(f"{storage.display()} holds no committed checkpoint{why}: give another directory")
+    return Checkpoint(storage, entry.name)
+
+
+def prune(run: Storage, keep_last: int, busy: str | None = None) -> list[str]:
+    """Delete all but the newest ``keep_last`` committed checkpoints, and uncommitted directories
+    older than the newest committed one (partial flushes), except ``busy`` (a flush in
+    progress). Never deletes the newest committed checkpoint. Returns the names deleted."""
+    entries = list_checkpoints(run)
+    committed = [e for e in entries if e.committed]
+    if not committed:
+        return []
+    newest = committed[-1].step
+    keep = {e.name for e in committed[-max(1, keep_last) :]}
+    gone = []
+    for e in entries:
+        if e.name in keep or e.name == busy or (not e.committed and e.step >= newest):
+            continue
+        run.delete_dir(e.name)
+        gone.append(e.name)
+    return gone

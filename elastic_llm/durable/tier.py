@@ -1,0 +1,248 @@
+"""The durable tier on the driver: which committed snapshots go to storage, and committing them.
+
+Owns: the run's directory ``{durable.storage_path}/{run_name}``; at each committed snapshot,
+whether it is flushed (every ``durable.every``-th, or Young/Daly's interval with ``auto``; one
+flush at a time, never waited for by a training step); sending every snapshot manager its parts
+(:func:`elastic_llm.durable.flush.plan_parts`); once all parts are written, the manifest and then
+the commit marker; pruning to ``durable.keep_last``; the newest committed checkpoint; the final
+flush when a run ends. Never restores (the recovery executor and the stages do) and never writes
+tensor bytes itself: they go from the managers' object stores straight to storage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from elastic_llm import cadence
+from elastic_llm.config import RunConfig
+from elastic_llm.durable import format as fmt
+from elastic_llm.durable.flush import plan_parts
+from elastic_llm.durable.storage import Storage
+from elastic_llm.model import stage_layer_range
+from elastic_llm.snapshot.records import VersionRecord
+
+log = logging.getLogger("elastic_llm.durable")
+FLUSH_S = 1800.0  # longest a flush may take before it is abandoned
+PING_S = 10.0
+
+
+@dataclass
+class DurableStats:
+    flushed: int = 0
+    failed: int = 0
+    skipped: int = 0  # due while a flush was in flight
+    bytes: int = 0
+    seconds: float = 0.0  # wall time of the flushes (in the background)
+    last_gbps: float = 0.0
+    pruned: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Flush:
+    record: VersionRecord
+    refs: dict[Any, Any]  # ref -> (node, plan)
+    started: float
+    results: list[Any] = field(default_factory=list)
+
+
+class DurableTier:
+    def __init__(self, cfg: RunConfig, coordinator: Any, data_dir: str | None = None, metrics: Any = None) -> None:
+        du = cfg.durable
+        assert du.storage_path, "the durable tier needs durable.storage_path"
+        self.cfg = cfg
+        self.coordinator = coordinator
+        self.metrics = metrics
+        self.data_dir = data_dir
+        self.run = Storage(du.storage_path).child(du.run_name or cfg.name)
+        self.run.makedirs("")
+        self.auto = du.every == "auto"
+        self.every = 1 if self.auto else int(du.every)  # auto: the first commit is flushed, to measure the cost
+        self.why = "auto: the first committed snapshot is flushed to measure the cost" if self.auto else f"durable.every={du.every}"
+        self.since = 0  # committed snapshots since the last flush started
+        self.inflight: _Flush | None = None
+        self.stats = DurableStats()
+        self.cost = cadence.Ema(alpha=0.5)
+        newest = fmt.newest_committed(self.run)
+        self.newest: tuple[int, str] | None = (newest.step, newest.name) if newest else None
+        self.flushed_version = newest.step if newest else -1
+        self.step_s = cadence.Ema()
+        self.elapsed_s = 0.0
+        self.failures = 0
+        self.final = False
+
+    # ------------------------------------------------------------------ inputs from the run
+    def observe(self, step_s: float, elapsed_s: float, failures: int) -> None:
+        """What the run measured: a step's time, the time trained, the failures seen."""
+        self.step_s.add(step_s)
+        self.elapsed_s, self.failures = elapsed_s, failures
+
+    def _choose(self) -> None:
+        """``durable.every: auto``: Young/Daly from the flush cost and the observed MTBF."""
+        if not self.auto or self.cost.value is None or self.step_s.value is None:
+            return
+        mtbf = cadence.mtbf_s(self.elapsed_s, self.failures, self.cfg.durable.mtbf_h * 3600)
+        interval = cadence.young_daly_s(self.cost.value, mtbf)
+        snap_every = getattr(self.coordinator, "every", 1)
+        every = cadence.flush_every(interval, snap_every, self.step_s.value)
+        seen = f"{self.failures} failures in {self.elapsed_s:.0f} s" if self.failures else f"no failure yet, durable.mtbf_h={self.cfg.durable.mtbf_h}"
+        self.why = f"auto: sqrt(2 x {self.cost.value:.2f} s flush x {mtbf:.0f} s MTBF ({seen})) = {interval:.0f} s = {every} snapshots"
+        if every != self.every and self.metrics is not None:
+            self.metrics.event("durable_every", every=every, previous=self.every, interval_s=interval, flush_cost_s=self.cost.value, mtbf_s=mtbf, why=self.why)
+        self.every = every
+
+    # ------------------------------------------------------------------ at every commit
+    def wants(self, record: VersionRecord) -> bool:
+        """Whether ``record`` (being committed now) is flushed; its managers then pin it."""
+        self.since += 1
+        if self.inflight is not None:
+            if self.since >= self.every:
+                self.stats.skipped += 1
+            return False
+        return self.since >= self.every or self.final
+
+    def start(self, record: VersionRecord) -> None:
+        """Send every writer its parts of ``record`` (pinned by its managers). Returns at once."""
+        self.since = 0
+        managers = self.coordinator.managers
+        n, stages = self.cfg.model.n_layers, self.cfg.parallel.stages
+        plans = plan_parts(record, self.run.uri, lambda s: list(stage_layer_range(n, stages, s)), managers, self.cfg.durable.max_write_mb_s)
+        refs = {}
+        for node, plan in plans:
+            if node not in managers:
+                self._fail(record, f"the snapshot manager of node {node[:12]} is gone")
+                return
+            refs[managers[node].flush_part.remote(plan)] = (node, plan)
+        self.inflight = _Flush(record, refs, time.perf_counter())
+
+    def poll(self, block: bool = False, timeout: float = FLUSH_S) -> None:
+        """Commit the flush in flight once every part is written (``block``: wait for it)."""
+        import ray
+
+        f = self.inflight
+        if f is None:
+            return
+        pending = [r for r in f.refs if r not in {x[0] for x in f.results}]
+        done = ray.wait(pending, num_returns=len(pending), timeout=timeout if block else 0)[0] if pending else []
+        for ref in done:
+            try:
+                f.results.append((ref, ray.get(ref, timeout=0)))
+            except Exception as e:  # a manager died mid-flush, storage refused a write, ...
+                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+                self._fail(f.record, lines[-1] if lines else type(e).__name__)
+                return
+        if len(f.results) < len(f.refs):
+            if block or time.perf_counter() - f.started > FLUSH_S:
+                self._fail(f.record, f"not written after {time.perf_counter() - f.started:.0f} s")
+            return
+        try:
+            self._commit(f)
+        except OSError as e:
+            self._fail(f.record, f"the manifest could not be written: {e}")
+
+    def _commit(self, f: _Flush) -> None:
+        rec = f.record
+        ckpt = fmt.checkpoint_dir(rec.version)
+        tensors, files = {}, {}
+        for _, part in sorted(f.results, key=lambda x: (x[1].stage, x[1].part)):
+            files[part.file] = {"stage": part.stage, "part": part.part, "nbytes": part.nbytes}
+            for t in part.tensors:
+                tensors[t.name] = {"file": part.file, "dtype": t.dtype, "shape": list(t.shape), "crc32": t.crc32, "stage": part.stage}
+        stages: dict[str, Any] = {}
+        for s in rec.shards:  # each replica's JSON state (RNG, LR schedule, optimizer hyper-parameters)
+            state = json.loads(s.manifest)
+            for k in ("entries", "nbytes", "slice", "format", "format_version"):
+                state.pop(k, None)
+            stages.setdefault(str(s.key.stage), {})[str(s.key.replica)] = state
+        tokenizer = self._copy_tokenizer(ckpt)
+        c = self.cfg
+        manifest = {
+            "format": fmt.FORMAT,
+            "format_version": fmt.FORMAT_VERSION,
+            "run_name": self.run.root.rsplit("/", 1)[-1],
+            "step": rec.version,
+            "config_hash": c.config_hash(),
+            "model": asdict(c.model),
+            "config": c.to_dict(),
+            "data": {"tokenizer": c.data.tokenizer, "dir": c.data.dir},
+            "tokenizer_file": tokenizer,
+            "stages": c.parallel.stages,
+            "width": rec.width,
+            "data_position": rec.shard(rec.shards[0].key).data_position(),
+            "states": stages,
+            "files": files,
+            "tensors": tensors,
+            "written": time.time(),
+        }
+        fmt.commit(self.run, ckpt, manifest)
+        seconds = time.perf_counter() - f.started
+        nbytes = sum(v["nbytes"] for v in files.values())
+        self.inflight = None
+        self._unpin(rec.version)
+        self.newest = (rec.version, ckpt)
+        self.flushed_version = rec.version
+        st = self.stats
+        st.flushed += 1
+        st.bytes += nbytes
+        st.seconds += seconds
+        st.last_gbps = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        self.cost.add(seconds)
+        pruned = fmt.prune(self.run, self.cfg.durable.keep_last)
+        st.pruned += pruned
+        self._choose()
+        if self.metrics is not None:
+            self.metrics.event(
+                "durable", step=rec.version, path=self.run.display(ckpt), seconds=seconds, bytes=nbytes, gbps=st.last_gbps,
+                every=self.every, why=self.why, pruned=pruned,
+            )
+        log.info("durable checkpoint of step %d: %s (%.1f MB in %.2f s)", rec.version, self.run.display(ckpt), nbytes / 1e6, seconds)
+
+    def _copy_tokenizer(self, ckpt: str) -> str | None:
+        """The run's tokenizer.json beside the weights (an export needs it), if the data has one."""
+        if not self.data_dir:
+            return None
+        try:
+            src = Storage(str(self.data_dir))
+            if not src.exists(fmt.TOKENIZER):
+                return None
+            self.run.write_bytes(f"{ckpt}/{fmt.TOKENIZER}", src.read_bytes(fmt.TOKENIZER))
+        except OSError as e:
+            log.warning("tokenizer not copied into %s: %s", ckpt, e)
+            return None
+        return fmt.TOKENIZER
+
+    def _fail(self, record: VersionRecord, why: str) -> None:
+        self.inflight = None
+        self.stats.failed += 1
+        self._unpin(record.version)
+        log.warning("durable flush of step %d abandoned: %s (the previous checkpoint stays; the partial one is deleted later)", record.version, why)
+        if self.metrics is not None:
+            self.metrics.event("durable_failed", step=record.version, reason=why)
+
+    def _unpin(self, version: int) -> None:
+        for m in self.coordinator.managers.values():
+            m.unpin.remote(version)
+
+    # ------------------------------------------------------------------ queries and the end
+    def latest(self) -> tuple[int, str] | None:
+        """(step, directory name) of the newest committed checkpoint."""
+        return self.newest
+
+    def finish(self, timeout: float = FLUSH_S) -> None:
+        """When the run ends: wait for the flush in flight, then flush the newest committed
+        snapshot if it is newer than the newest checkpoint, and wait for that too."""
+        self.poll(block=True, timeout=timeout)
+        rec = self.coordinator.committed
+        if rec is not None and rec.version > self.flushed_version:
+            for m in self.coordinator.managers.values():
+                m.commit.remote(rec.version, True)  # pin it (it is the newest: nothing older is freed that was not already)
+            self.start(rec)
+            self.poll(block=True, timeout=timeout)
+
+    def reset(self) -> None:
+        """After a rollback to a durable checkpoint: the flush in flight (of a newer version) is dropped."""
+        if self.inflight is not None:
+            self._fail(self.inflight.record, "the run rolled back to an older checkpoint")
