@@ -1,0 +1,263 @@
+"""The durable checkpoint format without Ray: real stage workers, real files, a real S3 API.
+
+Checkpoints here are written with the product's own pieces (``stage_tensors``, ``write_shard``,
+``make_manifest``, ``commit``) from in-process :class:`StageWorker` s after real optimizer steps,
+and read back through ``StageWorker.load_durable`` (what a stage actor runs), so a round trip is
+checked bit for bit without a cluster; the flush through snapshot managers is in
+``test_durable_cluster.py``.
+"""
+
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_llm import cadence
+from elastic_llm.config import ConfigError, load_config
+from elastic_llm.durable import format as fmt
+from elastic_llm.durable.flush import stage_tensors
+from elastic_llm.durable.restore import check_fits
+from elastic_llm.durable.storage import Storage
+from elastic_llm.model import stage_layer_range
+from elastic_llm.pipeline.stage import StageWorker
+from elastic_llm.recovery.policy import Member, Observation, RecoveryPolicy
+from elastic_llm.snapshot.records import ShardKey
+from tests.test_data_s3 import s3  # noqa: F401  (moto's S3 server on 127.0.0.1, module scope)
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALL = ["model.dim=64", "model.n_heads=4", "model.n_layers=4", "model.seq_len=16", "train.batch_size=4", "parallel.microbatches=1", "train.warmup_steps=1"]
+
+
+def config(stages=2, extra=()):
+    return load_config("jobs/tiny.yaml", SMALL + [f"parallel.stages={stages}", *extra])
+
+
+def trained_workers(cfg, steps=2):
+    """Every stage of one pipeline after ``steps`` real optimizer steps on random tokens."""
+    n = cfg.parallel.stages
+    workers = [StageWorker(cfg, s, 0) for s in range(n)]
+    g = np.random.default_rng(0)
+    for _ in range(steps):
+        x = g.integers(0, 256, (4, 16))
+        y = g.integers(0, 256, (4, 16))
+        for mb in range(1):
+            h = x
+            for w in workers[:-1]:
+                h = w.forward(mb, h)
+            workers[-1].forward(mb, h, y)
+            grad = None
+            for w in reversed(workers):
+                grad = w.backward(mb, grad)
+        for w in workers:
+            w.step()
+    return workers
+
+
+def write_checkpoint(run, cfg, workers, step, position=None):
+    """A committed checkpoint of ``workers`` through the product's writer and commit."""
+    parts, states = [], []
+    for w in workers:
+        buf, manifest = w.capture_state({"epoch": 0, "index": 7} if position is None else position)
+        layers = list(stage_layer_range(cfg.model.n_layers, cfg.parallel.stages, w.stage))
+        tensors = stage_tensors(manifest, layers)
+        rel = f"{fmt.checkpoint_dir(step)}/{fmt.shard_file(w.stage, 0)}"
+        run.makedirs(fmt.checkpoint_dir(step))
+        nbytes, records = fmt.write_shard(run, rel, tensors, lambda lo, hi: iter([buf[lo:hi]]), {"format": "pt"})
+        parts.append(fmt.PartResult(w.stage, 0, fmt.shard_file(w.stage, 0), nbytes, 0.0, records))
+        states.append((w.stage, 0, manifest))
+    fmt.commit(run, fmt.checkpoint_dir(step), fmt.make_manifest(cfg, step, "run", states, parts, None))
+    return fmt.checkpoint_dir(step)
+
+
+def state_bytes(w):
+    buf, _ = w.capture_state()
+    return buf.copy()
+
+
+@pytest.fixture(scope="module")
+def trained():
+    cfg = config()
+    return cfg, trained_workers(cfg)
+
+
+def test_round_trip_local_bit_identical_and_ray_train_compatible(trained, tmp_path):
+    cfg, workers = trained
+    run = Storage(str(tmp_path / "run"))
+    name = write_checkpoint(run, cfg, workers, 2)
+    assert fmt.open_checkpoint(str(tmp_path / "run")).name == name
+    summary = fmt.open_checkpoint(str(tmp_path / "run" / name)).verify()
+    assert summary["ok"] and summary["tensors"] == sum(len(w.arena.layout.entries) for w in workers)
+    for w in workers:
+        fresh = StageWorker(cfg, w.stage, 0)
+        assert not np.array_equal(state_bytes(fresh), state_bytes(w))
+        assert fresh.load_durable(run.uri, name) == 2
+        np.testing.assert_array_equal(state_bytes(fresh), state_bytes(w))
+        assert fresh.scheduler.state_dict()["last_epoch"] == w.scheduler.state_dict()["last_epoch"]
+    from safetensors import safe_open  # the shards are plain safetensors files
+
+    with safe_open(str(tmp_path / "run" / name / fmt.shard_file(1, 0)), framework="pt") as f:
+        assert "param/layers.3.mlp.w_down.weight" in f.keys() and "param/head.weight" in f.keys()
+    import ray.train
+
+    ckpt = ray.train.Checkpoint.from_directory(str(tmp_path / "run" / name))
+    with ckpt.as_directory() as d:
+        assert sorted(os.listdir(d)) == sorted(os.listdir(tmp_path / "run" / name))
+
+
+def test_round_trip_through_s3(trained, s3):  # noqa: F811
+    cfg, workers = trained
+    _, query = s3
+    uri = f"s3://corpus/ckpts/run?{query}"
+    run = Storage(uri)
+    name = write_checkpoint(run, cfg, workers, 2)
+    assert [e.step for e in fmt.list_checkpoints(run) if e.committed] == [2]
+    assert fmt.open_checkpoint(uri).verify()["ok"]
+    for w in workers:
+        fresh = StageWorker(cfg, w.stage, 0)
+        assert fresh.load_durable(uri, name) == 2
+        np.testing.assert_array_equal(state_bytes(fresh), state_bytes(w))
+
+
+def test_another_stage_count_takes_its_layers_by_global_name(trained, tmp_path):
+    cfg, workers = trained  # 2 stages of 2 layers
+    run = Storage(str(tmp_path))
+    name = write_checkpoint(run, cfg, workers, 2)
+    one = config(stages=1)
+    whole = StageWorker(one, 0, 0)
+    whole.load_durable(run.uri, name)
+    theirs = {f"layers.{w.module.layer_ids[int(n.split('.')[1])]}.{n.split('.', 2)[2]}" if n.startswith("layers.") else n: p
+              for w in workers for n, p in w.module.named_parameters()}
+    mine = dict(whole.module.named_parameters())
+    assert set(mine) == set(theirs)
+    for n, p in mine.items():
+        assert torch.equal(p, theirs[n]), n
+        assert torch.equal(whole.optimizer.state[p]["exp_avg"], next(w.optimizer.state[q]["exp_avg"] for w in workers for m, q in w.module.named_parameters() if q is theirs[n]))
+
+
+def corrupt(path, at=None, flip=True):
+    data = bytearray(path.read_bytes())
+    i = len(data) - 10 if at is None else at
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_missing_manifest_foreign_and_pickle_are_refused(trained, tmp_path):
+    cfg, workers = trained
+    run = Storage(str(tmp_path))
+    name = write_checkpoint(run, cfg, workers, 2)
+    d = tmp_path / name
+    fresh = StageWorker(cfg, 1, 0)
+    before = state_bytes(fresh)
+
+    corrupt(d / fmt.shard_file(1, 0))  # a flipped byte in tensor data
+    with pytest.raises(fmt.DurableError, match="fails its CRC-32"):
+        fresh.load_durable(run.uri, name)
+    np.testing.assert_array_equal(state_bytes(fresh), before)  # nothing loaded
+    with pytest.raises(fmt.DurableError, match="fails its CRC-32"):
+        fmt.open_checkpoint(str(d)).verify()
+
+    crafted = tmp_path / "ran"  # a shard that would run code if it were unpickled
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(crafted), "w"))
+
+    (d / fmt.shard_file(1, 0)).write_bytes(pickle.dumps({"param/head.weight": Evil()}))
+    with pytest.raises(fmt.DurableError, match="not a safetensors file.*without running or unpickling"):
+        fresh.load_durable(run.uri, name)
+    assert not crafted.exists()
+
+    other = config(extra=["model.dim=32"])  # a manifest of another model
+    with pytest.raises(fmt.DurableError, match="another model.*model.dim: 64 there, 32 here"):
+        check_fits(fmt.open_checkpoint(str(d)), other)
+    assert check_fits(fmt.open_checkpoint(str(d)), config(extra=["train.lr=0.1"]))  # other settings: a warning only
+
+    (d / fmt.MANIFEST).unlink()
+    with pytest.raises(fmt.DurableError, match="no manifest.json"):
+        fmt.open_checkpoint(str(d))
+    (d / fmt.MARKER).unlink()
+    with pytest.raises(fmt.DurableError, match="holds no committed checkpoint|never committed"):
+        fmt.open_checkpoint(str(tmp_path))
+
+
+def test_edited_manifest_and_uncommitted_directories_are_not_trusted(trained, tmp_path):
+    cfg, workers = trained
+    run = Storage(str(tmp_path))
+    write_checkpoint(run, cfg, workers, 2)
+    name = write_checkpoint(run, cfg, workers, 4)
+    m = json.loads((tmp_path / name / fmt.MANIFEST).read_text())
+    m["step"] = 40
+    (tmp_path / name / fmt.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(fmt.DurableError, match="does not match its commit marker"):
+        fmt.Checkpoint(run, name)
+    assert fmt.open_checkpoint(str(tmp_path)).step == 2  # the damaged newest one is skipped
+    (tmp_path / "checkpoint_00000006").mkdir()  # a flush that never finished
+    (tmp_path / "checkpoint_00000006" / fmt.shard_file(0, 0)).write_bytes(b"partial")
+    entries = {e.step: e.committed for e in fmt.list_checkpoints(run)}
+    assert entries == {2: True, 4: False, 6: False}
+
+
+def test_prune_keeps_the_newest_committed_and_removes_partials(trained, tmp_path):
+    cfg, workers = trained
+    run = Storage(str(tmp_path))
+    for step in (1, 2, 3):
+        write_checkpoint(run, cfg, workers[:1], step)
+    (tmp_path / "checkpoint_00000000").mkdir()  # partial, older than the newest committed
+    (tmp_path / "checkpoint_00000009").mkdir()  # partial, newer: a flush in progress
+    gone = fmt.prune(run, keep_last=1)
+    assert sorted(gone) == ["checkpoint_00000000", "checkpoint_00000001", "checkpoint_00000002"]
+    assert [e.step for e in fmt.list_checkpoints(run)] == [3, 9]
+    assert fmt.prune(run, keep_last=1) == []
+
+
+def test_cadence_policies():
+    assert cadence.snapshot_every(cost_s=0.02, step_s=1.0, max_overhead_pct=2) == 1
+    assert cadence.snapshot_every(cost_s=0.5, step_s=0.25, max_overhead_pct=2) == 100
+    assert cadence.snapshot_every(cost_s=0.0501, step_s=1.0, max_overhead_pct=2) == 3
+    assert cadence.snapshot_every(cost_s=1e9, step_s=1.0, max_overhead_pct=2) == cadence.MAX_SNAPSHOT_EVERY
+    assert cadence.young_daly_s(cost_s=2.0, mtbf_s=3600) == pytest.approx(120.0)
+    assert cadence.flush_every(interval_s=120.0, snapshot_every=2, step_s=0.5) == 120
+    assert cadence.flush_every(interval_s=0.1, snapshot_every=1, step_s=0.5) == 1
+    assert cadence.mtbf_s(elapsed_s=600, failures=3, prior_s=86400) == 200
+    assert cadence.mtbf_s(elapsed_s=600, failures=0, prior_s=86400) == 86400
+
+
+def lost_beyond_parity(durable):
+    members = tuple(Member(s, 0, f"n{s}", s not in (1, 3), None if s in (1, 3) else 10) for s in range(4))
+    return Observation(
+        members, frozenset({"n1", "n3"}), frozenset({"n1", "n3"}), committed=10,
+        shard_nodes=tuple((ShardKey(s, 0), f"n{s}") for s in range(4)), groups=(("n0", "n1", "n2", "n3"),), parity=1,
+        mirrors=True, durable=durable,
+    )
+
+
+def test_policy_rolls_back_to_the_durable_checkpoint_before_checkfree():
+    plan = RecoveryPolicy().decide(lost_beyond_parity(durable=6))
+    assert plan.rollback_to == 6 and plan.rollback_from == "durable"
+    assert [(a.stage, a.source) for a in plan.actions] == [(1, "durable"), (3, "durable")]
+    assert "parity covers 1" in plan.reason and "durable checkpoint of step 6" in plan.reason
+    plan = RecoveryPolicy().decide(lost_beyond_parity(durable=None))
+    assert {a.source for a in plan.actions} == {"checkfree", "checkfree_plus"} and plan.rollback_to is None  # stage 3 is the last: CheckFree+ rule
+
+
+def test_durable_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="durable.every='often' must be an integer >= 1"):
+        load_config("jobs/tiny.yaml", ["durable.every=often"])
+    with pytest.raises(ConfigError, match="durable.keep_last=0 must be >= 1"):
+        load_config("jobs/tiny.yaml", ["durable.keep_last=0"])
+    with pytest.raises(ConfigError, match="durable.storage_path is set but the run takes no snapshots"):
+        load_config("jobs/tiny.yaml", ["durable.storage_path=/tmp/x", "recovery.mode=checkfree"])
+    with pytest.raises(ConfigError, match="snapshot.every='sometimes' must be an integer >= 1 or auto"):
+        load_config("jobs/tiny.yaml", ["snapshot.every=sometimes"])
+    assert load_config("jobs/tiny.yaml", ["snapshot.every=auto", "durable.every=auto"]).snapshot.every == "auto"
+
+
+def test_storage_refuses_an_unknown_scheme():
+    from elastic_llm.durable.storage import StorageError
+
+    with pytest.raises(StorageError, match="cannot be opened.*s3://bucket/dir"):
+        Storage("nosuchscheme://bucket/x")
