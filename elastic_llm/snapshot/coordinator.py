@@ -86,6 +86,7 @@ class SnapshotCoordinator:
         self.refresh_managers = False
         self.avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
+        self._incarnations: dict[str, int] = {}  # managers created per node
         self.durable: Any = None  # the durable tier (DurableTier): decides at each commit whether to flush it
         sn = cfg.snapshot
         self.auto = sn.every == "auto"
@@ -108,8 +109,9 @@ class SnapshotCoordinator:
             self.managers.pop(node, None)
         Actor = ray.remote(SnapshotManager)
         for node in sorted(alive - set(self.managers)):
-            self.managers[node] = Actor.options(
-                name=f"smp-{self.run_id}-{node[:12]}",
+            n = self._incarnations[node] = self._incarnations.get(node, -1) + 1
+            self.managers[node] = Actor.options(  # a SIGKILLed actor's name is released late: a replacement gets its own
+                name=f"smp-{self.run_id}-{node[:12]}" + (f"-{n}" if n else ""),
                 namespace=self.namespace,
                 num_cpus=0,
                 max_concurrency=16,
