@@ -134,6 +134,43 @@ def write_shard(
 
 
 # --------------------------------------------------------------------------- manifest and commit
+def make_manifest(cfg: Any, step: int, run_name: str, states: list[tuple[int, int, str]], parts: list[PartResult], tokenizer_file: str | None) -> dict[str, Any]:
+    """The manifest of checkpoint ``step``: ``states`` are (stage, replica, the shard manifest a
+    stage wrote with its snapshot copy: RNG, LR schedule, data position); ``parts`` the written
+    shard files with their tensors' CRC-32."""
+    from dataclasses import asdict
+
+    tensors, files = {}, {}
+    for part in sorted(parts, key=lambda x: (x.stage, x.part)):
+        files[part.file] = {"stage": part.stage, "part": part.part, "nbytes": part.nbytes}
+        for t in part.tensors:
+            tensors[t.name] = {"file": part.file, "dtype": t.dtype, "shape": list(t.shape), "crc32": t.crc32, "stage": part.stage}
+    by_stage: dict[str, dict[str, Any]] = {}
+    position = None
+    for stage, replica, text in sorted(states):
+        state = json.loads(text)
+        for k in ("entries", "nbytes", "slice", "format", "format_version"):
+            state.pop(k, None)
+        by_stage.setdefault(str(stage), {})[str(replica)] = state
+        position = position if position is not None else state.get("data_position")
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "run_name": run_name,
+        "step": step,
+        "config_hash": cfg.config_hash(),
+        "model": asdict(cfg.model),
+        "config": cfg.to_dict(),
+        "tokenizer_file": tokenizer_file,
+        "stages": cfg.parallel.stages,
+        "width": 1 + max((r for _, r, _ in states), default=0),
+        "data_position": position,
+        "states": by_stage,
+        "files": files,
+        "tensors": tensors,
+    }
+
+
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, indent=1, sort_keys=True).encode()
 

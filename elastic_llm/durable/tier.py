@@ -11,10 +11,9 @@ tensor bytes itself: they go from the managers' object stores straight to storag
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_llm import cadence
@@ -146,37 +145,10 @@ class DurableTier:
     def _commit(self, f: _Flush) -> None:
         rec = f.record
         ckpt = fmt.checkpoint_dir(rec.version)
-        tensors, files = {}, {}
-        for _, part in sorted(f.results, key=lambda x: (x[1].stage, x[1].part)):
-            files[part.file] = {"stage": part.stage, "part": part.part, "nbytes": part.nbytes}
-            for t in part.tensors:
-                tensors[t.name] = {"file": part.file, "dtype": t.dtype, "shape": list(t.shape), "crc32": t.crc32, "stage": part.stage}
-        stages: dict[str, Any] = {}
-        for s in rec.shards:  # each replica's JSON state (RNG, LR schedule, optimizer hyper-parameters)
-            state = json.loads(s.manifest)
-            for k in ("entries", "nbytes", "slice", "format", "format_version"):
-                state.pop(k, None)
-            stages.setdefault(str(s.key.stage), {})[str(s.key.replica)] = state
-        tokenizer = self._copy_tokenizer(ckpt)
-        c = self.cfg
-        manifest = {
-            "format": fmt.FORMAT,
-            "format_version": fmt.FORMAT_VERSION,
-            "run_name": self.run.root.rsplit("/", 1)[-1],
-            "step": rec.version,
-            "config_hash": c.config_hash(),
-            "model": asdict(c.model),
-            "config": c.to_dict(),
-            "data": {"tokenizer": c.data.tokenizer, "dir": c.data.dir},
-            "tokenizer_file": tokenizer,
-            "stages": c.parallel.stages,
-            "width": rec.width,
-            "data_position": rec.shard(rec.shards[0].key).data_position(),
-            "states": stages,
-            "files": files,
-            "tensors": tensors,
-            "written": time.time(),
-        }
+        states = [(s.key.stage, s.key.replica, s.manifest) for s in rec.shards]
+        parts = [part for _, part in f.results]
+        manifest = fmt.make_manifest(self.cfg, rec.version, self.run.root.rsplit("/", 1)[-1], states, parts, self._copy_tokenizer(ckpt))
+        files = manifest["files"]
         fmt.commit(self.run, ckpt, manifest)
         seconds = time.perf_counter() - f.started
         nbytes = sum(v["nbytes"] for v in files.values())
