@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_llm.data import DataError
     from elastic_llm.durable.format import DurableError
     from elastic_llm.durable.storage import StorageError
+    from elastic_llm.export import ExportError
     from elastic_llm.recovery.policy import UnrecoverableError
     from elastic_llm.snapshot.layout import LayoutError
     from elastic_llm.snapshot.state import SnapshotFormatError
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
-    except (ConfigError, DataError, PlacementError, LayoutError, DurableError, StorageError) as e:
+    except (ConfigError, DataError, PlacementError, LayoutError, DurableError, StorageError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as e:  # the controller already logged the reason; repeat it as the last word
