@@ -1,0 +1,205 @@
+"""Durable tier: our flush and restore against a plain fsynced write, torch.save and torch.load.
+
+Measures, in one run (peers side by side, medians of rounds; compare ratios, the machine is shared):
+
+* in process, on the config's whole training state (a one-stage :class:`StageWorker` holding every
+  layer after two optimizer steps): the product's shard writer (``format.write_shard`` of every
+  tensor, CRC-32 included, fsync) into a local directory -> ``write_GBps``; a plain sequential
+  write of the same bytes with fsync into the same directory -> ``disk_write_GBps``; ``torch.save``
+  of the same state + fsync -> ``torch_save_GBps``; the product's restore (``load_durable``: read,
+  verify every CRC, load into the stage) -> ``restore_s``; ``torch.load`` + ``load_state_dict`` of
+  the torch.save file -> ``torch_load_s``;
+* on an embedded Ray, the flush through the snapshot managers (a Trainer with
+  ``durable.every: 1``): ``flush_GBps`` of the final flush (training idle) and
+  ``flush_GBps_during_training``; ``train_overhead_pct``: tokens/s of that run vs the same run
+  with no durable tier (two runs back to back, same steps);
+* on a loopback cluster of 3 worker nodes (``snapshot.group_size=3``, parity 1, SPREAD): a run
+  with ``snapshot.every: auto`` against the same run with ``snapshot.enabled: false``:
+  ``auto_overhead_pct``, ``auto_every`` and ``auto_why``.
+
+Must never: copy product code (it calls the writer, the restore and the Trainer), judge results
+(targets live in BENCHMARKS.md), leave Ray, clusters or files behind, or reach beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+import tempfile
+import time
+from typing import Any, Sequence
+
+import torch
+
+from elastic_llm.config import RunConfig, load_config
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _in_process(config_path: str, overrides: Sequence[str], workdir: str, rounds: int) -> dict[str, Any]:
+    from elastic_llm.durable import format as fmt
+    from elastic_llm.durable.flush import stage_tensors
+    from elastic_llm.durable.storage import Storage
+    from elastic_llm.pipeline.stage import StageWorker
+
+    one = load_config(config_path, [*overrides, "parallel.stages=1"])
+    w = StageWorker(one, 0, 0)  # every layer, AdamW moments allocated up front: the whole training state
+    buf, manifest = w.capture_state({"epoch": 0, "index": 0})
+    tensors = stage_tensors(manifest, w.module.layer_ids)
+    nbytes = int(sum(t.nbytes for t in tensors))
+    run = Storage(os.path.join(workdir, "run"))
+    res: dict[str, list[float]] = {"write": [], "disk": [], "torch_save": [], "restore": [], "torch_load": []}
+    sd = {"model": w.module.state_dict(), "optim": w.optimizer.state_dict()}
+    for r in range(rounds):
+        name = fmt.checkpoint_dir(r)
+        run.makedirs(name)
+        t = time.perf_counter()
+        n, records = fmt.write_shard(run, f"{name}/{fmt.shard_file(0, 0)}", tensors, lambda lo, hi: iter([buf[lo:hi]]), {"format": "pt"})
+        res["write"].append(time.perf_counter() - t)
+        fmt.commit(run, name, fmt.make_manifest(one, w.step_count, "run", [(0, 0, manifest)], [fmt.PartResult(0, 0, fmt.shard_file(0, 0), n, 0.0, records)], None))
+        plain = os.path.join(workdir, f"plain-{r}.bin")
+        t = time.perf_counter()
+        with open(plain, "wb") as f:
+            for spec in tensors:
+                f.write(buf[spec.src : spec.src + spec.nbytes])
+            f.flush()
+            os.fsync(f.fileno())
+        res["disk"].append(time.perf_counter() - t)
+        pt = os.path.join(workdir, f"state-{r}.pt")
+        t = time.perf_counter()
+        torch.save(sd, pt)
+        _fsync_file(pt)
+        res["torch_save"].append(time.perf_counter() - t)
+        fresh = StageWorker(one, 0, 0)
+        t = time.perf_counter()
+        fresh.load_durable(run.uri, name)
+        res["restore"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        loaded = torch.load(pt, weights_only=True)
+        fresh.module.load_state_dict(loaded["model"])
+        fresh.optimizer.load_state_dict(loaded["optim"])
+        res["torch_load"].append(time.perf_counter() - t)
+        for p in (plain, pt):
+            os.remove(p)
+        run.delete_dir(name)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    return {
+        "bytes": nbytes,
+        "write_GBps": nbytes / med["write"] / 1e9,
+        "disk_write_GBps": nbytes / med["disk"] / 1e9,
+        "torch_save_GBps": nbytes / med["torch_save"] / 1e9,
+        "restore_s": med["restore"],
+        "torch_load_s": med["torch_load"],
+        "restore_vs_torch_load": med["torch_load"] / med["restore"],
+    }
+
+
+def _run(cfg: RunConfig, steps: int, cluster: Any = None, metrics: str | None = None) -> tuple[float, Any]:
+    """Tokens/s of ``steps`` steps after 3 warm-up steps, and the finished Trainer (shut down)."""
+    from elastic_llm.controller import Trainer
+
+    t = Trainer(cfg, cluster=cluster, metrics_out=metrics)
+    try:
+        t.fit(3)
+        t0 = time.perf_counter()
+        t.fit(3 + steps)
+        tps = steps * cfg.tokens_per_step() / (time.perf_counter() - t0)
+        return tps, t
+    finally:
+        t.shutdown()
+
+
+def _events(path: str, name: str) -> list[dict[str, Any]]:
+    import json
+
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if r.get("event") == name]
+
+
+def _embedded(config_path: str, overrides: Sequence[str], workdir: str, steps: int) -> dict[str, Any]:
+    import ray
+
+    base = [*overrides, "train.eval_every=0"]
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+    try:
+        off, _ = _run(load_config(config_path, base), steps)
+        m = os.path.join(workdir, "durable.jsonl")
+        on, trainer = _run(load_config(config_path, [*base, f"durable.storage_path={workdir}/emb", "durable.every=1", "durable.keep_last=2"]), steps, metrics=m)
+        flushes = _events(m, "durable")
+        final = flushes[-1]  # fit's end flushes the newest version while nothing trains
+        during = [f for f in flushes[:-1] if f["gbps"] > 0]
+        return {
+            "flush_GBps": final["bytes"] / final["seconds"] / 1e9,
+            "flush_GBps_during_training": statistics.median(f["gbps"] for f in during) if during else None,
+            "flushes": len(flushes),
+            "train_overhead_pct": 100.0 * (off - on) / off,
+            "tokens_per_s_durable_off": off,
+            "tokens_per_s_durable_every_1": on,
+        }
+    finally:
+        ray.shutdown()
+
+
+def _auto_on_cluster(config_path: str, overrides: Sequence[str], steps: int) -> dict[str, Any]:
+    import ray
+
+    from elastic_llm.controller.session import loopback_cluster
+
+    base = [*overrides, "train.eval_every=0", "snapshot.group_size=3", "snapshot.parity=1", "parallel.placement_strategy=SPREAD",
+            "parallel.cpus_per_actor=0.5"]
+    c = loopback_cluster(3, 2)
+    try:
+        off, _ = _run(load_config(config_path, [*base, "snapshot.enabled=false"]), steps, cluster=c)
+        on, t = _run(load_config(config_path, [*base, "snapshot.every=auto"]), steps, cluster=c)
+        return {
+            "auto_overhead_pct": 100.0 * (off - on) / off,
+            "auto_every": t.snapshots.every,
+            "auto_why": t.snapshots.why,
+            "tokens_per_s_snapshots_off": off,
+            "tokens_per_s_snapshots_auto": on,
+        }
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _fs_type(path: str) -> str | None:
+    best, kind = "", None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fs = line.split()[:3]
+                if path.startswith(mnt) and len(mnt) > len(best):
+                    best, kind = mnt, fs
+    except OSError:
+        return None
+    return kind
+
+
+def run_durable_bench(config_path: str = "jobs/tiny.yaml", overrides: Sequence[str] = (), rounds: int = 5, steps: int = 30, cluster_steps: int = 40) -> dict[str, Any]:
+    from elastic_llm.controller import loopback_env
+
+    loopback_env()
+    load_config(config_path, list(overrides))  # a bad config fails here, before anything starts
+    with tempfile.TemporaryDirectory(prefix="elastic-llm-bench-durable-", dir=os.environ.get("ELASTIC_LLM_BENCH_DIR")) as workdir:
+        out: dict[str, Any] = {"config": config_path, "overrides": list(overrides), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__, "fs": _fs_type(workdir)}}
+        out.update(_in_process(config_path, overrides, workdir, rounds))
+        out.update(_embedded(config_path, overrides, workdir, steps))
+        out["flush_vs_disk"] = out["flush_GBps"] / out["disk_write_GBps"]
+        out["write_vs_disk"] = out["write_GBps"] / out["disk_write_GBps"]
+        out.update(_auto_on_cluster(config_path, overrides, cluster_steps))
+    out["notes"] = (
+        "write_GBps: the product's shard writer on the whole state in process; flush_GBps: the final flush through the snapshot "
+        "managers (training idle; includes the manifest + marker commit); train_overhead_pct and auto_overhead_pct: two runs back "
+        "to back (tokens/s after 3 warm-up steps), so machine noise of a few percent is in them"
+    )
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
