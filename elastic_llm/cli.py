@@ -45,10 +45,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from elastic_llm.data import builtin_corpus_dir, prepare
 
-    out = args.out or (str(builtin_corpus_dir()) if not args.sources else None)
-    if out is None:
-        raise SystemExit("error: --out DIR is required when you pass your own sources")
-    meta = prepare(args.sources, out, val_fraction=args.val_fraction)
+    problem = None
+    if args.tokenizer == "byte" and (args.vocab_size is not None or args.tokenizer_file):
+        problem = "--vocab-size and --tokenizer-file go with --tokenizer bpe (byte tokens are always 256): add --tokenizer bpe or drop them"
+    elif args.vocab_size is not None and args.tokenizer_file:
+        problem = "pass --vocab-size to train a BPE or --tokenizer-file to use an existing one, not both"
+    elif args.sources and not args.out:
+        problem = "--out DIR is required when you pass your own sources"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    out = args.out or str(builtin_corpus_dir(args.tokenizer, args.vocab_size, args.tokenizer_file))
+    meta = prepare(args.sources, out, val_fraction=args.val_fraction, tokenizer=args.tokenizer, vocab_size=args.vocab_size, tokenizer_file=args.tokenizer_file)
     print(json.dumps({"out": str(out), **meta}))
     return 0
 
@@ -232,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("sources", nargs="*", help="files, directories or URIs (text, .jsonl with 'text', .parquet with 'text')")
     pr.add_argument("--out", help="output directory or URI (default for the built-in corpus: the cache)")
     pr.add_argument("--val-fraction", type=float, default=0.02)
+    pr.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte", help="byte (default) or bpe: a byte-level BPE (Hugging Face tokenizers), saved as tokenizer.json")
+    pr.add_argument("--vocab-size", type=int, metavar="N", help="bpe: train a BPE of N tokens on the training documents (default 8192)")
+    pr.add_argument("--tokenizer-file", metavar="PATH", help="bpe: encode with this tokenizer.json instead of training one (needs an <|endoftext|> token)")
     pr.set_defaults(func=cmd_prepare)
 
     rp = sub.add_parser("replay", help="replay a spot availability trace on a loopback Ray cluster while a run trains")

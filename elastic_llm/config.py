@@ -23,7 +23,7 @@ import yaml
 from elastic_llm.model import ModelShape
 
 SCHEDULES = ("gpipe", "1f1b")
-TOKENIZERS = ("byte",)
+TOKENIZERS = ("byte", "bpe")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # lossless: in-memory snapshots + parity (CheckFree+ only as the last rung); checkfree /
 # checkfree_plus: no snapshots, a lost stage is rebuilt from its neighbours; checkpoint: periodic
@@ -97,7 +97,8 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     dir: str | None = None  # prepared shards (local path or URI); None: the built-in corpus
-    tokenizer: str = "byte"
+    tokenizer: str = "byte"  # byte | bpe (byte-level BPE from Hugging Face tokenizers)
+    tokenizer_file: str | None = None  # bpe, built-in corpus: encode it with this tokenizer.json (None: train a BPE of model.vocab_size tokens on it)
     val_fraction: float = 0.02
 
 
@@ -297,6 +298,12 @@ def _validate(c: RunConfig) -> list[str]:
     one_of("data.tokenizer", d.tokenizer, TOKENIZERS)
     if d.tokenizer == "byte" and m.vocab_size < 256:
         p.append(f"model.vocab_size={m.vocab_size} is too small for data.tokenizer='byte': use 256 or more")
+    if d.tokenizer == "bpe" and m.vocab_size < 257:
+        p.append(f"model.vocab_size={m.vocab_size} is too small for data.tokenizer='bpe': use at least 257 (256 bytes + <|endoftext|>), e.g. 32000")
+    if d.tokenizer_file is not None and d.tokenizer != "bpe":
+        p.append(f"data.tokenizer_file={d.tokenizer_file!r} needs data.tokenizer='bpe' (it is {d.tokenizer!r}): set data.tokenizer=bpe or remove data.tokenizer_file")
+    if d.tokenizer_file is not None and d.dir is not None:
+        p.append(f"data.tokenizer_file={d.tokenizer_file!r} is for the built-in corpus, but data.dir={d.dir!r} carries its own tokenizer.json: remove one of them")
     sn = c.snapshot
     if sn.every != "auto" and (isinstance(sn.every, str) or sn.every < 1):
         p.append(f"snapshot.every={sn.every!r} must be an integer >= 1 or auto (or set snapshot.enabled=false)")

@@ -114,3 +114,29 @@ def test_a_step_failing_the_same_way_every_time_stops_with_exit_4_and_the_cause(
     recoveries = [x for x in lines if x.get("event") == "recovery"]
     assert len(recoveries) == 2 and all(r["source"] == "none" for r in recoveries)  # nothing lost: replayed twice
     assert [x["exit_code"] for x in lines if x.get("event") == "failed"] == [4]
+
+
+def test_bpe_corpus_trains_and_its_export_tokenizes_the_same(ray_local, tmp_path):
+    """A BPE-prepared corpus trains (with durable checkpoints); the Hugging Face export carries
+    the tokenizer, and AutoTokenizer gives the ids the training data was encoded with."""
+    from elastic_llm.cli import main
+    from elastic_llm.data import load_tokenizer, prepare
+
+    transformers = pytest.importorskip("transformers")
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"m{i}.py").write_text(f"def f{i}(x):\n    '''naïve café {i}'''\n    return x * {i} + len('the quick brown fox')\n" * 20)
+    prepare([str(src)], tmp_path / "bpe", val_fraction=0.1, tokenizer="bpe", vocab_size=400)
+    history, trainer = train(
+        ["data.tokenizer=bpe", f"data.dir={tmp_path / 'bpe'}", "model.vocab_size=400", "train.eval_every=0",
+         f"durable.storage_path={tmp_path / 'ckpt'}", "durable.every=2"],
+        6, tmp_path / "bpe",
+    )
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert trainer.durable.stats.flushed >= 1
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "ckpt" / "tiny"), "--format", "hf", "--out", str(out)]) == 0
+    auto = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "def g(y):\n    return y * 3  # naïve ✓"
+    assert auto(text, add_special_tokens=False)["input_ids"] == load_tokenizer(tmp_path / "bpe").encode(text, add_special_tokens=False).ids

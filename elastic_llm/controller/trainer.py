@@ -167,7 +167,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _load_data(self) -> None:
         c = self.cfg
-        data = open_run_data(c.data.dir, c.model.seq_len, c.train.seed, c.model.vocab_size, c.data.val_fraction)
+        data = open_run_data(c.data.dir, c.model.seq_len, c.train.seed, c.model.vocab_size, c.data.val_fraction, c.data.tokenizer, c.data.tokenizer_file)
         self.data_dir, self.stream, self.val_tokens = data.dir, data.train, data.val
 
     def setup(self) -> None:
