@@ -64,7 +64,7 @@ def _train_batches(cfg: RunConfig, n: int) -> list[tuple[np.ndarray, np.ndarray]
     the built-in corpus), its seed, its order."""
     from elastic_llm.data import open_run_data
 
-    stream = open_run_data(cfg.data.dir, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size, cfg.data.val_fraction).train
+    stream = open_run_data(cfg.data.dir, cfg.model.seq_len, cfg.train.seed, cfg.model.vocab_size, cfg.data.val_fraction, cfg.data.tokenizer, cfg.data.tokenizer_file).train
     return [stream.next_batch(cfg.train.batch_size) for _ in range(n)]
 
 
