@@ -34,7 +34,8 @@ def snapshot_every(cost_s: float, step_s: float, max_overhead_pct: float, cap: i
     """Smallest N >= 1 with cost_s / (N x step_s) <= max_overhead_pct / 100: a snapshot every N
     steps then costs at most that share of the training time. ``cost_s``: training time one
     snapshot costs (stage copies on the step path, parity exchange and manager CPU competing for
-    the cores); ``step_s``: a step's time without a snapshot."""
+    the cores); ``step_s``: a step's time without a snapshot (the coordinator measures both: what the
+    snapshot's parts took and what the steps around it took beyond clean steps; it uses the larger)."""
     if step_s <= 0 or cost_s <= 0:
         return 1
     n = math.ceil(cost_s / (step_s * max_overhead_pct / 100.0) - 1e-9)

@@ -168,7 +168,7 @@ def test_snapshot_every_auto_settles_where_the_overhead_budget_says(nodes, corpu
     delay = 0.2
     t = make_trainer(nodes, corpus_dir, "snapshot.every=auto", "snapshot.max_overhead_pct=2", f"chaos.snapshot_delay_s={delay}", metrics_out=tmp_path / "m.jsonl")
     try:
-        history = t.fit(12)
+        history = t.fit(16)
         every = t.snapshots.every
     finally:
         t.shutdown()
@@ -176,7 +176,7 @@ def test_snapshot_every_auto_settles_where_the_overhead_budget_says(nodes, corpu
     assert changes and changes[-1]["every"] == every == history[-1]["snapshot_every"]
     last = changes[-1]  # the decision in force: its measured inputs
     cost, step_s = last["cost_s"], last["step_s"]
-    assert delay <= cost < delay + 0.3  # one stage per node (SPREAD): the delay + the manager's CPU
+    assert delay <= last["parts_s"] < delay + 0.3  # one stage per node (SPREAD): the delay + the manager's CPU
+    assert cost >= delay  # the known cost is a floor of what was charged (the run may feel more)
     assert every == cadence.snapshot_every(cost, step_s, 2.0) and "budget 2%" in last["why"]
-    low, high = math.ceil(delay / (step_s * 0.02)), math.ceil((delay + 0.3) / (step_s * 0.02))
-    assert low <= every <= high and every > 1
+    assert every >= math.ceil(delay / (step_s * 0.02)) > 1

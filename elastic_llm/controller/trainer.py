@@ -294,8 +294,8 @@ class Trainer:
         """Count ``step`` as done: step counter, validation, the step's record."""
         now = time.perf_counter()
         if self.snapshots is not None:
+            self.snapshots.observe_step(now - ts, began=self.snapshots.last_begin == step)
             self.snapshots.poll()
-            self.snapshots.observe_step(now - ts)
             for change in self.snapshots.changes:
                 self.metrics.event("snapshot_every", step=step, **change)
             self.snapshots.changes.clear()

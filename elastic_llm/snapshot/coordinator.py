@@ -26,6 +26,7 @@ from elastic_llm.snapshot.manager import SnapshotManager
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
 
 log = logging.getLogger("elastic_llm.snapshot")
+AUTO_START = 4  # snapshot.every: auto starts here: snapshot steps and clean steps both get measured
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
 WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
 PING_S = 10.0  # a manager that does not answer within this is dead
@@ -90,10 +91,12 @@ class SnapshotCoordinator:
         self.durable: Any = None  # the durable tier (DurableTier): decides at each commit whether to flush it
         sn = cfg.snapshot
         self.auto = sn.every == "auto"
-        self.every = 1 if self.auto else int(sn.every)  # auto: start at every step, to measure the cost
+        self.every = AUTO_START if self.auto else int(sn.every)  # auto: leaves steps without snapshots, to compare
         self.why = "auto: measuring the cost" if self.auto else f"snapshot.every={sn.every}"
-        self.cost = Ema(alpha=0.3)  # seconds one version costs its busiest node
-        self.step_s = Ema(alpha=0.1)
+        self.cost = Ema(alpha=0.3)  # seconds one version costs the run
+        self.step_s = Ema(alpha=0.1)  # every step
+        self.clean_s = Ema(alpha=0.1)  # steps with no snapshot begun or in flight
+        self._felt: dict[int, float] = {}  # version -> step time its steps took beyond clean steps
         self.last_begin = 0
         self.changes: list[dict[str, Any]] = []  # snapshot.every: auto decisions, for the metrics file
 
@@ -266,25 +269,47 @@ class SnapshotCoordinator:
         if flush:
             self.durable.start(record)
 
-    def observe_step(self, seconds: float) -> None:
-        """A training step's wall time (the denominator of the snapshot overhead)."""
+    def observe_step(self, seconds: float, began: bool = False) -> None:
+        """A training step's wall time, before this step's :meth:`poll`; ``began``: the step began
+        a version. Steps with no version begun or in flight are the clean baseline; what the
+        others took beyond it is charged to the versions in flight (the cost the run felt)."""
         self.step_s.add(seconds)
+        active = [p.version for p in self.inflight]
+        if not active and not began:
+            self.clean_s.add(seconds)
+            return
+        if self.clean_s.value is None or not active:
+            return
+        excess = max(0.0, seconds - self.clean_s.value) / len(active)
+        for v in active:
+            self._felt[v] = self._felt.get(v, 0.0) + excess
 
     def _choose(self, p: _Inflight) -> None:
-        """``snapshot.every: auto``: the smallest interval whose measured cost per version (the
-        busiest node's stage copies and manager CPU) stays under ``snapshot.max_overhead_pct`` of
-        the training time. The first version is not counted (its buffers are cold)."""
+        """``snapshot.every: auto``: the smallest interval whose cost per version stays under
+        ``snapshot.max_overhead_pct`` of a clean step's time. A version's cost is the larger of
+        what its parts took (the busiest node's stage copies and manager CPU time) and what the
+        run felt (its steps' time beyond clean steps: parity exchange, object store, contention).
+        The first version is not counted (its buffers are cold)."""
+        felt = self._felt.pop(p.version, None)
         if not self.auto:
             return
-        cost = max((part.cost_s() for part in p.results.values()), default=0.0)
-        if self.stats.committed <= 1 or self.step_s.value is None:
+        parts = max((part.cost_s() for part in p.results.values()), default=0.0)
+        base = self.clean_s.value or self.step_s.value
+        if self.stats.committed <= 1 or base is None:
             return
-        self.cost.add(cost)
+        self.cost.add(max(parts, felt or 0.0))
         pct = self.cfg.snapshot.max_overhead_pct
-        every = snapshot_every(self.cost.value or 0.0, self.step_s.value, pct)
-        self.why = f"auto: {self.cost.value:.3f} s per snapshot, {self.step_s.value:.3f} s per step, budget {pct:g}% -> every {every}"
+        every = snapshot_every(self.cost.value or 0.0, base, pct)
+        felt_txt = f"{felt:.3f}" if felt is not None else "unmeasured"
+        self.why = (
+            f"auto: {self.cost.value:.3f} s per snapshot (parts {parts:.3f} s, felt {felt_txt} s), {base:.3f} s per clean step, "
+            f"budget {pct:g}% -> every {every}"
+        )
         if every != self.every:
-            self.changes.append({"every": every, "previous": self.every, "cost_s": self.cost.value, "step_s": self.step_s.value, "max_overhead_pct": pct, "why": self.why, "version": p.version})
+            self.changes.append({
+                "every": every, "previous": self.every, "cost_s": self.cost.value, "step_s": base, "parts_s": parts, "felt_s": felt,
+                "max_overhead_pct": pct, "why": self.why, "version": p.version,
+            })
             self.every = every
 
     def _discard(self, p: _Inflight, why: str | None, expected: bool = False) -> None:
@@ -293,6 +318,7 @@ class SnapshotCoordinator:
         for m in self.managers.values():
             m.discard.remote(p.version)
         self.inflight.remove(p)
+        self._felt.pop(p.version, None)
         self._dropped += [ref for node, ref in p.refs.items() if node not in p.results]
         if why is None:
             self.stats.superseded += 1
