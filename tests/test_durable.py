@@ -261,3 +261,24 @@ def test_storage_refuses_an_unknown_scheme():
 
     with pytest.raises(StorageError, match="cannot be opened.*s3://bucket/dir"):
         Storage("nosuchscheme://bucket/x")
+
+
+def test_cli_checkpoints_list_verify_and_bad_resume(trained, tmp_path, capsys):
+    from elastic_llm.cli import main
+
+    cfg, workers = trained
+    run = Storage(str(tmp_path / "run"))
+    write_checkpoint(run, cfg, workers, 1)
+    name = write_checkpoint(run, cfg, workers, 2)
+    assert main(["checkpoints", "list", str(tmp_path / "run")]) == 0
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(e["step"], e["committed"]) for e in listed] == [(1, True), (2, True)]
+    assert main(["checkpoints", "verify", str(tmp_path / "run")]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+    corrupt(tmp_path / "run" / name / fmt.shard_file(0, 0))
+    assert main(["checkpoints", "verify", str(tmp_path / "run")]) == 2
+    assert "fails its CRC-32" in capsys.readouterr().err
+    assert main(["checkpoints", "list", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "nothing"), "--max-steps", "1", "--no-progress"]) == 2
+    assert "does not exist: give a checkpoint directory or a run directory" in capsys.readouterr().err

@@ -180,3 +180,22 @@ def test_snapshot_every_auto_settles_where_the_overhead_budget_says(nodes, corpu
     assert cost >= delay  # the known cost is a floor of what was charged (the run may feel more)
     assert every == cadence.snapshot_every(cost, step_s, 2.0) and "budget 2%" in last["why"]
     assert every >= math.ceil(delay / (step_s * 0.02)) > 1
+
+
+def test_durable_every_auto_follows_young_daly(nodes, corpus_dir, tmp_path):
+    """durable.every: auto flushes the first committed snapshot to measure the cost, then flushes
+    every sqrt(2 x cost x MTBF) seconds' worth of snapshots (MTBF: durable.mtbf_h until a failure)."""
+    store = str(tmp_path / "ckpts")
+    t = make_trainer(nodes, corpus_dir, f"durable.storage_path={store}", "durable.every=auto", "durable.mtbf_h=0.001", metrics_out=tmp_path / "m.jsonl")
+    try:
+        history = t.fit(10)
+    finally:
+        t.shutdown()
+    events = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    chosen = [e for e in events if e.get("event") == "durable_every"]
+    assert chosen, "no interval was chosen after the first flush"
+    c = chosen[-1]
+    assert c["mtbf_s"] == pytest.approx(3.6) and c["interval_s"] == pytest.approx(cadence.young_daly_s(c["flush_cost_s"], 3.6))
+    assert c["every"] == cadence.flush_every(c["interval_s"], c["snapshot_every"], c["step_s"])
+    assert "sqrt(2 x" in c["why"] and "no failure yet" in c["why"]
+    assert [e for e in events if e.get("event") == "durable"] and all(h["durable_every"] >= 1 for h in history)

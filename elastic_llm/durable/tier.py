@@ -89,8 +89,11 @@ class DurableTier:
         every = cadence.flush_every(interval, snap_every, self.step_s.value)
         seen = f"{self.failures} failures in {self.elapsed_s:.0f} s" if self.failures else f"no failure yet, durable.mtbf_h={self.cfg.durable.mtbf_h}"
         self.why = f"auto: sqrt(2 x {self.cost.value:.2f} s flush x {mtbf:.0f} s MTBF ({seen})) = {interval:.0f} s = {every} snapshots"
-        if every != self.every and self.metrics is not None:
-            self.metrics.event("durable_every", every=every, previous=self.every, interval_s=interval, flush_cost_s=self.cost.value, mtbf_s=mtbf, why=self.why)
+        if self.metrics is not None:  # once per flush: flushes are rare
+            self.metrics.event(
+                "durable_every", every=every, previous=self.every, interval_s=interval, flush_cost_s=self.cost.value, mtbf_s=mtbf,
+                snapshot_every=snap_every, step_s=self.step_s.value, why=self.why,
+            )
         self.every = every
 
     # ------------------------------------------------------------------ at every commit
