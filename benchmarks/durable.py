@@ -12,9 +12,10 @@ Measures, in one run (peers side by side, medians of rounds; compare ratios, the
 * on an embedded Ray, the flush through the snapshot managers (a Trainer with
   ``durable.every: 1``): ``flush_GBps`` of the final flush (training idle) and
   ``flush_GBps_during_training``; ``train_overhead_pct``: tokens/s of that run vs the same run
-  with no durable tier (two runs back to back, same steps);
+  with no durable tier (both live, taking turns in blocks of steps);
 * on a loopback cluster of 3 worker nodes (``snapshot.group_size=3``, parity 1, SPREAD): a run
-  with ``snapshot.every: auto`` against the same run with ``snapshot.enabled: false``:
+  with ``snapshot.every: auto`` (after 30 steps to settle) against the same run with
+  ``snapshot.enabled: false``, taking turns in blocks:
   ``auto_overhead_pct``, ``auto_every`` and ``auto_why``.
 
 Must never: copy product code (it calls the writer, the restore and the Trainer), judge results
@@ -102,19 +103,37 @@ def _in_process(config_path: str, overrides: Sequence[str], workdir: str, rounds
     }
 
 
-def _run(cfg: RunConfig, steps: int, cluster: Any = None, metrics: str | None = None) -> tuple[float, Any]:
-    """Tokens/s of ``steps`` steps after 3 warm-up steps, and the finished Trainer (shut down)."""
+def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps: int, cluster: Any = None, metrics: Sequence[str | None] = ()) -> tuple[list[float], list[Any]]:
+    """Live Trainers of ``cfgs`` taking turns in blocks of ``block_steps`` steps (``warmup`` steps
+    each first, so e.g. ``snapshot.every: auto`` has settled): the median over rounds of each
+    one's tokens/s relative to the first's, the first's median tokens/s, and the Trainers (shut
+    down). Taking turns puts the machine's noise into every run alike."""
     from elastic_llm.controller import Trainer
 
-    t = Trainer(cfg, cluster=cluster, metrics_out=metrics)
+    ts = [Trainer(c, cluster=cluster, metrics_out=(list(metrics) + [None] * len(cfgs))[i]) for i, c in enumerate(cfgs)]
     try:
-        t.fit(3)
-        t0 = time.perf_counter()
-        t.fit(3 + steps)
-        tps = steps * cfg.tokens_per_step() / (time.perf_counter() - t0)
-        return tps, t
+        for t in ts:
+            t.setup()
+            for _ in range(warmup):
+                t.run_step()
+        rates: list[list[float]] = [[] for _ in ts]
+        for r in range(blocks):
+            order = list(range(len(ts))) if r % 2 == 0 else list(reversed(range(len(ts))))
+            for i in order:
+                t0 = time.perf_counter()
+                for _ in range(block_steps):
+                    ts[i].run_step()
+                rates[i].append(block_steps * cfgs[i].tokens_per_step() / (time.perf_counter() - t0))
+        for t in ts:
+            if t.snapshots is not None:
+                t.snapshots.poll(block=True)
+            if t.durable is not None:
+                t.durable.finish()
+        ratios = [statistics.median(rates[i][r] / rates[0][r] for r in range(blocks)) for i in range(len(ts))]
+        return [statistics.median(rates[0])] + ratios[1:], ts
     finally:
-        t.shutdown()
+        for t in ts:
+            t.shutdown()
 
 
 def _events(path: str, name: str) -> list[dict[str, Any]]:
@@ -130,25 +149,25 @@ def _embedded(config_path: str, overrides: Sequence[str], workdir: str, steps: i
     base = [*overrides, "train.eval_every=0"]
     ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     try:
-        off, _ = _run(load_config(config_path, base), steps)
         m = os.path.join(workdir, "durable.jsonl")
-        on, trainer = _run(load_config(config_path, [*base, f"durable.storage_path={workdir}/emb", "durable.every=1", "durable.keep_last=2"]), steps, metrics=m)
+        cfgs = [load_config(config_path, base), load_config(config_path, [*base, f"durable.storage_path={workdir}/emb", "durable.every=1", "durable.keep_last=2"])]
+        (off, ratio), _ = _alternate(cfgs, warmup=3, blocks=6, block_steps=max(1, steps // 6), metrics=[None, m])
         flushes = _events(m, "durable")
-        final = flushes[-1]  # fit's end flushes the newest version while nothing trains
+        final = flushes[-1]  # the end flushes the newest version while nothing trains
         during = [f for f in flushes[:-1] if f["gbps"] > 0]
         return {
             "flush_GBps": final["bytes"] / final["seconds"] / 1e9,
             "flush_GBps_during_training": statistics.median(f["gbps"] for f in during) if during else None,
             "flushes": len(flushes),
-            "train_overhead_pct": 100.0 * (off - on) / off,
+            "train_overhead_pct": 100.0 * (1 - ratio),
             "tokens_per_s_durable_off": off,
-            "tokens_per_s_durable_every_1": on,
+            "tokens_per_s_durable_every_1": off * ratio,
         }
     finally:
         ray.shutdown()
 
 
-def _auto_on_cluster(config_path: str, overrides: Sequence[str], steps: int) -> dict[str, Any]:
+def _auto_on_cluster(config_path: str, overrides: Sequence[str], steps: int, settle: int = 30) -> dict[str, Any]:
     import ray
 
     from elastic_llm.controller.session import loopback_cluster
@@ -157,14 +176,14 @@ def _auto_on_cluster(config_path: str, overrides: Sequence[str], steps: int) -> 
             "parallel.cpus_per_actor=0.5"]
     c = loopback_cluster(3, 2)
     try:
-        off, _ = _run(load_config(config_path, [*base, "snapshot.enabled=false"]), steps, cluster=c)
-        on, t = _run(load_config(config_path, [*base, "snapshot.every=auto"]), steps, cluster=c)
+        cfgs = [load_config(config_path, [*base, "snapshot.enabled=false"]), load_config(config_path, [*base, "snapshot.every=auto"])]
+        (off, ratio), ts = _alternate(cfgs, warmup=settle, blocks=6, block_steps=max(1, steps // 6), cluster=c)
         return {
-            "auto_overhead_pct": 100.0 * (off - on) / off,
-            "auto_every": t.snapshots.every,
-            "auto_why": t.snapshots.why,
+            "auto_overhead_pct": 100.0 * (1 - ratio),
+            "auto_every": ts[1].snapshots.every,
+            "auto_why": ts[1].snapshots.why,
             "tokens_per_s_snapshots_off": off,
-            "tokens_per_s_snapshots_auto": on,
+            "tokens_per_s_snapshots_auto": off * ratio,
         }
     finally:
         ray.shutdown()
@@ -184,7 +203,7 @@ def _fs_type(path: str) -> str | None:
     return kind
 
 
-def run_durable_bench(config_path: str = "jobs/tiny.yaml", overrides: Sequence[str] = (), rounds: int = 5, steps: int = 30, cluster_steps: int = 40) -> dict[str, Any]:
+def run_durable_bench(config_path: str = "jobs/tiny.yaml", overrides: Sequence[str] = (), rounds: int = 5, steps: int = 36, cluster_steps: int = 48) -> dict[str, Any]:
     from elastic_llm.controller import loopback_env
 
     loopback_env()
@@ -199,7 +218,7 @@ def run_durable_bench(config_path: str = "jobs/tiny.yaml", overrides: Sequence[s
         out.update(_auto_on_cluster(config_path, overrides, cluster_steps))
     out["notes"] = (
         "write_GBps: the product's shard writer on the whole state in process; flush_GBps: the final flush through the snapshot "
-        "managers (training idle; includes the manifest + marker commit); train_overhead_pct and auto_overhead_pct: two runs back "
-        "to back (tokens/s after 3 warm-up steps), so machine noise of a few percent is in them"
+        "managers (training idle; includes the manifest + marker commit); train_overhead_pct and auto_overhead_pct: two live "
+        "Trainers taking turns in 6 blocks (order alternating), median of the per-block throughput ratio; auto after 30 steps to settle"
     )
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
