@@ -132,6 +132,7 @@ class DurableConfig:
     run_name: str | None = None  # directory under storage_path (None: the run's name)
     mtbf_h: float = 24.0  # every: auto: mean time between failures assumed until the run has seen failures of its own
     max_write_mb_s: float = 0.0  # throttle each manager's flush writes to this many MB/s (0: as fast as storage takes them)
+    flush_nice: int = 10  # niceness of the flushing threads (0-19; 0: as urgent as training)
 
 
 @dataclass
@@ -356,6 +357,8 @@ def _validate_durable(c: RunConfig) -> list[str]:
         p.append(f"durable.keep_last={du.keep_last} must be >= 1 (the newest committed checkpoint is always kept)")
     if du.mtbf_h <= 0:
         p.append(f"durable.mtbf_h={du.mtbf_h} must be > 0 hours")
+    if not 0 <= du.flush_nice <= 19:
+        p.append(f"durable.flush_nice={du.flush_nice} must be in 0..19 (0: same priority as training)")
     if du.max_write_mb_s < 0:
         p.append(f"durable.max_write_mb_s={du.max_write_mb_s} must be >= 0 (0: no throttle)")
     if du.run_name is not None and (not du.run_name or "/" in du.run_name or du.run_name in (".", "..")):

@@ -15,6 +15,8 @@ to flush, never commits (the driver writes the manifest and marker once every pa
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ class FlushPlan:
     tensors: tuple[TensorSpec, ...]
     slices: tuple[SliceSource, ...]
     max_mb_s: float = 0.0
+    nice: int = 10  # the writing thread's niceness: training on the same cores goes first
 
 
 def stage_tensors(manifest: str, layer_ids: list[int]) -> list[TensorSpec]:
@@ -61,7 +64,7 @@ def stage_tensors(manifest: str, layer_ids: list[int]) -> list[TensorSpec]:
 
 
 def plan_parts(
-    record: VersionRecord, storage_uri: str, layers_of: Callable[[int], list[int]], managers: dict[str, Any], max_mb_s: float = 0.0
+    record: VersionRecord, storage_uri: str, layers_of: Callable[[int], list[int]], managers: dict[str, Any], max_mb_s: float = 0.0, nice: int = 10
 ) -> list[tuple[str, FlushPlan]]:
     """(node, plan) per shard file of ``record``: the writer is the node holding the part's slice."""
     plans = []
@@ -73,7 +76,7 @@ def plan_parts(
             hi = sl.lo + sl.nbytes if part < len(slices) - 1 else None
             mine = tuple(t for t in tensors if t.src >= sl.lo and (hi is None or t.src < hi))
             file = f"{checkpoint_dir(record.version)}/{shard_file(stage, part)}"
-            plans.append((sl.node_id, FlushPlan(record.version, storage_uri, stage, part, file, mine, sources, max_mb_s)))
+            plans.append((sl.node_id, FlushPlan(record.version, storage_uri, stage, part, file, mine, sources, max_mb_s, nice)))
     return plans
 
 
@@ -113,8 +116,32 @@ class PieceReader:
 
 
 def write_part(plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | None]) -> PartResult:
-    """Stream ``plan``'s tensors into its file (run inside the snapshot manager holding the slice).
-    ``local(key)``: this manager's own pieces of ``key`` (None if it does not hold them)."""
+    """Stream ``plan``'s tensors into its file (run inside the snapshot manager holding the slice),
+    on a thread of its own at niceness ``plan.nice`` (Linux sets it per thread; the kernel's copy
+    into the page cache is charged to that thread too). ``local(key)``: this manager's own pieces
+    of ``key`` (None if it does not hold them)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            if plan.nice > 0 and hasattr(os, "setpriority"):
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), plan.nice)
+                except OSError:
+                    pass  # not permitted here: write at normal priority
+            out.append(_write_part(plan, local))
+        except BaseException as e:  # re-raised in the caller's thread
+            out.append(e)
+
+    worker = threading.Thread(target=run, name=f"flush-{plan.stage}-{plan.part}", daemon=True)
+    worker.start()
+    worker.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def _write_part(plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | None]) -> PartResult:
     t0 = time.perf_counter()
     storage = Storage(plan.storage_uri)
     storage.makedirs(plan.file.rsplit("/", 1)[0])

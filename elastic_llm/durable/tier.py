@@ -111,7 +111,8 @@ class DurableTier:
         self.since = 0
         managers = self.coordinator.managers
         n, stages = self.cfg.model.n_layers, self.cfg.parallel.stages
-        plans = plan_parts(record, self.run.uri, lambda s: list(stage_layer_range(n, stages, s)), managers, self.cfg.durable.max_write_mb_s)
+        du = self.cfg.durable
+        plans = plan_parts(record, self.run.uri, lambda s: list(stage_layer_range(n, stages, s)), managers, du.max_write_mb_s, du.flush_nice)
         refs = {}
         for node, plan in plans:
             if node not in managers:
