@@ -170,7 +170,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if ck.manifest.get("tokenizer_file"):
             tok = Path(tmp) / TOKENIZER
             tok.write_bytes(ck.storage.read_bytes(f"{ck.name}/{TOKENIZER}"))
-        out = write_hf(shape, tensors, args.out, tokenizer_file=tok)
+        out = write_hf(shape, tensors, args.out, tokenizer_file=tok, eos_id=None if tok is not None else 0)  # byte tokens: NUL ends a document
     print(json.dumps({"out": str(out), "step": ck.step, "parameters": sum(t.numel() for t in tensors.values()), "tokenizer": tok is not None}))
     return 0
 

@@ -3,11 +3,14 @@
 Owns: the mapping of our global parameter names (``layers.3.attn.wqkv.weight``, ...) to Hugging
 Face's Llama names, splitting the fused q/k/v projection, converting the rotary layout (ours
 rotates interleaved pairs (x[2j], x[2j+1]); Hugging Face rotates halves (x[j], x[j + hd/2]): the
-rows of q and k are permuted per head, which leaves every attention score unchanged), the
-``config.json``, and the tokenizer files ``AutoTokenizer`` reads when the run had a BPE tokenizer
-(byte-token models export weights only). Writes into a temporary directory beside the target and
-renames it, so a crash leaves no half export. Never reads checkpoints (the CLI hands it tensors
-from :class:`elastic_llm.durable.format.Checkpoint`) and never unpickles.
+rows of q and k are permuted the same way per head, which leaves every attention score
+unchanged), the ``config.json`` / ``generation_config.json``, and the tokenizer files
+``AutoTokenizer`` reads when the run had a BPE tokenizer. Byte-token models (vocab 256, no
+tokenizer file) export weights only: Hugging Face has no tokenizer for raw UTF-8 byte ids, so the
+caller feeds ``list(text.encode())`` itself (end of text is NUL, id 0: pass ``eos_id=0``).
+Writes into a temporary directory beside the target and renames it, so a crash leaves no half
+export; refuses a non-empty target. Never reads checkpoints (the CLI hands it tensors from
+:class:`elastic_llm.durable.format.Checkpoint`), never unpickles, never downloads.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -31,13 +34,21 @@ class ExportError(ValueError):
 
 
 def hf_config(shape: ModelShape, eos_id: int | None = None) -> dict:
-    cfg = {
+    """The ``config.json`` of a ``LlamaForCausalLM`` of ``shape``.
+
+    The rotary base is written both ways: ``rope_parameters`` (what transformers 5.x reads) and
+    the flat ``rope_theta`` (what 4.x reads; 5.x folds it into ``rope_parameters``, same value).
+    ``bos_token_id``/``eos_token_id`` are ``eos_id`` (``<|endoftext|>`` begins and ends a document)
+    and written as null when unknown: left out, ``LlamaConfig`` would default them to 1 and 2,
+    ordinary tokens of our vocabularies."""
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": shape.dim,
         "intermediate_size": shape.ffn_hidden,
         "num_attention_heads": shape.n_heads,
         "num_key_value_heads": shape.n_heads,
+        "head_dim": shape.dim // shape.n_heads,
         "num_hidden_layers": shape.n_layers,
         "vocab_size": shape.vocab_size,
         "max_position_embeddings": shape.seq_len,
@@ -48,11 +59,12 @@ def hf_config(shape: ModelShape, eos_id: int | None = None) -> dict:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": "float32",
+        "torch_dtype": "float32",  # transformers 4.x
+        "dtype": "float32",  # transformers 5.x
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
     }
-    if eos_id is not None:
-        cfg.update(bos_token_id=eos_id, eos_token_id=eos_id)
-    return cfg
 
 
 def rope_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -63,8 +75,13 @@ def rope_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def to_hf_state_dict(shape: ModelShape, tensors: Mapping[str, torch.Tensor], convert_rope: bool = True) -> dict[str, torch.Tensor]:
-    """Our global names -> Hugging Face Llama names (``convert_rope=False`` only to show that the
-    conversion matters)."""
+    """Our global names -> Hugging Face Llama names, as contiguous fp32 copies.
+
+    Raises :class:`ExportError` naming the tensor when one is missing, unexpected or of the
+    wrong shape. ``convert_rope=False`` (tests only) skips the q/k row permutation, to show that
+    it matters."""
+    if shape.n_heads < 1 or shape.dim % shape.n_heads or (shape.dim // shape.n_heads) % 2:
+        raise ExportError(f"dim={shape.dim} with n_heads={shape.n_heads} gives no even head size: not a model elastic-llm trains")
     d, v, f = shape.dim, shape.vocab_size, shape.ffn_hidden
     want: dict[str, tuple[int, ...]] = {"embed.weight": (v, d), "norm.weight": (d,), "head.weight": (v, d)}
     for i in range(shape.n_layers):
@@ -94,36 +111,77 @@ def to_hf_state_dict(shape: ModelShape, tensors: Mapping[str, torch.Tensor], con
     return {k: t.detach().to(torch.float32).contiguous().clone() for k, t in out.items()}
 
 
-def write_hf(shape: ModelShape, tensors: Mapping[str, torch.Tensor], out_dir: str | Path, tokenizer_file: str | Path | None = None) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (and the tokenizer, if given) to ``out_dir``."""
+def write_hf(
+    shape: ModelShape,
+    tensors: Mapping[str, torch.Tensor],
+    out_dir: str | Path,
+    tokenizer_file: str | Path | None = None,
+    eos_id: int | None = None,
+) -> Path:
+    """Write a ``LlamaForCausalLM`` directory to ``out_dir`` (which must not exist, or be empty).
+
+    Always ``config.json`` and ``model.safetensors`` (fp32). With ``tokenizer_file`` (a Hugging
+    Face ``tokenizers`` ``tokenizer.json`` holding ``<|endoftext|>``) also ``tokenizer.json`` and
+    ``tokenizer_config.json``, so ``AutoTokenizer.from_pretrained(out_dir)`` works; the end-of-text
+    id is then the tokenizer's (``eos_id``, if given, must agree). Without one (byte-token models)
+    only the weights go out and ``eos_id`` (NUL, 0, for our byte tokenizer) is recorded if given.
+    ``generation_config.json`` is written when the end-of-text id is known. Returns ``out_dir``.
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is a file: give a new directory with --out")
+    if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} already exists and is not empty: give a new directory with --out")
     state = to_hf_state_dict(shape, tensors)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
-        eos_id = None
-        if tokenizer_file is not None:
-            from tokenizers import Tokenizer
+    tok_config = None
+    if tokenizer_file is not None:
+        from tokenizers import Tokenizer
 
+        try:
             tok = Tokenizer.from_file(str(tokenizer_file))
-            eos_id = tok.token_to_id(EOS_TOKEN)
-            if eos_id is None:
-                raise ExportError(f"{tokenizer_file} has no {EOS_TOKEN} token: not a tokenizer elastic-llm prepared")
+        except Exception as e:  # tokenizers raises a bare Exception on a bad file
+            raise ExportError(f"{tokenizer_file} is not a tokenizer.json that Hugging Face tokenizers reads: {e}") from e
+        tok_eos = tok.token_to_id(EOS_TOKEN)
+        if tok_eos is None:
+            raise ExportError(f"{tokenizer_file} has no {EOS_TOKEN} token: not a tokenizer elastic-llm prepared")
+        if eos_id is not None and eos_id != tok_eos:
+            raise ExportError(f"eos_id={eos_id} but {tokenizer_file} has {EOS_TOKEN} at id {tok_eos}")
+        n_tok = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        if n_tok > shape.vocab_size:
+            raise ExportError(f"{tokenizer_file} has ids up to {n_tok - 1}, the model's vocab_size is {shape.vocab_size}: not this model's tokenizer")
+        eos_id = tok_eos
+        tok_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": EOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "unk_token": EOS_TOKEN,
+            "model_max_length": shape.seq_len,
+            "clean_up_tokenization_spaces": False,
+        }
+    if eos_id is not None and not 0 <= eos_id < shape.vocab_size:
+        raise ExportError(f"eos_id={eos_id} is outside the vocabulary [0, {shape.vocab_size})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # mkdir (not mkdtemp, which makes 0700) so the export gets the umask's permissions.
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        if tok_config is not None:
             shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
-            (tmp / "tokenizer_config.json").write_text(json.dumps({
-                "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "unk_token": EOS_TOKEN,
-                "model_max_length": shape.seq_len, "clean_up_tokenization_spaces": False,
-            }, indent=2))
-        (tmp / "config.json").write_text(json.dumps(hf_config(shape, eos_id), indent=2))
+            _write_json(tmp / "tokenizer_config.json", tok_config)
+        _write_json(tmp / "config.json", hf_config(shape, eos_id))
+        if eos_id is not None:
+            _write_json(tmp / "generation_config.json", {"bos_token_id": eos_id, "eos_token_id": eos_id})
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if out.exists():
-            out.rmdir()
+            out.rmdir()  # empty (checked above); fails loudly if someone filled it meanwhile
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
