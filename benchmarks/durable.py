@@ -35,14 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from elastic_llm.config import RunConfig, load_config
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from elastic_llm.durable.storage import fsync_path
 
 
 def _in_process(config_path: str, overrides: Sequence[str], workdir: str, rounds: int) -> dict[str, Any]:
@@ -77,7 +70,7 @@ def _in_process(config_path: str, overrides: Sequence[str], workdir: str, rounds
         pt = os.path.join(workdir, f"state-{r}.pt")
         t = time.perf_counter()
         torch.save(sd, pt)
-        _fsync_file(pt)
+        fsync_path(pt)
         res["torch_save"].append(time.perf_counter() - t)
         fresh = StageWorker(one, 0, 0)
         t = time.perf_counter()

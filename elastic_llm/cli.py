@@ -154,16 +154,12 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import tempfile
 
+    from elastic_llm.config import ModelConfig
     from elastic_llm.durable.format import TOKENIZER, open_checkpoint
     from elastic_llm.export import write_hf
-    from elastic_llm.model import ModelShape
 
     ck = open_checkpoint(args.checkpoint)
-    m = ck.manifest["model"]
-    shape = ModelShape(
-        vocab_size=m["vocab_size"], dim=m["dim"], n_heads=m["n_heads"], n_layers=m["n_layers"], seq_len=m["seq_len"],
-        ffn_hidden=m["ffn_hidden"] or 4 * m["dim"], norm_eps=m["norm_eps"], rope_theta=m["rope_theta"],
-    )
+    shape = ModelConfig(**ck.manifest["model"]).shape()
     tensors = ck.model_tensors()
     with tempfile.TemporaryDirectory() as tmp:
         tok = None

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from elastic_llm.data import EOS_TOKEN
 from elastic_llm.model import ModelShape
 
-EOS_TOKEN = "<|endoftext|>"
 
 
 class ExportError(ValueError):

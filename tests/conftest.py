@@ -65,3 +65,30 @@ def events(tmp_path, name):
 
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return [x for x in lines if x.get("event") == name]
+
+
+def loopback_cluster_fixture(workers, cpus_per_node):
+    """A module-scoped fixture: a loopback ``Cluster`` (a head without CPUs + ``workers`` nodes)
+    that the module's tests share; Ray and the cluster are shut down after the module."""
+
+    @pytest.fixture(scope="module")
+    def cluster():
+        import ray
+
+        from elastic_llm.controller.session import loopback_cluster
+
+        c = loopback_cluster(workers, cpus_per_node)
+        yield c
+        ray.shutdown()
+        c.shutdown()
+
+    return cluster
+
+
+def top_up(cluster, workers, cpus_per_node, exact=False):
+    """Add nodes until ``workers`` worker nodes are live again (``exact``: no more than that)."""
+    while len(cluster.worker_nodes) < workers:
+        cluster.add_node(num_cpus=cpus_per_node)
+    cluster.wait_for_nodes()
+    wait_until(lambda: (live_workers() == workers) if exact else (live_workers() >= workers), 60, "worker nodes coming up")
+    return cluster

@@ -16,9 +16,8 @@ import ray
 
 from elastic_llm.config import load_config
 from elastic_llm.controller import RunFailed, Trainer
-from elastic_llm.controller.session import loopback_cluster
 
-from .conftest import REPO, events, live_workers, wait_until
+from .conftest import REPO, events, loopback_cluster_fixture, top_up, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 2
@@ -32,12 +31,7 @@ BASE = [
 LOSE_NODE = "chaos.events=[{step: 5, kill: node, stage: 1}]"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = loopback_cluster(WORKERS, 2)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+cluster = loopback_cluster_fixture(WORKERS, 2)
 
 
 
@@ -45,11 +39,7 @@ def cluster():
 @pytest.fixture
 def nodes(cluster):
     """Exactly WORKERS live worker nodes: no spare capacity."""
-    while len(cluster.worker_nodes) < WORKERS:
-        cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    wait_until(lambda: live_workers() == WORKERS, 60, "worker nodes coming up")
-    return cluster
+    return top_up(cluster, WORKERS, 2, exact=True)
 
 
 def make_trainer(cluster, corpus_dir, tmp_path, *extra):

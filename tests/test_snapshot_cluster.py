@@ -15,11 +15,10 @@ import ray
 
 from elastic_llm.config import load_config
 from elastic_llm.controller import Trainer
-from elastic_llm.controller.session import loopback_cluster
 from elastic_llm.recovery.policy import UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
 
-from .conftest import REPO, live_workers, wait_until
+from .conftest import REPO, loopback_cluster_fixture, top_up
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 5
@@ -32,22 +31,13 @@ BASE = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = loopback_cluster(WORKERS, 2)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+cluster = loopback_cluster_fixture(WORKERS, 2)
 
 
 @pytest.fixture
 def nodes(cluster):
     """Top the cluster back up to WORKERS live worker nodes."""
-    while len(cluster.worker_nodes) < WORKERS:
-        cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    wait_until(lambda: live_workers() >= WORKERS, 60, "worker nodes coming up")
-    return cluster
+    return top_up(cluster, WORKERS, 2)
 
 
 def make_trainer(cluster, corpus_dir, *extra):

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from elastic_llm.data import TOKENIZER_FILE
 from elastic_llm.durable.storage import Storage, StorageError
 from elastic_llm.snapshot.erasure import checksum
 
@@ -34,7 +35,7 @@ FORMAT = "elastic-llm-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
-TOKENIZER = "tokenizer.json"
+TOKENIZER = TOKENIZER_FILE
 _DIR = re.compile(r"^checkpoint_(\d{8})$")
 SAFETENSORS_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64", "int32": "I32", "uint8": "U8"}
 _LAYER = re.compile(r"^layers\.(\d+)\.")

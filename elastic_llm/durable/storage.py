@@ -92,7 +92,7 @@ class Storage:
         finally:
             stream.close()
             if ok and self.local:
-                _fsync(self.path(rel))
+                fsync_path(self.path(rel))
 
     def write_bytes(self, rel: str, data: bytes, atomic: bool = False) -> None:
         """Write a small file. ``atomic`` on a local disk: through a temporary name and a rename
@@ -106,7 +106,7 @@ class Storage:
         from elastic_llm.files import write_atomic
 
         write_atomic(Path(self.path(rel)), "wb", lambda f: f.write(data), fsync=True)
-        _fsync(os.path.dirname(self.path(rel)))
+        fsync_path(os.path.dirname(self.path(rel)))
 
     # ------------------------------------------------------------------ reading
     def read_bytes(self, rel: str) -> bytes:
@@ -162,7 +162,7 @@ class Writer:
                 time.sleep(ahead)
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -71,7 +71,6 @@ class DurableTier:
         self.step_s = cadence.Ema()
         self.elapsed_s = 0.0
         self.failures = 0
-        self.final = False
 
     # ------------------------------------------------------------------ inputs from the run
     def observe(self, step_s: float, elapsed_s: float, failures: int) -> None:
@@ -104,7 +103,7 @@ class DurableTier:
             if self.since >= self.every:
                 self.stats.skipped += 1
             return False
-        return self.since >= self.every or self.final
+        return self.since >= self.every
 
     def start(self, record: VersionRecord) -> None:
         """Send every writer its parts of ``record`` (pinned by its managers). Returns at once."""
@@ -212,9 +211,7 @@ class DurableTier:
         snapshot if it is newer than the newest checkpoint, and wait for that too."""
         self.poll(block=True, timeout=timeout)
         rec = self.coordinator.committed
-        if rec is not None and rec.version > self.flushed_version:
-            for m in self.coordinator.managers.values():
-                m.commit.remote(rec.version, True)  # pin it (it is the newest: nothing older is freed that was not already)
+        if rec is not None and rec.version > self.flushed_version:  # the newest committed version: nothing frees it
             self.start(rec)
             self.poll(block=True, timeout=timeout)
 
