@@ -8,7 +8,8 @@ small executors: :class:`ActorGroup` (placement, actors), :class:`RecoveryExecut
 carry out a plan), :class:`ElasticExecutor` (grow, evacuate draining nodes, shrink),
 :class:`SnapshotCoordinator` (snapshot timing and versions), :class:`DurableTier` (flushes to
 durable storage, in the background) and :class:`Chaos` (fault injection, one hook). A run
-started with ``resume`` loads a durable checkpoint into its fresh actors before the first step. After every step the controller looks (cheaply) at Ray's draining nodes
+started with ``resume`` loads a durable checkpoint into its fresh actors before the first step.
+After every step the controller looks (cheaply) at Ray's draining nodes
 and, every ``elastic.grow_check_s``, for room for another replica.
 Never computes model math (stage actors do, driven by :class:`PipelineRunner`), never decides a
 recovery inline, and never waits without a deadline.
