@@ -174,7 +174,8 @@ class ActorGroup:
         from elastic_llm.pipeline.stage import StageWorker
 
         if self._cls is None:
-            self._cls = ray.remote(concurrency_groups={"snapshot": 1})(StageWorker)
+            # "status": state() answers while a microbatch runs (elastic-llm status)
+            self._cls = ray.remote(concurrency_groups={"snapshot": 1, "status": 1})(StageWorker)
         par = self.cfg.parallel
         return self._cls.options(
             name=f"stage-{self.run_id}-{key.stage}-{key.replica}.{self.generation}",
@@ -182,7 +183,7 @@ class ActorGroup:
             num_gpus=par.gpus_per_actor,
             max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=key.stage),
-        ).remote(self.cfg.to_dict(), key.stage, key.replica, self.width)
+        ).remote(self.cfg.to_dict(), key.stage, key.replica, self.width, self.run_id)
 
     def describe(self, keys: list[ShardKey]) -> list[Any]:
         """Wait (with deadlines) until ``keys`` answer; record their nodes and pids."""

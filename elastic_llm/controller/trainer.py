@@ -1,7 +1,8 @@
 """The training controller: a state machine over the run.
 
 Owns: the run's state (:mod:`elastic_llm.controller.states`), the step counter, the data
-stream on the driver, validation, metrics lines and the progress bar, and the failure budget.
+stream on the driver, validation, metrics lines (which also feed the run's monitor actor, see
+:mod:`elastic_llm.monitor`) and the progress bar, and the failure budget.
 Each state has one handler that returns the next state; the decisions are pure (the transition
 functions, :class:`FailurePolicy`, :class:`RecoveryPolicy`) and the side effects are done by
 small executors: :class:`ActorGroup` (placement, actors), :class:`RecoveryExecutor` (observe,
@@ -38,6 +39,7 @@ from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.elastic import ElasticExecutor
 from elastic_llm.controller.metrics import MetricsWriter
+from elastic_llm.monitor import Publisher
 from elastic_llm.controller.neighbours import refresh_mirrors
 from elastic_llm.controller.progress import ProgressBar
 from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor, RecoveryOutcome, recovery_records
@@ -137,6 +139,7 @@ class Trainer:
         self.elastic: ElasticExecutor | None = None
         self.checkpoints: CheckpointExecutor | None = None  # recovery.mode: checkpoint
         self.durable: DurableTier | None = None  # durable.storage_path
+        self.publisher: Publisher | None = None  # feeds the run's monitor actor (elastic-llm status, Ray metrics)
         self.failures = 0  # failed steps (each one recovered, or the run stopped)
         self.stop_requested = False
         self.drains_seen: set[str] = set()  # draining nodes already acted on
@@ -178,6 +181,9 @@ class Trainer:
         if self.runner is not None:
             return
         self.owns_ray = start_ray(self.cfg, self.address, self.dashboard) or self.owns_ray
+        if self.publisher is None:  # the run-<id> actor: status and Ray metrics of the run
+            self.publisher = Publisher(self, NAMESPACE)
+            self.metrics.observers.append(self.publisher.on_record)
         if self.cfg.snapshots_on and self.snapshots is None:  # managers first: they outlive any stage
             from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 
@@ -573,6 +579,10 @@ class Trainer:
                 self.group.shutdown()
             if self.snapshots is not None:
                 self.snapshots.shutdown()
+            if self.publisher is not None:
+                self.metrics.observers.remove(self.publisher.on_record)
+                self.publisher.close()
+                self.publisher = None
         if self.checkpoints is not None:
             self.checkpoints.close()
         self.runner = None

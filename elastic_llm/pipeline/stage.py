@@ -17,7 +17,8 @@ Never decides anything about the run: the controller tells it what to do, in whi
 Why ~500 lines: every method here is a remote call the controller makes on a stage actor (Ray
 exposes methods of the actor class only), grouped by the job they serve: one microbatch, the
 optimizer step, snapshot copies, restore, CheckFree, the redundant copy (its module and optimizer
-live in :mod:`elastic_llm.pipeline.redundant`) and checkpoint files (:mod:`elastic_llm.checkpoint`).
+live in :mod:`elastic_llm.pipeline.redundant`), checkpoint files (:mod:`elastic_llm.checkpoint`) and
+inspection (``info``, and ``state`` for ``elastic-llm status``; its display name is ``__repr__``).
 The class is plain Python so tests can drive it in-process; the controller wraps it in
 ``ray.remote``.
 """
@@ -39,6 +40,8 @@ from elastic_llm.pipeline.copies import BackgroundCopies
 from elastic_llm.pipeline.redundant import Shadow
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
+from elastic_llm.monitor import StageState
+from elastic_llm.telemetry import Metrics
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
@@ -103,9 +106,10 @@ def stage_seed(seed: int, stage: int, replica: int) -> int:
 class StageWorker:
     """Layers + optimizer of (stage, replica). Methods are called in schedule order."""
 
-    def __init__(self, config: dict[str, Any] | RunConfig, stage: int, replica: int, dp: int | None = None) -> None:
+    def __init__(self, config: dict[str, Any] | RunConfig, stage: int, replica: int, dp: int | None = None, run_id: str = "") -> None:
         self.cfg = config if isinstance(config, RunConfig) else config_from_dict(config)
         par, train = self.cfg.parallel, self.cfg.train
+        self.run_id = run_id
         self.stage, self.replica = stage, replica
         self.dp = dp or par.dp  # data-parallel width now (it changes as the run resizes): which 1/dp slice of the state this replica snapshots
         self.n_stages = par.stages
@@ -134,6 +138,12 @@ class StageWorker:
         # step() waits for it only if it is unfinished. A snapshot manager collects the copy.
         self.copies = BackgroundCopies(self.arena, self.device, f"{stage}-{replica}", self.cfg.chaos.snapshot_delay_s)
         self.injected_error: str | None = None  # chaos: every forward raises this from now on
+        self.metrics = Metrics()
+
+    def __repr__(self) -> str:
+        # Ray shows this as the actor's display name (``ray list actors``, the dashboard) and in
+        # its log prefix; it is taken once, when the actor starts (state() has the live replica)
+        return f"Stage({self.stage}/{self.n_stages}, replica {self.replica}, run {self.run_id})"
 
     # ------------------------------------------------------------------ one microbatch
     def _hop(self, mb: int, visit: int) -> Hop:
@@ -251,6 +261,10 @@ class StageWorker:
             self.shadow.step(clip)
         if snapshot is not None:
             self._start_copy(snapshot)
+        tags = {"run": self.run_id, "stage": self.stage, "replica": self.replica}
+        self.metrics.set("stage_step", self.step_count, **tags)
+        if snapshot is not None:
+            self.metrics.set("stage_snapshot_version", self.step_count, **tags)
         return StepStats(norm, lr, self.copies.wait_s)
 
     @property
@@ -502,6 +516,39 @@ class StageWorker:
             step=self.step_count,
             layers=tuple(self.module.layer_ids),
             parameters=sum(p.numel() for p in self.module.parameters()),
+        )
+
+    def role(self) -> str:
+        ids = self.module.layer_ids
+        parts = ["embed"] if self.first else []
+        if ids:
+            parts.append(f"L{ids[0]}-{ids[-1]}" if len(ids) > 1 else f"L{ids[0]}")
+        if self.last:
+            parts.append("head")
+        return "+".join(parts)
+
+    def state(self) -> StageState:
+        """What this actor is doing now. Called by ``elastic-llm status`` in the ``status``
+        concurrency group, so it answers while a forward or backward runs (it only reads)."""
+        import ray
+
+        copies = self.copies
+        held = self.arena.layout.nbytes + sum(b.nbytes for b in copies.buffers)
+        self.metrics.set("stage_bytes_held", held, run=self.run_id, stage=self.stage, replica=self.replica)
+        latest = copies.latest
+        return StageState(
+            run=self.run_id,
+            stage=self.stage,
+            stages=self.n_stages,
+            replica=self.replica,
+            width=self.dp,
+            role=self.role(),
+            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+            pid=os.getpid(),
+            step=self.step_count,
+            snapshot_version=max(copies.held, default=None),
+            copy_in_flight=latest is not None and not latest.done(),
+            bytes_held=held,
         )
 
     def grads(self) -> dict[str, np.ndarray]:

@@ -119,7 +119,7 @@ class SnapshotCoordinator:
                 num_cpus=0,
                 max_concurrency=16,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(node, self.cfg.snapshot.codec)
+            ).remote(node, self.cfg.snapshot.codec, self.run_id)
         ray.get([m.held.remote() for m in self.managers.values()], timeout=120)
         return self.managers
 

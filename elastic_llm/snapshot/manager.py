@@ -29,7 +29,8 @@ import numpy as np
 
 from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
 from elastic_llm.snapshot.layout import ParityLayout
-from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
+from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ManagerState, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
+from elastic_llm.telemetry import Metrics
 
 WAIT_S = 600.0  # longest a version waits for a stage's copy or a peer's offer
 
@@ -94,15 +95,45 @@ def encode_pieces(rs: ReedSolomon, symbols: list[list[np.ndarray]], row: int, ou
 
 
 class SnapshotManager:
-    """Body of the per-node snapshot actor (``smp-<node id>``)."""
+    """Body of the per-node snapshot actor (``smp-<run>-<node id>``)."""
 
-    def __init__(self, node_id: str, codec_backend: str = "auto") -> None:
+    def __init__(self, node_id: str, codec_backend: str = "auto", run_id: str = "") -> None:
         self.node_id = node_id
+        self.run_id = run_id
+        self.metrics = Metrics()
         self.codec_backend = codec_backend
         self.versions: dict[int, Version] = {}
         self.lock = threading.Condition()
         self._codecs: dict[tuple[int, int], ReedSolomon] = {}
         self._pool: dict[int, list[np.ndarray]] = {}  # freed parity buffers by size, reused
+
+    def __repr__(self) -> str:  # Ray's display name of the actor and its log prefix
+        return f"SnapshotManager(node {self.node_id[:8]}, run {self.run_id})"
+
+    def state(self) -> ManagerState:
+        """What this manager holds now (``elastic-llm status``)."""
+        with self.lock:
+            versions = sorted(self.versions)
+            committed = [x for x in versions if self.versions[x].committed]
+            newest = self.versions[versions[-1]] if versions else Version()
+            held = sum(s.info.nbytes for v in self.versions.values() for s in v.shards.values())
+            held += sum(arr.nbytes for v in self.versions.values() for arr, _ in v.parity.values())
+            out = ManagerState(
+                run=self.run_id,
+                node_id=self.node_id,
+                versions=tuple(versions),
+                committed=committed[-1] if committed else None,
+                pinned=tuple(x for x in versions if self.versions[x].pinned),
+                shards=tuple(sorted(newest.shards)),
+                parity_regions=len(newest.parity),
+                bytes_held=held,
+            )
+        self._export(out)
+        return out
+
+    def _export(self, st: ManagerState) -> None:
+        self.metrics.set("manager_versions_held", len(st.versions), run=self.run_id, node=self.node_id[:12])
+        self.metrics.set("manager_bytes_held", st.bytes_held, run=self.run_id, node=self.node_id[:12])
 
     def _codec(self, k: int, m: int) -> ReedSolomon:
         if (k, m) not in self._codecs:
@@ -243,7 +274,9 @@ class SnapshotManager:
             for old in [x for x in self.versions if x < version and not self.versions[x].pinned]:
                 self._free(self.versions.pop(old))
             self.lock.notify_all()
-            return sorted(self.versions)
+            held = sorted(self.versions)
+        self.state()  # refreshes this node's metrics
+        return held
 
     def unpin(self, version: int) -> None:
         """The flush of ``version`` is over: free it if a newer version has committed since."""

@@ -3,7 +3,7 @@
 Owns: the names of things (a shard is a :class:`ShardKey`, never a ``"stage/replica"`` string),
 what a stage reports about one snapshot copy (:class:`ShardInfo`), what the coordinator tells a
 manager to do for one version (:class:`ManagerPlan`), what a manager reports back
-(:class:`ManagerPart`), the record of a committed version (:class:`VersionRecord`) and where a
+(:class:`ManagerPart`), what a manager holds (:class:`ManagerState`), the record of a committed version (:class:`VersionRecord`) and where a
 stage's committed state can be read from (:class:`StageSource`).
 Never does I/O, never talks to Ray and never holds bytes: the pieces travel as separate objects.
 """
@@ -132,6 +132,20 @@ class StageSource:
     @property
     def source(self) -> str:
         return "parity" if "parity" in self.sources else "local_smp"
+
+
+@dataclass(frozen=True)
+class ManagerState:
+    """What a node's snapshot manager holds now (``state()``; ``elastic-llm status`` shows it)."""
+
+    run: str
+    node_id: str
+    versions: tuple[int, ...]  # held, oldest first
+    committed: int | None  # newest committed version held
+    pinned: tuple[int, ...]  # kept for a durable flush
+    shards: tuple[ShardKey, ...]  # the stage shards of the newest version held
+    parity_regions: int  # parity blocks held for the newest version
+    bytes_held: int  # snapshot pieces and parity of every version held
 
 
 def chunk_pieces(infos: tuple[ShardInfo, ...], chunk: int) -> list[Piece]:

@@ -1,0 +1,221 @@
+"""The run as the cluster sees it: a small ``run-<run id>`` actor that holds the run's status and
+recent events, and exports the run's Ray metrics.
+
+Owns: :class:`RunStatus` / :class:`RunEvent` / :class:`RunView` (what ``elastic-llm status``
+prints about a run) and :class:`StageState` (what a stage actor says about itself; here, not in
+the stage's module, so that ``status`` reads it without importing torch), the :class:`RunMonitor` actor body (named ``run-<run id>``, zero CPUs, on the
+driver's node, gone when the driver goes), and :class:`Publisher`, the driver-side end that turns
+the trainer's metrics lines into those records and sends them without waiting. (A top-level
+module with light imports: the monitor's worker process never imports torch.)
+Never decides anything and never slows a step: publishing is one fire-and-forget call per step and
+per event, and a monitor that died is simply no longer published to.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from elastic_llm.snapshot.records import VersionRecord
+from elastic_llm.telemetry import Metrics
+
+KEEP_EVENTS = 20  # recent events a monitor keeps
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run: str
+    config: str
+    state: str
+    step: int
+    max_steps: int
+    stages: int
+    width: int
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    committed_version: int | None = None  # newest committed in-memory snapshot (None: none, or snapshots off)
+    erasure_groups: int = 0
+    erasure_groups_protected: int = 0
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """Something that happened to the run: ``kind`` is recovery, resize, drain, capacity, state,
+    failed or end; ``text`` says it in one line."""
+
+    kind: str
+    step: int
+    time: float
+    text: str
+    source: str = ""  # recovery: where the restored state came from
+    seconds: float = 0.0  # recovery, resize, drain: how long it took; capacity: seconds waited
+
+
+@dataclass(frozen=True)
+class RunView:
+    status: RunStatus
+    events: tuple[RunEvent, ...]  # oldest first, at most KEEP_EVENTS
+    started: float
+
+
+@dataclass(frozen=True)
+class StageState:
+    """What a stage actor is doing now (``state()``; ``elastic-llm status`` shows it)."""
+
+    run: str
+    stage: int
+    stages: int
+    replica: int
+    width: int
+    role: str  # the part of the model it holds, e.g. "embed+L0-1", "L2-3+head"
+    node_id: str | None
+    pid: int
+    step: int  # completed optimizer steps
+    snapshot_version: int | None  # newest step copied for a snapshot (None: none yet)
+    copy_in_flight: bool  # a snapshot copy is still being written
+    bytes_held: int  # state arena + snapshot copy buffers
+
+
+def protected_groups(record: VersionRecord | None, alive: set[str] | frozenset[str]) -> tuple[int, int]:
+    """(groups, groups with every member node alive) of a committed version. Pure."""
+    if record is None:
+        return 0, 0
+    return len(record.groups), sum(1 for g in record.groups if all(n in alive for n in g))
+
+
+def event_of(record: dict[str, Any]) -> RunEvent | None:
+    """The event a metrics line reports (None: a step line, or nothing ``status`` shows). Pure."""
+    kind, step, t = record.get("event"), int(record.get("step") or 0), float(record.get("time", 0.0))
+    if kind == "recovery":
+        where = "nothing lost" if record.get("stage") is None else f"stage {record['stage']} replica {record['replica']}"
+        text = f"{where} from {record['source']}, rolled back {record.get('rollback_steps', 0)} steps"
+        return RunEvent("recovery", step, t, text, record["source"], float(record.get("seconds", 0.0)))
+    if kind == "resize":
+        return RunEvent("resize", step, t, f"width {record['from_dp']} -> {record['to_dp']} ({record['reason']})", seconds=float(record["seconds"]))
+    if kind == "drain":
+        left = record.get("deadline_s")
+        text = f"node {str(record['node'])[:12]} draining ({'no deadline' if left is None else f'{left:.0f} s left'}): {record['moved']} actors moved"
+        return RunEvent("drain", step, t, text, seconds=float(record["seconds"]))
+    if kind == "state":
+        return RunEvent("state", step, t, f"{record['old']} -> {record['new']}" + (f": {record['reason']}" if record.get("reason") else ""))
+    if kind == "failed":
+        return RunEvent("failed", step, t, str(record.get("reason", "")).splitlines()[0] if record.get("reason") else "failed")
+    if kind == "end":
+        return RunEvent("end", step, t, f"finished at step {step}")
+    return None
+
+
+class RunMonitor:
+    """Body of the ``run-<run id>`` actor."""
+
+    def __init__(self, status: RunStatus) -> None:
+        self.status = status
+        self.events: list[RunEvent] = []
+        self.started = time.time()
+        self.metrics = Metrics()
+        self._publish_metrics()
+
+    def __repr__(self) -> str:  # Ray's display name of the actor
+        return f"Run({self.status.run}, {self.status.config}, {self.status.stages} stages x {self.status.width})"
+
+    def publish(self, status: RunStatus) -> None:
+        self.status = status
+        self._publish_metrics()
+
+    def record(self, event: RunEvent) -> None:
+        self.events = [*self.events, event][-KEEP_EVENTS:]
+        run = self.status.run
+        if event.kind == "recovery":
+            self.metrics.inc("recoveries", run=run, source=event.source)
+        elif event.kind == "resize":
+            self.metrics.inc("resizes", run=run)
+        elif event.kind == "drain":
+            self.metrics.inc("drains", run=run)
+        elif event.kind == "capacity":
+            self.metrics.inc("capacity_wait_seconds", event.seconds, run=run)
+
+    def state(self) -> RunView:
+        return RunView(self.status, tuple(e for e in self.events if e.kind != "capacity"), self.started)
+
+    def _publish_metrics(self) -> None:
+        s, m = self.status, self.metrics
+        m.set("step", s.step, run=s.run)
+        m.set("width", s.width, run=s.run)
+        if s.loss is not None:
+            m.set("loss", s.loss, run=s.run)
+        if s.tokens_per_s is not None:
+            m.set("tokens_per_s", s.tokens_per_s, run=s.run)
+        if s.committed_version is not None:
+            m.set("snapshot_committed_version", s.committed_version, run=s.run)
+            m.set("snapshot_lag_steps", max(0, s.step - s.committed_version), run=s.run)
+        m.set("erasure_groups", s.erasure_groups, run=s.run)
+        m.set("erasure_groups_protected", s.erasure_groups_protected, run=s.run)
+
+
+class Publisher:
+    """The trainer's side: reads the trainer when a metrics line is written and sends the
+    monitor what changed. Attach :meth:`on_record` to the trainer's :class:`MetricsWriter`."""
+
+    def __init__(self, trainer: Any, namespace: str) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.t = trainer
+        self.last: RunStatus | None = None
+        self.waited = 0.0  # seconds of the current wait for capacity already counted
+        node = ray.get_runtime_context().get_node_id()
+        self.actor = ray.remote(RunMonitor).options(
+            name=f"run-{trainer.run_id}",
+            namespace=namespace,
+            num_cpus=0,
+            max_concurrency=4,  # state() answers while a publish is queued
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+        ).remote(self.status())
+
+    def status(self, **changes: Any) -> RunStatus:
+        t = self.t
+        snaps = t.snapshots
+        record = snaps.committed if snaps is not None else None
+        groups, protected = protected_groups(record, set(snaps.managers) if snaps is not None else set())
+        base = RunStatus(
+            run=t.run_id, config=t.cfg.name, state=t.state.name, step=t.step, max_steps=t.end,
+            stages=t.cfg.parallel.stages, width=t.group.width if t.group is not None else t.cfg.parallel.dp,
+            committed_version=record.version if record is not None else None,
+            erasure_groups=groups, erasure_groups_protected=protected, time=time.time(),
+        )
+        if self.last is not None:  # keep the last step's loss and speed between steps
+            base = replace(base, loss=self.last.loss, tokens_per_s=self.last.tokens_per_s)
+        return replace(base, **changes)
+
+    def on_record(self, record: dict[str, Any]) -> None:
+        try:
+            if "event" not in record:
+                self._send(self.status(loss=record.get("loss"), tokens_per_s=record.get("tokens_per_s")))
+                return
+            if record["event"] == "waiting_for_capacity":  # count the seconds waited as they pass
+                waited = float(record.get("waited_s", 0.0))
+                self.actor.record.remote(RunEvent("capacity", int(record.get("step", 0)), time.time(), "", seconds=max(0.0, waited - self.waited)))
+                self.waited = waited
+                return
+            if record["event"] == "state":
+                self.waited = 0.0
+            ev = event_of(record)
+            if ev is not None:
+                self.actor.record.remote(ev)
+                self._send(self.status())
+        except Exception:  # the monitor is a view: never let it stop training
+            pass
+
+    def _send(self, status: RunStatus) -> None:
+        self.last = status
+        self.actor.publish.remote(status)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:
+            pass
