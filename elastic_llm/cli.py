@@ -1,4 +1,5 @@
-"""Command line: ``elastic-llm train | prepare | replay | experiment | checkpoints | export | bench``.
+"""Command line: ``elastic-llm train | submit | status | spot-watcher | prepare | replay | experiment |
+checkpoints | export | bench``.
 
 Owns: argument parsing and turning user errors into one clear message and exit code 2.
 Everything else is delegated (controller, data, bench).
@@ -40,6 +41,24 @@ def cmd_train(args: argparse.Namespace) -> int:
             msg += f", val_loss {vals[-1]:.3f}"
         print(msg + f", {last['tokens']} tokens in {last['elapsed_s']:.1f} s")
     return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from elastic_llm.ops.submit import submit
+
+    return submit(args)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from elastic_llm.ops.status import status
+
+    return status(args)
+
+
+def cmd_spot_watcher(args: argparse.Namespace) -> int:
+    from elastic_llm.ops.spot_watcher import main as watch
+
+    return watch(args)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -232,6 +251,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="URI_OR_RUN_DIR", help="start from a durable checkpoint (a checkpoint_* directory, or a run directory: its newest committed one)")
     t.set_defaults(func=cmd_train)
 
+    sb = sub.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
+    sb.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
+    sb.add_argument("--address", default="http://127.0.0.1:8265", help="the cluster's dashboard (job server) address (default: http://127.0.0.1:8265, e.g. through `ray dashboard cluster.yaml`)")
+    sb.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value of the run")
+    sb.add_argument("--max-steps", type=int, help="override train.max_steps")
+    sb.add_argument("--working-dir", help="upload this directory with the job and install it there (default: the source checkout when run from one; otherwise the cluster's installed elastic-llm)")
+    sb.add_argument("--submission-id", help="the job's id (default: Ray picks one)")
+    sb.add_argument("--wait", action="store_true", help="follow the job's logs until it ends; exit with its outcome")
+    sb.set_defaults(func=cmd_submit)
+
+    st = sub.add_parser("status", help="stages, replicas, nodes, states, snapshot versions and recoveries of the runs on a cluster")
+    st.add_argument("--address", default="auto", help="Ray cluster address (default: auto, the cluster this machine belongs to)")
+    st.add_argument("--run", help="only this run id (default: every run on the cluster)")
+    st.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    st.set_defaults(func=cmd_status)
+
+    sw = sub.add_parser("spot-watcher", help="drain this Ray node when EC2 schedules a spot interruption (run on every spot worker)")
+    sw.add_argument("--address", default="auto", help="Ray cluster (GCS) address (default: auto)")
+    sw.add_argument("--node-id", help="the Ray node to drain (default: the Ray node on this machine)")
+    sw.add_argument("--metadata-url", default="http://169.254.169.254", help="instance metadata service (default: EC2's)")
+    sw.add_argument("--interval-s", type=float, default=5.0, help="seconds between polls (default 5)")
+    sw.set_defaults(func=cmd_spot_watcher)
+
     pr = sub.add_parser("prepare", help="tokenize text into Parquet shards (default: the Python standard library)")
     pr.add_argument("sources", nargs="*", help="files, directories or URIs (text, .jsonl with 'text', .parquet with 'text')")
     pr.add_argument("--out", help="output directory or URI (default for the built-in corpus: the cache)")
@@ -296,9 +338,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+LIGHT = ("status", "spot-watcher")  # commands that handle their own errors and must start fast (no torch)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from elastic_llm.controller.session import loopback_env
+
+    loopback_env()
+    args = build_parser().parse_args(argv)
+    if args.command in LIGHT:
+        return args.func(args)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from elastic_llm.config import ConfigError
-    from elastic_llm.controller import PlacementError, RunFailed, loopback_env
+    from elastic_llm.controller import PlacementError, RunFailed
     from elastic_llm.data import DataError
     from elastic_llm.durable.format import DurableError
     from elastic_llm.durable.storage import StorageError
@@ -307,8 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_llm.snapshot.layout import LayoutError
     from elastic_llm.snapshot.state import SnapshotFormatError
 
-    loopback_env()
-    args = build_parser().parse_args(argv)
     if getattr(args, "max_steps", None) is not None and args.max_steps < 1:
         print(f"error: --max-steps={args.max_steps} must be >= 1", file=sys.stderr)
         return EXIT_USAGE

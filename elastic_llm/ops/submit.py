@@ -1,0 +1,127 @@
+"""``elastic-llm submit``: a training run as a Ray job, through Ray's ``JobSubmissionClient``.
+
+Owns: checking the run config here before anything is sent (a bad config is refused with the
+same message ``train`` gives), choosing what the job runs (the uploaded source checkout, or the
+elastic-llm installed on the cluster), building the entrypoint and runtime env, submitting, and
+telling the user how to follow the job (or following it with ``--wait``).
+Never trains and never talks to the cluster except through the job server.
+
+What runs: from a source checkout (the folder holding this project's ``pyproject.toml``, or
+``--working-dir``), the checkout is uploaded as the job's working directory (without ``.git`` and
+benchmark results) and the job runs ``python3 -m elastic_llm.cli`` from it, so the code you edit is
+the code that runs; the config must then lie inside that directory. Otherwise only the config
+file is uploaded and the job runs the cluster's installed ``elastic-llm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+EXCLUDES = [".git", "benchmarks/results", "**/__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", "*.png"]
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+POLL_S = 2.0
+
+
+class SubmitError(RuntimeError):
+    """The run cannot be submitted as asked; the message says why and what to do."""
+
+
+def source_checkout(start: Path) -> Path | None:
+    """The elastic-llm source checkout holding ``start`` (the folder with its pyproject.toml), or None."""
+    for d in (start, *start.parents):
+        p = d / "pyproject.toml"
+        if p.is_file() and (d / "elastic_llm").is_dir() and 'name = "elastic-llm"' in p.read_text(errors="replace"):
+            return d
+    return None
+
+
+def job_spec(config: str, overrides: list[str], working_dir: Path | None, staging: Path) -> tuple[str, dict[str, Any]]:
+    """(entrypoint, runtime_env) of the job. ``working_dir``: upload this checkout and run its
+    code; None: upload only the config (copied into ``staging``) and run the installed package."""
+    cfg_path = Path(config).resolve()
+    env = {"RAY_AUTH_MODE": "token"}
+    if working_dir is not None:
+        try:
+            rel = cfg_path.relative_to(working_dir.resolve())
+        except ValueError:
+            raise SubmitError(
+                f"--config {config} is outside the working directory {working_dir} that is uploaded with the job: "
+                "move the config into it, or pass --working-dir with a folder holding both"
+            ) from None
+        cmd = ["python3", "-m", "elastic_llm.cli", "train", "--config", rel.as_posix()]
+        runtime_env = {"working_dir": str(working_dir), "excludes": EXCLUDES, "env_vars": env}
+    else:
+        shutil.copyfile(cfg_path, staging / "run.yaml")
+        cmd = ["elastic-llm", "train", "--config", "run.yaml"]
+        runtime_env = {"working_dir": str(staging), "env_vars": env}
+    cmd += ["--address", "auto"]
+    for o in overrides:
+        cmd += ["--set", o]
+    return shlex.join(cmd), runtime_env
+
+
+def submit(args: argparse.Namespace) -> int:
+    from elastic_llm.config import load_config
+
+    overrides = list(args.set or [])
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    cfg = load_config(args.config, overrides)  # ConfigError: refused here, before the cluster sees it
+    if args.working_dir is not None:
+        working_dir: Path | None = Path(args.working_dir)
+        if not working_dir.is_dir():
+            print(f"error: --working-dir {args.working_dir} is not a directory", file=sys.stderr)
+            return 2
+    else:
+        working_dir = source_checkout(Path.cwd())
+    from ray.job_submission import JobSubmissionClient
+
+    with tempfile.TemporaryDirectory(prefix="elastic-llm-submit-") as staging:
+        try:
+            entrypoint, runtime_env = job_spec(args.config, overrides, working_dir, Path(staging))
+        except SubmitError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        try:
+            client = JobSubmissionClient(args.address)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"error: no Ray job server at --address {args.address} ({first}): start the cluster with its dashboard "
+                  "(`ray start --head`, or `ray dashboard cluster.yaml` to reach a launched one) or pass its address, "
+                  "e.g. --address http://127.0.0.1:8265", file=sys.stderr)
+            return 2
+        job_id = client.submit_job(
+            entrypoint=entrypoint, runtime_env=runtime_env, submission_id=args.submission_id,
+            metadata={"elastic_llm_config": cfg.name},
+        )
+    print(job_id)
+    addr = shlex.quote(args.address)
+    print(f"submitted {cfg.name} as Ray job {job_id}: {entrypoint}\n"
+          f"  follow its logs:  ray job logs --address {addr} --follow {job_id}\n"
+          f"  its state:        ray job status --address {addr} {job_id}   (or elastic-llm status on a cluster node)\n"
+          f"  stop it:          ray job stop --address {addr} {job_id}", file=sys.stderr)
+    if not args.wait:
+        return 0
+    return follow(client, job_id)
+
+
+def follow(client: Any, job_id: str) -> int:
+    """Print the job's new log lines until it ends; 0 if it SUCCEEDED, 1 otherwise."""
+    shown = 0
+    while True:
+        status = str(client.get_job_status(job_id)).split(".")[-1]
+        logs = client.get_job_logs(job_id)
+        sys.stdout.write(logs[shown:])
+        sys.stdout.flush()
+        shown = len(logs)
+        if status in TERMINAL:
+            print(f"job {job_id}: {status}", file=sys.stderr)
+            return 0 if status == "SUCCEEDED" else 1
+        time.sleep(POLL_S)
