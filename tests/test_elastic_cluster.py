@@ -5,11 +5,13 @@ the module; each test starts from 4 live worker nodes. Runs have 2 stages; with 
 stage actors fill the cluster (SPREAD: one per node), so a lost node leaves no room and the
 broken replica must be dropped; nodes added later give room to grow back. Nodes are removed
 and added from the main thread while the run trains in another one (as an autoscaler would),
-and drains are asked for with ``ray drain-node``, as Ray's autoscaler does on a preemption notice.
+and a drain is asked for by the real ``elastic-llm spot-watcher`` process on a spot interruption
+notice served by a fake EC2 metadata service on 127.0.0.1 (``FakeIMDS``).
 """
 
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -24,6 +26,7 @@ from elastic_llm.controller.drains import draining_nodes, request_drain
 from elastic_llm.snapshot.records import ShardKey
 
 from .conftest import REPO, events, live_workers, wait_until
+from .test_spot_watcher import FakeIMDS
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 4
@@ -181,28 +184,53 @@ def test_two_nodes_lost_at_once_beyond_parity_with_a_whole_replica_left_shrinks(
     assert_stream_in_order(run.positions, 8)
 
 
-def test_a_drain_with_a_deadline_moves_the_stages_first_with_no_rollback_and_identical_losses(nodes, corpus_dir, tmp_path, clean_dp1):
+def test_the_spot_watcher_drains_on_a_notice_so_the_stages_move_first_with_no_rollback_and_identical_losses(nodes, corpus_dir, tmp_path, clean_dp1):
     t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=1")
     run = Background(t, 10**6)  # stopped below, a few steps after the move
+    imds = FakeIMDS()
+    watcher = None
     try:
-        wait_until(lambda: t.step >= 3, 120, "three steps")
+        wait_until(lambda: t.group is not None and ShardKey(0, 0) in t.group.nodes, 120, "the stages placed")
         victim = t.group.nodes[ShardKey(0, 0)]
+        with open(tmp_path / "watcher.log", "w") as log:  # started now: its start-up overlaps the first steps
+            watcher = subprocess.Popen(
+                [sys.executable, "-m", "elastic_llm.cli", "spot-watcher", "--address", nodes.address, "--node-id", victim,
+                 "--metadata-url", imds.url, "--interval-s", "0.5"],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            )
+        wait_until(lambda: t.step >= 3, 120, "three steps")
+        assert t.group.nodes[ShardKey(0, 0)] == victim
+        wait_until(lambda: imds.count("GET", 404) > 0 or watcher.poll() is not None, 60, "the watcher polling")
+        assert watcher.poll() is None, (tmp_path / "watcher.log").read_text()
+        imds.interrupt(20)  # EC2 schedules the interruption 20 s ahead
         asked = time.monotonic()
-        subprocess.run(
-            ["ray", "drain-node", "--address", nodes.address, "--node-id", victim,
-             "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot interruption (test)",
-             "--deadline-remaining-seconds", "20"],
-            check=True, capture_output=True, timeout=60,
-        )
-        wait_until(lambda: events(tmp_path, "drain") or time.monotonic() - asked > 20, 30, "the drain")
+        seen_draining = set()
+
+        def drained():
+            seen_draining.update(draining_nodes())
+            return events(tmp_path, "drain") or time.monotonic() - asked > 20
+
+        wait_until(drained, 30, "the drain")
         moved_in_s = time.monotonic() - asked
+        try:
+            watcher_rc = watcher.wait(timeout=max(1.0, asked + 20 - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail("the spot watcher did not exit within the notice's deadline:\n" + (tmp_path / "watcher.log").read_text())
         nodes.remove_node(node_of(nodes, victim))  # the deadline: the instance goes
         moved_at = t.step
         wait_until(lambda: t.step >= moved_at + 3, 60, "three steps after the move")
         t.request_stop()
         history = run.join()
     finally:
+        if watcher is not None and watcher.poll() is None:
+            watcher.kill()
+            watcher.wait(timeout=10)
+        imds.close()
         t.shutdown()
+    watcher_log = (tmp_path / "watcher.log").read_text()
+    assert watcher_rc == 0, watcher_log
+    assert f"Ray accepted the drain of node {victim}" in watcher_log
+    assert victim in seen_draining, "Ray never showed the victim as draining"
     [drain] = events(tmp_path, "drain")
     assert moved_in_s < 20, "the stages were not moved before the deadline"
     assert drain["node"] == victim and drain["moved"] == 2 and drain["rollback_steps"] == 0
