@@ -125,19 +125,20 @@ class RunMonitor:
         self._publish_metrics()
 
     def record(self, event: RunEvent) -> None:
-        self.events = [*self.events, event][-KEEP_EVENTS:]
         run = self.status.run
+        if event.kind == "capacity":  # counted, not kept: ticks would push recoveries out
+            self.metrics.inc("capacity_wait_seconds", event.seconds, run=run)
+            return
+        self.events = [*self.events, event][-KEEP_EVENTS:]
         if event.kind == "recovery":
             self.metrics.inc("recoveries", run=run, source=event.source)
         elif event.kind == "resize":
             self.metrics.inc("resizes", run=run)
         elif event.kind == "drain":
             self.metrics.inc("drains", run=run)
-        elif event.kind == "capacity":
-            self.metrics.inc("capacity_wait_seconds", event.seconds, run=run)
 
     def state(self) -> RunView:
-        return RunView(self.status, tuple(e for e in self.events if e.kind != "capacity"), self.started)
+        return RunView(self.status, tuple(self.events), self.started)
 
     def _publish_metrics(self) -> None:
         s, m = self.status, self.metrics
@@ -164,7 +165,7 @@ class Publisher:
 
         self.t = trainer
         self.last: RunStatus | None = None
-        self.waited = 0.0  # seconds of the current wait for capacity already counted
+        self.waiting_since: float | None = None  # monotonic time up to which the current wait for capacity is counted
         node = ray.get_runtime_context().get_node_id()
         self.actor = ray.remote(RunMonitor).options(
             name=f"run-{trainer.run_id}",
@@ -194,13 +195,12 @@ class Publisher:
             if "event" not in record:
                 self._send(self.status(loss=record.get("loss"), tokens_per_s=record.get("tokens_per_s")))
                 return
-            if record["event"] == "waiting_for_capacity":  # count the seconds waited as they pass
-                waited = float(record.get("waited_s", 0.0))
-                self.actor.record.remote(RunEvent("capacity", int(record.get("step", 0)), time.time(), "", seconds=max(0.0, waited - self.waited)))
-                self.waited = waited
-                return
+            if record["event"] in ("waiting_for_capacity", "state") and self.waiting_since is not None:
+                now = time.monotonic()  # count the seconds waited as they pass, and when the wait ends
+                self.actor.record.remote(RunEvent("capacity", int(record.get("step") or 0), time.time(), "", seconds=now - self.waiting_since))
+                self.waiting_since = now
             if record["event"] == "state":
-                self.waited = 0.0
+                self.waiting_since = time.monotonic() if record.get("new") == "waiting_for_capacity" else None
             ev = event_of(record)
             if ev is not None:
                 self.actor.record.remote(ev)

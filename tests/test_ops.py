@@ -57,7 +57,7 @@ def test_monitor_keeps_recent_events_and_its_display_name_names_the_run():
         m.record(RunEvent("recovery", i, float(i), f"r{i}", "local_smp"))
     m.record(RunEvent("capacity", 30, 30.0, "", seconds=4.0))
     view = m.state()
-    assert [e.step for e in view.events] == list(range(11, 30))  # the newest 20, capacity ticks not shown
+    assert [e.step for e in view.events] == list(range(10, 30))  # the newest 20; capacity ticks are counted, not kept
     m.publish(RunStatus("3f2a9c", "tiny", "recovering", 4, 100, 4, 1))
     assert m.state().status.state == "recovering"
 
@@ -135,3 +135,45 @@ def test_submit_and_status_name_the_address_when_no_cluster_answers():
                               env={**os.environ, "RAY_gcs_rpc_server_connect_timeout_s": "2"})
         assert done.returncode == 2, (args, done.stderr[-800:])
         assert expect in done.stderr and "Traceback" not in done.stderr, done.stderr[-800:]
+
+
+class InProcess:
+    """A RunMonitor called in this process the way Ray calls the actor (``h.method.remote(...)``)."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def __getattr__(self, name):
+        method = getattr(self.body, name)
+        return type("M", (), {"remote": staticmethod(method)})
+
+
+def test_the_publisher_turns_metrics_lines_into_status_events_and_capacity_seconds(monkeypatch):
+    from types import SimpleNamespace
+
+    from elastic_llm.monitor import Publisher
+
+    trainer = SimpleNamespace(run_id="3f2a9c", cfg=SimpleNamespace(name="tiny", parallel=SimpleNamespace(stages=2, dp=1)),
+                              state=SimpleNamespace(name="running"), step=0, end=100, group=None, snapshots=None)
+    monitor = RunMonitor(RunStatus("3f2a9c", "tiny", "starting", 0, 100, 2, 1))
+    counted = []
+    monkeypatch.setattr(monitor.metrics, "inc", lambda name, value=1.0, **tags: counted.append((name, value, tags)))
+    pub = Publisher.__new__(Publisher)
+    pub.t, pub.last, pub.waiting_since, pub.actor = trainer, None, None, InProcess(monitor)
+    clock = iter([100.0, 103.0, 110.5])
+    monkeypatch.setattr("elastic_llm.monitor.time.monotonic", lambda: next(clock))
+    trainer.step = 7
+    pub.on_record({"step": 7, "loss": 2.5, "tokens_per_s": 800.0})
+    assert monitor.state().status.step == 7 and monitor.state().status.loss == 2.5
+    trainer.state.name = "waiting_for_capacity"
+    pub.on_record({"event": "state", "step": 7, "time": 1.0, "old": "running", "new": "waiting_for_capacity", "reason": "need 1 CPU"})
+    pub.on_record({"event": "waiting_for_capacity", "step": 7, "time": 2.0, "waited_s": 3.0})
+    trainer.state.name = "running"
+    pub.on_record({"event": "state", "step": 7, "time": 3.0, "old": "waiting_for_capacity", "new": "running", "reason": ""})
+    pub.on_record({"event": "recovery", "step": 8, "time": 4.0, "stage": 1, "replica": 0, "source": "parity", "rollback_steps": 0, "seconds": 2.0})
+    waits = [v for name, v, _ in counted if name == "capacity_wait_seconds"]
+    assert waits == [3.0, 7.5]  # 100 -> 103 at the report, 103 -> 110.5 when the wait ended
+    assert ("recoveries", 1.0, {"run": "3f2a9c", "source": "parity"}) in counted
+    view = monitor.state()
+    assert [e.kind for e in view.events] == ["state", "state", "recovery"] and view.status.state == "running"
+    assert view.status.loss == 2.5  # kept between steps
