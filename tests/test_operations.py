@@ -105,6 +105,7 @@ def seen(tmp_path_factory):
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
         "metrics_export_port": metrics, "_system_config": {**FAST_HEALTH, "metrics_report_interval_ms": 1000},
+        "dashboard_agent_listen_port": free_port(),  # not the default 52365: another Ray on this machine may hold it
     })
     c.add_node(num_cpus=2)
     c.wait_for_nodes()

@@ -27,6 +27,7 @@ from typing import Any
 EXCLUDES = [".git", "benchmarks/results", "**/__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", "*.png"]
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 POLL_S = 2.0
+AGENT_WAIT_S = 60.0  # longest a new cluster's job server may take to have an agent
 
 
 class SubmitError(RuntimeError):
@@ -97,10 +98,11 @@ def submit(args: argparse.Namespace) -> int:
                   "(`ray start --head`, or `ray dashboard cluster.yaml` to reach a launched one) or pass its address, "
                   "e.g. --address http://127.0.0.1:8265", file=sys.stderr)
             return 2
-        job_id = client.submit_job(
-            entrypoint=entrypoint, runtime_env=runtime_env, submission_id=args.submission_id,
-            metadata={"elastic_llm_config": cfg.name},
-        )
+        try:
+            job_id = submit_with_retry(client, entrypoint, runtime_env, args.submission_id, cfg.name)
+        except RuntimeError as e:
+            print(f"error: the job server at {args.address} did not take the job: {str(e).splitlines()[0][:300]}", file=sys.stderr)
+            return 1
     print(job_id)
     addr = shlex.quote(args.address)
     print(f"submitted {cfg.name} as Ray job {job_id}: {entrypoint}\n"
@@ -110,6 +112,20 @@ def submit(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     return follow(client, job_id)
+
+
+def submit_with_retry(client: Any, entrypoint: str, runtime_env: dict[str, Any], submission_id: str | None, name: str, wait_s: float = AGENT_WAIT_S) -> str:
+    """Submit; while the job server answers that no agent is up yet (the first seconds of a new
+    cluster), try again for up to ``wait_s`` seconds. Any other refusal is raised at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id, metadata={"elastic_llm_config": name})
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            print("the job server has no agent up yet (a cluster that just started): trying again", file=sys.stderr)
+            time.sleep(POLL_S)
 
 
 def follow(client: Any, job_id: str) -> int:
