@@ -15,7 +15,7 @@ and, every ``elastic.grow_check_s``, for room for another replica.
 Never computes model math (stage actors do, driven by :class:`PipelineRunner`), never decides a
 recovery inline, and never waits without a deadline.
 
-Why ~580 lines: one small handler per state (eight of them) plus the step, the setup (and a
+Why ~590 lines: one small handler per state (eight of them) plus the step, the setup (and a
 resume), counting a step that every survivor finished after a failure, and the per-step hooks of
 the recovery modes and tiers (mirror refresh, checkpoint writes, snapshot and flush cadence,
 calibrating failure rates); each
