@@ -9,6 +9,8 @@ the module records what ``elastic-llm status --json``, Ray's state API and the P
 show; the tests then check what was recorded. Nothing is timed.
 """
 
+import contextlib
+import io
 import json
 import socket
 import subprocess
@@ -19,6 +21,7 @@ import urllib.request
 import pytest
 import ray
 
+from elastic_llm.cli import main
 from elastic_llm.controller.session import FAST_HEALTH, NAMESPACE
 
 from .conftest import REPO, wait_until
@@ -45,6 +48,17 @@ def cli(*args, timeout=120):
     done = subprocess.run([sys.executable, "-m", "elastic_llm.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"elastic-llm {args[0]} failed ({done.returncode}): {done.stderr[-2000:]}"
     return done.stdout
+
+
+def submit(api, steps):
+    """``elastic-llm submit`` through the CLI's entry point, in this process (torch is loaded
+    here already; a fresh process would spend seconds importing it): the job id it prints."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["submit", "--config", f"{REPO}/jobs/tiny.yaml", "--working-dir", REPO, "--address", api,
+                     "--max-steps", str(steps), *sum((["--set", o] for o in RUN), [])])
+    assert code == 0, f"elastic-llm submit exited {code}"
+    return out.getvalue().split()[0]
 
 
 def status_json(gcs, run=None):
@@ -114,12 +128,10 @@ def seen(tmp_path_factory):
     out = {"gcs": gcs, "api": api}
     try:
         client = JobSubmissionClient(api)
-        job_a = cli("submit", "--config", "jobs/tiny.yaml", "--address", api, "--max-steps", str(A_STEPS), *sum((["--set", o] for o in RUN), [])).split()[0]
-        out["job_a"] = job_a
+        out["job_a"] = job_a = submit(api, A_STEPS)
         wait_until(lambda: any(training(rep, r["run"]) for rep in [polled(api)] for r in rep["runs"]), 150, f"run A training (see `ray job logs {job_a}`)")
         run_a = polled(api)["runs"][0]["run"]
-        job_b = cli("submit", "--config", "jobs/tiny.yaml", "--address", api, "--max-steps", str(B_STEPS), *sum((["--set", o] for o in RUN), [])).split()[0]
-        out["job_b"] = job_b
+        out["job_b"] = job_b = submit(api, B_STEPS)
 
         def both():
             report = polled(api)
@@ -150,6 +162,7 @@ def seen(tmp_path_factory):
         wait_until(lambda: str(client.get_job_status(job_b)).split(".")[-1] in ("SUCCEEDED", "FAILED", "STOPPED"), 240, "job B ending")
         out["alive_a_after_b"] = alive_actors(api, run_a)
         a_now = run_of(polled(api), run_a)
+        print(f"[ops] A at step {a_now and a_now['status']['step']} of {A_STEPS} when B ended", flush=True)
         out["a_training_when_b_ended"] = a_now is not None and a_now["status"]["state"] == "running" and a_now["status"]["step"] < A_STEPS
         out["alive_b_after_b"] = alive_actors(api, run_b)
         wait_until(lambda: str(client.get_job_status(job_a)).split(".")[-1] in ("SUCCEEDED", "FAILED", "STOPPED"), 300, "job A ending")
