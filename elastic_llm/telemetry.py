@@ -75,21 +75,18 @@ class Metrics:
         return self._made[name]
 
     def set(self, name: str, value: float, **tags: Any) -> None:
-        _known(name)
-        try:
-            m = self._metric(name)
-            if m is not None:
-                m.set(float(value), tags={k: str(v) for k, v in tags.items()})
-        except Exception:
-            pass
+        self._record("set", name, value, tags)
 
     def inc(self, name: str, value: float = 1.0, **tags: Any) -> None:
+        self._record("inc", name, value, tags, skip=value <= 0)  # a counter only goes up
+
+    def _record(self, method: str, name: str, value: float, tags: dict[str, Any], skip: bool = False) -> None:
         _known(name)
-        if value <= 0:
+        if skip:
             return
         try:
             m = self._metric(name)
             if m is not None:
-                m.inc(float(value), tags={k: str(v) for k, v in tags.items()})
+                getattr(m, method)(float(value), tags={k: str(v) for k, v in tags.items()})
         except Exception:
             pass

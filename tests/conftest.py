@@ -49,14 +49,14 @@ def live_workers():
     return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
 
 
-def wait_until(predicate, seconds, what):
-    """Poll ``predicate`` until it holds; fail naming ``what`` after ``seconds``."""
+def wait_until(predicate, seconds, what, every=0.1):
+    """Poll ``predicate`` every ``every`` seconds until it holds; fail naming ``what`` after ``seconds``."""
     import time
 
     deadline = time.monotonic() + seconds
     while not predicate():
         assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
-        time.sleep(0.1)
+        time.sleep(every)
 
 
 def events(tmp_path, name):

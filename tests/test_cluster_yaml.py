@@ -209,8 +209,14 @@ def test_head_binds_the_dashboard_to_loopback_and_runs_the_autoscaler(cluster: d
 
 
 def test_no_command_binds_all_interfaces(prepared: dict[str, Any]) -> None:
+    # every host a command binds to (--dashboard-host=..., --node-ip-address=..., --host ...) is loopback
     for where, cmd in _all_commands(prepared):
-        assert "0.0.0.0" not in cmd, f"{where}: {cmd}"
+        words = _words(cmd)
+        for i, w in enumerate(words):
+            flag, _, value = w.partition("=")
+            if flag.endswith("-host") or flag == "--node-ip-address":
+                value = value or (words[i + 1] if i + 1 < len(words) else "")
+                assert value == "127.0.0.1", f"{where}: {flag} {value!r} is not loopback: {cmd}"
 
 
 def test_no_security_group_rule_opens_the_dashboard(cluster: dict[str, Any]) -> None:

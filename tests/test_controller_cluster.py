@@ -9,7 +9,6 @@ at ``recovery.capacity_timeout_s`` with its snapshots intact.
 
 import os
 import threading
-import time
 
 import pytest
 import ray
@@ -71,7 +70,9 @@ def test_lost_node_without_spare_capacity_waits_then_resumes_bit_identically(nod
     try:
         wait_until(lambda: t.state.name == "waiting_for_capacity" or not runner.is_alive(), 120, "waiting_for_capacity")
         seen_waiting = t.state.name == "waiting_for_capacity"
-        time.sleep(3)  # it keeps reporting while nothing can be placed
+        if seen_waiting:  # it keeps reporting while nothing can be placed
+            wait_until(lambda: t.seconds_by_state.get("waiting_for_capacity", 0) >= 3 and len(events(tmp_path, "waiting_for_capacity")) >= 2,
+                       60, "3 s of waiting for capacity, reported twice")
         nodes.add_node(num_cpus=2)
         runner.join(timeout=180)
         assert not runner.is_alive(), "training did not resume after a node joined"

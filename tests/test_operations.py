@@ -15,7 +15,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -70,7 +69,6 @@ def polled(api):
     """What status reports, asked from this process (polling the command would load the machine)."""
     from elastic_llm.ops.status import collect
 
-    time.sleep(1)  # wait_until polls every 0.1 s: ask once a second
     return collect(api)
 
 
@@ -129,7 +127,7 @@ def seen(tmp_path_factory):
     try:
         client = JobSubmissionClient(api)
         out["job_a"] = job_a = submit(api, A_STEPS)
-        wait_until(lambda: any(training(rep, r["run"]) for rep in [polled(api)] for r in rep["runs"]), 150, f"run A training (see `ray job logs {job_a}`)")
+        wait_until(lambda: any(training(rep, r["run"]) for rep in [polled(api)] for r in rep["runs"]), 150, f"run A training (see `ray job logs {job_a}`)", every=1)
         run_a = polled(api)["runs"][0]["run"]
         out["job_b"] = job_b = submit(api, B_STEPS)
 
@@ -137,7 +135,7 @@ def seen(tmp_path_factory):
             report = polled(api)
             return len(report["runs"]) == 2 and all(training(report, r["run"]) for r in report["runs"])
 
-        wait_until(both, 150, "runs A and B both training")
+        wait_until(both, 150, "runs A and B both training", every=1)
         out["report"] = status_json(gcs)
         run_b = next(r["run"] for r in out["report"]["runs"] if r["run"] != run_a)
         out["run_a"], out["run_b"] = run_a, run_b
@@ -150,13 +148,12 @@ def seen(tmp_path_factory):
         }
 
         def metrics_in():
-            time.sleep(0.5)
             out["metrics"] = scrape()
             return all(has_metric(out["metrics"], m, run=run_a) for m in RUN_METRICS) and all(
                 has_metric(out["metrics"], m, run=run_a, stage=s, replica=0) for m in STAGE_METRICS for s in range(STAGES))
 
         try:
-            wait_until(metrics_in, 60, "the run's metrics in the Prometheus export")
+            wait_until(metrics_in, 60, "the run's metrics in the Prometheus export", every=0.5)
         except AssertionError:
             raise AssertionError("metrics missing; seen: " + " ".join(sorted({ln.split("{")[0] for ln in out["metrics"].splitlines() if "elastic_llm" in ln and not ln.startswith("#")}))) from None
         wait_until(lambda: str(client.get_job_status(job_b)).split(".")[-1] in ("SUCCEEDED", "FAILED", "STOPPED"), 240, "job B ending")
@@ -168,9 +165,13 @@ def seen(tmp_path_factory):
         wait_until(lambda: str(client.get_job_status(job_a)).split(".")[-1] in ("SUCCEEDED", "FAILED", "STOPPED"), 300, "job A ending")
         out["status"] = {j: str(client.get_job_status(j)).split(".")[-1] for j in (job_a, job_b)}
         out["logs"] = {j: client.get_job_logs(j) for j in (job_a, job_b)}
-        time.sleep(1)
-        out["alive_after"] = {**alive_actors(api, run_a), **alive_actors(api, run_b)}
-        out["pgs_after"] = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+        def leftovers():  # the ended runs' actors and placement groups (Ray records their end within moments)
+            out["alive_after"] = {**alive_actors(api, run_a), **alive_actors(api, run_b)}
+            out["pgs_after"] = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+            return not out["alive_after"] and not out["pgs_after"]
+
+        with contextlib.suppress(AssertionError):  # what is left after 30 s is asserted by the test below
+            wait_until(leftovers, 30, "the runs' actors and placement groups gone", every=0.5)
         yield out
     finally:
         ray.shutdown()

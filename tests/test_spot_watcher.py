@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from elastic_llm import cli
+from .conftest import wait_until
 from elastic_llm.ops.spot_watcher import (
     NOTICE_PATH,
     TOKEN_PATH,
@@ -265,7 +266,7 @@ def run_watch(client, drain, interval_s=0.05):
 def test_a_notice_drains_the_node_with_its_deadline_then_the_watcher_exits_0(imds, capsys):
     drain = Recorder()
     thread, result = run_watch(MetadataClient(imds.url), drain)
-    time.sleep(0.3)
+    wait_until(lambda: imds.count("GET", 404) >= 3, 10, "three polls")
     assert drain.calls == [] and imds.count("GET", 404) >= 3  # polling, nothing yet
     imds.fail_next = 1  # a transient error after the notice appears: logged, polled again
     deadline = imds.interrupt(90)

@@ -37,13 +37,8 @@ def parse_name(name: str) -> tuple[str, str] | None:
 
 
 def _plain(x: Any) -> Any:
-    if is_dataclass(x) and not isinstance(x, type):
-        return {k: _plain(v) for k, v in asdict(x).items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    return x
+    """A state record as JSON-ready data (``asdict`` recurses into nested records)."""
+    return asdict(x) if is_dataclass(x) and not isinstance(x, type) else x
 
 
 def collect(api: str, run: str | None = None, timeout_s: float = STATE_S) -> dict[str, Any]:
