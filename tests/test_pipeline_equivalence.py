@@ -1,4 +1,6 @@
-"""The pipelined model (stage actors on Ray) computes the same loss and gradients as the unsplit model."""
+"""The pipelined model (stage actors on Ray, each running its own step from a plan) computes the
+same loss and gradients as the unsplit model: the loss, and every stage's gradient norm (reported
+before clipping, after the replicas' all-reduce), and replicas hold identical bits afterwards."""
 
 import numpy as np
 import pytest
@@ -7,8 +9,9 @@ import torch
 
 from elastic_llm.config import config_from_dict
 from elastic_llm.model import build_full_model, lm_loss
-from elastic_llm.pipeline.runner import PipelineRunner
+from elastic_llm.pipeline.executor import RayStepExecutor
 from elastic_llm.pipeline.stage import StageWorker
+from elastic_llm.snapshot.records import ShardKey
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,6 +34,17 @@ def full_model_reference(cfg, x, y):
     return float(loss.detach()), {n: p.grad.numpy() for n, p in model.named_parameters()}, {n: p.detach().numpy() for n, p in model.named_parameters()}
 
 
+def stage_actors(cfg, stages, dp):
+    Actor = ray.remote(concurrency_groups={"snapshot": 1, "status": 1, "control": 1})(StageWorker).options(num_cpus=0.25)
+    return [[Actor.remote(cfg.to_dict(), s, r, dp) for s in range(stages)] for r in range(dp)]
+
+
+def kill_all(actors):
+    for row in actors:
+        for a in row:
+            ray.kill(a)
+
+
 def global_name(stage_name, layer_ids):
     parts = stage_name.split(".")
     if parts[0] == "layers":
@@ -39,55 +53,56 @@ def global_name(stage_name, layer_ids):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("stages,dp", [(4, 1), (2, 2)])
+@pytest.mark.parametrize("stages,dp", [(4, 1), (2, 2), (2, 3)])
 def test_pipeline_matches_unsplit_model(ray_local, schedule, stages, dp):
-    cfg = small_config(stages, dp, schedule)
+    cfg = small_config(stages, dp, schedule, batch=4 * dp)
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
     x, y = tokens[:, :-1].copy(), tokens[:, 1:].copy()
     ref_loss, ref_grads, ref_params = full_model_reference(cfg, x, y)
 
-    Actor = ray.remote(StageWorker).options(num_cpus=0.25)
-    actors = [[Actor.remote(cfg.to_dict(), s, r) for s in range(stages)] for r in range(dp)]
+    actors = stage_actors(cfg, stages, dp)
     try:
-        runner = PipelineRunner(actors, schedule, cfg.parallel.microbatches)
-        losses = ray.get(runner.submit_microbatches(x, y))
-        assert len(losses) == dp * cfg.parallel.microbatches
-        np.testing.assert_allclose(np.mean(losses), ref_loss, rtol=1e-5)
-        if dp > 1:
-            for s in range(stages):
-                flat = [actors[r][s].flat_grad.remote() for r in range(dp)]
-                ray.get([actors[r][s].average_grads.remote(*flat) for r in range(dp)])
+        ex = RayStepExecutor(actors, schedule, cfg.parallel.microbatches)
+        for s in range(stages):  # same initial weights as the unsplit model, on every replica
+            info = ray.get(actors[0][s].info.remote())
+            for r in range(dp):
+                for name, value in ray.get(actors[r][s].parameters.remote()).items():
+                    np.testing.assert_array_equal(value, ref_params[global_name(name, info.layers)])
+        result = ex.finish(ex.start(1, x, y))
+        heads = [result.reports[k].losses for k in result.reports if k.stage == stages - 1]
+        assert sorted(len(h) for h in heads) == [cfg.parallel.microbatches] * dp
+        np.testing.assert_allclose(result.loss, ref_loss, rtol=1e-5)
         seen = set()
         for s in range(stages):
             info = ray.get(actors[0][s].info.remote())
-            replica_grads = [ray.get(actors[r][s].grads.remote()) for r in range(dp)]
-            params = ray.get(actors[0][s].parameters.remote())
-            for name, g in replica_grads[0].items():
-                gname = global_name(name, info.layers)
-                seen.add(gname)
-                np.testing.assert_array_equal(params[name], ref_params[gname])  # same init as unsplit
-                np.testing.assert_allclose(g, ref_grads[gname], rtol=2e-4, atol=2e-6, err_msg=gname)
-                for other in replica_grads[1:]:  # replicas hold identical averaged gradients
-                    np.testing.assert_array_equal(other[name], g)
+            names = {global_name(n, info.layers) for n in ray.get(actors[0][s].parameters.remote())}
+            seen |= names
+            ref_norm = float(np.sqrt(sum(float((ref_grads[n].astype(np.float64) ** 2).sum()) for n in names)))
+            norms = [result.reports[k].grad_norm for k in result.reports if k.stage == s]
+            assert len(norms) == dp
+            np.testing.assert_allclose(norms, ref_norm, rtol=2e-4, err_msg=f"stage {s}: gradient (averaged over {dp} replicas) differs")
+            assert len(set(norms)) == 1, f"stage {s}: replicas averaged to different gradients: {norms}"
+            params = [ray.get(actors[r][s].parameters.remote()) for r in range(dp)]
+            for other in params[1:]:  # the all-reduce left every replica with identical bits
+                for name in params[0]:
+                    np.testing.assert_array_equal(other[name], params[0][name])
         assert seen == set(ref_grads), "every parameter of the unsplit model lives on exactly one stage"
     finally:
-        for row in actors:
-            for a in row:
-                ray.kill(a)
+        kill_all(actors)
 
 
 def test_optimizer_step_keeps_replicas_identical_and_reports_clipped_norm(ray_local):
     cfg = small_config(2, 2, "1f1b")
     rng = np.random.default_rng(2)
-    tokens = rng.integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
-    Actor = ray.remote(StageWorker).options(num_cpus=0.25)
-    actors = [[Actor.remote(cfg.to_dict(), s, r) for s in range(2)] for r in range(2)]
+    actors = stage_actors(cfg, 2, 2)
     try:
-        runner = PipelineRunner(actors, "1f1b", cfg.parallel.microbatches)
+        ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches)
         before = ray.get(actors[0][1].parameters.remote())
-        result = runner.train_step(tokens[:, :-1].copy(), tokens[:, 1:].copy())
-        assert np.isfinite(result.loss) and len(result.grad_norms) == 2
+        for step in (1, 2, 3):
+            tokens = rng.integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
+            result = ex.finish(ex.start(step, tokens[:, :-1].copy(), tokens[:, 1:].copy()))
+            assert np.isfinite(result.loss) and len(result.grad_norms) == 2
         for s in range(2):
             p0, p1 = ray.get([actors[0][s].parameters.remote(), actors[1][s].parameters.remote()])
             for name in p0:
@@ -96,10 +111,12 @@ def test_optimizer_step_keeps_replicas_identical_and_reports_clipped_norm(ray_lo
             assert 0 < norm <= cfg.train.grad_clip
         after = ray.get(actors[0][1].parameters.remote())
         assert any(not np.array_equal(before[n], after[n]) for n in before), "the step changed nothing"
+        # gradients cross replicas as O(gradient) bytes: 2 (dp - 1) / dp of it per replica
+        grad_bytes = 4 * sum(v.size for v in ray.get(actors[0][0].parameters.remote()).values())
+        sent = result.reports[ShardKey(0, 0)].sent_bytes
+        assert sent["chunk"] + sent["gather"] == pytest.approx(grad_bytes, rel=0.01)
     finally:
-        for row in actors:
-            for a in row:
-                ray.kill(a)
+        kill_all(actors)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -125,15 +142,66 @@ def test_swapped_checkfree_plus_pipeline_matches_the_routes_run_in_one_process(r
         loss = lm_loss(act, torch.from_numpy(ym))
         (loss / micro).backward()
         ref_losses.append(float(loss.detach()))
-    Actor = ray.remote(StageWorker).options(num_cpus=0.25)
-    actors = [[Actor.remote(cfg.to_dict(), s, 0) for s in range(n)]]
+    actors = stage_actors(cfg, n, 1)
     try:
-        runner = PipelineRunner(actors, schedule, micro, swapped=True)
-        np.testing.assert_allclose(ray.get(runner.submit_microbatches(x, y)), ref_losses, rtol=1e-5)
+        result = (ex := RayStepExecutor(actors, schedule, micro, swapped=True)).finish(ex.start(1, x, y))
+        np.testing.assert_allclose(result.reports[ShardKey(n - 1, 0)].losses, ref_losses, rtol=1e-5)
         for s in range(n):
-            got = ray.get(actors[0][s].grads.remote())
-            for name, p in stages[s].named_parameters():
-                np.testing.assert_allclose(got[name], p.grad.numpy(), rtol=2e-4, atol=2e-6, err_msg=f"stage {s} {name}")
+            ref_norm = float(np.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in stages[s].parameters())))
+            np.testing.assert_allclose(result.reports[ShardKey(s, 0)].grad_norm, ref_norm, rtol=2e-4, err_msg=f"stage {s}")
     finally:
-        for a in actors[0]:
-            ray.kill(a)
+        kill_all(actors)
+
+
+def test_redundant_mode_on_the_step_executor_matches_the_unsplit_model(ray_local):
+    """Every stage also trains a copy of its successor from the gradients the successor received
+    (passed on stage to stage); the pipeline itself still computes the unsplit model's loss and
+    gradients. (That each copy equals its successor bit for bit is checked where it is promoted,
+    tests/test_checkfree_cluster.py.)"""
+    d = small_config(4, 1, "1f1b").to_dict()
+    d["recovery"]["mode"] = "redundant"
+    cfg = config_from_dict(d)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
+    x, y = tokens[:, :-1].copy(), tokens[:, 1:].copy()
+    ref_loss, ref_grads, _ = full_model_reference(cfg, x, y)
+    actors = stage_actors(cfg, 4, 1)
+    try:
+        ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches, redundant=True)
+        result = ex.finish(ex.start(1, x, y))
+        np.testing.assert_allclose(result.loss, ref_loss, rtol=1e-5)
+        assert "shadow" in result.reports[ShardKey(0, 0)].sent_bytes  # stage 0 passes on what stage 1 sent it
+        for s in range(4):
+            info = ray.get(actors[0][s].info.remote())
+            names = {global_name(n, info.layers) for n in ray.get(actors[0][s].parameters.remote())}
+            ref_norm = float(np.sqrt(sum(float((ref_grads[n].astype(np.float64) ** 2).sum()) for n in names)))
+            np.testing.assert_allclose(result.reports[ShardKey(s, 0)].grad_norm, ref_norm, rtol=2e-4)
+    finally:
+        kill_all(actors)
+
+
+def test_a_width_change_rebuilds_the_links_and_the_all_reduce_group(ray_local):
+    """Three replicas train a step; replica 1 is dropped and the others become replicas 0 and 1
+    of two: the next executor sets up a new generation of links among them only, and their
+    all-reduce keeps them bit-identical."""
+    cfg = small_config(2, 3, "1f1b", batch=12)
+    rng = np.random.default_rng(6)
+    actors = stage_actors(cfg, 2, 3)
+    try:
+        ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches)
+        tokens = rng.integers(0, 256, size=(12, cfg.model.seq_len + 1))
+        assert len(ex.finish(ex.start(1, tokens[:, :-1].copy(), tokens[:, 1:].copy())).reports) == 6
+        kept = [actors[0], actors[2]]
+        ray.get([kept[r][s].set_width.remote(r, 2) for r in range(2) for s in range(2)])
+        ex2 = RayStepExecutor(kept, "1f1b", cfg.parallel.microbatches)
+        tokens = rng.integers(0, 256, size=(8, cfg.model.seq_len + 1))
+        result = ex2.finish(ex2.start(2, tokens[:, :-1].copy(), tokens[:, 1:].copy()))
+        assert ex2.generation > ex.generation
+        assert sorted(result.reports) == [ShardKey(s, r) for r in range(2) for s in range(2)]
+        for s in range(2):
+            p0, p1 = ray.get([kept[0][s].parameters.remote(), kept[1][s].parameters.remote()])
+            for name in p0:
+                np.testing.assert_array_equal(p0[name], p1[name])
+        assert [ray.get(a.info.remote()).step for a in actors[1]] == [1, 1]  # the dropped replica took no part
+    finally:
+        kill_all(actors)

@@ -174,8 +174,9 @@ class ActorGroup:
         from elastic_llm.pipeline.stage import StageWorker
 
         if self._cls is None:
-            # "status": state() answers while a microbatch runs (elastic-llm status)
-            self._cls = ray.remote(concurrency_groups={"snapshot": 1, "status": 1})(StageWorker)
+            # "status": state() answers while a step runs (elastic-llm status); "control": abort_step
+            # wakes a step blocked on a peer
+            self._cls = ray.remote(concurrency_groups={"snapshot": 1, "status": 1, "control": 1})(StageWorker)
         par = self.cfg.parallel
         return self._cls.options(
             name=f"stage-{self.run_id}-{key.stage}-{key.replica}.{self.generation}",

@@ -37,6 +37,7 @@ import torch
 from elastic_llm.config import RunConfig, TrainConfig, config_from_dict
 from elastic_llm.model import build_stage, lm_loss
 from elastic_llm.pipeline.copies import BackgroundCopies
+from elastic_llm.pipeline.plan import InjectedFault, StepPlan, StepReport
 from elastic_llm.pipeline.redundant import Shadow
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
@@ -44,6 +45,8 @@ from elastic_llm.monitor import StageState
 from elastic_llm.telemetry import Metrics
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+STEP_DEADLINE_S = 900.0  # a step whose peer stays silent this long fails (a hung stage)
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,6 @@ class StageInfo:
     step: int
     layers: tuple[int, ...]
     parameters: int
-
-
-class InjectedFault(RuntimeError):
-    """Raised by a stage that chaos told to fail (``kill: error``): an application error."""
 
 
 def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
@@ -138,12 +137,54 @@ class StageWorker:
         # step() waits for it only if it is unfinished. A snapshot manager collects the copy.
         self.copies = BackgroundCopies(self.arena, self.device, f"{stage}-{replica}", self.cfg.chaos.snapshot_delay_s)
         self.injected_error: str | None = None  # chaos: every forward raises this from now on
+        self.links: Any = None  # SocketTransport: this actor's links to its step peers
+        self.step_deadline_s = STEP_DEADLINE_S
         self.metrics = Metrics()
 
     def __repr__(self) -> str:
         # Ray shows this as the actor's display name (``ray list actors``, the dashboard) and in
         # its log prefix; it is taken once, when the actor starts (state() has the live replica)
         return f"Stage({self.stage}/{self.n_stages}, replica {self.replica}, run {self.run_id})"
+
+    # ------------------------------------------------------------------ one step, run by the actor
+    def link_address(self) -> tuple[str, int]:
+        """Where peers connect to this actor's links (started on first use, on the node's address)."""
+        if self.links is None:
+            from elastic_llm.pipeline.transport import SocketTransport
+
+            host = "127.0.0.1"
+            try:
+                import ray
+
+                if ray.is_initialized():
+                    host = ray.util.get_node_ip_address()
+            except Exception:
+                pass
+            self.links = SocketTransport(ShardKey(self.stage, self.replica), host)
+        return self.links.address
+
+    def connect_links(self, generation: int, peers: dict[ShardKey, tuple[str, int]]) -> int:
+        """Set up the links of membership ``generation`` (this actor is now ``(stage, replica)``
+        of the run). Returns the completed steps."""
+        self.link_address()
+        assert self.links is not None
+        self.links.me = ShardKey(self.stage, self.replica)
+        self.links.connect(generation, peers)
+        return self.step_count
+
+    def run_step(self, plan: StepPlan) -> StepReport:
+        """Run one whole optimizer step from ``plan`` (:mod:`elastic_llm.pipeline.step`)."""
+        from elastic_llm.pipeline.step import execute
+
+        if self.links is None:
+            raise RuntimeError(f"stage {self.stage} replica {self.replica}: run_step before connect_links")
+        return execute(self, plan, self.links)
+
+    def abort_step(self, generation: int) -> None:
+        """Wake this actor's step if it is blocked on a peer (called in the ``control`` group
+        while ``run_step`` runs)."""
+        if self.links is not None:
+            self.links.abort(generation)
 
     # ------------------------------------------------------------------ one microbatch
     def _hop(self, mb: int, visit: int) -> Hop:
@@ -222,23 +263,18 @@ class StageWorker:
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in self.module.parameters()]
         return torch.cat(grads).cpu().numpy()
 
-    def average_grads(self, *peer_grads: np.ndarray) -> None:
-        """Replace local gradients by the mean of ``peer_grads`` (every replica's flat_grad, in
-        replica order). The first phase of a data-parallel step: nothing is updated yet."""
-        self._check_complete()
-        total = torch.from_numpy(np.asarray(peer_grads[0])).clone()
-        for g in peer_grads[1:]:  # fixed replica order: every replica gets identical bits
-            total += torch.from_numpy(np.asarray(g))
-        total /= len(peer_grads)
+    def set_flat_grad(self, flat: np.ndarray) -> None:
+        """Replace the local gradients by ``flat`` (the replicas' average, :meth:`flat_grad` layout)."""
+        total = torch.from_numpy(np.asarray(flat))
         offset = 0
         for p in self.module.parameters():
             n = p.numel()
             p.grad = total[offset : offset + n].view_as(p).to(self.device)
             offset += n
 
-    def step(self, *peer_grads: np.ndarray, snapshot: dict[str, int] | None = None) -> StepStats:
-        """Average gradients over ``peer_grads`` (all replicas, in replica order; none for DP=1),
-        clip, remember the clipped norm, update, advance the LR schedule.
+    def step(self, snapshot: dict[str, int] | None = None) -> StepStats:
+        """Clip the (already averaged) gradients, remember the clipped norm, update, advance the
+        LR schedule.
 
         Waits first if the snapshot copy of an earlier step is unfinished (the update would
         overwrite tensors being copied). ``snapshot`` (the data position after this step's batch)
@@ -246,8 +282,6 @@ class StageWorker:
         """
         self.copies.wait()
         self._check_complete()
-        if peer_grads:
-            self.average_grads(*peer_grads)
         clip = self.cfg.train.grad_clip
         norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip))
         self.last_grad_norm = min(norm, clip)

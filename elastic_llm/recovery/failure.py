@@ -28,14 +28,16 @@ class StepFailure:
     error: str  # exception type and its first line
     trace: str = ""  # the first lines of the (remote) traceback
     during: str = "step"  # step | recovery
+    op: str = ""  # the op the failing actor was running ("F3", "B0.1", "allreduce", "update"), when known
 
     @staticmethod
-    def from_exception(step: int, err: BaseException, stage: int | None = None, replica: int | None = None, during: str = "step") -> "StepFailure":
+    def from_exception(step: int, err: BaseException, stage: int | None = None, replica: int | None = None, during: str = "step", op: str = "") -> "StepFailure":
         cause = getattr(err, "cause", None)  # a RayTaskError wraps the exception the actor raised
         what = cause if isinstance(cause, BaseException) else err
         first = next((ln.strip() for ln in _ANSI.sub("", str(what)).splitlines() if ln.strip()), "")
         lines = [ln.rstrip() for ln in _ANSI.sub("", str(err)).splitlines() if ln.strip()]
-        return StepFailure(step, stage, replica, f"{type(what).__name__}: {first}".rstrip(": "), "\n".join(lines[:TRACE_LINES]), during)
+        name = getattr(what, "type_name", None) or type(what).__name__  # a stage's error carries its own type's name
+        return StepFailure(step, stage, replica, f"{name}: {first}".rstrip(": "), "\n".join(lines[:TRACE_LINES]), during, op)
 
     @property
     def where(self) -> str:
@@ -45,7 +47,7 @@ class StepFailure:
 
     def __str__(self) -> str:
         what = "recovery of " if self.during == "recovery" else ""
-        return f"{what}{self.where} failed: {self.error}"
+        return f"{what}{self.where} failed: {self.error}" + (f" (in {self.op})" if self.op else "")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,297 @@
+"""The driver's side of a step: one :class:`StepPlan` to every stage actor, one report back.
+
+Owns: the :class:`StepExecutor` protocol the controller runs steps through; its Ray
+implementation, :class:`RayStepExecutor` (cutting the global batch into the replicas' token
+inputs, one ``run_step`` call per actor per step, the links of the membership set up before its
+first step and again after any failed step, waiting for the reports, aborting the others at the
+first failure, naming the root cause); and :func:`link_peers`, which actors talk to which (pure).
+The driver makes S x DP calls per step whatever the number of microbatches, and never holds an
+activation or a gradient: they travel between the actors (:mod:`elastic_llm.pipeline.transport`).
+Never decides what happens after a failure (the controller does) and never injects faults
+(:class:`~elastic_llm.chaos.ChaosExecutor` wraps this one).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from elastic_llm.pipeline.plan import FailureKind, Fault, StepPlan, StepReport, describe_failure
+from elastic_llm.pipeline.schedules import Op, Route, build_schedule, routes, submission_order
+from elastic_llm.snapshot.records import ShardKey
+
+STEP_TIMEOUT_S = 900.0  # a step that takes longer is treated as a failure (a hung stage)
+SETTLE_S = 120.0  # after a failure, how long the step's other calls get to finish or fail
+LINK_S = 60.0  # deadline for setting up the links of a membership
+
+
+class StepFailed(RuntimeError):
+    """A step failed: ``stage``/``replica``/``op`` of the root cause (None if not known, e.g. a
+    timeout), and the exception that stands for it (``cause``)."""
+
+    def __init__(self, cause: BaseException, stage: int | None, replica: int | None, op: str = "") -> None:
+        self.cause, self.stage, self.replica, self.op = cause, stage, replica, op
+        super().__init__(str(cause))
+
+
+class StageError(RuntimeError):
+    """A stage's own error during a step, as its report described it (``type_name``: the type of
+    the exception the stage raised)."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        self.type_name = type_name
+        super().__init__(message)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the whole global batch
+    grad_norms: list[float]  # per stage (the first replica that answered), before clipping
+    lr: float
+    reports: dict[ShardKey, StepReport] = field(default_factory=dict)
+
+
+@dataclass
+class PendingStep:
+    """A submitted step: its calls, and what came back of them."""
+
+    step: int
+    generation: int
+    n_stages: int
+    dp: int
+    refs: dict[ShardKey, Any]
+    started: float = field(default_factory=time.perf_counter)
+    reports: dict[ShardKey, StepReport] = field(default_factory=dict)
+    lost: dict[ShardKey, BaseException] = field(default_factory=dict)  # calls that raised (the actor died)
+
+    def result(self) -> StepResult:
+        """The step's result from the reports that came back: the loss needs the LM head's stage
+        of every replica (NaN otherwise); per stage, the first replica that answered."""
+        last = self.n_stages - 1
+        root = self.reports.get(ShardKey(0, 0))
+        per_replica = []
+        for r in range(self.dp):
+            head = self.reports.get(ShardKey(last, r))
+            if head is not None and head.ok:
+                per_replica.append(head.losses)
+            elif root is not None and r in root.head_losses:  # the head died after the barrier
+                per_replica.append(root.head_losses[r])
+        ok = len(per_replica) == self.dp
+        losses = [x for part in per_replica for x in part]
+        norms, lr = [], float("nan")
+        for s in range(self.n_stages):
+            rep = next((self.reports[k] for k in (ShardKey(s, r) for r in range(self.dp)) if k in self.reports and self.reports[k].ok), None)
+            if rep is not None:
+                norms.append(rep.grad_norm)
+                lr = rep.lr if math.isnan(lr) else lr
+        return StepResult(float(np.mean(losses)) if ok and losses else float("nan"), norms or [float("nan")], lr, dict(self.reports))
+
+
+class StepExecutor(Protocol):
+    """How the controller runs steps (Ray actors, or a fake in tests)."""
+
+    def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: dict[str, int] | None = None, faults: Mapping[ShardKey, Fault] | None = None) -> PendingStep: ...
+
+    def finish(self, pending: PendingStep) -> StepResult: ...
+
+    def settle(self) -> None: ...
+
+    def eval_loss(self, x: np.ndarray, y: np.ndarray) -> float: ...
+
+
+def link_peers(n_stages: int, dp: int, rts: Sequence[Route], redundant: bool = False) -> dict[ShardKey, set[ShardKey]]:
+    """Who each actor exchanges messages with in a step: the neighbouring hops of every route (its
+    replica), the redundant copy's predecessor and successor, the stage's other replicas (the
+    all-reduce), and the barrier's root (stage 0 of replica 0) with everyone. Symmetric."""
+    peers: dict[ShardKey, set[ShardKey]] = {ShardKey(s, r): set() for r in range(dp) for s in range(n_stages)}
+
+    def link(a: ShardKey, b: ShardKey) -> None:
+        if a != b:
+            peers[a].add(b)
+            peers[b].add(a)
+
+    for r in range(dp):
+        for route in set(rts):
+            for a, b in zip(route, route[1:]):
+                link(ShardKey(a.stage, r), ShardKey(b.stage, r))
+        if redundant:
+            for s in range(n_stages):
+                link(ShardKey(s, r), ShardKey((s + 1) % n_stages, r))
+    for s in range(n_stages):
+        for r in range(dp):
+            for q in range(r + 1, dp):
+                link(ShardKey(s, r), ShardKey(s, q))
+    for k in peers:
+        link(ShardKey(0, 0), k)
+    return peers
+
+
+class RayStepExecutor:
+    """Runs steps on ``actors[replica][stage]`` (Ray actor handles of StageWorker)."""
+
+    def __init__(self, actors: Sequence[Sequence[Any]], schedule: str, n_micro: int, swapped: bool = False, redundant: bool = False) -> None:
+        self.actors = [list(r) for r in actors]
+        self.dp, self.n_stages = len(self.actors), len(self.actors[0])
+        self.n_micro = n_micro
+        self.redundant = redundant
+        self.routes = routes(self.n_stages, n_micro, swapped)
+        sched = build_schedule(schedule, self.n_stages, n_micro, swapped)
+        submission_order(sched, self.routes)  # refuses a schedule that would deadlock
+        self.ops: list[tuple[Op, ...]] = [tuple(ops) for ops in sched]
+        self.generation = 0
+        self.linked = False
+        self.last: PendingStep | None = None
+        self.calls = 0  # actor calls made (steps, links, aborts): the driver's cost
+
+    def keys(self) -> list[ShardKey]:
+        return [ShardKey(s, r) for r in range(self.dp) for s in range(self.n_stages)]
+
+    def actor(self, key: ShardKey) -> Any:
+        return self.actors[key.replica][key.stage]
+
+    def connect(self) -> None:
+        """Set up the links of this membership (a new generation); raises StepFailed naming an
+        actor that could not take part."""
+        self.generation = max(time.time_ns(), self.generation + 1)
+        keys = self.keys()
+        addresses = self._gather({k: self.actor(k).link_address.remote() for k in keys}, LINK_S)
+        peers = link_peers(self.n_stages, self.dp, self.routes, self.redundant)
+        calls = {k: self.actor(k).connect_links.remote(self.generation, {p: addresses[p] for p in peers[k]}) for k in keys}
+        self._gather(calls, LINK_S)
+        self.calls += 2 * len(keys)
+        self.linked = True
+
+    def _gather(self, calls: dict[ShardKey, Any], timeout: float) -> dict[ShardKey, Any]:
+        import ray
+
+        ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout)
+        out = {}
+        for k, ref in calls.items():
+            try:
+                out[k] = ray.get(ref, timeout=0)
+            except (ray.exceptions.RayError, TimeoutError) as err:
+                raise StepFailed(err, k.stage, k.replica, "links") from err
+        return out
+
+    def plans(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: dict[str, int] | None, faults: Mapping[ShardKey, Fault] | None = None) -> dict[ShardKey, StepPlan]:
+        """Each actor's plan: stage 0 gets its replica's tokens, the LM head's stage the targets
+        (and with redundant copies the last stage the tokens, the one before it the targets)."""
+        xs, ys = np.split(x, self.dp), np.split(y, self.dp)
+        n, faults = self.n_stages, faults or {}
+        out = {}
+        for k in self.keys():
+            tokens = xs[k.replica] if k.stage == 0 or (self.redundant and k.stage == n - 1) else None
+            targets = ys[k.replica] if k.stage == n - 1 or (self.redundant and k.stage == n - 2) else None
+            out[k] = StepPlan(step, self.generation, self.ops[k.stage], tokens, targets, snapshot, faults.get(k))
+        return out
+
+    def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: dict[str, int] | None = None, faults: Mapping[ShardKey, Fault] | None = None) -> PendingStep:
+        if not self.linked:
+            self.connect()
+        plans = self.plans(step, x, y, snapshot, faults)
+        refs = {k: self.actor(k).run_step.remote(plan) for k, plan in plans.items()}
+        self.calls += len(refs)
+        self.last = PendingStep(step, self.generation, self.n_stages, self.dp, refs)
+        return self.last
+
+    def finish(self, pending: PendingStep, timeout: float = STEP_TIMEOUT_S) -> StepResult:
+        """Wait for every report; at the first failure abort the others (their blocked receives
+        wake) and give them :data:`SETTLE_S` to report. Raises :class:`StepFailed` naming the
+        root cause."""
+        failed = self._wait(pending, timeout)
+        if failed:
+            self.linked = False  # a failed step closed links: the next step sets up new ones
+            raise self._root_cause(pending)
+        return pending.result()
+
+    def _wait(self, pending: PendingStep, timeout: float) -> bool:
+        import ray
+
+        remaining = {ref: k for k, ref in pending.refs.items() if k not in pending.reports and k not in pending.lost}
+        deadline = time.monotonic() + timeout
+        failed = aborted = False
+        while remaining:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(list(remaining), num_returns=1, timeout=max(0.0, left)) if left > 0 else ([], None)
+            if not ready:
+                if aborted:
+                    break
+                failed = True  # a hung step: abort it, then give it the settling time
+            for ref in ready:
+                key = remaining.pop(ref)
+                try:
+                    rep = ray.get(ref, timeout=0)
+                    pending.reports[key] = rep
+                    failed |= not rep.ok
+                except ray.exceptions.RayError as err:
+                    pending.lost[key] = err
+                    failed = True
+            if failed and not aborted:
+                aborted = True
+                for ref, key in remaining.items():
+                    self.actor(key).abort_step.options(concurrency_group="control").remote(pending.generation)
+                    self.calls += 1
+                deadline = time.monotonic() + SETTLE_S
+        return failed
+
+    def _root_cause(self, pending: PendingStep) -> StepFailed:
+        """The first own error (by the time the stage reported it), else a call that raised (the
+        actor died), else the peer the others lost, else a timeout."""
+        errors = sorted(
+            ((rep.failure.at, k, rep) for k, rep in pending.reports.items() if rep.failure is not None and rep.failure.kind is FailureKind.ERROR),
+            key=lambda t: t[0],
+        )
+        if errors:
+            _, k, rep = errors[0]
+            f = rep.failure
+            assert f is not None
+            name, _, msg = f.cause.partition(": ")
+            return StepFailed(StageError(name, f"{describe_failure(f, k)}" if not msg else msg), k.stage, k.replica, f.op)
+        if pending.lost:
+            k = min(pending.lost, key=lambda k: (k.replica, k.stage))
+            return StepFailed(pending.lost[k], k.stage, k.replica, self._op_when_lost(pending, k))
+        lost_peers = [rep.failure.peer for rep in pending.reports.values() if rep.failure is not None and rep.failure.peer is not None and rep.failure.kind is FailureKind.PEER_LOST]
+        if lost_peers:
+            k = min(lost_peers, key=lambda k: (k.replica, k.stage))
+            return StepFailed(RuntimeError(f"the links to {k} were lost"), k.stage, k.replica)
+        return StepFailed(TimeoutError(f"step {pending.step} did not finish within its deadline"), None, None)
+
+    @staticmethod
+    def _op_when_lost(pending: PendingStep, key: ShardKey) -> str:
+        """The op a dead actor was in, as its peers saw it: the op of a peer that lost it."""
+        for rep in pending.reports.values():
+            f = rep.failure
+            if f is not None and f.peer == key and f.kind is FailureKind.PEER_LOST:
+                return f"{f.op} of {rep.key}"
+        return ""
+
+    def settle(self, timeout: float = SETTLE_S) -> None:
+        """Make sure no call of the last step still runs (abort it and wait for its reports)."""
+        p = self.last
+        if p is None:
+            return
+        if len(p.reports) + len(p.lost) < len(p.refs):
+            for k, ref in p.refs.items():
+                if k not in p.reports and k not in p.lost:
+                    try:
+                        self.actor(k).abort_step.options(concurrency_group="control").remote(p.generation)
+                    except Exception:
+                        pass
+            self.linked = False
+            self._wait(p, timeout)
+
+    def eval_loss(self, x: np.ndarray, y: np.ndarray) -> float:
+        """Forward-only loss of a batch through replica 0's stages (evaluation, not a step)."""
+        import ray
+
+        refs = []
+        for xm, ym in zip(np.split(x, self.n_micro), np.split(y, self.n_micro)):
+            act: Any = xm
+            for s, actor in enumerate(self.actors[0]):
+                act = actor.eval_forward.remote(act, ym if s == self.n_stages - 1 else None)
+            refs.append(act)
+        return float(np.mean(ray.get(refs, timeout=STEP_TIMEOUT_S)))

@@ -1,0 +1,138 @@
+"""The step's links and the gradient all-reduce, in one process without Ray: real sockets on
+loopback, one thread per actor."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_llm.pipeline.collective import allreduce_mean, chunk_bounds
+from elastic_llm.pipeline.executor import link_peers
+from elastic_llm.pipeline.schedules import routes
+from elastic_llm.pipeline.transport import Aborted, Msg, PeerLost, SocketTransport
+from elastic_llm.snapshot.records import ShardKey
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def linked(keys, generation=1):
+    """SocketTransports for ``keys``, fully connected, at step 1."""
+    ts = {k: SocketTransport(k) for k in keys}
+    addresses = {k: t.address for k, t in ts.items()}
+    with ThreadPoolExecutor(len(keys)) as pool:
+        list(pool.map(lambda k: ts[k].connect(generation, {p: a for p, a in addresses.items() if p != k}), keys))
+    for t in ts.values():
+        t.begin(1, 30.0)
+    return ts
+
+
+def close(ts):
+    for t in ts.values():
+        t.close()
+
+
+@pytest.mark.parametrize("dp", [2, 3, 4])
+def test_allreduce_gives_every_replica_the_bits_of_summing_in_replica_order(dp):
+    keys = [ShardKey(0, r) for r in range(dp)]
+    ts = linked(keys)
+    rng = np.random.default_rng(dp)
+    grads = [rng.standard_normal(10_007).astype(np.float32) for _ in range(dp)]  # not divisible by dp
+    try:
+        with ThreadPoolExecutor(dp) as pool:
+            out = list(pool.map(lambda r: allreduce_mean(ts[keys[r]], grads[r], keys, r), range(dp)))
+    finally:
+        close(ts)
+    ref = torch.from_numpy(grads[0].copy())
+    for g in grads[1:]:
+        ref += torch.from_numpy(g)
+    ref /= dp
+    for r in range(dp):
+        np.testing.assert_array_equal(out[r], ref.numpy())
+    # a different summation order gives other bits: the fixed order is what keeps replicas equal
+    other = torch.from_numpy(grads[-1].copy())
+    for g in reversed(grads[:-1]):
+        other += torch.from_numpy(g)
+    other /= dp
+    assert dp == 2 or not np.array_equal(other.numpy(), ref.numpy())
+    sent = [ts[k].sent_bytes() for k in keys]
+    for r, s in enumerate(sent):  # reduce-scatter + all-gather: 2 (dp - 1) / dp of the gradient
+        lo, hi = chunk_bounds(grads[0].size, dp)[r]
+        assert s["chunk"] == 4 * (grads[0].size - (hi - lo))
+        assert s["gather"] == 4 * (dp - 1) * (hi - lo)
+    assert sum(s["chunk"] + s["gather"] for s in sent) / dp <= 2.5 * grads[0].nbytes
+
+
+def test_messages_arriving_before_they_are_asked_for_are_kept():
+    a, b = ShardKey(0, 0), ShardKey(1, 0)
+    ts = linked([a, b])
+    try:
+        for mb in range(3):
+            ts[a].send(b, Msg.ACT, mb, 1, np.full((2, 3), mb, np.float32))
+        assert ts[b].recv(a, Msg.ACT, 2, 1)[0, 0] == 2
+        assert ts[b].recv(a, Msg.ACT, 0, 1)[0, 0] == 0
+        assert ts[b].recv(a, Msg.ACT, 1, 1).shape == (2, 3)
+    finally:
+        close(ts)
+
+
+def test_a_peer_that_closes_its_links_wakes_a_blocked_receiver_naming_it():
+    a, b, c = ShardKey(0, 0), ShardKey(1, 0), ShardKey(2, 0)
+    ts = linked([a, b, c])
+    caught = {}
+
+    def wait():
+        t0 = time.monotonic()
+        try:
+            ts[c].recv(b, Msg.ACT, 0, 2)
+        except PeerLost as e:
+            caught["peer"], caught["s"] = e.peer, time.monotonic() - t0
+
+    try:
+        th = threading.Thread(target=wait)
+        th.start()
+        time.sleep(0.2)
+        ts[b].poison()  # b failed: it closes its links
+        th.join(5)
+        assert not th.is_alive(), "the receiver stayed blocked on a peer that closed its links"
+        assert caught["peer"] == b
+    finally:
+        close(ts)
+
+
+def test_abort_wakes_a_blocked_receive_and_only_for_its_generation():
+    a, b = ShardKey(0, 0), ShardKey(1, 0)
+    ts = linked([a, b], generation=5)
+    try:
+        ts[b].abort(4)  # a late abort of an older generation does not touch this one
+        ts[a].send(b, Msg.GRAD, 0, 0, np.ones(4, np.float32))
+        assert ts[b].recv(a, Msg.GRAD, 0, 0).sum() == 4
+        threading.Timer(0.2, ts[b].abort, args=(5,)).start()
+        with pytest.raises(Aborted):
+            ts[b].recv(a, Msg.GRAD, 1, 0)
+    finally:
+        close(ts)
+
+
+@pytest.mark.parametrize("swapped,redundant", [(False, False), (True, False), (False, True)])
+def test_link_peers_are_symmetric_and_cover_every_message_of_a_step(swapped, redundant):
+    n, dp = 4, 3
+    rts = routes(n, 4, swapped)
+    peers = link_peers(n, dp, rts, redundant)
+    for k, ps in peers.items():
+        assert k not in ps
+        for p in ps:
+            assert k in peers[p]
+    for r in range(dp):
+        for route in rts:
+            for a, b in zip(route, route[1:]):
+                assert ShardKey(b.stage, r) in peers[ShardKey(a.stage, r)]
+        for s in range(n):
+            assert {ShardKey(s, q) for q in range(dp) if q != r} <= peers[ShardKey(s, r)]
+            if redundant:  # the copy of the successor gets the gradients the successor received
+                assert ShardKey((s + 1) % n, r) in peers[ShardKey(s, r)]
+    assert peers[ShardKey(0, 0)] == set(peers) - {ShardKey(0, 0)}  # the barrier's root
+    if not swapped and not redundant:
+        assert ShardKey(3, 1) not in peers[ShardKey(1, 1)]  # no links a step does not use
