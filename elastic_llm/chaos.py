@@ -2,10 +2,13 @@
 
 Owns: when each event fires and how it strikes (``ray.kill`` or SIGKILL of a stage, killing or
 corrupting a snapshot manager, removing a node of a test cluster, making a stage raise an
-application error on every step). The controller calls one hook, :meth:`Chaos.fire`, at three
-points: ``before_step`` (errors), ``in_step`` (kills, after the victim ran its first call of the
-step, so they land mid-step reproducibly) and ``recovery`` (kills after a recovery plan was
-made, before it is carried out). Each event fires once.
+application error on every step). The controller calls :meth:`Chaos.fire` at two points,
+``before_step`` (errors) and ``recovery`` (kills after a recovery plan was made, before it is
+carried out). Kills *during* a step come from :class:`ChaosExecutor`, which wraps the real step
+executor and keeps chaos out of its hot path: a stage kill rides in the victim's plan as a
+:class:`~elastic_llm.pipeline.plan.Fault` (the actor strikes itself when it starts its first op of
+the event's ``op`` kind, so kills land at a chosen point reproducibly); a node removal holds the
+victim at that op, then removes its node. Each event fires once.
 
 Failures at a rate (``chaos.failure_prob_per_step``, or ``chaos.failure_rate_per_hour`` turned
 into a per-step probability once the first steps were timed) come from :func:`failures_at`, a
@@ -23,9 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_llm.config import ChaosEvent, ConfigError, RunConfig
+from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
 from elastic_llm.snapshot.records import ShardKey
 
-POINTS = ("before_step", "in_step", "recovery")
+POINTS = ("before_step", "recovery")
 NODE_GONE_S = 60.0  # how long a node removal waits for Ray to see the node dead
 CALIBRATION_STEPS = 3  # steps timed (after the first) before failure_rate_per_hour becomes a per-step probability
 
@@ -50,10 +54,9 @@ def prob_per_step(rate_per_hour: float, step_s: float) -> float:
 
 @dataclass
 class ChaosTargets:
-    """What chaos can hit: the run's actor group, runner, snapshot coordinator and metrics."""
+    """What chaos can hit: the run's actor group, snapshot coordinator and metrics."""
 
     group: Any
-    runner: Any
     snapshots: Any
     metrics: Any
 
@@ -90,26 +93,35 @@ class Chaos:
             return "recovery"
         return "before_step" if ev.kill == "error" else "in_step"
 
-    def fire(self, point: str, step: int, t: ChaosTargets) -> None:
-        """Fire the events due at ``point`` of ``step``."""
-        assert point in POINTS, point
+    def due(self, point: str, step: int) -> list[ChaosEvent]:
+        """The events due at ``point`` of ``step`` (``in_step`` includes the rate's failures);
+        each is returned once."""
+        out = []
         if point == "in_step" and step not in self.rate_fired:
             for stage, replica in failures_at(self.seed, step, *self.shape, self.prob):
                 self.rate_fired.add(step)
-                self._strike(ChaosEvent(step, "stage", stage, replica, how=self.how), point, step, t)
+                out.append(ChaosEvent(step, "stage", stage, replica, how=self.how))
         for i, ev in enumerate(self.events):
-            if ev.step != step or i in self.fired or self._point(ev) != point:
-                continue
-            self.fired.add(i)
-            self._strike(ev, point, step, t)
+            if ev.step == step and i not in self.fired and self._point(ev) == point:
+                self.fired.add(i)
+                out.append(ev)
+        return out
 
-    def _strike(self, ev: ChaosEvent, point: str, step: int, t: ChaosTargets) -> None:
+    def fire(self, point: str, step: int, t: ChaosTargets) -> None:
+        """Fire the events due at ``point`` of ``step`` (``before_step`` or ``recovery``)."""
+        assert point in POINTS, point
+        for ev in self.due(point, step):
+            self.strike(ev, step, t)
+
+    @staticmethod
+    def record(ev: ChaosEvent, step: int, metrics: Any) -> None:
+        metrics.event("chaos", step=step, kill=ev.kill, stage=ev.stage, replica=ev.replica, how=ev.how, corrupt=ev.corrupt, during=ev.during, op=ev.op)
+
+    def strike(self, ev: ChaosEvent, step: int, t: ChaosTargets) -> None:
         import ray
 
         key = ShardKey(ev.stage, ev.replica)
-        if point == "in_step":  # mid-step, reproducibly: after the victim ran its first call of this step
-            ray.wait([t.runner.first_op[(ev.replica, ev.stage)]], timeout=60)
-        t.metrics.event("chaos", step=step, kill=ev.kill, stage=ev.stage, replica=ev.replica, how=ev.how, corrupt=ev.corrupt, during=ev.during)
+        self.record(ev, step, t.metrics)
         if ev.kill == "error":
             ray.get(t.group.actor(key).inject_error.remote(f"chaos: injected error from step {step} on"), timeout=60)
         elif ev.kill == "stage":
@@ -151,3 +163,41 @@ class Chaos:
         if ev.node >= len(alive):
             raise ConfigError(f"chaos event node={ev.node}: the cluster has {len(alive)} live nodes with CPUs (0..{len(alive) - 1})")
         return alive[ev.node]
+
+
+class ChaosExecutor:
+    """A step executor that strikes the run's in-step chaos events through ``inner`` (the real
+    one): stage kills ride in the victim's plan, node removals and snapshot-manager kills strike
+    right after the step's plans went out. With no events due it only forwards."""
+
+    def __init__(self, inner: Any, chaos: Chaos, targets: Any) -> None:
+        self.inner, self.chaos, self.targets = inner, chaos, targets  # targets: () -> ChaosTargets
+
+    def start(self, step: int, x: Any, y: Any, snapshot: dict[str, int] | None = None, faults: Any = None) -> Any:
+        events = self.chaos.due("in_step", step)
+        if not events:
+            return self.inner.start(step, x, y, snapshot, faults)
+        planned = dict(faults or {})
+        later = []
+        for ev in events:
+            key = ShardKey(ev.stage, ev.replica)
+            if ev.kill == "stage":
+                planned[key] = Fault(Phase(ev.op), FaultAction(ev.how))
+                self.chaos.record(ev, step, self.targets().metrics)
+            else:
+                if ev.kill == "node" and ev.node is None:  # the victim waits at its op until its node is gone
+                    planned[key] = Fault(Phase(ev.op), FaultAction.HOLD)
+                later.append(ev)
+        pending = self.inner.start(step, x, y, snapshot, planned)
+        for ev in later:
+            self.chaos.strike(ev, step, self.targets())
+        return pending
+
+    def finish(self, pending: Any) -> Any:
+        return self.inner.finish(pending)
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def eval_loss(self, x: Any, y: Any) -> float:
+        return self.inner.eval_loss(x, y)

@@ -158,6 +158,7 @@ class ElasticConfig:
 CHAOS_KINDS = ("stage", "node", "smp", "error")
 CHAOS_HOW = ("ray_kill", "sigkill")
 CHAOS_DURING = ("step", "recovery")
+CHAOS_OPS = ("forward", "backward", "allreduce", "update")
 
 
 @dataclass
@@ -170,6 +171,7 @@ class ChaosEvent:
     corrupt: bool = False  # with kill=smp: flip a byte of its committed shard instead of killing it
     node: int | None = None  # kill=node / smp: the node-th live node with CPUs (by node id), not the one hosting stage/replica
     during: str = "step"  # step | recovery: after the recovery plan of step `step`'s failure is made, before it is carried out
+    op: str = "forward"  # kill: stage: strike when the actor starts its first op of this kind in the step (forward | backward | allreduce | update)
 
 
 @dataclass
@@ -335,6 +337,9 @@ def _validate(c: RunConfig) -> list[str]:
         one_of(f"{where}.kill", ev.kill, CHAOS_KINDS)
         one_of(f"{where}.how", ev.how, CHAOS_HOW)
         one_of(f"{where}.during", ev.during, CHAOS_DURING)
+        one_of(f"{where}.op", ev.op, CHAOS_OPS)
+        if ev.op == "allreduce" and par.dp < 2:
+            p.append(f"{where}.op=allreduce needs parallel.dp >= 2 (one replica has no gradient all-reduce): use forward, backward or update")
         if ev.during == "recovery" and ev.kill not in ("stage", "node"):
             p.append(f"{where}: during: recovery goes with kill: stage or kill: node, not kill: {ev.kill}")
         if ev.step < 1:

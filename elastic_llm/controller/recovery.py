@@ -231,7 +231,7 @@ def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: fl
     plan = outcome.plan
     common = {
         "step": failure.step, "rollback_steps": outcome.rollback_steps, "committed_steps_lost": committed_lost,
-        "seconds": seconds, "reason": plan.reason,
+        "seconds": seconds, "reason": plan.reason, "failure": str(failure), "failed_op": failure.op,
     }
     if not plan.actions:
         return [{"event": "recovery", "stage": None, "replica": None, "source": "none", "lossless": True, **common}]

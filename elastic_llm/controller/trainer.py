@@ -12,7 +12,7 @@ durable storage, in the background) and :class:`Chaos` (fault injection, one hoo
 started with ``resume`` loads a durable checkpoint into its fresh actors before the first step.
 After every step the controller looks (cheaply) at Ray's draining nodes
 and, every ``elastic.grow_check_s``, for room for another replica.
-Never computes model math (stage actors do, driven by :class:`PipelineRunner`), never decides a
+Never computes model math (stage actors do, each running its own part of a step from the plan a :class:`StepExecutor` sends it), never decides a
 recovery inline, and never waits without a deadline.
 
 Why ~590 lines: one small handler per state (eight of them) plus the step, the setup (and a
@@ -33,14 +33,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from elastic_llm.chaos import Chaos, ChaosTargets
-from elastic_llm.config import RunConfig
+from elastic_llm.chaos import Chaos, ChaosExecutor, ChaosTargets
+from elastic_llm.config import ConfigError, RunConfig
 from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.elastic import ElasticExecutor
 from elastic_llm.controller.metrics import MetricsWriter
 from elastic_llm.monitor import Publisher
 from elastic_llm.controller.neighbours import refresh_mirrors
+from elastic_llm.controller.parts import Elastic, Group, Parts, Recovery
 from elastic_llm.controller.progress import ProgressBar
 from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor, RecoveryOutcome, recovery_records
 from elastic_llm.controller.session import NAMESPACE, log, start_ray
@@ -67,7 +68,7 @@ from elastic_llm.durable.format import Checkpoint, open_checkpoint
 from elastic_llm.durable.restore import check_fits
 from elastic_llm.durable.tier import DurableTier
 from elastic_llm.model import count_parameters
-from elastic_llm.pipeline.runner import PipelineRunner, StepFailed, StepResult
+from elastic_llm.pipeline.executor import PendingStep, RayStepExecutor, StepExecutor, StepFailed, StepResult
 from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
 from elastic_llm.recovery.policy import RecoveryPolicy, UnrecoverableError
 
@@ -77,14 +78,18 @@ RESUME_S = 600.0  # longest the stages may take to load a durable checkpoint
 
 @dataclass(frozen=True)
 class InterruptedStep:
-    """What the driver holds of a step whose optimizer calls were submitted: if a recovery finds
-    that every survivor finished it, the step is counted from these."""
+    """What the driver holds of a step that was submitted: if a recovery finds that every
+    survivor finished it, the step is counted from the reports that came back."""
 
     step: int
-    loss_refs: list[Any]
-    step_refs: list[list[Any]]
+    pending: PendingStep
     position_after: dict[str, int]  # the data position after the step's batch
     started: float
+
+
+def ray_executor(actors: list[list[Any]], cfg: RunConfig) -> StepExecutor:
+    """The real step executor: one plan per stage actor per step."""
+    return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.recovery.mode == "redundant")
 
 
 class RunFailed(RuntimeError):
@@ -120,8 +125,14 @@ class Trainer:
         dashboard: bool = False,
         cluster: Any = None,
         resume: str | None = None,
+        parts: Parts | None = None,
     ) -> None:
         self.cfg = cfg
+        if parts is not None and cfg.snapshots_on:
+            raise ConfigError("a Trainer on injected parts (no Ray) runs without snapshots: set snapshot.enabled=false")
+        self.parts = parts
+        self.wait_poll_s = WAIT_POLL_S  # how often capacity is looked at while waiting
+        self.make_executor = parts.make_executor if parts is not None else ray_executor
         self.address = address
         self.dashboard = dashboard
         self.metrics = MetricsWriter(metrics_out)
@@ -133,17 +144,17 @@ class Trainer:
         self.state: State = Starting()
         self.seconds_by_state: dict[str, float] = {}
         self.owns_ray = False
-        self.group: ActorGroup | None = None
+        self.group: Group | None = parts.group if parts is not None else None
         self.snapshots: Any = None
-        self.recovery: RecoveryExecutor | None = None
-        self.elastic: ElasticExecutor | None = None
+        self.recovery: Recovery | None = None
+        self.elastic: Elastic | None = None
         self.checkpoints: CheckpointExecutor | None = None  # recovery.mode: checkpoint
         self.durable: DurableTier | None = None  # durable.storage_path
         self.publisher: Publisher | None = None  # feeds the run's monitor actor (elastic-llm status, Ray metrics)
         self.failures = 0  # failed steps (each one recovered, or the run stopped)
         self.stop_requested = False
         self.drains_seen: set[str] = set()  # draining nodes already acted on
-        self.runner: PipelineRunner | None = None
+        self.executor: StepExecutor | None = None  # runs steps on the current membership (chaos-wrapped)
         self.interrupted: InterruptedStep | None = None  # the step in progress once its updates were submitted
         self.step = 0
         self.end = cfg.train.max_steps  # fit(max_steps) may change it
@@ -178,22 +189,11 @@ class Trainer:
     def setup(self) -> None:
         """Start (or join) Ray, the snapshot managers and the stage actors. Idempotent; raises
         :class:`CapacityUnavailable` when the actors cannot be placed now."""
-        if self.runner is not None:
+        if self.executor is not None:
             return
-        self.owns_ray = start_ray(self.cfg, self.address, self.dashboard) or self.owns_ray
-        if self.publisher is None:  # the run-<id> actor: status and Ray metrics of the run
-            self.publisher = Publisher(self, NAMESPACE)
-            self.metrics.observers.append(self.publisher.on_record)
-        if self.cfg.snapshots_on and self.snapshots is None:  # managers first: they outlive any stage
-            from elastic_llm.snapshot.coordinator import SnapshotCoordinator
-
-            self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE, self.run_id)
-            self.snapshots.ensure_managers()
-            if self.cfg.durable.storage_path:
-                self.durable = DurableTier(self.cfg, self.snapshots, str(self.data_dir), self.metrics)
-                self.snapshots.durable = self.durable
-        if self.group is None:
-            self.group = ActorGroup(self.cfg, self.run_id)
+        if self.parts is None:
+            self._start_ray_parts()
+        assert self.group is not None
         self.group.place()
         missing = [k for k in self.group.keys() if k not in self.group.ready]
         if missing:
@@ -208,10 +208,13 @@ class Trainer:
             self._checkpoint(0)  # a failure before the first periodic checkpoint rolls back to the start
         if self.resume_from is not None:
             self._resume(self.resume_from)
-        options = ModeOptions(c.recovery.mode, c.mirrors, c.checkfree.lr_scale, self.checkpoints, self.durable)
-        self.recovery = RecoveryExecutor(self.group, self.snapshots, c.snapshot.parity, min_width, options)
-        self.elastic = ElasticExecutor(self.group, self.snapshots, min_width, c)
-        self._new_runner()
+        if self.parts is not None:
+            self.recovery, self.elastic = self.parts.recovery, self.parts.elastic
+        else:
+            options = ModeOptions(c.recovery.mode, c.mirrors, c.checkfree.lr_scale, self.checkpoints, self.durable)
+            self.recovery = RecoveryExecutor(self.group, self.snapshots, c.snapshot.parity, min_width, options)
+            self.elastic = ElasticExecutor(self.group, self.snapshots, min_width, c)
+        self._new_executor()
         self._refresh_mirrors(force=True)
         self.metrics.event(
             "start",
@@ -224,6 +227,24 @@ class Trainer:
             ],
             data_dir=str(self.data_dir),
         )
+
+    def _start_ray_parts(self) -> None:
+        """Ray (started or joined), the run's monitor actor, the snapshot managers (and the
+        durable tier), and the stage actors' group."""
+        self.owns_ray = start_ray(self.cfg, self.address, self.dashboard) or self.owns_ray
+        if self.publisher is None:  # the run-<id> actor: status and Ray metrics of the run
+            self.publisher = Publisher(self, NAMESPACE)
+            self.metrics.observers.append(self.publisher.on_record)
+        if self.cfg.snapshots_on and self.snapshots is None:  # managers first: they outlive any stage
+            from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+
+            self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE, self.run_id)
+            self.snapshots.ensure_managers()
+            if self.cfg.durable.storage_path:
+                self.durable = DurableTier(self.cfg, self.snapshots, str(self.data_dir), self.metrics)
+                self.snapshots.durable = self.durable
+        if self.group is None:
+            self.group = ActorGroup(self.cfg, self.run_id)
 
     def _resume(self, ck: Checkpoint) -> None:
         """Every stage loads its layers from the durable checkpoint ``ck`` (whatever width or stage
@@ -243,10 +264,10 @@ class Trainer:
         log(f"resumed from {ck.uri} at step {ck.step} ({ck.manifest.get('width')} replica(s) x {ck.manifest.get('stages')} stages then) in {seconds:.1f} s")
         self.metrics.event("resume", step=ck.step, path=ck.uri, seconds=seconds, width_then=ck.manifest.get("width"), stages_then=ck.manifest.get("stages"))
 
-    def _new_runner(self) -> None:
+    def _new_executor(self) -> None:
+        """A step executor over the current membership (its links are set up before its first step)."""
         assert self.group is not None
-        c = self.cfg
-        self.runner = PipelineRunner(self.group.actors, c.parallel.schedule, c.parallel.microbatches, c.swapped, c.recovery.mode == "redundant")
+        self.executor = ChaosExecutor(self.make_executor(self.group.actors, self.cfg), self.chaos, self._targets)
 
     def _refresh_mirrors(self, force: bool = False) -> None:
         """CheckFree+: copy the embedding / LM head onto the neighbouring stages (every
@@ -262,7 +283,7 @@ class Trainer:
         self.metrics.event("checkpoint", step=step, seconds=seconds, path=self.checkpoints.root)
 
     def _targets(self) -> ChaosTargets:
-        return ChaosTargets(self.group, self.runner, self.snapshots, self.metrics)
+        return ChaosTargets(self.group, self.snapshots, self.metrics)
 
     # ------------------------------------------------------------------ one step
     def run_step(self) -> dict[str, Any]:
@@ -272,7 +293,7 @@ class Trainer:
         import ray
 
         self.setup()
-        assert self.runner is not None and self.group is not None
+        assert self.executor is not None and self.group is not None
         if self._t0 is None:
             self._t0 = time.perf_counter()
         step = self.step + 1
@@ -283,13 +304,11 @@ class Trainer:
             x, y = self.stream.next_batch(self.cfg.train.batch_size)
             self.chaos.fire("before_step", step, self._targets())
             snap = self.snapshots is not None and self.snapshots.due(step)
-            loss_refs = self.runner.submit_microbatches(x, y)
-            self.chaos.fire("in_step", step, self._targets())  # lands during forward/backward
-            step_refs = self.runner.submit_optimizer_step(snapshot=self.stream.state_dict() if snap else None)
-            self.interrupted = InterruptedStep(step, loss_refs, step_refs, self.stream.state_dict(), ts)
+            pending = self.executor.start(step, x, y, snapshot=self.stream.state_dict() if snap else None)
+            self.interrupted = InterruptedStep(step, pending, self.stream.state_dict(), ts)
             if snap:
                 self.snapshots.begin(step, self.group.members())
-            result = self.runner.collect(loss_refs, step_refs)
+            result = self.executor.finish(pending)
         except StepFailed:
             self.stream.load_state_dict(position)
             raise
@@ -355,10 +374,10 @@ class Trainer:
         return rec.version if rec is not None else 0
 
     def evaluate(self) -> float:
-        assert self.runner is not None
+        assert self.executor is not None
         stream = TokenStream(self.val_tokens, self.cfg.model.seq_len, seed=0, shuffle=False)
         per_replica = self.cfg.train.batch_size // self.group.width
-        losses = [self.runner.eval_loss(*stream.next_batch(per_replica)) for _ in range(self.cfg.train.eval_batches)]
+        losses = [self.executor.eval_loss(*stream.next_batch(per_replica)) for _ in range(self.cfg.train.eval_batches)]
         return float(np.mean(losses))
 
     # ------------------------------------------------------------------ the run
@@ -368,7 +387,7 @@ class Trainer:
         Raises :class:`RunFailed` (exit code 4, or 3 when nothing lossless survived)."""
         self.end = max_steps if max_steps is not None else self.cfg.train.max_steps
         self.on_step = on_step
-        self.state = Starting() if self.runner is None else self._next()
+        self.state = Starting() if self.executor is None else self._next()
         self.bar.open(self.end, self.step)  # the clock (elapsed_s) starts at the first step, not at setup
         handlers: dict[type, Callable[[Any], State]] = {
             Starting: self._start,
@@ -442,7 +461,7 @@ class Trainer:
             record = self.run_step()
         except StepFailed as e:
             self.failures += 1
-            failure = StepFailure.from_exception(self.step + 1, e.cause, e.stage, e.replica)
+            failure = StepFailure.from_exception(self.step + 1, e.cause, e.stage, e.replica, op=e.op)
             self.budget = self.budget.record(failure.step)
             return after_failure(failure, self.budget, self.failure_policy)
         if self.on_step:
@@ -457,7 +476,7 @@ class Trainer:
         failure = state.failure
         t0 = time.perf_counter()
         try:
-            obs = self.recovery.observe(self.runner, failure.step)
+            obs = self.recovery.observe(self.executor, failure.step)
             plan = self.recovery_policy.decide(obs)
             log(f"recovery plan for {failure.where}: {plan}")
             self.chaos.fire("recovery", failure.step, self._targets())
@@ -474,17 +493,17 @@ class Trainer:
         return self._next()
 
     def _apply(self, outcome: RecoveryOutcome, failure: StepFailure, seconds: float) -> None:
-        """Adopt a finished recovery: step counter, data position, a runner over the new actors,
+        """Adopt a finished recovery: step counter, data position, an executor over the new actors,
         and one metrics line per restored actor (and one for a shrink)."""
         lost = max(0, self.committed_high - outcome.step)  # committed steps this recovery undid
         self.committed_steps_lost += lost
         done = self.interrupted
-        self._new_runner()
+        self._new_executor()
         if outcome.step == failure.step and done is not None and done.step == failure.step:
             # every survivor had finished the failed step (a stage died after the gradient
             # exchange) and the replaced ones took a peer's state of that step: it counts as done
             self.stream.load_state_dict(done.position_after)
-            self._finish_step(done.step, self.runner.survivors_result(done.loss_refs, done.step_refs), done.started)
+            self._finish_step(done.step, done.pending.result(), done.started)
         else:
             self.step = outcome.step
             self.tokens_seen = self.step * self.cfg.tokens_per_step()
@@ -514,7 +533,7 @@ class Trainer:
             return after_step(self.step, self.end, self.stop_requested)
         except (ray.exceptions.RayError, TimeoutError) as err:
             return self._failed_between_steps(err, "resize")
-        self._new_runner()
+        self._new_executor()
         self._resized(out.from_dp, out.to_dp, out.reason, out.seconds)
         return self._next()
 
@@ -530,7 +549,7 @@ class Trainer:
         except (ray.exceptions.RayError, TimeoutError) as err:
             return self._failed_between_steps(err, "drain")
         self.drains_seen |= nodes
-        self._new_runner()
+        self._new_executor()
         for d in state.drains:
             left = d.seconds_left(now)
             log(f"node {d.node_id[:12]} is draining ({'no deadline' if left is None else f'{left:.0f} s left'}): "
@@ -549,7 +568,7 @@ class Trainer:
 
     def _wait(self, state: WaitingForCapacity) -> State:
         assert self.group is not None
-        time.sleep(WAIT_POLL_S)
+        time.sleep(self.wait_poll_s)
         new = while_waiting(state, self.group.placed(), self.group.capacity(), time.monotonic())
         if isinstance(new, WaitingForCapacity):
             self._report_capacity(new)
@@ -585,7 +604,7 @@ class Trainer:
                 self.publisher = None
         if self.checkpoints is not None:
             self.checkpoints.close()
-        self.runner = None
+        self.executor = None
         self.metrics.close()
         if self.owns_ray:
             ray.shutdown()
