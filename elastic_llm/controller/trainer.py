@@ -8,18 +8,20 @@ functions, :class:`FailurePolicy`, :class:`RecoveryPolicy`) and the side effects
 small executors: :class:`ActorGroup` (placement, actors), :class:`RecoveryExecutor` (observe,
 carry out a plan), :class:`ElasticExecutor` (grow, evacuate draining nodes, shrink),
 :class:`SnapshotCoordinator` (snapshot timing and versions), :class:`DurableTier` (flushes to
-durable storage, in the background) and :class:`Chaos` (fault injection, one hook). A run
+durable storage, in the background), the step executor (:mod:`elastic_llm.pipeline.executor`, one
+plan per stage actor per step) and :class:`Chaos` (fault injection; in-step faults through
+:class:`~elastic_llm.chaos.ChaosExecutor`, which wraps the step executor). A run
 started with ``resume`` loads a durable checkpoint into its fresh actors before the first step.
 After every step the controller looks (cheaply) at Ray's draining nodes
 and, every ``elastic.grow_check_s``, for room for another replica.
-Never computes model math (stage actors do, each running its own part of a step from the plan a :class:`StepExecutor` sends it), never decides a
-recovery inline, and never waits without a deadline.
+Never computes model math (stage actors do, each running its part of a step from its plan),
+never decides a recovery inline, and never waits without a deadline.
 
-Why ~590 lines: one small handler per state (eight of them) plus the step, the setup (and a
-resume), counting a step that every survivor finished after a failure, and the per-step hooks of
-the recovery modes and tiers (mirror refresh, checkpoint writes, snapshot and flush cadence,
-calibrating failure rates); each
-handler calls one executor and one pure transition, and keeping them side by side is what lets
+Why ~610 lines: one small handler per state (eight of them) plus the step, the setup (on Ray or
+on injected :class:`~elastic_llm.controller.parts.Parts`, and a resume), counting a step that every
+survivor finished after a failure, and the per-step hooks of the recovery modes and tiers (mirror
+refresh, checkpoint writes, snapshot and flush cadence, calibrating failure rates); each handler
+calls one executor and one pure transition, and keeping them side by side is what lets
 ``fit`` and the handlers read as the whole story of a run.
 """
 

@@ -250,7 +250,8 @@ class RayStepExecutor:
             f = rep.failure
             assert f is not None
             name, _, msg = f.cause.partition(": ")
-            return StepFailed(StageError(name, f"{describe_failure(f, k)}" if not msg else msg), k.stage, k.replica, f.op)
+            text = (msg or describe_failure(f, k)) + (f"\n{f.trace}" if f.trace else "")
+            return StepFailed(StageError(name, text), k.stage, k.replica, f.op)
         if pending.lost:
             k = min(pending.lost, key=lambda k: (k.replica, k.stage))
             return StepFailed(pending.lost[k], k.stage, k.replica, self._op_when_lost(pending, k))

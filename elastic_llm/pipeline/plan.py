@@ -95,6 +95,7 @@ class StepFailureInfo:
     peer: ShardKey | None  # the peer it was waiting on or sending to
     cause: str  # "ExceptionType: message"
     at: float  # wall clock (time.time()) when it failed: orders root causes
+    trace: str = ""  # the last lines of the actor's traceback (its own errors)
 
 
 @dataclass(frozen=True)

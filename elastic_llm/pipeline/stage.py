@@ -1,10 +1,11 @@
 """One pipeline stage of one data-parallel replica: the body of a Ray actor.
 
 Owns: the stage's layers, its AdamW optimizer, LR schedule (warm-up + cosine), per-microbatch
-forward/backward with the activations kept between them, gradient averaging with its
-data-parallel peers, clipping at ``grad_clip`` and the L2 norm of the last clipped gradient
-(CheckFree weights rebuilt stages by it). Activations and gradients cross actors as numpy arrays
-(zero-copy through Ray's object store; torch tensors would be pickled).
+forward/backward with the activations kept between them, its flat gradient (what the replicas'
+all-reduce averages), clipping at ``grad_clip`` and the L2 norm of the last clipped gradient
+(CheckFree weights rebuilt stages by it), and the actor's links to its step peers. A whole step
+is one call, :meth:`StageWorker.run_step`: :mod:`elastic_llm.pipeline.step` runs the plan's ops
+on this object, activations and gradients travel over :mod:`elastic_llm.pipeline.transport`.
 
 With ``recovery.mode: checkfree_plus`` a microbatch may visit a stage twice (the swapped order of
 :mod:`elastic_llm.pipeline.schedules`), so activations are kept per (microbatch, visit). The stage
@@ -14,9 +15,9 @@ successor stage (``redundant``), and writing / reading checkpoint files (``check
 
 Never decides anything about the run: the controller tells it what to do, in which order.
 
-Why ~560 lines: every method here is a remote call the controller makes on a stage actor (Ray
-exposes methods of the actor class only), grouped by the job they serve: one microbatch, the
-optimizer step, snapshot copies, restore, CheckFree, the redundant copy (its module and optimizer
+Why ~600 lines: every method here is a remote call the controller makes on a stage actor (Ray
+exposes methods of the actor class only) or a piece of a step, grouped by the job they serve: the
+step and its links, one microbatch, the optimizer step, snapshot copies, restore, CheckFree, the redundant copy (its module and optimizer
 live in :mod:`elastic_llm.pipeline.redundant`), checkpoint files (:mod:`elastic_llm.checkpoint`) and
 inspection (``info``, and ``state`` for ``elastic-llm status``; its display name is ``__repr__``).
 The class is plain Python so tests can drive it in-process; the controller wraps it in

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import traceback
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +30,7 @@ from elastic_llm.snapshot.records import ShardKey
 if TYPE_CHECKING:
     from elastic_llm.pipeline.stage import StageWorker
 
+TRACE_LINES = 6  # traceback lines a report carries
 HOLD_S = 120.0  # longest a planned fault keeps its actor waiting for its death
 ROOT = ShardKey(0, 0)  # the barrier's root: stage 0 of replica 0 (replicas are renumbered from 0)
 
@@ -151,7 +153,8 @@ class _Run:
         else:
             kind, peer = FailureKind.ERROR, self.peer
         first = (str(err).splitlines() or [""])[0]
-        info = StepFailureInfo(self.phase, self.op, kind, peer, f"{type(err).__name__}: {first}".rstrip(": "), time.time())
+        trace = "".join(traceback.format_exception(err)[-TRACE_LINES:]) if kind is FailureKind.ERROR else ""
+        info = StepFailureInfo(self.phase, self.op, kind, peer, f"{type(err).__name__}: {first}".rstrip(": "), time.time(), trace)
         return StepReport(self.me, self.plan.step, timings=tuple(self.timings), failure=info, sent_bytes=self.links.sent_bytes())
 
 
