@@ -195,22 +195,24 @@ class StageWorker:
     def forward(
         self,
         mb: int,
-        x: np.ndarray,
+        x: np.ndarray | torch.Tensor,
         targets: np.ndarray | None = None,
         visit: int = 0,
         shadow_x: np.ndarray | None = None,
         shadow_targets: np.ndarray | None = None,
-    ) -> np.ndarray | float:
+    ) -> torch.Tensor | float:
         """Run the stage's parts of visit ``visit`` of microbatch ``mb``; keep what backward needs.
 
-        Returns the output activations (numpy), or after the LM head the microbatch loss. With a
+        ``x`` may be a tensor on this stage's device (a device transport hands those over) or
+        host memory. Returns the output activations (a detached tensor on this stage's device: the
+        transport decides whether they leave it), or after the LM head the microbatch loss. With a
         redundant copy of the successor, the copy runs too, on this stage's output (or on
         ``shadow_x``, the tokens, when the successor is stage 0; ``shadow_targets`` when it is the
         last stage)."""
         if self.injected_error is not None:
             raise InjectedFault(f"stage {self.stage} replica {self.replica}: {self.injected_error}")
         hop = self._hop(mb, visit)
-        inp = torch.from_numpy(np.asarray(x)).to(self.device)
+        inp = torch.as_tensor(x, device=self.device)
         if not hop.embed:
             inp.requires_grad_(True)
         out = self.module.run(inp, hop.embed, hop.layers, hop.head)
@@ -225,21 +227,21 @@ class StageWorker:
             self.outputs[(mb, visit)] = loss / self.micro_per_replica
             return float(loss.detach())
         self.outputs[(mb, visit)] = out
-        return out.detach().cpu().numpy()
+        return out.detach()
 
-    def backward(self, mb: int, grad: np.ndarray | None = None, visit: int = 0) -> np.ndarray | None:
-        """Backpropagate visit ``visit`` of microbatch ``mb``; return the gradient of its input
-        (None when the visit started from tokens)."""
+    def backward(self, mb: int, grad: np.ndarray | torch.Tensor | None = None, visit: int = 0) -> torch.Tensor | None:
+        """Backpropagate visit ``visit`` of microbatch ``mb``; return the gradient of its input, on
+        this stage's device (None when the visit started from tokens)."""
         out = self.outputs.pop((mb, visit))
         inp = self.inputs.pop((mb, visit))
         if grad is None:
             out.backward()
         else:
-            out.backward(torch.from_numpy(np.asarray(grad)).to(self.device))
+            out.backward(torch.as_tensor(grad, device=self.device))
         self.backwards_done += 1
         if self._hop(mb, visit).embed:
             return None
-        return inp.grad.cpu().numpy()
+        return inp.grad
 
     def shadow_backward(self, *grads: np.ndarray) -> None:
         """Backpropagate the redundant copy of the successor over every microbatch of the step

@@ -17,7 +17,7 @@ import os
 import signal
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class _Run:
         self.peer = None
         return out
 
-    def send(self, peer: ShardKey, kind: Msg, mb: int, hop: int, array: np.ndarray | None) -> None:
+    def send(self, peer: ShardKey, kind: Msg, mb: int, hop: int, array: Any) -> None:
         self.peer = peer
         self.links.send(peer, kind, mb, hop, array)
         self.peer = None

@@ -32,7 +32,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -82,7 +82,7 @@ class Transport(Protocol):
 
     def begin(self, step: int, deadline_s: float) -> None: ...
 
-    def send(self, peer: ShardKey, kind: Msg, mb: int, hop: int, array: np.ndarray | None) -> None: ...
+    def send(self, peer: ShardKey, kind: Msg, mb: int, hop: int, array: Any) -> None: ...  # numpy or a tensor; None: an empty message
 
     def recv(self, peer: ShardKey, kind: Msg, mb: int, hop: int) -> np.ndarray: ...
 
@@ -224,7 +224,11 @@ class SocketTransport:
         _close(self.listener)
 
     # ------------------------------------------------------------------ messages
-    def send(self, peer: ShardKey, kind: Msg, mb: int, hop: int, array: np.ndarray | None) -> None:
+    def send(self, peer: ShardKey, kind: Msg, mb: int, hop: int, array: Any) -> None:
+        """Queue ``array`` (numpy, or a tensor on any device: this transport copies it to host
+        memory, where a device transport would keep it) for ``peer``; returns at once."""
+        if hasattr(array, "detach"):
+            array = array.detach().cpu().numpy()
         link = self.out.get(peer)
         if link is None:
             raise ProtocolError(f"{self.me} has no link to {peer} (generation {self.generation})")
