@@ -27,7 +27,7 @@ from .conftest import REPO, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 STAGES = 2
-A_STEPS, B_STEPS = 400, 40  # A outlasts B (B is submitted once A trains; A does ~5-10 steps/s)
+A_STEPS, B_STEPS = 1500, 40  # A outlasts B (B is submitted once A trains; A does ~10-30 steps/s)
 RUN = [
     "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=2",
     f"parallel.stages={STAGES}", "parallel.microbatches=2", "parallel.cpus_per_actor=0.5",

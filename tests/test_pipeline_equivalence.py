@@ -197,7 +197,7 @@ def test_a_width_change_rebuilds_the_links_and_the_all_reduce_group(ray_local):
         tokens = rng.integers(0, 256, size=(8, cfg.model.seq_len + 1))
         result = ex2.finish(ex2.start(2, tokens[:, :-1].copy(), tokens[:, 1:].copy()))
         assert ex2.generation > ex.generation
-        assert sorted(result.reports) == [ShardKey(s, r) for r in range(2) for s in range(2)]
+        assert set(result.reports) == {ShardKey(s, r) for r in range(2) for s in range(2)}
         for s in range(2):
             p0, p1 = ray.get([kept[0][s].parameters.remote(), kept[1][s].parameters.remote()])
             for name in p0:
