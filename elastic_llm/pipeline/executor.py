@@ -20,8 +20,8 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from elastic_llm.pipeline.plan import FailureKind, Fault, StepPlan, StepReport, describe_failure
-from elastic_llm.pipeline.schedules import Op, Route, build_schedule, routes, submission_order
+from elastic_llm.pipeline.plan import FailureKind, Fault, StepPlan, StepReport, describe_failure, encode_ops
+from elastic_llm.pipeline.schedules import Route, build_schedule, routes, submission_order
 from elastic_llm.snapshot.records import ShardKey
 
 STEP_TIMEOUT_S = 900.0  # a step that takes longer is treated as a failure (a hung stage)
@@ -141,7 +141,7 @@ class RayStepExecutor:
         self.routes = routes(self.n_stages, n_micro, swapped)
         sched = build_schedule(schedule, self.n_stages, n_micro, swapped)
         submission_order(sched, self.routes)  # refuses a schedule that would deadlock
-        self.ops: list[tuple[Op, ...]] = [tuple(ops) for ops in sched]
+        self.ops = [encode_ops(ops) for ops in sched]  # one compact array per stage, reused by every plan
         self.generation = 0
         self.linked = False
         self.last: PendingStep | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -69,22 +69,28 @@ class Fault:
     action: FaultAction
 
 
+def encode_ops(ops: Sequence[Op]) -> np.ndarray:
+    """Ops as one int32 array of rows (kind: 0 forward / 1 backward, microbatch, visit): a plan
+    with 2 x 64 microbatches' ops pickles as one buffer, not 128 Python objects."""
+    return np.array([(0 if op.kind == "F" else 1, op.mb, op.visit) for op in ops], np.int32).reshape(-1, 3)
+
+
+def decode_ops(rows: np.ndarray) -> list[Op]:
+    return [Op("F" if k == 0 else "B", int(mb), int(v)) for k, mb, v in rows.tolist()]
+
+
 @dataclass(frozen=True)
 class StepPlan:
     step: int  # the step this call runs (the actor has completed step - 1)
     generation: int  # the link generation its peers were connected with
-    ops: tuple[Op, ...]  # this stage's forward/backward ops, in schedule order
+    ops: np.ndarray  # this stage's forward/backward ops in schedule order (encode_ops; .op_list() decodes)
     tokens: np.ndarray | None = None  # this replica's token batch (stage 0; the last stage's redundant copy of stage 0)
     targets: np.ndarray | None = None  # this replica's targets (the LM head; the redundant copy of the last stage)
     snapshot: dict[str, int] | None = None  # data position after the step: copy the updated state for a snapshot
     fault: Fault | None = None
 
-
-@dataclass(frozen=True)
-class OpTiming:
-    phase: Phase
-    op: str  # "F3", "B0.1", "allreduce", ...
-    seconds: float
+    def op_list(self) -> list[Op]:
+        return decode_ops(self.ops)
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,8 @@ class StepReport:
     grad_norm: float = float("nan")  # before clipping
     lr: float = float("nan")
     snapshot_wait_s: float = 0.0
-    timings: tuple[OpTiming, ...] = ()
+    op_seconds: np.ndarray = field(default_factory=lambda: np.zeros(0))  # seconds of each forward/backward op, in plan order (those that ran)
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # seconds per Phase value, all ops of a phase summed
     failure: StepFailureInfo | None = None
     sent_bytes: dict[str, int] = field(default_factory=dict)  # per message kind: bytes this actor sent to peers
     head_losses: dict[int, tuple[float, ...]] = field(default_factory=dict)  # the barrier's root: every replica's microbatch losses
@@ -116,7 +123,7 @@ class StepReport:
         return self.failure is None
 
     def seconds(self, phase: Phase) -> float:
-        return sum(t.seconds for t in self.timings if t.phase is phase)
+        return self.phase_seconds.get(phase.value, 0.0)
 
 
 def describe_failure(f: StepFailureInfo, key: Any) -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from elastic_llm.pipeline.collective import allreduce_mean
-from elastic_llm.pipeline.plan import FailureKind, Fault, FaultAction, InjectedFault, OpTiming, Phase, StepFailureInfo, StepPlan, StepReport
+from elastic_llm.pipeline.plan import FailureKind, Fault, FaultAction, InjectedFault, Phase, StepFailureInfo, StepPlan, StepReport
 from elastic_llm.pipeline.schedules import hop_index
 from elastic_llm.pipeline.transport import Aborted, DeadlineExceeded, Msg, PeerLost, Transport
 from elastic_llm.snapshot.records import ShardKey
@@ -39,7 +39,8 @@ class _Run:
     def __init__(self, worker: "StageWorker", plan: StepPlan, links: Transport) -> None:
         self.w, self.plan, self.links = worker, plan, links
         self.me = ShardKey(worker.stage, worker.replica)
-        self.timings: list[OpTiming] = []
+        self.op_seconds: list[float] = []  # forward/backward ops, in plan order
+        self.phase_seconds: dict[str, float] = {}
         self.phase: Phase | None = None
         self.op = "start"
         self.peer: ShardKey | None = None
@@ -54,7 +55,10 @@ class _Run:
 
     def _done(self, t0: float) -> None:
         assert self.phase is not None
-        self.timings.append(OpTiming(self.phase, self.op, time.perf_counter() - t0))
+        dt = time.perf_counter() - t0
+        if self.phase in (Phase.FORWARD, Phase.BACKWARD):
+            self.op_seconds.append(dt)
+        self.phase_seconds[self.phase.value] = self.phase_seconds.get(self.phase.value, 0.0) + dt
 
     def recv(self, peer: ShardKey, kind: Msg, mb: int, hop: int) -> np.ndarray:
         self.peer = peer
@@ -73,7 +77,7 @@ class _Run:
         xs = np.split(plan.tokens, m) if plan.tokens is not None else None
         ys = np.split(plan.targets, m) if plan.targets is not None else None
         losses: dict[int, float] = {}
-        for op in plan.ops:
+        for op in plan.op_list():
             t0 = self._enter(Phase.of(op), repr(op))
             route = w.routes[op.mb]
             h, last = hop_index(route, w.stage, op.visit), len(route) - 1
@@ -116,7 +120,8 @@ class _Run:
         stats = w.step(snapshot=plan.snapshot)
         self._done(t0)
         return StepReport(
-            self.me, plan.step, mine, stats.grad_norm, stats.lr, stats.snapshot_wait_s, tuple(self.timings), None, self.links.sent_bytes(), heads,
+            self.me, plan.step, mine, stats.grad_norm, stats.lr, stats.snapshot_wait_s, np.array(self.op_seconds), self.phase_seconds, None,
+            self.links.sent_bytes(), heads,
         )
 
     def _at(self, stage: int) -> ShardKey:
@@ -155,7 +160,9 @@ class _Run:
         first = (str(err).splitlines() or [""])[0]
         trace = "".join(traceback.format_exception(err)[-TRACE_LINES:]) if kind is FailureKind.ERROR else ""
         info = StepFailureInfo(self.phase, self.op, kind, peer, f"{type(err).__name__}: {first}".rstrip(": "), time.time(), trace)
-        return StepReport(self.me, self.plan.step, timings=tuple(self.timings), failure=info, sent_bytes=self.links.sent_bytes())
+        return StepReport(
+            self.me, self.plan.step, op_seconds=np.array(self.op_seconds), phase_seconds=self.phase_seconds, failure=info, sent_bytes=self.links.sent_bytes()
+        )
 
 
 def execute(worker: "StageWorker", plan: StepPlan, links: Transport) -> StepReport:
