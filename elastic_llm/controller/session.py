@@ -120,7 +120,6 @@ def check_placement(cfg: RunConfig, resources: dict[str, float], nodes: list[dic
 
 
 FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000}
-NODE_STORE_BYTES = 1 << 30  # object store of a loopback node: Cluster.add_node's default 150 MiB makes every-step snapshots spill to disk
 
 
 def loopback_cluster(workers: int, cpus_per_node: float) -> Any:
@@ -134,7 +133,7 @@ def loopback_cluster(workers: int, cpus_per_node: float) -> Any:
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_HEALTH})
     for _ in range(workers):
-        c.add_node(num_cpus=cpus_per_node, object_store_memory=NODE_STORE_BYTES)
+        c.add_node(num_cpus=cpus_per_node)
     c.wait_for_nodes()
     ray.init(address=c.address, namespace=NAMESPACE, logging_level="WARNING")
     return c

@@ -75,9 +75,7 @@ class Replay:
         self.cluster.wait_for_nodes()
 
     def _add(self, label: str) -> None:
-        from elastic_llm.controller.session import NODE_STORE_BYTES
-
-        self.nodes[label] = self.cluster.add_node(num_cpus=self.options.cpus_per_node, object_store_memory=NODE_STORE_BYTES)
+        self.nodes[label] = self.cluster.add_node(num_cpus=self.options.cpus_per_node)
 
     def _act(self, action: ReplayAction) -> None:
         from elastic_llm.controller.drains import request_drain
