@@ -91,7 +91,7 @@ class Chaos:
     def _point(self, ev: ChaosEvent) -> str:
         if ev.during == "recovery":
             return "recovery"
-        return "before_step" if ev.kill == "error" else "in_step"
+        return "before_step" if ev.kill in ("error", "standby") else "in_step"
 
     def due(self, point: str, step: int) -> list[ChaosEvent]:
         """The events due at ``point`` of ``step`` (``in_step`` includes the rate's failures);
@@ -137,6 +137,10 @@ class Chaos:
                 ray.kill(smp, no_restart=True)
         elif ev.kill == "node":
             self._remove_node(self._node(ev, t))
+        elif ev.kill == "standby":  # every warm standby of the stage's node (idle, or named by a recovery plan)
+            pool = t.group.pool
+            for pid in pool.pids(self._node(ev, t)) if pool is not None else []:
+                os.kill(pid, signal.SIGKILL)
 
     def _remove_node(self, node_id: str) -> None:
         import ray

@@ -31,6 +31,9 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RECOVERY_MODES = ("lossless", "checkfree", "checkfree_plus", "checkpoint", "redundant")
 
 
+MAX_STANDBY = 8  # recovery.standby: most warm standby processes per node
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and how to fix it."""
 
@@ -122,6 +125,8 @@ class RecoveryConfig:
     mode: str = "lossless"  # one of RECOVERY_MODES; only lossless takes snapshots
     checkpoint_every: int = 100  # mode checkpoint: a checkpoint every this many steps
     checkpoint_dir: str | None = None  # mode checkpoint: where (None: a fresh temporary directory per run)
+    standby: int | str = 1  # warm standby stage processes per node (0: none; auto: from the observed failure rate)
+    standby_gpus: bool = False  # GPU runs: standbys hold a device each (adoptable on any node), else they take the dead actor's device
 
 
 @dataclass
@@ -155,7 +160,7 @@ class ElasticConfig:
         return lo, hi
 
 
-CHAOS_KINDS = ("stage", "node", "smp", "error")
+CHAOS_KINDS = ("stage", "node", "smp", "error", "standby")
 CHAOS_HOW = ("ray_kill", "sigkill")
 CHAOS_DURING = ("step", "recovery")
 CHAOS_OPS = ("forward", "backward", "allreduce", "update")
@@ -340,8 +345,10 @@ def _validate(c: RunConfig) -> list[str]:
         one_of(f"{where}.op", ev.op, CHAOS_OPS)
         if ev.op == "allreduce" and par.dp < 2:
             p.append(f"{where}.op=allreduce needs parallel.dp >= 2 (one replica has no gradient all-reduce): use forward, backward or update")
-        if ev.during == "recovery" and ev.kill not in ("stage", "node"):
-            p.append(f"{where}: during: recovery goes with kill: stage or kill: node, not kill: {ev.kill}")
+        if ev.during == "recovery" and ev.kill not in ("stage", "node", "standby"):
+            p.append(f"{where}: during: recovery goes with kill: stage, node or standby, not kill: {ev.kill}")
+        if ev.kill == "standby" and c.recovery.standby == 0:
+            p.append(f"{where}: kill: standby needs warm standbys: set recovery.standby >= 1 or auto")
         if ev.step < 1:
             p.append(f"{where}.step={ev.step} must be >= 1")
         if not (0 <= ev.stage < par.stages and 0 <= ev.replica < par.dp):
@@ -380,6 +387,9 @@ def _validate_durable(c: RunConfig) -> list[str]:
 
 def _validate_recovery_mode(c: RunConfig) -> list[str]:
     p: list[str] = []
+    sb = c.recovery.standby
+    if sb != "auto" and (isinstance(sb, str) or isinstance(sb, bool) or not 0 <= sb <= MAX_STANDBY):
+        p.append(f"recovery.standby={sb!r} must be an integer from 0 (no warm standbys) to {MAX_STANDBY} per node, or auto")
     rc, cf, ch, n = c.recovery, c.checkfree, c.chaos, c.parallel.stages
     if rc.mode not in RECOVERY_MODES:
         return [f"recovery.mode={rc.mode!r} is unknown: use one of {', '.join(RECOVERY_MODES)}"]

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_llm.config import RunConfig
+from elastic_llm.controller.standby import StandbyPool
 from elastic_llm.controller.states import Capacity
 from elastic_llm.snapshot.coordinator import StageMember
 from elastic_llm.snapshot.records import ShardKey
+from elastic_llm.spans import Spans
 
 PLACE_S = 5.0  # how long a placement may stay pending before the run waits for capacity instead
 START_S = 300.0  # longest an actor may take to start once placed (imports torch, builds the model)
@@ -29,14 +31,36 @@ COPY_S = 600.0  # longest a state copy from one actor to another may take
 WIDTH_S = 60.0  # longest the actors may take to learn a new width
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Spare:
-    """A replica started in the background: its placement group, actors and their ``info`` calls."""
+    """A replica started in the background: its placement group and, once that is placed, its
+    actors (warm standbys adopted on the bundles' nodes, or new processes) and the calls that
+    answer when they have started."""
 
     pg: Any
-    actors: tuple[Any, ...]
-    infos: tuple[Any, ...]
     started: float  # time.monotonic()
+    actors: tuple[Any, ...] = ()
+    infos: tuple[Any, ...] = ()
+    adopted: int = 0  # how many of its actors are adopted standbys
+
+
+@dataclass(eq=False)
+class StageSpare:
+    """One stage actor started in the background to take over ``key`` (a per-stage drain move):
+    a one-bundle placement group and, once placed, its actor and the call that answers once it
+    has started."""
+
+    key: ShardKey
+    pg: Any
+    started: float
+    actor: Any = None
+    info: Any = None
+    adopted: bool = False
+
+
+class PlanNotFollowed(RuntimeError):
+    """The executor could not carry out what the plan said (e.g. the standby it names is gone):
+    nothing was decided instead; the controller observes again and re-plans."""
 
 
 class CapacityUnavailable(RuntimeError):
@@ -52,18 +76,23 @@ def _fmt(bundle: dict[str, float]) -> str:
 
 
 class ActorGroup:
-    def __init__(self, cfg: RunConfig, run_id: str) -> None:
+    def __init__(self, cfg: RunConfig, run_id: str, pool: StandbyPool | None = None) -> None:
         self.cfg = cfg
         self.run_id = run_id
+        self.pool = pool  # warm standbys: replacements adopt one where the plan says so
+        self.spans = Spans()  # "actor" (start or adopt replacements), "state" (copies between actors)
         self.stages = cfg.parallel.stages
         self.pgs: list[Any] = []  # one placement group per replica (bundle i: stage i)
         self.actors: list[list[Any]] = []  # [replica][stage]; the width is len(actors) once spawned
         self.nodes: dict[ShardKey, str] = {}
         self.pids: dict[ShardKey, int] = {}
+        self.gpus: dict[ShardKey, tuple[int, ...]] = {}  # devices of each actor (GPU runs): a standby adopted in its place takes them
         self.ready: set[ShardKey] = set()  # actors that answered since they were spawned
         self.generation = 0
         self.width = cfg.parallel.dp
         self.spares: list[Spare] = []  # replicas started in the background, not yet in the width
+        self.stage_spares: dict[ShardKey, StageSpare] = {}  # single stages started in the background (drain moves)
+        self.patches: dict[ShardKey, Any] = {}  # actors moved alone: their one-bundle placement group (their reservation)
         self._cls: Any = None
 
     @property
@@ -87,27 +116,80 @@ class ActorGroup:
 
         return placement_group([dict(self.bundle) for _ in range(self.stages)], strategy=self.cfg.parallel.placement_strategy)
 
-    def place(self, wait_s: float = PLACE_S) -> None:
+    def place(self, wait_s: float = PLACE_S, at_once: bool = False) -> None:
         """Create the replicas' placement groups (once) and make sure all their bundles are
-        placed; raises :class:`CapacityUnavailable` if they are not within ``wait_s``. Ray
+        placed; raises :class:`CapacityUnavailable` when they are not within ``wait_s``, or
+        (``at_once``, in a recovery) at once when the cluster has no room for the pending ones. Ray
         re-places the bundles of a lost node by itself once capacity appears."""
         while len(self.pgs) < self.width:
             self.pgs.append(self._new_pg())
-        if self.unplaced_replicas(range(self.width), wait_s):
+        pending = self.unplaceable(range(self.width), wait_s=wait_s) if at_once else self.unplaced_replicas(range(self.width), wait_s)
+        if pending:
             raise CapacityUnavailable(self.capacity())
 
     def unplaced_replicas(self, replicas: Any, wait_s: float) -> set[int]:
-        """Those of ``replicas`` whose placement group is still not fully placed after up to
+        """Those of ``replicas`` with a reservation (a stage's bundle) still not placed after up to
         ``wait_s`` seconds (one deadline for all)."""
-        from ray.util.placement_group import placement_group_table
-
         deadline = time.monotonic() + wait_s
         pending = set(replicas)
         while True:
-            pending = {r for r in pending if placement_group_table(self.pgs[r]).get("state") != "CREATED"}
+            pending = {r for r in pending if any(n is None for n in self.bundle_nodes([ShardKey(s, r) for s in range(self.stages)]).values())}
             if not pending or time.monotonic() >= deadline:
                 return pending
-            time.sleep(0.2)
+            time.sleep(0.1)
+
+    def reservation(self, key: ShardKey) -> tuple[Any, int]:
+        """(placement group, bundle index) that reserves ``key``'s resources."""
+        if key in self.patches:
+            return self.patches[key], 0
+        return self.pgs[key.replica], key.stage
+
+    def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]:
+        """Where the bundle (the reservation) of each of ``keys`` is placed now (None: not
+        placed). No waiting."""
+        from ray.util.placement_group import placement_group_table
+
+        tables: dict[Any, dict[int, str]] = {}
+        out: dict[ShardKey, str | None] = {}
+        for k in keys:
+            if k.replica >= len(self.pgs):
+                out[k] = None
+                continue
+            pg, i = self.reservation(k)
+            if pg.id not in tables:
+                tables[pg.id] = placement_group_table(pg).get("bundles_to_node_id", {})
+            out[k] = tables[pg.id].get(i) or None
+        return out
+
+    def free_slots(self, avoid: set[str] | frozenset[str] = frozenset()) -> int:
+        """How many more bundles like a stage actor's the live nodes not in ``avoid`` have free
+        room for now, by Ray's view of available resources (no waiting, no reservation)."""
+        import ray
+
+        fit = 0
+        for node, free in ray._private.state.state.available_resources_per_node().items():
+            if node in avoid:
+                continue
+            n = int(free.get("CPU", 0.0) // self.bundle["CPU"] + 1e-9)
+            if "GPU" in self.bundle:
+                n = min(n, int(free.get("GPU", 0.0) // self.bundle["GPU"] + 1e-9))
+            fit += n
+        return fit
+
+    def unplaceable(self, replicas: Any, avoid: set[str] | frozenset[str] = frozenset(), wait_s: float = PLACE_S) -> set[int]:
+        """Those of ``replicas`` whose lost bundles cannot be placed, decided from Ray's view at
+        once: bundles still pending when the free room of the live nodes (not in ``avoid``) cannot
+        hold them are unplaceable now; when the room is there, Ray is placing them and they get up
+        to ``wait_s`` (a strict placement strategy may still refuse)."""
+        from ray.util.placement_group import placement_group_table
+
+        pending = self.unplaced_replicas(replicas, 0)
+        if not pending:
+            return set()
+        missing = sum(1 for n in self.bundle_nodes([ShardKey(s, r) for r in pending for s in range(self.stages)]).values() if n is None)
+        if self.free_slots(avoid) < missing:
+            return pending
+        return self.unplaced_replicas(pending, wait_s)
 
     def placed(self) -> bool:
         """Whether every bundle is placed now (no waiting)."""
@@ -117,37 +199,26 @@ class ActorGroup:
         """What is missing: bundles not placed (all of them before the first placement; or a
         whole ``replicas`` more, when asked about growing) and what the cluster has free."""
         import ray
-        from ray.util.placement_group import placement_group_table
 
         if replicas is not None:
             missing = replicas * self.stages
         else:
             missing = (self.width - len(self.pgs)) * self.stages
-            for pg in self.pgs[: self.width]:
-                placed = placement_group_table(pg).get("bundles_to_node_id", {})
-                missing += sum(1 for i in range(self.stages) if not placed.get(i))
+            missing += sum(1 for n in self.bundle_nodes([k for k in self.keys() if k.replica < len(self.pgs)]).values() if n is None)
         free = ray.available_resources()
         nodes = sum(1 for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0)
         have = f"{free.get('CPU', 0.0):g} CPUs free on {nodes} node{'s' if nodes != 1 else ''}"
         if "GPU" in self.bundle:
             have += f", {free.get('GPU', 0.0):g} GPUs free"
+        if self.pool is not None and self.pool.enabled:
+            ready, starting = self.pool.count()
+            have += f", {ready} warm standby process{'es' if ready != 1 else ''}" + (f" ({starting} starting)" if starting else "")
         return Capacity(f"{missing} x {_fmt(self.bundle)}", have)
 
     def room_for_replica(self, avoid: set[str] | frozenset[str] = frozenset()) -> bool:
         """Whether the free resources of the live nodes not in ``avoid`` (draining ones) look
         like they fit one more replica (a cheap look, no reservation; the placement decides)."""
-        import ray
-
-        per_node = ray._private.state.state.available_resources_per_node()
-        fit = 0
-        for node, free in per_node.items():
-            if node in avoid:
-                continue
-            n = int(free.get("CPU", 0.0) // self.bundle["CPU"] + 1e-9)
-            if "GPU" in self.bundle:
-                n = min(n, int(free.get("GPU", 0.0) // self.bundle["GPU"] + 1e-9))
-            fit += n
-        return fit >= self.stages
+        return self.free_slots(avoid) >= self.stages
 
     # ------------------------------------------------------------------ actors
     def spawn_all(self) -> None:
@@ -157,17 +228,41 @@ class ActorGroup:
     def actor(self, key: ShardKey) -> Any:
         return self.actors[key.replica][key.stage]
 
-    def replace(self, keys: list[ShardKey]) -> None:
-        """Kill whatever runs as ``keys`` and start fresh actors on their bundles; returns once
-        they answer (raises :class:`CapacityUnavailable` if their bundles cannot be placed)."""
+    def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None) -> None:
+        """Kill whatever runs as ``keys`` and put fresh actors on their bundles: for a key in
+        ``adopt``, the warm standby of that node becomes it (no process start), for the others a
+        new actor process starts in the bundle. Returns once they answer (raises
+        :class:`CapacityUnavailable` if their bundles cannot be placed, :class:`PlanNotFollowed`
+        if a named node has no standby left)."""
+        with self.spans.span("actor"):
+            self._replace(keys, adopt or {})
+
+    def _replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str]) -> None:
         self.generation += 1
+        calls: dict[ShardKey, Any] = {}
         for key in keys:
             self.kill(key)
-            self.actors[key.replica][key.stage] = self._spawn(key, self.pgs[key.replica])
-        self.describe(keys)
+            node = adopt.get(key)
+            if node is None:
+                self.actors[key.replica][key.stage] = self._spawn(key, *self.reservation(key))
+                continue
+            sb = self.pool.take(node) if self.pool is not None else None
+            if sb is None:
+                raise PlanNotFollowed(f"the plan has stage {key.stage} replica {key.replica} adopt a warm standby on node {node[:12]}, but none is left there")
+            self.actors[key.replica][key.stage] = sb.actor
+            calls[key] = sb.actor.adopt.remote(key.stage, key.replica, self.width, self._devices_for(key))
+        self.describe(keys, calls)
 
-    def _spawn(self, key: ShardKey, pg: Any) -> Any:
-        """Start the actor of ``key`` on bundle ``key.stage`` of ``pg`` (returns at once)."""
+    def _devices_for(self, key: ShardKey) -> tuple[int, ...] | None:
+        """The GPU ids a standby adopted as ``key`` takes: the dead actor's (GPU runs whose
+        standbys hold no device of their own), else None."""
+        if not self.cfg.parallel.gpus_per_actor or self.cfg.recovery.standby_gpus:
+            return None
+        return self.gpus.get(key) or None
+
+    def _spawn(self, key: ShardKey, pg: Any, bundle: int | None = None) -> Any:
+        """Start the actor of ``key`` on bundle ``bundle`` (default ``key.stage``) of ``pg``
+        (returns at once)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -183,14 +278,16 @@ class ActorGroup:
             num_cpus=par.cpus_per_actor,
             num_gpus=par.gpus_per_actor,
             max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=key.stage),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=key.stage if bundle is None else bundle),
         ).remote(self.cfg.to_dict(), key.stage, key.replica, self.width, self.run_id)
 
-    def describe(self, keys: list[ShardKey]) -> list[Any]:
-        """Wait (with deadlines) until ``keys`` answer; record their nodes and pids."""
+    def describe(self, keys: list[ShardKey], calls: dict[ShardKey, Any] | None = None) -> list[Any]:
+        """Wait (with deadlines) until ``keys`` answer (their ``info``, or the given ``calls``
+        returning it, e.g. an adoption); record their nodes, pids and devices."""
         import ray
 
-        refs = {self.actor(k).info.remote(): k for k in keys}
+        calls = calls or {}
+        refs = {(calls[k] if k in calls else self.actor(k).info.remote()): k for k in keys}
         pending = list(refs)
         replicas = {k.replica for k in keys}
         start = time.monotonic()
@@ -212,6 +309,7 @@ class ActorGroup:
         for info, key in zip(infos, refs.values()):
             self.nodes[key] = info.node_id
             self.pids[key] = info.pid
+            self.gpus[key] = info.gpu_ids
             self.ready.add(key)
         return infos
 
@@ -249,11 +347,12 @@ class ActorGroup:
         live actor holding the state wanted). Object refs only: the bytes go actor to actor."""
         import ray
 
-        loads = []
-        for src, dst in pairs:
-            buf, manifest = self.actor(src).capture_state.options(num_returns=2).remote()
-            loads.append(self.actor(dst).load_state.remote(buf, manifest))
-        ray.get(loads, timeout=COPY_S)
+        with self.spans.span("state"):
+            loads = []
+            for src, dst in pairs:
+                buf, manifest = self.actor(src).capture_state.options(num_returns=2).remote()
+                loads.append(self.actor(dst).load_state.remote(buf, manifest))
+            ray.get(loads, timeout=COPY_S)
 
     def replicas_on(self, nodes: set[str] | frozenset[str]) -> list[int]:
         """Replicas with at least one actor on ``nodes``."""
@@ -270,10 +369,11 @@ class ActorGroup:
         for r in sorted(gone, reverse=True):
             for s in range(self.stages):
                 self.kill(ShardKey(s, r))
-            try:
-                remove_placement_group(self.pgs[r])
-            except Exception:
-                pass
+            for pg in [self.pgs[r], *(self.patches.pop(ShardKey(s, r)) for s in range(self.stages) if ShardKey(s, r) in self.patches)]:
+                try:
+                    remove_placement_group(pg)
+                except Exception:
+                    pass
             self._forget(r)
         return {old: new for new, old in enumerate(r for r in range(self.width + len(gone)) if r not in gone)}
 
@@ -282,27 +382,61 @@ class ActorGroup:
         del self.pgs[r]
         del self.actors[r]
         self.width -= 1
-        for table in (self.nodes, self.pids):
+        for table in (self.nodes, self.pids, self.gpus, self.patches):
             moved = {(ShardKey(k.stage, k.replica - 1) if k.replica > r else k): v for k, v in table.items() if k.replica != r}
             table.clear()
             table.update(moved)
         self.ready = {ShardKey(k.stage, k.replica - 1) if k.replica > r else k for k in self.ready if k.replica != r}
 
-    # ------------------------------------------------------------------ spare replicas
+    # ------------------------------------------------------------------ spare replicas and stages
     def start_spare(self) -> Spare:
-        """Place one more replica and start its actors in the background (nothing waits): the
-        run trains on while the processes start. Not part of the width until :meth:`adopt`."""
-        self.generation += 1
-        pg = self._new_pg()
-        actors = [self._spawn(ShardKey(s, self.width), pg) for s in range(self.stages)]
-        spare = Spare(pg, tuple(actors), tuple(a.info.remote() for a in actors), time.monotonic())
+        """Place one more replica in the background (nothing waits); :meth:`spare_ready` gives it
+        its actors once the placement group is placed. Not part of the width until :meth:`adopt`."""
+        spare = Spare(self._new_pg(), time.monotonic())
         self.spares.append(spare)
         return spare
 
+    def _fill(self, pg: Any, keys: list[ShardKey], bundles: list[int], width: int) -> list[tuple[Any, Any, bool]]:
+        """Actors for ``keys`` on the placed ``bundles`` of ``pg``: a warm standby of the bundle's
+        node where one is ready (adopted: it builds the stage), else a new process in the bundle.
+        Returns (actor, call answering its info, adopted) per key."""
+        from ray.util.placement_group import placement_group_table
+
+        where = placement_group_table(pg).get("bundles_to_node_id", {})
+        out = []
+        for key, b in zip(keys, bundles):
+            sb = self.pool.take(where[b]) if self.pool is not None and self._standby_fits() else None
+            if sb is not None:
+                out.append((sb.actor, sb.actor.adopt.remote(key.stage, key.replica, width, None), True))
+            else:
+                self.generation += 1
+                actor = self._spawn(key, pg, b)
+                out.append((actor, actor.info.remote(), False))
+        return out
+
+    def _standby_fits(self) -> bool:
+        """A standby can take a new bundle's place: CPU runs, or standbys holding a GPU of their own
+        (a new GPU bundle has no dead actor's device to hand over)."""
+        return not self.cfg.parallel.gpus_per_actor or self.cfg.recovery.standby_gpus
+
+    def _placed_now(self, pg: Any, bundles: int) -> bool:
+        from ray.util.placement_group import placement_group_table
+
+        where = placement_group_table(pg).get("bundles_to_node_id", {})
+        return all(where.get(i) for i in range(bundles))
+
     def spare_ready(self, spare: Spare) -> bool:
-        """Whether every actor of ``spare`` has started (no waiting)."""
+        """Whether every actor of ``spare`` has started (no waiting; gives it its actors once its
+        placement group is placed)."""
         import ray
 
+        if not spare.actors:
+            if not self._placed_now(spare.pg, self.stages):
+                return False
+            made = self._fill(spare.pg, [ShardKey(s, self.width) for s in range(self.stages)], list(range(self.stages)), self.width + 1)
+            spare.actors = tuple(a for a, _, _ in made)
+            spare.infos = tuple(i for _, i, _ in made)
+            spare.adopted = sum(1 for _, _, ad in made if ad)
         done, _ = ray.wait(list(spare.infos), num_returns=len(spare.infos), timeout=0)
         return len(done) == len(spare.infos)
 
@@ -324,24 +458,83 @@ class ActorGroup:
         self.width += 1
         for s, info in enumerate(ray.get(list(spare.infos), timeout=START_S)):
             self.nodes[ShardKey(s, r)], self.pids[ShardKey(s, r)] = info.node_id, info.pid
+            self.gpus[ShardKey(s, r)] = info.gpu_ids
             self.ready.add(ShardKey(s, r))
         return r
 
     def cancel(self, spare: Spare) -> None:
         """Stop a spare's actors and release its placement group."""
-        import ray
-
         if spare in self.spares:
             self.spares.remove(spare)
-        for a in spare.actors:
+        self._release(spare.actors, spare.pg)
+
+    def _release(self, actors: Any, pg: Any) -> None:
+        import ray
+
+        for a in actors:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
         try:
-            ray.util.remove_placement_group(spare.pg)
+            ray.util.remove_placement_group(pg)
         except Exception:
             pass
+
+    def start_stage_spare(self, key: ShardKey) -> StageSpare:
+        """Reserve room for one more actor of ``key`` elsewhere (a one-bundle placement group;
+        Ray places no new bundle on a draining node) and start it in the background."""
+        from ray.util.placement_group import placement_group
+
+        pg = placement_group([dict(self.bundle)], strategy="PACK")
+        spare = StageSpare(key, pg, time.monotonic())
+        self.stage_spares[key] = spare
+        return spare
+
+    def stage_spare_ready(self, spare: StageSpare) -> bool:
+        """Whether the actor of ``spare`` has started (no waiting; gives it its actor once placed)."""
+        import ray
+
+        if spare.actor is None:
+            if not self._placed_now(spare.pg, 1):
+                return False
+            (actor, info, adopted), = self._fill(spare.pg, [spare.key], [0], self.width)
+            spare.actor, spare.info, spare.adopted = actor, info, adopted
+        done, _ = ray.wait([spare.info], timeout=0)
+        return bool(done)
+
+    def spare_nodes_of(self, spare: StageSpare) -> set[str]:
+        """The node the bundle of a stage spare is placed on (empty while unplaced)."""
+        from ray.util.placement_group import placement_group_table
+
+        return {n for n in placement_group_table(spare.pg).get("bundles_to_node_id", {}).values() if n}
+
+    def cancel_stage_spare(self, spare: StageSpare) -> None:
+        if self.stage_spares.get(spare.key) is spare:
+            del self.stage_spares[spare.key]
+        self._release([spare.actor] if spare.actor is not None else [], spare.pg)
+
+    def swap_in(self, spare: StageSpare) -> None:
+        """The started ``spare`` takes over its key: it gets the old actor's whole state (actor to
+        actor: the old one still lives), becomes the key's actor with its one-bundle placement
+        group as the reservation, and the old actor goes. The caller builds new links."""
+        import ray
+
+        key = spare.key
+        old = self.actor(key)
+        info = ray.get(spare.info, timeout=START_S)
+        with self.spans.span("state"):
+            buf, manifest = old.capture_state.options(num_returns=2).remote()
+            ray.get(spare.actor.load_state.remote(buf, manifest), timeout=COPY_S)
+        del self.stage_spares[key]
+        previous = self.patches.get(key)
+        self.kill(key)
+        self.actors[key.replica][key.stage] = spare.actor
+        self.patches[key] = spare.pg
+        self.nodes[key], self.pids[key], self.gpus[key] = info.node_id, info.pid, info.gpu_ids
+        self.ready.add(key)
+        if previous is not None:  # moved before: its earlier one-bundle group is free now
+            self._release([], previous)
 
     def set_width(self) -> None:
         """Tell every actor its replica index and the width (after adding or dropping replicas)."""
@@ -355,11 +548,15 @@ class ActorGroup:
 
         for spare in list(self.spares):
             self.cancel(spare)
+        if self.pool is not None:
+            self.pool.shutdown()
+        for spare in list(self.stage_spares.values()):
+            self.cancel_stage_spare(spare)
         for key in self.keys() if self.actors else []:
             self.kill(key)
-        for pg in self.pgs:
+        for pg in [*self.pgs, *self.patches.values()]:
             try:
                 ray.util.remove_placement_group(pg)
             except Exception:
                 pass
-        self.actors, self.pgs = [], []
+        self.actors, self.pgs, self.patches = [], [], {}

@@ -16,12 +16,13 @@ Never decides *whether* to resize or move (the controller's pure transitions do,
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from elastic_llm.config import RunConfig
-from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable, Spare
+from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable, Spare, StageSpare
 from elastic_llm.controller.drains import Drain, draining_nodes
 from elastic_llm.controller.session import log
 from elastic_llm.snapshot.records import ShardKey
@@ -43,7 +44,8 @@ class ResizeOutcome:
 @dataclass(frozen=True)
 class Evacuation:
     """What a drain did: stage actors moved off the draining nodes, replicas dropped instead
-    (no room elsewhere), replicas left in place (no room and nothing to shrink to)."""
+    (no room elsewhere), replicas left in place (no room and nothing to shrink to), and how the
+    moves went (``stages``: just the affected actors, ``replica``: whole replicas, ``none``)."""
 
     moved: int
     dropped: int
@@ -51,6 +53,39 @@ class Evacuation:
     from_dp: int
     to_dp: int
     seconds: float
+    how: str = "none"
+
+
+class Move(enum.Enum):
+    """How one replica with actors on draining nodes leaves them."""
+
+    STAGES = "stages"  # only its actors on the draining nodes move, each to a new bundle elsewhere
+    REPLICA = "replica"  # the whole replica moves onto a spare replica
+    DROP = "drop"  # no room: the replica goes (the run narrows)
+    STAY = "stay"  # no room and nothing to narrow to: it stays and is recovered when its node goes
+
+
+def drain_moves(on_drain: dict[int, int], stages: int, free_slots: int, spare_ready: bool, width: int, min_width: int) -> dict[int, Move]:
+    """For each affected replica (``on_drain``: replica -> its actors on draining nodes), how it
+    leaves: a started spare replica takes the first one whole (no process to start); otherwise
+    moving just the affected actors is cheaper than a whole replica when they are fewer than its
+    stages and the live nodes have room for them; a whole replica when there is room for one; else
+    drop it if the width allows (:func:`shrink_instead`), else stay. Pure."""
+    out: dict[int, Move] = {}
+    free, w = free_slots, width
+    for r in sorted(on_drain):
+        k = on_drain[r]
+        if spare_ready:
+            out[r], spare_ready = Move.REPLICA, False
+        elif k < stages and free >= k:
+            out[r], free = Move.STAGES, free - k
+        elif free >= stages:
+            out[r], free = Move.REPLICA, free - stages
+        elif shrink_instead(w, min_width):
+            out[r], w = Move.DROP, w - 1
+        else:
+            out[r] = Move.STAY
+    return out
 
 
 def shrink_instead(width: int, min_width: int) -> bool:
@@ -92,16 +127,29 @@ class ElasticExecutor:
         for spare in list(g.spares):
             if g.spare_nodes(spare) & set(draining) or (now - spare.started > SPARE_START_S and not g.spare_ready(spare)):
                 g.cancel(spare)
+        for key, sp in list(g.stage_spares.items()):  # their drain went, or their room did
+            if g.spare_nodes_of(sp) & set(draining) or g.nodes.get(key) not in draining or (now - sp.started > SPARE_START_S and not g.stage_spare_ready(sp)):
+                g.cancel_stage_spare(sp)
         hosting = set(g.nodes.values())
         drains = tuple(d for n, d in sorted(draining.items()) if n in hosting and n not in seen)
         if drains:
-            needed = len(g.replicas_on({d.node_id for d in drains}))
-            if len(g.spares) < needed and g.room_for_replica(avoid=frozenset(draining)):
-                g.start_spare()
-                log(f"nodes {[d.node_id[:12] for d in drains]} are draining: starting a spare replica to move to")
-            ready = sum(1 for sp in g.spares if g.spare_ready(sp))
+            nodes = {d.node_id for d in drains}
+            keys = [k for k in g.keys() if g.nodes.get(k) in nodes]
+            on_drain = {r: sum(1 for k in keys if k.replica == r) for r in {k.replica for k in keys}}
+            if not g.stage_spares and not any(g.spare_ready(sp) for sp in g.spares):
+                free = g.free_slots(avoid=frozenset(draining))
+                moves = drain_moves(on_drain, g.stages, free, False, g.width, self.min_width)
+                for k in keys:
+                    if moves[k.replica] is Move.STAGES:
+                        g.start_stage_spare(k)
+                if any(m is Move.REPLICA for m in moves.values()) and not g.spares:
+                    g.start_spare()
+                log(f"nodes {[n[:12] for n in sorted(nodes)]} are draining: {', '.join(f'replica {r}: {m.value}' for r, m in sorted(moves.items()))}")
+            wanted = [sp for k, sp in g.stage_spares.items() if k in keys]
+            ready = sum(1 for sp in wanted if g.stage_spare_ready(sp)) + sum(1 for sp in g.spares if g.spare_ready(sp))
+            needed = len(wanted) + (1 if g.spares else 0)
             lefts = [x for x in (d.seconds_left(time.time()) for d in drains) if x is not None]
-            if drain_due(ready, needed, bool(g.spares), min(lefts) if lefts else None, DRAIN_MARGIN_S):
+            if drain_due(ready, needed, needed > 0, min(lefts) if lefts else None, DRAIN_MARGIN_S):
                 return drains, None
             return (), None
         if g.width >= el.bounds(self.cfg.parallel.dp)[1]:
@@ -154,27 +202,56 @@ class ElasticExecutor:
         return r
 
     def evacuate(self, nodes: frozenset[str], deadline: float | None = None) -> Evacuation:
-        """Move every replica with a stage on ``nodes`` onto a started spare (highest index
-        first, so the indices still to handle do not shift), or drop it when there is none.
-        Spares still starting are waited for until ``MOVE_S`` before ``deadline`` (``time.time()``)."""
+        """Move every replica with a stage on ``nodes`` off them (highest index first, so the
+        indices still to handle do not shift): just its affected actors onto their started stage
+        spares (state from the actors themselves, alive until their node goes), or whole onto a
+        started spare replica, or drop it when neither is there. Spares still starting are waited
+        for until ``MOVE_S`` before ``deadline`` (``time.time()``)."""
         t0 = time.perf_counter()
-        width = self.group.width
-        affected = self.group.replicas_on(nodes)
+        g = self.group
+        width = g.width
+        affected = g.replicas_on(nodes)
         if affected:
             self._settle_snapshots()
         moved = dropped = stayed = 0
+        hows: set[str] = set()
         for r in sorted(affected, reverse=True):
-            peers = [p for p in range(self.group.width) if p not in affected]
+            keys = [k for k in g.keys() if k.replica == r and g.nodes.get(k) in nodes]
+            spares = self._ready_stage_spares(keys, None if deadline is None else deadline - MOVE_S)
+            if spares is not None:
+                for sp in spares:
+                    g.swap_in(sp)
+                moved += len(spares)
+                hows.add(Move.STAGES.value)
+                continue
+            peers = [p for p in range(g.width) if p not in affected]
             spare = self._ready_spare(None if deadline is None else deadline - MOVE_S)
             if spare is not None:
                 self._join(spare, peers[0] if peers else r)
-                self.group.drop_replicas([r])
-                self.group.set_width()
-                moved += self.group.stages
-            elif shrink_instead(self.group.width, self.min_width):
-                self.group.drop_replicas([r])
-                self.group.set_width()
+                g.drop_replicas([r])
+                g.set_width()
+                moved += g.stages
+                hows.add(Move.REPLICA.value)
+            elif shrink_instead(g.width, self.min_width):
+                g.drop_replicas([r])
+                g.set_width()
                 dropped += 1
             else:
                 stayed += 1
-        return Evacuation(moved, dropped, stayed, width, self.group.width, time.perf_counter() - t0)
+        for sp in list(g.stage_spares.values()):  # prepared for actors that moved another way
+            g.cancel_stage_spare(sp)
+        return Evacuation(moved, dropped, stayed, width, g.width, time.perf_counter() - t0, "+".join(sorted(hows)) or "none")
+
+    def _ready_stage_spares(self, keys: list[ShardKey], until: float | None) -> list[StageSpare] | None:
+        """The started stage spares of every one of ``keys``, waiting until ``until`` for ones
+        still starting; None if any key has none (or it did not start in time)."""
+        g = self.group
+        if not keys or any(k not in g.stage_spares for k in keys):
+            return None
+        while True:
+            spares = [g.stage_spares[k] for k in keys]
+            if all(g.stage_spare_ready(sp) for sp in spares):
+                return spares
+            if until is None or time.time() >= until:
+                return None
+            time.sleep(0.05)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_llm.controller.actor_group import PLACE_S, ActorGroup
+from elastic_llm.controller.actor_group import ActorGroup
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.neighbours import promote_copies, rebuild_from_neighbours
 from elastic_llm.recovery.failure import StepFailure
@@ -52,6 +52,9 @@ def build_observation(
     mirrors: bool = False,
     checkpoint: int | None = None,
     durable: int | None = None,
+    standbys: dict[str, int] | None = None,
+    bundle_nodes: dict[ShardKey, str | None] | None = None,
+    standby_anywhere: bool = True,
 ) -> Observation:
     """Assemble the policy's input from what was seen (pure)."""
     members = tuple(Member(k.stage, k.replica, nodes.get(k, ""), steps[k] is not None, steps[k]) for k in sorted(steps))
@@ -71,6 +74,9 @@ def build_observation(
         mirrors=mirrors,
         checkpoint=checkpoint,
         durable=durable,
+        standbys=tuple(sorted((n, c) for n, c in (standbys or {}).items() if c > 0 and n in alive_nodes)),
+        bundle_nodes=tuple(sorted((k, n) for k, n in (bundle_nodes or {}).items() if n is not None and n in alive_nodes)),
+        standby_anywhere=standby_anywhere,
     )
 
 
@@ -110,18 +116,27 @@ class RecoveryExecutor:
         o = self.options
         ckpt = o.checkpoints.latest() if o.checkpoints is not None else None
         durable = o.durable.latest() if o.durable is not None else None
+        lost = [k for k, st in steps.items() if st is None]
+        unplaceable = self._unplaceable(lost, alive_nodes)
+        pool = self.group.pool
+        standbys = pool.ready() if pool is not None and pool.enabled else {}
+        par = self.group.cfg.parallel
+        anywhere = not par.gpus_per_actor or self.group.cfg.recovery.standby_gpus
         return build_observation(
-            steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, self._unplaceable(steps, alive_nodes),
+            steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, unplaceable,
             o.mode, o.mirrors, ckpt[0] if ckpt else None, durable[0] if durable else None,
+            standbys, self.group.bundle_nodes(lost) if lost else {}, anywhere,
         )
 
-    def _unplaceable(self, steps: dict[ShardKey, int | None], alive_nodes: set[str]) -> frozenset[int]:
-        """Replicas that lost actors with their node and whose bundles Ray cannot re-place
-        within ``PLACE_S`` (only looked at when the run could shrink)."""
-        if self.group.width <= self.min_width:
+    def _unplaceable(self, lost: list[ShardKey], alive_nodes: set[str]) -> frozenset[int]:
+        """Replicas that lost actors with their node and whose bundles cannot be placed, decided
+        from Ray's view of free resources at once (see :meth:`ActorGroup.unplaceable`)."""
+        moved = {k.replica for k in lost if self.group.nodes.get(k) not in alive_nodes}
+        if not moved:
             return frozenset()
-        moved = {k.replica for k, st in steps.items() if st is None and self.group.nodes.get(k) not in alive_nodes}
-        return frozenset(self.group.unplaced_replicas(moved, PLACE_S)) if moved else frozenset()
+        from elastic_llm.controller.drains import draining_nodes
+
+        return frozenset(self.group.unplaceable(moved, avoid=frozenset(draining_nodes())))
 
     def execute(self, plan: RecoveryPlan, obs: Observation, step: int) -> RecoveryOutcome:
         """Carry ``plan`` out. New actors that did not get their state are killed again if
@@ -131,25 +146,26 @@ class RecoveryExecutor:
         lost = [ShardKey(a.stage, a.replica) for a in plan.actions]
         if self.snapshots is not None:
             self.snapshots.ensure_managers()
-        self.group.place()
+        self.group.place(at_once=True)
         try:
-            self.group.replace(lost)
+            self.group.replace(lost, {ShardKey(a.stage, a.replica): a.adopt for a in plan.actions if a.adopt is not None})
             if plan.drop_replicas:
                 self.group.set_width()
-            if plan.rollback_to is not None and plan.rollback_from == "checkpoint":
-                return self._from_checkpoint(plan, step)
-            if plan.rollback_to is not None and plan.rollback_from == "durable":
-                return self._from_durable(plan, step)
-            if plan.rollback_to is not None:
-                sources, own = self._roll_back(plan, lost, obs)
-                rec = self.snapshots.committed if self.snapshots else None
-                position = rec.shard(ShardKey(0, 0)).data_position() if rec else None
-                return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, own, position)
-            done = {m.step for m in obs.members if m.alive}  # one step (else the plan rolls back)
-            at = max(done) if done else step
-            self._copy_from_peers(plan)
-            details = rebuild_from_neighbours(self.group, [a for a in plan.actions if a.source in LOSSY], at, self.options.lr_scale)
-            promote_copies(self.group, [a for a in plan.actions if a.source == "redundant"])
+            with self.group.spans.span("state"):
+                if plan.rollback_to is not None and plan.rollback_from == "checkpoint":
+                    return self._from_checkpoint(plan, step)
+                if plan.rollback_to is not None and plan.rollback_from == "durable":
+                    return self._from_durable(plan, step)
+                if plan.rollback_to is not None:
+                    sources, own = self._roll_back(plan, lost, obs)
+                    rec = self.snapshots.committed if self.snapshots else None
+                    position = rec.shard(ShardKey(0, 0)).data_position() if rec else None
+                    return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, own, position)
+                done = {m.step for m in obs.members if m.alive}  # one step (else the plan rolls back)
+                at = max(done) if done else step
+                self._copy_from_peers(plan)
+                details = rebuild_from_neighbours(self.group, [a for a in plan.actions if a.source in LOSSY], at, self.options.lr_scale)
+                promote_copies(self.group, [a for a in plan.actions if a.source == "redundant"])
         except BaseException:
             for key in lost:
                 self.group.kill(key)

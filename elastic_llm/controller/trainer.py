@@ -37,7 +37,7 @@ import numpy as np
 
 from elastic_llm.chaos import Chaos, ChaosExecutor, ChaosTargets
 from elastic_llm.config import ConfigError, RunConfig
-from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable
+from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable, PlanNotFollowed
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.elastic import ElasticExecutor
 from elastic_llm.controller.metrics import MetricsWriter
@@ -47,6 +47,7 @@ from elastic_llm.controller.parts import Elastic, Group, Parts, Recovery
 from elastic_llm.controller.progress import ProgressBar
 from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor, RecoveryOutcome, recovery_records
 from elastic_llm.controller.session import NAMESPACE, log, start_ray
+from elastic_llm.controller.standby import StandbyPool
 from elastic_llm.controller.states import (
     Draining,
     Failed,
@@ -73,8 +74,10 @@ from elastic_llm.model import count_parameters
 from elastic_llm.pipeline.executor import PendingStep, RayStepExecutor, StepExecutor, StepFailed, StepResult
 from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
 from elastic_llm.recovery.policy import RecoveryPolicy, UnrecoverableError
+from elastic_llm.spans import Spans
 
 WAIT_POLL_S = 1.0  # how often the cluster is looked at while waiting for capacity
+STANDBY_LOOK_S = 1.0  # how often (at step boundaries) the warm standbys are topped up
 RESUME_S = 600.0  # longest the stages may take to load a durable checkpoint
 
 
@@ -168,6 +171,9 @@ class Trainer:
         self.resizes: list[dict[str, Any]] = []
         self.drains: list[dict[str, Any]] = []
         self._t0: float | None = None
+        self._standby_look = float("-inf")
+        self._own_spans = Spans()
+        self._adopted_seen = 0  # standbys adopted when the pool was last topped up
         self.bar = ProgressBar(progress, cfg.name)
         self._last_report = 0.0
         self._load_data()
@@ -246,7 +252,8 @@ class Trainer:
                 self.durable = DurableTier(self.cfg, self.snapshots, str(self.data_dir), self.metrics)
                 self.snapshots.durable = self.durable
         if self.group is None:
-            self.group = ActorGroup(self.cfg, self.run_id)
+            pool = StandbyPool(self.cfg, self.run_id, NAMESPACE) if self.cfg.recovery.standby != 0 else None
+            self.group = ActorGroup(self.cfg, self.run_id, pool)
 
     def _resume(self, ck: Checkpoint) -> None:
         """Every stage loads its layers from the durable checkpoint ``ck`` (whatever width or stage
@@ -441,6 +448,32 @@ class Trainer:
             self._report_capacity(new, force=True)
         self.bar.state(self.state.name, self.step, self.group.width if self.group else 0)
 
+    def _keep_standbys(self) -> None:
+        """Top the warm standbys up to ``recovery.standby`` per live, non-draining node with CPUs
+        (they start in the background; at most every ``STANDBY_LOOK_S``)."""
+        import ray
+
+        pool = getattr(self.group, "pool", None)
+        now = time.monotonic()
+        if pool is None or not pool.enabled:
+            return
+        lost = pool.check()
+        if lost:
+            self.metrics.event("standby", step=self.step, lost=lost, ready=pool.count()[0])
+        if now - self._standby_look < STANDBY_LOOK_S and not lost and pool.adopted == self._adopted_seen:
+            return  # nothing used or lost since the last look
+        self._standby_look, self._adopted_seen = now, pool.adopted
+        from elastic_llm.controller.drains import draining_nodes
+
+        if self.cfg.recovery.standby == "auto":
+            pool.resize(self.failures, time.perf_counter() - (self._t0 or time.perf_counter()))
+        draining = draining_nodes()
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0 and n["NodeID"] not in draining]
+        started = pool.ensure(nodes)
+        if started:
+            ready, starting = pool.count()
+            self.metrics.event("standby", step=self.step, started=started, ready=ready, starting=starting, per_node=pool.per_node)
+
     def request_stop(self) -> None:
         """Finish the run at the next step boundary (from another thread: a replay, a signal)."""
         self.stop_requested = True
@@ -448,6 +481,7 @@ class Trainer:
     def _next(self) -> State:
         """After a step: finish, or act on draining nodes, or grow into new room, or go on."""
         assert self.group is not None and self.elastic is not None
+        self._keep_standbys()
         drains, grow_to = self.elastic.look(self.drains_seen)
         return after_step(self.step, self.end, self.stop_requested, drains, self.group.width, grow_to)
 
@@ -477,9 +511,11 @@ class Trainer:
         assert self.recovery is not None
         failure = state.failure
         t0 = time.perf_counter()
+        spans = self._spans()
         try:
-            obs = self.recovery.observe(self.executor, failure.step)
-            plan = self.recovery_policy.decide(obs)
+            with spans.span("plan"):
+                obs = self.recovery.observe(self.executor, failure.step)
+                plan = self.recovery_policy.decide(obs)
             log(f"recovery plan for {failure.where}: {plan}")
             self.chaos.fire("recovery", failure.step, self._targets())
             outcome = self.recovery.execute(plan, obs, self.step)
@@ -487,14 +523,18 @@ class Trainer:
             return start_waiting(state, e.capacity, time.monotonic(), self.cfg.recovery.capacity_timeout_s)
         except UnrecoverableError as e:
             return after_unrecoverable(failure, str(e))
-        except (ray.exceptions.RayError, TimeoutError, StepFailed) as err:  # observed again and re-planned
+        except (ray.exceptions.RayError, TimeoutError, StepFailed, PlanNotFollowed) as err:  # observed again and re-planned
             again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during="recovery")
             self.budget = self.budget.record(again.step)
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)
-        self._apply(outcome, failure, time.perf_counter() - t0)
+        self._apply(outcome, failure, time.perf_counter() - t0, spans.totals(t0))
         return self._next()
 
-    def _apply(self, outcome: RecoveryOutcome, failure: StepFailure, seconds: float) -> None:
+    def _spans(self) -> Spans:
+        """The executors' span tracer (their ``actor``/``state`` spans; ``plan`` is the controller's)."""
+        return getattr(self.group, "spans", None) or self._own_spans
+
+    def _apply(self, outcome: RecoveryOutcome, failure: StepFailure, seconds: float, spans: dict[str, float] | None = None) -> None:
         """Adopt a finished recovery: step counter, data position, an executor over the new actors,
         and one metrics line per restored actor (and one for a shrink)."""
         lost = max(0, self.committed_high - outcome.step)  # committed steps this recovery undid
@@ -512,8 +552,9 @@ class Trainer:
             if outcome.data_position is not None:
                 self.stream.load_state_dict(outcome.data_position)
         if outcome.plan.width is not None:
-            self._resized(*outcome.plan.width, "lost stages could not be placed", seconds)
+            self._resized(*outcome.plan.width, "lost stages could not be placed", seconds, spans)
         for rec in recovery_records(outcome, failure, seconds, lost):
+            rec.update({"plan_s": 0.0, "actor_s": 0.0, "state_s": 0.0, **(spans or {})})
             self.recoveries.append(rec)
             self.metrics.write(rec)
         self._refresh_mirrors(force=True)
@@ -528,15 +569,16 @@ class Trainer:
         import ray
 
         assert self.elastic is not None
+        t0 = time.perf_counter()
         try:
             out = self.elastic.grow()
         except CapacityUnavailable as e:
             log(f"no room for replica {state.to_dp} after all ({e.capacity}); staying at {state.from_dp}")
             return after_step(self.step, self.end, self.stop_requested)
-        except (ray.exceptions.RayError, TimeoutError) as err:
+        except (ray.exceptions.RayError, TimeoutError, PlanNotFollowed) as err:
             return self._failed_between_steps(err, "resize")
         self._new_executor()
-        self._resized(out.from_dp, out.to_dp, out.reason, out.seconds)
+        self._resized(out.from_dp, out.to_dp, out.reason, out.seconds, self._spans().totals(t0))
         return self._next()
 
     def _drain(self, state: Draining) -> State:
@@ -545,11 +587,13 @@ class Trainer:
         assert self.elastic is not None
         nodes = frozenset(d.node_id for d in state.drains)
         now = time.time()
+        t0 = time.perf_counter()
         try:
             deadlines = [d.deadline for d in state.drains if d.deadline is not None]
             ev = self.elastic.evacuate(nodes, min(deadlines) if deadlines else None)
-        except (ray.exceptions.RayError, TimeoutError) as err:
+        except (ray.exceptions.RayError, TimeoutError, PlanNotFollowed) as err:
             return self._failed_between_steps(err, "drain")
+        spans = self._spans().totals(t0)
         self.drains_seen |= nodes
         self._new_executor()
         for d in state.drains:
@@ -558,15 +602,15 @@ class Trainer:
                 f"{ev.moved} stage actors moved, {ev.dropped} replicas dropped, {ev.stayed} left in place, {ev.seconds:.1f} s")
             self.drains.append(self.metrics.event(
                 "drain", step=self.step, node=d.node_id, deadline_s=left, moved=ev.moved, dropped=ev.dropped,
-                stayed=ev.stayed, seconds=ev.seconds, rollback_steps=0,
+                stayed=ev.stayed, seconds=ev.seconds, rollback_steps=0, how=ev.how, **spans,
             ))
         if ev.to_dp != ev.from_dp:
-            self._resized(ev.from_dp, ev.to_dp, "drain: no room to move", ev.seconds)
+            self._resized(ev.from_dp, ev.to_dp, "drain: no room to move", ev.seconds, spans)
         return self._next()
 
-    def _resized(self, from_dp: int, to_dp: int, reason: str, seconds: float) -> None:
+    def _resized(self, from_dp: int, to_dp: int, reason: str, seconds: float, spans: dict[str, float] | None = None) -> None:
         log(f"width {from_dp} -> {to_dp} replicas ({reason}, {seconds:.1f} s)")
-        self.resizes.append(self.metrics.event("resize", step=self.step, from_dp=from_dp, to_dp=to_dp, reason=reason, seconds=seconds))
+        self.resizes.append(self.metrics.event("resize", step=self.step, from_dp=from_dp, to_dp=to_dp, reason=reason, seconds=seconds, **(spans or {})))
 
     def _wait(self, state: WaitingForCapacity) -> State:
         assert self.group is not None

@@ -18,8 +18,9 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 STATE_S = 10.0  # longest all actors together may take to answer state()
-# run ids are 6 hex digits (the trainer's); stage-<run>-<stage>-<replica>.<generation>, smp-<run>-<node>[-<incarnation>]
-NAME = re.compile(r"^(?:stage-(?P<stage_run>[0-9a-f]{6})-\d+-\d+\.\d+|smp-(?P<smp_run>[0-9a-f]{6})-[0-9a-f]+(?:-\d+)?|run-(?P<only>[0-9a-f]{6}))$")
+# run ids are 6 hex digits (the trainer's); stage-<run>-<stage>-<replica>.<generation>,
+# standby-<run>-<node>.<n> (warm standbys, idle or adopted), smp-<run>-<node>[-<incarnation>]
+NAME = re.compile(r"^(?:(?:stage-(?P<stage_run>[0-9a-f]{6})-\d+-\d+|standby-(?P<standby_run>[0-9a-f]{6})-[0-9a-f]+)\.\d+|smp-(?P<smp_run>[0-9a-f]{6})-[0-9a-f]+(?:-\d+)?|run-(?P<only>[0-9a-f]{6}))$")
 
 
 class StatusError(RuntimeError):
@@ -31,8 +32,8 @@ def parse_name(name: str) -> tuple[str, str] | None:
     m = NAME.match(name or "")
     if m is None:
         return None
-    if m["stage_run"]:
-        return "stage", m["stage_run"]
+    if m["stage_run"] or m["standby_run"]:  # a warm standby is a stage actor without a stage (state() says which)
+        return "stage", m["stage_run"] or m["standby_run"]
     return ("smp", m["smp_run"]) if m["smp_run"] else ("run", m["only"])
 
 
@@ -114,8 +115,9 @@ def render(report: dict[str, Any]) -> str:
         stage_rows = []
         for e in r["stages"]:
             st = e["state"] or {}
+            idle = st.get("role") == "standby"  # a warm standby: no stage yet
             stage_rows.append([
-                st.get("stage", "?"), st.get("replica", "?"), st.get("role", ""), (e["node_id"] or "")[:12], e["pid"],
+                "-" if idle else st.get("stage", "?"), "-" if idle else st.get("replica", "?"), st.get("role", ""), (e["node_id"] or "")[:12], e["pid"],
                 st.get("step", e.get("problem", "")), st.get("snapshot_version", ""),
                 "yes" if st.get("copy_in_flight") else "", _mb(st.get("bytes_held")), e["display_name"],
             ])

@@ -72,6 +72,7 @@ class StageInfo:
     step: int
     layers: tuple[int, ...]
     parameters: int
+    gpu_ids: tuple[int, ...] = ()  # the devices Ray gave this process (a standby adopted in its place takes them)
 
 
 def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
@@ -99,6 +100,26 @@ def build_optimizer(module: torch.nn.Module, train: TrainConfig) -> tuple[torch.
     return optimizer, scheduler
 
 
+def warm_up(cfg: RunConfig) -> None:
+    """A warm standby's start: one small forward, backward and AdamW step through the model's own
+    code (a one-layer, 2-stage-shaped module of the run's architecture at width 32), so the lazy
+    parts of torch (the autograd engine's threads, kernel selection, the fused optimizer path) are
+    paid before a recovery needs the process. Touches no GPU. Seeded, and the RNG is restored:
+    the adopted stage starts from the same RNG state as a fresh actor."""
+    rng = torch.get_rng_state()
+    shape = cfg.model.shape()
+    small = type(shape)(vocab_size=min(shape.vocab_size, 256), dim=32, n_heads=2, n_layers=2, seq_len=min(shape.seq_len, 16), ffn_hidden=64, norm_eps=shape.norm_eps, rope_theta=shape.rope_theta)
+    for stage in (0, 1):
+        module = build_stage(small, 2, stage, 0)
+        optimizer, _ = build_optimizer(module, cfg.train)
+        x = torch.randint(0, small.vocab_size, (1, small.seq_len)) if stage == 0 else torch.randn(1, small.seq_len, small.dim)
+        out = module(x)
+        loss = lm_loss(out, torch.zeros(1, small.seq_len, dtype=torch.long)) if stage == 1 else out.square().mean()
+        loss.backward()
+        optimizer.step()
+    torch.set_rng_state(rng)
+
+
 def stage_seed(seed: int, stage: int, replica: int) -> int:
     return (seed * 7919 + stage * 104_729 + replica * 15_485_863) % (2**31)
 
@@ -106,10 +127,38 @@ def stage_seed(seed: int, stage: int, replica: int) -> int:
 class StageWorker:
     """Layers + optimizer of (stage, replica). Methods are called in schedule order."""
 
-    def __init__(self, config: dict[str, Any] | RunConfig, stage: int, replica: int, dp: int | None = None, run_id: str = "") -> None:
+    def __init__(self, config: dict[str, Any] | RunConfig, stage: int | None, replica: int = 0, dp: int | None = None, run_id: str = "") -> None:
+        """``stage`` None starts a warm standby: the process has torch and the model code imported
+        and warmed up, holds no stage and next to no memory, and becomes a stage on :meth:`adopt`."""
         self.cfg = config if isinstance(config, RunConfig) else config_from_dict(config)
-        par, train = self.cfg.parallel, self.cfg.train
         self.run_id = run_id
+        self.standby = stage is None
+        self.adopted_gpus: tuple[int, ...] = ()  # devices taken over from a dead actor (a GPU run's standby)
+        self.metrics = Metrics()
+        if stage is None:
+            self.stage, self.replica, self.dp, self.n_stages = -1, -1, 0, self.cfg.parallel.stages
+            self.step_count = 0
+            torch.set_num_threads(1)  # idle: next to no CPU until adopted
+            warm_up(self.cfg)
+            return
+        self._build(stage, replica, dp)
+
+    def adopt(self, stage: int, replica: int, dp: int, gpu_ids: tuple[int, ...] | None = None) -> "StageInfo":
+        """A warm standby becomes ``(stage, replica)`` of a width of ``dp``: it builds the stage
+        (fresh weights, as a new actor would; the caller loads the state next). ``gpu_ids``: the
+        devices this process may use from now on (the dead actor's, on the same node), set before
+        CUDA is first touched. Returns the new stage's :meth:`info`."""
+        if not self.standby:
+            raise RuntimeError(f"stage {self.stage} replica {self.replica} is not a standby: it cannot be adopted")
+        if gpu_ids:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+            self.adopted_gpus = tuple(gpu_ids)
+        self._build(stage, replica, dp)
+        self.standby = False
+        return self.info()
+
+    def _build(self, stage: int, replica: int, dp: int | None) -> None:
+        par, train = self.cfg.parallel, self.cfg.train
         self.stage, self.replica = stage, replica
         self.dp = dp or par.dp  # data-parallel width now (it changes as the run resizes): which 1/dp slice of the state this replica snapshots
         self.n_stages = par.stages
@@ -140,11 +189,13 @@ class StageWorker:
         self.injected_error: str | None = None  # chaos: every forward raises this from now on
         self.links: Any = None  # SocketTransport: this actor's links to its step peers
         self.step_deadline_s = STEP_DEADLINE_S
-        self.metrics = Metrics()
 
     def __repr__(self) -> str:
         # Ray shows this as the actor's display name (``ray list actors``, the dashboard) and in
-        # its log prefix; it is taken once, when the actor starts (state() has the live replica)
+        # its log prefix; it is taken once, when the actor starts (state() has the live role, so an
+        # adopted standby keeps the name "Stage(standby, ...)" and reports its stage there)
+        if self.standby:
+            return f"Stage(standby, run {self.run_id})"
         return f"Stage({self.stage}/{self.n_stages}, replica {self.replica}, run {self.run_id})"
 
     # ------------------------------------------------------------------ one step, run by the actor
@@ -543,6 +594,9 @@ class StageWorker:
         import ray
 
         ctx = ray.get_runtime_context() if ray.is_initialized() else None
+        if self.standby:
+            node = ctx.get_node_id() if ctx else None
+            return StageInfo(stage=-1, replica=-1, pid=os.getpid(), node_id=node, device="none", threads=torch.get_num_threads(), step=0, layers=(), parameters=0)
         return StageInfo(
             stage=self.stage,
             replica=self.replica,
@@ -553,9 +607,12 @@ class StageWorker:
             step=self.step_count,
             layers=tuple(self.module.layer_ids),
             parameters=sum(p.numel() for p in self.module.parameters()),
+            gpu_ids=self.adopted_gpus or (tuple(int(g) for g in ray.get_gpu_ids()) if ctx else ()),
         )
 
     def role(self) -> str:
+        if self.standby:
+            return "standby"
         ids = self.module.layer_ids
         parts = ["embed"] if self.first else []
         if ids:
@@ -569,6 +626,9 @@ class StageWorker:
         concurrency group, so it answers while a forward or backward runs (it only reads)."""
         import ray
 
+        if self.standby:
+            node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+            return StageState(self.run_id, -1, self.n_stages, -1, 0, "standby", node, os.getpid(), 0, None, False, 0)
         copies = self.copies
         held = self.arena.layout.nbytes + sum(b.nbytes for b in copies.buffers)
         self.metrics.set("stage_bytes_held", held, run=self.run_id, stage=self.stage, replica=self.replica)

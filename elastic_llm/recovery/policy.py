@@ -64,6 +64,9 @@ class Observation:
     mirrors: bool = False  # embedding / LM head mirrored on the neighbouring stages
     checkpoint: int | None = None  # mode checkpoint: the newest checkpoint's step (0: the initial state)
     durable: int | None = None  # the newest committed durable checkpoint's step (None: none)
+    standbys: tuple[tuple[str, int], ...] = ()  # (node, warm standbys ready on it)
+    bundle_nodes: tuple[tuple[ShardKey, str], ...] = ()  # lost actors whose reservation is placed: (actor, node it is on now)
+    standby_anywhere: bool = True  # a standby may take a stage on any node (CPU runs, or standbys holding a GPU); else only where the dead actor's device is
 
     @property
     def n_stages(self) -> int:
@@ -78,6 +81,7 @@ class Action:
     peer: int | None = None  # replica to copy from, for dp_peer
     donors: tuple[ShardKey, ...] = ()  # checkfree: (next, prev); checkfree_plus: (neighbour,); redundant: (holder of the copy, successor)
     mirror: ShardKey | None = None  # checkfree_plus: the stage holding the embedding / head mirror
+    adopt: str | None = None  # node whose warm standby becomes this actor; None: a new actor process starts in its bundle
 
     @property
     def lossless(self) -> bool:
@@ -87,7 +91,8 @@ class Action:
         extra = f" from replica {self.peer}" if self.peer is not None else ""
         if self.donors:
             extra += " from " + ", ".join(f"stage {k.stage} replica {k.replica}" for k in self.donors)
-        return f"stage {self.stage} replica {self.replica}: {self.source}{extra}"
+        actor = f"standby on {self.adopt[:12]}" if self.adopt is not None else "new process"
+        return f"stage {self.stage} replica {self.replica}: {self.source}{extra} ({actor})"
 
 
 @dataclass(frozen=True)
@@ -125,16 +130,38 @@ def without_replicas(obs: Observation, drop: tuple[int, ...]) -> Observation:
     kept = sorted({m.replica for m in obs.members} - set(drop))
     new = {old: i for i, old in enumerate(kept)}
     members = tuple(replace(m, replica=new[m.replica]) for m in obs.members if m.replica in new)
-    return replace(obs, members=members, unplaceable=frozenset(new[r] for r in obs.unplaceable if r in new))
+    bundles = tuple((ShardKey(k.stage, new[k.replica]), n) for k, n in obs.bundle_nodes if k.replica in new)
+    return replace(obs, members=members, unplaceable=frozenset(new[r] for r in obs.unplaceable if r in new), bundle_nodes=bundles)
+
+
+def assign_standbys(plan: RecoveryPlan, obs: Observation) -> RecoveryPlan:
+    """Which lost actors a warm standby becomes: an actor whose reservation is placed on a node
+    with a ready standby adopts it (in action order, one standby each); the others start a new
+    process. Without ``standby_anywhere`` (a GPU run whose standbys hold no device) only an actor
+    whose node lives (its device is free there) adopts. ``obs`` must use the plan's replica
+    numbers. Pure."""
+    left = dict(obs.standbys)
+    where = dict(obs.bundle_nodes)
+    old_node = {ShardKey(m.stage, m.replica): m.node for m in obs.members}
+    actions = []
+    for a in plan.actions:
+        key = ShardKey(a.stage, a.replica)
+        node = where.get(key)
+        ok = node is not None and left.get(node, 0) > 0 and (obs.standby_anywhere or (node == old_node.get(key) and node not in obs.dead_nodes))
+        if ok:
+            left[node] -= 1
+        actions.append(replace(a, adopt=node if ok else None))
+    return replace(plan, actions=tuple(actions))
 
 
 class RecoveryPolicy:
     def decide(self, obs: Observation) -> RecoveryPlan:
         drop = replicas_to_drop(obs)
         if not drop:
-            return self._ladder(obs)
+            return assign_standbys(self._ladder(obs), obs)
         width = 1 + max(m.replica for m in obs.members)
-        plan = self._ladder(without_replicas(obs, drop))
+        kept = without_replicas(obs, drop)
+        plan = assign_standbys(self._ladder(kept), kept)
         why = (
             f"replica(s) {list(drop)} lost stages that cannot be placed now (no capacity): dropped, "
             f"{width} -> {width - len(drop)} replicas; "

@@ -1,0 +1,231 @@
+"""Warm standby stage processes: started ahead of time, adopted by a recovery, a grow or a drain.
+
+Owns: the run's pool of standbys, ``recovery.standby`` per node (alive, with CPUs, not draining):
+each a :class:`~elastic_llm.pipeline.stage.StageWorker` actor started without a stage (torch and
+the model code imported and warmed up), holding no CPU or GPU reservation (``num_cpus=0``) and one
+thread, pinned to its node, named ``standby-<run>-<node>.<n>``. It starts standbys in the
+background where some are missing, hands a ready one on a given node to whoever adopts it
+(:meth:`StandbyPool.take`), forgets the ones that died, and says how many are warm where
+(:meth:`StandbyPool.ready`: the capacity view counts them). ``auto`` sizes the pool from the
+observed failure rate (:func:`standby_target`, pure).
+
+An adopted standby runs in its process the stage whose placement-group bundle (the reservation of
+the dead actor, or a new one) is on the same node: the bundle keeps the node's CPUs (and GPU)
+reserved for the run; the process itself was never scheduled into it.
+
+GPUs (unmeasured: no GPU is lent to this project): a standby holds no device unless
+``recovery.standby_gpus`` is set. Without it, a standby adopted for a GPU stage takes the dead
+actor's devices on the same node (their ids travel with the adoption and are made visible before
+CUDA is first touched); a replacement on another node (its node died) starts a new process in the
+re-placed bundle, and the recovery plan says so. With it, each standby reserves
+``parallel.gpus_per_actor`` of its own and can be adopted on any node.
+
+Never decides: which actor adopts which standby comes from the recovery plan or the elastic
+executor's pure assignment; this module only keeps the pool.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from elastic_llm.config import RunConfig
+
+AUTO_MAX = 4  # recovery.standby: auto never keeps more than this many per node
+CHECK_S = 2.0  # how often idle standbys are asked whether they live
+READY_S = 300.0  # a standby that has not started in this long is given up (its node is overloaded or gone)
+
+
+@dataclass(frozen=True, eq=False)
+class Standby:
+    """One warm standby: its actor, node, the ``info`` call that answers once it has started."""
+
+    actor: Any
+    node: str
+    name: str
+    ready_ref: Any
+    started: float  # time.monotonic()
+
+
+def standby_target(setting: int | str, failures: int, elapsed_s: float, nodes: int, start_s: float) -> int:
+    """Standbys per node for ``recovery.standby``: the number itself, or for ``auto`` enough that
+    the failures expected on a node while a used standby is replaced (one start, ``start_s``) are
+    covered twice over: at least 1, at most :data:`AUTO_MAX`. Pure."""
+    if setting != "auto":
+        return int(setting)
+    if failures <= 0 or elapsed_s <= 0 or nodes <= 0:
+        return 1
+    per_node_per_s = failures / elapsed_s / nodes
+    return max(1, min(AUTO_MAX, math.ceil(2 * per_node_per_s * start_s + 1e-9)))
+
+
+class StandbyPool:
+    def __init__(self, cfg: RunConfig, run_id: str, namespace: str) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.namespace = namespace
+        self.per_node = standby_target(cfg.recovery.standby, 0, 0.0, 0, 0.0)
+        self.standbys: dict[str, list[Standby]] = {}  # node -> standbys on it (ready or starting)
+        self.started = 0  # standbys started in total (names are unique per run)
+        self.adopted = 0
+        self.start_s: list[float] = []  # seconds from start to ready, of the standbys seen ready
+        self._ready: set[Standby] = set()
+        self._info: dict[Standby, Any] = {}  # a started standby's StageInfo (its pid)
+        self._pings: dict[Any, Standby] = {}  # liveness calls in flight (see check)
+        self._pinged = float("-inf")
+        self._cls: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.recovery.standby != 0
+
+    def resize(self, failures: int, elapsed_s: float) -> None:
+        """``auto``: re-size the pool from the failures seen so far."""
+        nodes = max(1, len(self.standbys))
+        start = sorted(self.start_s)[len(self.start_s) // 2] if self.start_s else 5.0
+        self.per_node = standby_target(self.cfg.recovery.standby, failures, elapsed_s, nodes, start)
+
+    def ensure(self, nodes: Iterable[str]) -> int:
+        """Start standbys (in the background, nothing waits) on ``nodes`` until each has
+        ``per_node``; forget standbys on other nodes (dead or draining: killed). Returns how many
+        were started."""
+        import ray
+
+        want = set(nodes)
+        for node in [n for n in self.standbys if n not in want]:
+            for sb in self.standbys.pop(node):
+                self._kill(sb)
+        self._forget_dead()
+        n = 0
+        for node in sorted(want):
+            have = self.standbys.setdefault(node, [])
+            while len(have) < self.per_node:
+                have.append(self._start(node, ray))
+                n += 1
+        return n
+
+    def _start(self, node: str, ray: Any) -> Standby:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from elastic_llm.pipeline.stage import StageWorker
+
+        if self._cls is None:  # the stage actors' class and concurrency groups: an adopted standby is one of them
+            self._cls = ray.remote(concurrency_groups={"snapshot": 1, "status": 1, "control": 1})(StageWorker)
+        par = self.cfg.parallel
+        gpus = par.gpus_per_actor if self.cfg.recovery.standby_gpus else 0
+        self.started += 1
+        name = f"standby-{self.run_id}-{node[:12]}.{self.started}"
+        actor = self._cls.options(
+            name=name,
+            namespace=self.namespace,
+            num_cpus=0,
+            num_gpus=gpus,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(self.cfg.to_dict(), None, run_id=self.run_id)
+        return Standby(actor, node, name, actor.info.remote(), time.monotonic())
+
+    def _forget_dead(self) -> None:
+        """Drop standbys whose process died (their ``info`` call failed) or never started."""
+        import ray
+
+        now = time.monotonic()
+        for node, sbs in self.standbys.items():
+            keep = []
+            for sb in sbs:
+                if sb in self._ready:
+                    keep.append(sb)
+                    continue
+                done, _ = ray.wait([sb.ready_ref], timeout=0)
+                if done:
+                    try:
+                        self._info[sb] = ray.get(sb.ready_ref, timeout=0)
+                    except Exception:
+                        continue  # died before it started
+                    self._ready.add(sb)
+                    self.start_s.append(now - sb.started)
+                    keep.append(sb)
+                elif now - sb.started > READY_S:
+                    self._kill(sb)
+                else:
+                    keep.append(sb)
+            sbs[:] = keep
+
+    def ready(self) -> dict[str, int]:
+        """Warm standbys per node that have started (no waiting). A standby that died while
+        idle is noticed by :meth:`check`, or when it is adopted (the adoption fails and the
+        recovery is planned again)."""
+        self._forget_dead()
+        return {node: sum(1 for sb in sbs if sb in self._ready) for node, sbs in self.standbys.items() if sbs}
+
+    def check(self, every_s: float = CHECK_S) -> int:
+        """Notice standbys that died while idle, without waiting: collects the answers to the
+        liveness calls sent by the previous check (a failed one: forgotten), and every ``every_s``
+        sends new ones. Returns how many were forgotten."""
+        import ray
+
+        gone = 0
+        if self._pings:
+            done, _ = ray.wait(list(self._pings), num_returns=len(self._pings), timeout=0)
+            for ref in done:
+                sb = self._pings.pop(ref)
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception:
+                    if sb in self._ready:
+                        self._remove(sb)
+                        gone += 1
+        now = time.monotonic()
+        if not self._pings and now - self._pinged >= every_s:
+            self._pinged = now
+            for sbs in self.standbys.values():
+                for sb in sbs:
+                    if sb in self._ready:
+                        self._pings[sb.actor.info.options(concurrency_group="status").remote()] = sb
+        return gone
+
+    def pids(self, node: str) -> list[int]:
+        """Process ids of the started standbys on ``node``."""
+        self._forget_dead()
+        return [self._info[sb].pid for sb in self.standbys.get(node, []) if sb in self._ready and sb in self._info]
+
+    def take(self, node: str) -> Standby | None:
+        """A started standby on ``node``, removed from the pool (the caller adopts it); None if
+        there is none."""
+        self._forget_dead()
+        for sb in self.standbys.get(node, []):
+            if sb in self._ready:
+                self._remove(sb)
+                self.adopted += 1
+                return sb
+        return None
+
+    def count(self) -> tuple[int, int]:
+        """(ready, starting) standbys of the run."""
+        ready = sum(1 for sbs in self.standbys.values() for sb in sbs if sb in self._ready)
+        total = sum(len(sbs) for sbs in self.standbys.values())
+        return ready, total - ready
+
+    def _remove(self, sb: Standby) -> None:
+        self._ready.discard(sb)
+        self._info.pop(sb, None)
+        sbs = self.standbys.get(sb.node, [])
+        if sb in sbs:
+            sbs.remove(sb)
+
+    def _kill(self, sb: Standby) -> None:
+        import ray
+
+        self._remove(sb)
+        try:
+            ray.kill(sb.actor, no_restart=True)
+        except Exception:
+            pass
+
+    def shutdown(self) -> None:
+        for sbs in list(self.standbys.values()):
+            for sb in list(sbs):
+                self._kill(sb)
+        self.standbys.clear()
