@@ -4,10 +4,12 @@ shapes. No Ray."""
 import pytest
 
 from benchmarks.recovery import (
+    adopted_standby,
     cluster_plan,
+    full_restart_lost,
     path_overrides,
-    span_totals,
-    speedups,
+    path_result,
+    product_spans,
     target_check,
     timeline,
 )
@@ -81,16 +83,86 @@ def test_timeline_refuses_runs_that_did_not_recover():
         timeline([{"event": "chaos", "time": 1.0}, state(2.0, "running", "recovering"), state(3.0, "recovering", "running")], steps((1, 0.5, 0.5)))
 
 
-def test_span_totals_sum_per_name_inside_the_window():
-    spans = [("group.replace", 0.5, 2.0), ("group.replace", 3.0, 4.5), ("recovery.observe", 2.5, 2.75), ("group.replace", 9.0, 9.5)]
-    assert span_totals(spans, 1.0, 5.0) == {"group.replace": 1.5, "recovery.observe": 0.25}
+def test_product_spans_take_the_max_over_the_lines_of_one_recovery():
+    lines = [
+        {"event": "state", "plan_s": 9.0},  # not a recovery line
+        {"event": "recovery", "stage": 1, "plan_s": 0.1, "actor_s": 0.3, "state_s": 0.2},
+        {"event": "recovery", "stage": 2, "plan_s": 0.1, "actor_s": 0.5, "state_s": 0.1},
+    ]
+    assert product_spans(lines) == {"plan_s": 0.1, "actor_s": 0.5, "state_s": 0.2}
+    assert product_spans([{"event": "drain", "actor_s": 1.25}]) == {"plan_s": None, "actor_s": 1.25, "state_s": None}
 
 
-def test_speedups_and_target():
-    sp = speedups(10.0, {"a": 0.5, "b": 2.0, "c": None})
-    assert sp == {"a": 20.0, "b": 5.0, "c": None}
-    assert target_check(sp) == {"target_speedup": 10.0, "met": False, "not_met_by": ["b", "c"]}
-    assert target_check({"a": 20.0})["met"]
+def test_timeline_carries_the_product_spans_and_the_drain_move_kind():
+    lines = [
+        {"event": "chaos", "time": 1.0},
+        state(1.5, "running", "recovering"),
+        {"event": "recovery", "stage": 0, "replica": 0, "source": "local_smp", "rollback_steps": 1, "plan_s": 0.05, "actor_s": 0.2, "state_s": 0.3},
+        state(2.0, "recovering", "running"),
+    ]
+    t = timeline(lines, steps((2, 0.5, 1.0), (3, 0.9, 1.0), (4, 3.0, 1.0)))
+    assert (t["plan_s"], t["actor_s"], t["state_s"]) == (0.05, 0.2, 0.3)
+    drain = [state(1.2, "running", "draining"), {"event": "drain", "moved": 4, "how": "stages", "rollback_steps": 0}, state(1.4, "draining", "running")]
+    assert timeline(drain, steps((2, 0.5, 1.0), (3, 2.4, 1.0)), t0=1.0)["drain"]["how"] == "stages"
+
+
+def test_path_result_of_a_recovery_is_lost_time_and_its_parts():
+    lines = [
+        {"event": "chaos", "time": 10.0},
+        state(10.4, "running", "recovering"),
+        {"event": "recovery", "stage": 1, "replica": 0, "source": "local_smp", "rollback_steps": 1, "plan_s": 0.1, "actor_s": 0.2, "state_s": 0.3},
+        state(11.0, "recovering", "running"),
+    ]
+    t = timeline(lines, steps((2, 8.0, 1.0), (3, 9.0, 1.0), (4, 12.5, 1.5)))
+    r = path_result(t, True)
+    assert r["lost_s"] == 1.5 and r["detect_s"] == 0.4 and r["first_step_s"] == 1.5  # 2.5 s window, one steady step of 1 s
+    assert (r["plan_s"], r["actor_s"], r["state_s"], r["adopted"], r["rollback_steps"]) == (0.1, 0.2, 0.3, True, 1)
+    assert "pause_s" not in r
+
+
+def test_path_result_of_a_drain_reports_the_training_pause():
+    lines = [
+        state(25.0, "running", "draining"),
+        {"event": "drain", "moved": 4, "dropped": 0, "stayed": 0, "rollback_steps": 0, "how": "replica", "plan_s": 0.0, "actor_s": 0.0, "state_s": 0.4},
+        state(25.5, "draining", "running"),
+    ]
+    # notice at 20.0; steps 4..8 trained on meanwhile (5 steps), the move, then step 9 done at 26.7
+    done = steps((2, 19.0, 1.0), (3, 20.0 - 0.01, 1.0), *[(s, 20.0 + 0.9 * (s - 3), 1.0) for s in range(4, 9)], (9, 26.7, 1.2))
+    r = path_result(timeline(lines, done, t0=20.0), None)
+    assert r["pause_s"] == 0.7  # 0.5 s draining + 1.2 s step - 1 s steady
+    assert r["how"] == "replica" and r["rollback_steps"] == 0 and r["steps_trained_before_move"] == 5
+    assert r["lost_s"] == 0.7  # 6.7 s for 6 steps of 1 s
+
+
+def test_adopted_standby_compares_the_new_actors_pids_with_the_standbys():
+    before = {"a": 10, "b": 11}
+    assert adopted_standby(before, {"a": 10, "b": 50}, {50, 51}) is True
+    assert adopted_standby(before, {"a": 10, "b": 60}, {50, 51}) is False  # a new process, not a standby
+    assert adopted_standby(before, {"a": 10}, {50}) is None  # a shrink only drops actors
+    assert adopted_standby(before, {"a": 10, "b": 11, "c": 51}, {51}) is True  # a new key (grow, spare)
+
+
+def test_full_restart_lost_is_its_total_minus_one_steady_step():
+    r = full_restart_lost({"total_s": 12.0, "trainer_init_s": 0.5, "setup_s": 8.0, "load_wall_s": 0.5, "first_step_s": 3.0}, 1.0)
+    assert r["lost_s"] == 11.0 and r["detect_s"] is None and r["actor_s"] == 8.0 and r["state_s"] == 0.5
+    assert full_restart_lost({"total_s": 12.0}, None)["lost_s"] is None
+
+
+def test_targets_per_path():
+    paths = {
+        "local_smp": {"lost_s": 0.5}, "dp_peer": {"lost_s": 1.0}, "parity": {"lost_s": 0.0},
+        "drain": {"pause_s": 0.9, "steady_step_s": 1.0, "rollback_steps": 0},
+        "shrink": {"lost_s": 3.0, "detect_s": 2.5, "steady_step_s": 1.0},
+    }
+    t = target_check(15.0, paths)
+    assert t["local_smp"]["met"] and t["local_smp"]["speedup_lost"] == 30.0
+    assert t["dp_peer"]["met"]  # exactly 15x counts
+    assert not t["parity"]["met"]  # lost 0: no ratio, not counted as met
+    assert t["drain"]["met"] and t["shrink"]["met"] and t["shrink"]["bound_s"] == 3.5 and not t["all_met"]
+    slow = target_check(15.0, {**paths, "dp_peer": {"lost_s": 1.1}, "drain": {"pause_s": 1.2, "steady_step_s": 1.0, "rollback_steps": 0},
+                               "shrink": {"lost_s": 4.0, "detect_s": 2.5, "steady_step_s": 1.0}})
+    assert not slow["dp_peer"]["met"] and not slow["drain"]["met"] and not slow["shrink"]["met"]
+    assert not target_check(15.0, {})["drain"]["met"]  # not measured: not met
 
 
 def test_cluster_plan_leaves_room_where_paths_need_it_and_none_for_shrink():
@@ -107,3 +179,4 @@ def test_path_overrides_load_as_valid_configs(path):
     cfg = load_config(f"{REPO}/jobs/tiny.yaml", path_overrides(path, 4, cluster_plan(4, 0.5)))
     assert cfg.parallel.dp == (2 if path in ("dp_peer", "shrink") else 1)
     assert bool(cfg.chaos.events) == (path not in ("drain", "restart"))
+    assert (cfg.recovery.standby == 0) == (path == "restart")  # the restart peer starts no warm standbys
