@@ -281,6 +281,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.run_recovery_bench([args.config] if args.config else None, overrides=args.set or [])
     elif args.what == "transport":
         result = bench.run_transport_bench(rounds=args.steps or 200)
+    elif args.what == "detect":
+        result = bench.run_detect_bench(rounds=args.steps or 3)
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     if args.json:
@@ -385,10 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=cmd_export)
 
     b = sub.add_parser("bench", help="benchmarks against real peers (from the root of a source checkout)")
-    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport"])
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
-    b.add_argument("--steps", type=int, default=None, help="timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips for transport, 200)")
+    b.add_argument("--steps", type=int, default=None, help="timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips for transport, 200; node removals per setting for detect, 3)")
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
     b.add_argument("--sweep", action="store_true", help="pipeline: driver cost over stages x microbatches x replicas (micro and tiny models) instead of the peer comparison")

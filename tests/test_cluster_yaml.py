@@ -314,3 +314,20 @@ def test_every_spot_watcher_flag_is_accepted_by_the_cli(prepared: dict[str, Any]
             pytest.fail(f"{where}: `elastic-llm spot-watcher {' '.join(flags)}` is refused by the CLI parser")
         assert args.command == "spot-watcher"
     assert seen, "cluster.yaml never runs `elastic-llm spot-watcher`"
+
+
+def test_head_sets_fast_node_failure_detection_that_ray_start_accepts(cluster: dict[str, Any]) -> None:
+    import json
+    import shlex
+
+    from ray.scripts.scripts import start
+
+    (command,) = [c for c in cluster["head_start_ray_commands"] if "ray start" in c]
+    args = shlex.split(command.split("ray start", 1)[1])
+    (flag,) = [a for a in args if a.startswith("--system-config=")]
+    config = json.loads(flag.split("=", 1)[1])
+    # a vanished node is declared dead after threshold missed checks: within 5 s, not Ray's ~15 s
+    detect_ms = config["health_check_failure_threshold"] * (config["health_check_period_ms"] + config.get("health_check_timeout_ms", 0))
+    assert detect_ms <= 6000, config
+    ctx = start.make_context("start", args, resilient_parsing=True)  # ray start's own parser takes the flag
+    assert ctx.params["system_config"] == config
