@@ -5,10 +5,10 @@ For each config (default ``jobs/tiny.yaml`` and ``jobs/llama-25m.yaml``), on one
 ``ray.cluster_utils.Cluster`` (a head without CPUs + 1-CPU worker nodes, fast health checks as
 in the tests), live :class:`~elastic_llm.controller.Trainer` runs (snapshots every step,
 ``train.eval_every=0``, warm standbys as shipped: ``recovery.standby`` 1 per node) warm up for
-``warmup`` steps. After the last warm-up step the benchmark waits (between steps, at most
+``warmup`` steps. After the first step the benchmark waits (between steps, at most
 :data:`STANDBY_WAIT_S`) until every node hosting the run's stages has a started standby (the
-product starts them ahead of time: that is their point) and notes their pids; then, during step
-``warmup + 1``:
+product starts them ahead of time: that is their point; waiting there also keeps their start out
+of the steady steps), notes their pids, and trains on; then, during step ``warmup + 1``:
 
 * ``local_smp``: dp=1, a stage process is SIGKILLed (chaos ``kill: stage``, its node lives): the
   stage is restored from its node's snapshot manager, the survivors roll back to the committed step;
@@ -263,6 +263,8 @@ def path_result(t: dict[str, Any], adopted: bool | None) -> dict[str, Any]:
         "adopted": adopted,
         "rollback_steps": t.get("rollback_steps", 0),
     }
+    # the steps rolled back are trained again: lost too, beyond the measure
+    out["lost_incl_rollback_s"] = _r(out["lost_s"] + out["rollback_steps"] * t["steady_step_s"]) if out["lost_s"] is not None else None
     if "drain" in t:
         out["pause_s"] = _r(t["handler_s"] + t["next_step_s"] - t["steady_step_s"]) if t["steady_step_s"] else None
         out["how"] = t["drain"].get("how")
@@ -613,8 +615,11 @@ def _run_path(
         nonlocal timer
         steps.append({"step": rec["step"], "t": time.time(), "step_s": tokens / rec["tokens_per_s"], "dp": rec.get("dp")})
         pool = getattr(trainer.group, "pool", None)
+        if rec["step"] == 1 and "standby_wait_s" not in seen:
+            # before the failure (the point of standbys), and before the steady steps: standbys starting
+            # beside the warm-up (importing torch on the same cores) would slow the steps taken as steady
+            seen["standby_wait_s"] = _wait_for_standbys(trainer)
         if rec["step"] == warmup and "pids_before" not in seen:
-            seen["standby_wait_s"] = _wait_for_standbys(trainer)  # before the failure: the point of standbys
             seen["pids_before"] = dict(trainer.group.pids)
             seen["standby_ready"] = dict(pool.ready()) if pool is not None else None
         if pool is not None:
@@ -797,7 +802,8 @@ def _notes(r: dict[str, Any]) -> list[str]:
         ),
         (
             "adopted: whether the actor that replaced the lost one runs in a warm standby process seen before the failure "
-            "(pids compared); before the failure the run waited until every node hosting stages had a ready standby."
+            "(pids compared); after step 1 the run waited until every node hosting stages had a ready standby, so the steady "
+            "steps (2..warmup) and the failure find them started. lost_incl_rollback_s adds the rolled-back steps (trained again)."
         ),
         (
             "drain: pause_s = the draining state plus the first step after it, minus one steady step; how = stages (per-stage "

@@ -117,7 +117,7 @@ def test_path_result_of_a_recovery_is_lost_time_and_its_parts():
     r = path_result(t, True)
     assert r["lost_s"] == 1.5 and r["detect_s"] == 0.4 and r["first_step_s"] == 1.5  # 2.5 s window, one steady step of 1 s
     assert (r["plan_s"], r["actor_s"], r["state_s"], r["adopted"], r["rollback_steps"]) == (0.1, 0.2, 0.3, True, 1)
-    assert "pause_s" not in r
+    assert "pause_s" not in r and r["lost_incl_rollback_s"] == 2.5  # the rolled-back step is trained again
 
 
 def test_path_result_of_a_drain_reports_the_training_pause():
