@@ -233,7 +233,8 @@ def test_the_spot_watcher_drains_on_a_notice_so_the_stages_move_first_with_no_ro
     assert victim in seen_draining, "Ray never showed the victim as draining"
     [drain] = events(tmp_path, "drain")
     assert moved_in_s < 20, "the stages were not moved before the deadline"
-    assert drain["node"] == victim and drain["moved"] == 2 and drain["rollback_steps"] == 0
+    # the victim hosts one of the two stages and the other nodes have room for it: just that stage moves
+    assert drain["node"] == victim and drain["moved"] == 1 and drain["how"] == "stages" and drain["rollback_steps"] == 0
     assert 0 < drain["deadline_s"] <= 20
     assert events(tmp_path, "recovery") == []  # the node went after the move: nothing to recover
     assert victim not in t.group.nodes.values()

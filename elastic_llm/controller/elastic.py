@@ -211,7 +211,11 @@ class ElasticExecutor:
         g = self.group
         width = g.width
         affected = g.replicas_on(nodes)
-        if affected:
+        on_nodes = [k for k in g.keys() if g.nodes.get(k) in nodes]
+        if affected and not all(k in g.stage_spares for k in on_nodes):
+            # whole replicas change: let the versions in flight commit first. Per-stage moves do
+            # not wait: a version whose copy of a moved actor was not collected yet is discarded
+            # (the committed one stays), so the pause is only the state copy
             self._settle_snapshots()
         moved = dropped = stayed = 0
         hows: set[str] = set()
