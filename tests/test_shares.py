@@ -1,0 +1,59 @@
+"""The cut of a step's global batch at any data-parallel width, pure (no Ray, no torch)."""
+
+import numpy as np
+import pytest
+
+from elastic_llm.pipeline.shares import cut, even_sizes, microbatch_sizes, replica_microbatches, replica_shares, weighted_mean
+
+CASES = [(b, w, m) for b in (1, 2, 5, 8, 12, 16, 17) for w in range(1, b + 1) for m in (1, 2, 3, 4, 8)]
+
+
+@pytest.mark.parametrize("batch,width,micro", CASES)
+def test_every_replica_takes_whole_sequences_and_runs_at_most_m_microbatches(batch, width, micro):
+    shares = replica_shares(batch, width)
+    assert len(shares) == width and sum(shares) == batch
+    assert list(shares) == [batch // width + (1 if r < batch % width else 0) for r in range(width)]
+    sizes = replica_microbatches(batch, width, micro)
+    for share, mbs in zip(shares, sizes):
+        assert len(mbs) == min(micro, share)
+        assert sum(mbs) == share and min(mbs) >= 1
+        assert max(mbs) - min(mbs) <= 1
+        assert list(mbs) == sorted(mbs, reverse=True)  # np.array_split's order: the larger ones first
+        assert list(mbs) == [len(a) for a in np.array_split(np.arange(share), len(mbs))]
+
+
+def test_the_replicas_shares_are_the_global_batch_in_order():
+    x = np.arange(16 * 3).reshape(16, 3)
+    sizes = replica_microbatches(16, 3, 4)
+    assert sizes == ((2, 2, 1, 1), (2, 1, 1, 1), (2, 1, 1, 1))
+    parts = cut(x, [sum(m) for m in sizes])
+    assert [len(p) for p in parts] == [6, 5, 5]
+    micro = [mb for share, mbs in zip(parts, sizes) for mb in cut(share, mbs)]
+    np.testing.assert_array_equal(np.concatenate(micro), x)
+
+
+def test_a_replica_with_fewer_sequences_than_microbatches_runs_one_per_sequence():
+    assert replica_microbatches(8, 3, 4) == ((1, 1, 1), (1, 1, 1), (1, 1))
+    assert replica_microbatches(16, 5, 4) == ((1, 1, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1), (1, 1, 1))
+    assert microbatch_sizes(5, 4) == (2, 1, 1, 1)
+
+
+def test_a_width_above_the_batch_cannot_be_cut():
+    with pytest.raises(ValueError, match="every replica needs at least one sequence"):
+        replica_shares(4, 5)
+    with pytest.raises(ValueError):
+        replica_shares(4, 0)
+    with pytest.raises(ValueError, match="do not cover"):
+        cut(np.zeros((5, 2)), (2, 2))
+    assert even_sizes(0, 3) == (0, 0, 0)
+
+
+def test_the_weighted_mean_is_the_mean_over_sequences():
+    per_sequence = np.random.default_rng(0).random(8)
+    sizes = (3, 3, 2)
+    means = [float(p.mean()) for p in cut(per_sequence, sizes)]
+    assert weighted_mean(means, sizes) == pytest.approx(float(per_sequence.mean()), rel=1e-12)
+    assert weighted_mean(means, sizes) != pytest.approx(float(np.mean(means)), rel=1e-9)  # not the mean of the means
+    with pytest.raises(ValueError):
+        weighted_mean([1.0], (1, 1))
+
