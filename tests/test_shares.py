@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from elastic_llm.pipeline.shares import cut, even_sizes, microbatch_sizes, replica_microbatches, replica_shares, weighted_mean
+from elastic_llm.snapshot.records import ShardKey
 
 CASES = [(b, w, m) for b in (1, 2, 5, 8, 12, 16, 17) for w in range(1, b + 1) for m in (1, 2, 3, 4, 8)]
 
@@ -57,3 +58,41 @@ def test_the_weighted_mean_is_the_mean_over_sequences():
     with pytest.raises(ValueError):
         weighted_mean([1.0], (1, 1))
 
+
+# --------------------------------------------------------------------------- the driver's plans
+
+
+@pytest.mark.parametrize("schedule,swapped", [("1f1b", False), ("gpipe", False), ("1f1b", True)])
+def test_each_plan_carries_its_replicas_rows_microbatches_and_ops(schedule, swapped):
+    from elastic_llm.pipeline.executor import RayStepExecutor
+
+    stages, width, micro, batch = 4, 3, 4, 8
+    ex = RayStepExecutor([[object()] * stages for _ in range(width)], schedule, micro, swapped=swapped)
+    x = np.arange(batch * 5).reshape(batch, 5)
+    plans = ex.plans(1, x, x + 1000, None)
+    assert len(plans) == stages * width
+    rows = []
+    for r, sizes in enumerate(((1, 1, 1), (1, 1, 1), (1, 1))):
+        for s in range(stages):
+            plan = plans[ShardKey(s, r)]
+            assert plan.micro_sizes == sizes and plan.batch == batch
+            ops = plan.op_list()
+            assert {op.mb for op in ops} == set(range(len(sizes)))  # the schedule of its own microbatch count
+            assert sum(op.kind == "F" for op in ops) == sum(op.kind == "B" for op in ops)
+        rows.append(plans[ShardKey(0, r)].tokens)
+        np.testing.assert_array_equal(plans[ShardKey(stages - 1, r)].targets, plans[ShardKey(0, r)].tokens + 1000)
+        assert plans[ShardKey(1, r)].tokens is None and plans[ShardKey(1, r)].targets is None
+    np.testing.assert_array_equal(np.concatenate(rows), x)
+
+
+def test_the_steps_loss_weights_every_microbatch_by_its_sequences():
+    from elastic_llm.pipeline.executor import PendingStep
+    from elastic_llm.pipeline.plan import StepReport
+
+    sizes = ((2, 1), (1, 1))  # 5 sequences over 2 replicas
+    losses = {0: (1.0, 4.0), 1: (2.0, 3.0)}
+    reports = {ShardKey(1, r): StepReport(ShardKey(1, r), 1, losses[r], 0.5, 1e-3) for r in (0, 1)}
+    pending = PendingStep(1, 1, 2, 2, {}, sizes, reports=dict(reports))
+    assert pending.result().loss == pytest.approx((2 * 1.0 + 4.0 + 2.0 + 3.0) / 5)
+    del pending.reports[ShardKey(1, 1)]
+    assert np.isnan(pending.result().loss)  # a replica's losses are missing
