@@ -81,8 +81,8 @@ def test_pipeline_matches_unsplit_model(ray_local, schedule, stages, dp):
             ref_norm = float(np.sqrt(sum(float((ref_grads[n].astype(np.float64) ** 2).sum()) for n in names)))
             norms = [result.reports[k].grad_norm for k in result.reports if k.stage == s]
             assert len(norms) == dp
-            np.testing.assert_allclose(norms, ref_norm, rtol=2e-4, err_msg=f"stage {s}: gradient (averaged over {dp} replicas) differs")
-            assert len(set(norms)) == 1, f"stage {s}: replicas averaged to different gradients: {norms}"
+            np.testing.assert_allclose(norms, ref_norm, rtol=2e-4, err_msg=f"stage {s}: gradient (summed over {dp} replicas) differs")
+            assert len(set(norms)) == 1, f"stage {s}: replicas summed to different gradients: {norms}"
             params = [ray.get(actors[r][s].parameters.remote()) for r in range(dp)]
             for other in params[1:]:  # the all-reduce left every replica with identical bits
                 for name in params[0]:

@@ -32,7 +32,7 @@ class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     SHADOW = "shadow"  # the redundant copy's backward (recovery.mode: redundant)
-    ALLREDUCE = "allreduce"  # gradient averaging among the replicas of the stage
+    ALLREDUCE = "allreduce"  # gradient sum among the replicas of the stage (each weighted by its share)
     BARRIER = "barrier"  # every actor of the run finished its gradients: updates may start
     UPDATE = "update"  # clip, optimizer step, LR schedule, snapshot copy
 
