@@ -96,3 +96,43 @@ def test_the_steps_loss_weights_every_microbatch_by_its_sequences():
     assert pending.result().loss == pytest.approx((2 * 1.0 + 4.0 + 2.0 + 3.0) / 5)
     del pending.reports[ShardKey(1, 1)]
     assert np.isnan(pending.result().loss)  # a replica's losses are missing
+
+
+# --------------------------------------------------------------------------- one stage, in process
+
+
+def test_a_stage_weights_uneven_microbatches_into_the_gradient_of_the_global_mean():
+    """Two one-stage replicas take 3 and 2 of 5 sequences in microbatches of (2, 1) and (1, 1),
+    each loss weighted by its sequences / 5: their gradients summed are the unsplit model's
+    gradient of the mean loss over the 5 sequences. A replica numbered as the width (a spare
+    before it joins) builds too."""
+    import torch
+
+    from elastic_llm.config import config_from_dict
+    from elastic_llm.model import build_full_model, lm_loss
+    from elastic_llm.pipeline.stage import StageWorker
+
+    cfg = config_from_dict(
+        {
+            "model": {"dim": 32, "n_heads": 2, "n_layers": 2, "seq_len": 8},
+            "parallel": {"stages": 1, "dp": 2, "microbatches": 2},
+            "train": {"batch_size": 5},
+        }
+    )
+    tokens = np.random.default_rng(3).integers(0, 256, size=(5, 9))
+    x, y = tokens[:, :-1].copy(), tokens[:, 1:].copy()
+    model = build_full_model(cfg.model.shape(), cfg.train.seed)
+    lm_loss(model(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+    summed: dict[str, np.ndarray] = {}
+    for r, sizes in enumerate(replica_microbatches(5, 2, 2)):
+        worker = StageWorker(cfg, 0, r, 2)
+        worker.set_microbatches(sizes, 5)
+        rows = sum(map(sum, replica_microbatches(5, 2, 2)[:r]))
+        for mb, (xm, ym) in enumerate(zip(cut(x[rows : rows + sum(sizes)], sizes), cut(y[rows : rows + sum(sizes)], sizes))):
+            worker.forward(mb, xm, ym)
+            worker.backward(mb)
+        for name, g in worker.grads().items():
+            summed[name] = g if name not in summed else summed[name] + g
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(summed[name], p.grad.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+    assert StageWorker(cfg, 0, 2, 2).micro_per_replica == 2  # a spare's default: the whole batch in 2 microbatches

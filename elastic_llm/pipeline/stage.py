@@ -41,7 +41,7 @@ from elastic_llm.pipeline.copies import BackgroundCopies
 from elastic_llm.pipeline.plan import InjectedFault, StepPlan, StepReport
 from elastic_llm.pipeline.redundant import Shadow
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
-from elastic_llm.pipeline.shares import replica_microbatches
+from elastic_llm.pipeline.shares import microbatch_sizes
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
 from elastic_llm.monitor import StageState
 from elastic_llm.telemetry import Metrics
@@ -123,7 +123,7 @@ class StageWorker:
         from elastic_llm.snapshot.state import StateArena
 
         self.arena = StateArena(self.module, self.optimizer)  # state in one block: copies are single memcpys
-        self.set_microbatches(replica_microbatches(train.batch_size, self.dp, par.microbatches)[replica], train.batch_size)  # each plan sets its own
+        self.set_microbatches(microbatch_sizes(train.batch_size, par.microbatches), train.batch_size)  # the whole batch, until a plan sets this replica's
         self.backwards_done = 0  # visits backpropagated in the current step
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (microbatch, visit) -> input
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
