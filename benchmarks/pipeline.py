@@ -348,6 +348,11 @@ def run_pipeline_bench(
     # the pipeline alone: no snapshots (bench snapshot measures those), no validation
     cfg = load_config(config_path, ["snapshot.enabled=false", "train.eval_every=0", *overrides])
     par, train = cfg.parallel, cfg.train
+    if train.batch_size % (par.dp * par.microbatches):  # the peers cut it evenly (np.split, n_microbatches)
+        raise ValueError(
+            f"bench pipeline's peers need equal microbatches: train.batch_size={train.batch_size} must be a multiple of "
+            f"parallel.dp x parallel.microbatches = {par.dp * par.microbatches} (the product itself takes any width)"
+        )
     tokens_per_step = cfg.tokens_per_step()
     notes: list[str] = []
     machine = machine_info()

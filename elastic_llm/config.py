@@ -71,7 +71,7 @@ class ParallelConfig:
     stages: int = 4
     dp: int = 1
     schedule: str = "1f1b"
-    microbatches: int = 4
+    microbatches: int = 4  # per replica and step; a replica whose share has fewer sequences runs one per sequence
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0
     threads_per_actor: int | None = None  # None: max(1, int(cpus_per_actor))
@@ -83,7 +83,7 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 16  # sequences per optimizer step, summed over data-parallel replicas
+    batch_size: int = 16  # sequences per optimizer step, summed over data-parallel replicas (replica r of w takes batch_size // w, one more if r < batch_size % w)
     max_steps: int = 100
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -283,12 +283,6 @@ def _validate(c: RunConfig) -> list[str]:
         p.append(f"parallel.gpus_per_actor={par.gpus_per_actor} must be >= 0 (fractions like 0.5 share a GPU)")
     if par.threads_per_actor is not None and par.threads_per_actor <= 0:
         p.append(f"parallel.threads_per_actor={par.threads_per_actor} must be > 0 (or null for cpus_per_actor)")
-    per = par.dp * par.microbatches
-    if t.batch_size % per:
-        p.append(
-            f"train.batch_size={t.batch_size} is not divisible by parallel.dp x parallel.microbatches = {per}: "
-            f"use a multiple of {per}, e.g. {per * max(1, round(t.batch_size / per))}"
-        )
     p += _validate_elastic(c)
     if t.min_lr < 0 or t.min_lr > t.lr:
         p.append(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
@@ -416,11 +410,6 @@ def _validate_recovery_mode(c: RunConfig) -> list[str]:
     return p
 
 
-def allowed_widths(batch_size: int, microbatches: int) -> list[int]:
-    """Data-parallel widths that split ``batch_size`` sequences into whole microbatches."""
-    return [w for w in range(1, batch_size + 1) if batch_size % (w * microbatches) == 0]
-
-
 def _validate_elastic(c: RunConfig) -> list[str]:
     p: list[str] = []
     el, par, t = c.elastic, c.parallel, c.train
@@ -434,25 +423,13 @@ def _validate_elastic(c: RunConfig) -> list[str]:
         )
     if el.grow_check_s <= 0:
         p.append(f"elastic.grow_check_s={el.grow_check_s} must be > 0 seconds")
-    ok = allowed_widths(t.batch_size, par.microbatches)
-    bad = [w for w in range(max(lo, 1), hi + 1) if w not in ok]
-    if bad and lo >= 1 and not p:
+    if hi > t.batch_size and not p:  # any width up to the batch size works (pipeline/shares.py)
+        widest = "elastic.max_replicas" if el.max_replicas is not None else "parallel.dp"
         p.append(
-            f"train.batch_size={t.batch_size} (the global batch) does not split into whole microbatches of "
-            f"parallel.microbatches={par.microbatches} at width(s) {bad} between elastic.min_replicas={lo} and "
-            f"elastic.max_replicas={hi}: widths that work are {ok}; choose bounds among them or a batch size that "
-            f"is a multiple of {par.microbatches} x every width (e.g. {par.microbatches * _lcm(range(max(lo, 1), hi + 1))})"
+            f"{widest}={hi} replicas is more than train.batch_size={t.batch_size} sequences: every replica needs "
+            f"at least one sequence of the global batch; lower {widest} or raise train.batch_size to at least {hi}"
         )
     return p
-
-
-def _lcm(values: Any) -> int:
-    import math
-
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out
 
 
 # --------------------------------------------------------------------------- loading

@@ -32,7 +32,7 @@ def test_paper_shapes():
     [
         ("parallel.stages=3", "parallel.stages=3 does not divide model.n_layers=4: choose parallel.stages in {1, 2, 4}"),
         ("model.n_heads=3", "model.dim=256 is not divisible by model.n_heads=3"),
-        ("train.batch_size=10", "train.batch_size=10 is not divisible by parallel.dp x parallel.microbatches = 4"),
+        ("parallel.dp=17", "parallel.dp=17 replicas is more than train.batch_size=16 sequences: every replica needs at least one sequence"),
         ("parallel.schedule=zigzag", "parallel.schedule='zigzag' is unknown: use one of gpipe, 1f1b"),
         ("train.lrr=0.1", "unknown key train.lrr: valid keys of train are batch_size"),
         ("model.dim=big", "model.dim='big' must be an integer"),
@@ -116,12 +116,32 @@ def test_elastic_bounds_must_hold_the_starting_width():
         load_config(None, ["elastic.min_replicas=2", "train.batch_size=16", "parallel.microbatches=2"])
 
 
-def test_elastic_widths_must_split_the_global_batch_into_whole_microbatches():
-    # 12 sequences, 2 microbatches: widths 1, 2, 3, 6 work; 4 does not
-    with pytest.raises(ConfigError, match=r"at width\(s\) \[4\].*widths that work are \[1, 2, 3, 6\]"):
-        load_config(None, ["train.batch_size=12", "parallel.microbatches=2", "elastic.min_replicas=1", "elastic.max_replicas=4"])
-    cfg = load_config(None, ["train.batch_size=12", "parallel.microbatches=2", "elastic.min_replicas=1", "elastic.max_replicas=3"])
-    assert cfg.elastic.bounds(cfg.parallel.dp) == (1, 3)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.batch_size=12", "parallel.microbatches=2", "elastic.min_replicas=1", "elastic.max_replicas=4"],
+        ["train.batch_size=16", "parallel.microbatches=4", "elastic.min_replicas=1", "elastic.max_replicas=4"],
+        ["train.batch_size=8", "parallel.microbatches=4", "parallel.dp=3"],
+        ["train.batch_size=10", "parallel.microbatches=4"],
+        ["train.batch_size=5", "parallel.microbatches=4", "parallel.dp=5"],  # one sequence per replica
+    ],
+)
+def test_every_width_up_to_the_batch_size_is_accepted(overrides):
+    # widths that leave a share not divisible into whole microbatches used to be refused
+    cfg = load_config(None, overrides)
+    assert cfg.elastic.bounds(cfg.parallel.dp)[1] <= cfg.train.batch_size
+
+
+def test_the_spot_replay_config_may_grow_to_four_replicas():
+    cfg = load_config(os.path.join(REPO, "jobs", "spot-tiny.yaml"), ["elastic.max_replicas=4"])
+    assert (cfg.train.batch_size, cfg.parallel.microbatches, cfg.elastic.bounds(cfg.parallel.dp)) == (16, 4, (1, 4))
+
+
+def test_a_width_above_the_batch_size_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"elastic.max_replicas=5 replicas is more than train.batch_size=4 sequences: .*lower elastic.max_replicas or raise train.batch_size to at least 5"):
+        load_config(None, ["train.batch_size=4", "elastic.min_replicas=1", "elastic.max_replicas=5"])
+    with pytest.raises(ConfigError, match=r"parallel.dp=3 replicas is more than train.batch_size=2"):
+        load_config(None, ["train.batch_size=2", "parallel.dp=3"])
 
 
 def test_the_width_is_not_part_of_the_config_identity():

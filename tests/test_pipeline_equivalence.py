@@ -34,9 +34,9 @@ def full_model_reference(cfg, x, y):
     return float(loss.detach()), {n: p.grad.numpy() for n, p in model.named_parameters()}, {n: p.detach().numpy() for n, p in model.named_parameters()}
 
 
-def stage_actors(cfg, stages, dp):
+def stage_actors(cfg, stages, dp, replicas=None):
     Actor = ray.remote(concurrency_groups={"snapshot": 1, "status": 1, "control": 1})(StageWorker).options(num_cpus=0.25)
-    return [[Actor.remote(cfg.to_dict(), s, r, dp) for s in range(stages)] for r in range(dp)]
+    return [[Actor.remote(cfg.to_dict(), s, r, dp) for s in range(stages)] for r in (replicas if replicas is not None else range(dp))]
 
 
 def kill_all(actors):
@@ -81,8 +81,8 @@ def test_pipeline_matches_unsplit_model(ray_local, schedule, stages, dp):
             ref_norm = float(np.sqrt(sum(float((ref_grads[n].astype(np.float64) ** 2).sum()) for n in names)))
             norms = [result.reports[k].grad_norm for k in result.reports if k.stage == s]
             assert len(norms) == dp
-            np.testing.assert_allclose(norms, ref_norm, rtol=2e-4, err_msg=f"stage {s}: gradient (averaged over {dp} replicas) differs")
-            assert len(set(norms)) == 1, f"stage {s}: replicas averaged to different gradients: {norms}"
+            np.testing.assert_allclose(norms, ref_norm, rtol=2e-4, err_msg=f"stage {s}: gradient (summed over {dp} replicas) differs")
+            assert len(set(norms)) == 1, f"stage {s}: replicas summed to different gradients: {norms}"
             params = [ray.get(actors[r][s].parameters.remote()) for r in range(dp)]
             for other in params[1:]:  # the all-reduce left every replica with identical bits
                 for name in params[0]:
@@ -205,3 +205,131 @@ def test_a_width_change_rebuilds_the_links_and_the_all_reduce_group(ray_local):
         assert [ray.get(a.info.remote()).step for a in actors[1]] == [1, 1]  # the dropped replica took no part
     finally:
         kill_all(actors)
+
+
+# --------------------------------------------------------------------------- any width
+
+
+def token_batch(cfg, seed):
+    tokens = np.random.default_rng(seed).integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
+    return tokens[:, :-1].copy(), tokens[:, 1:].copy()
+
+
+def train_steps(cfg, width, batches):
+    """Run ``batches`` as steps 1, 2, ... on fresh actors of ``width`` replicas (2 stages); returns
+    the step results and every replica's parameters afterwards, ``params[replica][stage]``."""
+    actors = stage_actors(cfg, 2, width)
+    try:
+        ex = RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches)
+        results = [ex.finish(ex.start(i + 1, x, y)) for i, (x, y) in enumerate(batches)]
+        params = [ray.get([a.parameters.remote() for a in row]) for row in actors]
+        return results, params
+    finally:
+        kill_all(actors)
+
+
+_RUNS = {}
+
+
+def cached_steps(batch, micro, width, seeds):
+    """:func:`train_steps` on the batches of ``seeds`` (each run once per module)."""
+    key = (batch, micro, width, seeds)
+    if key not in _RUNS:
+        cfg = small_config(2, width, "1f1b", micro=micro, batch=batch)
+        _RUNS[key] = train_steps(cfg, width, [token_batch(cfg, seed) for seed in seeds])
+    return _RUNS[key]
+
+
+def width_one(batch, micro, seeds):
+    return cached_steps(batch, micro, 1, seeds)
+
+
+def assert_same_as_width_one(results, params, ref_results, ref_params):
+    """Loss and per-stage gradient norm of every step, and parameters after the last update,
+    equal the width-1 run within 1e-6; every replica holds the same bits."""
+    for got, ref in zip(results, ref_results, strict=True):
+        assert abs(got.loss - ref.loss) <= 1e-6, (got.loss, ref.loss)
+        np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-6, atol=1e-6)
+        norms = {k: rep.grad_norm for k, rep in got.reports.items()}
+        assert all(norms[k] == norms[ShardKey(k.stage, 0)] for k in norms), f"replicas' gradient norms differ: {norms}"
+    for s, ref in enumerate(ref_params[0]):
+        moved = max(float(np.abs(ref[n] - v).max()) for n, v in width_one_initial(s).items())
+        assert moved > 1e-5, "the update moved nothing: the comparison would be empty"
+        for name in ref:
+            np.testing.assert_allclose(params[0][s][name], ref[name], rtol=0, atol=1e-6, err_msg=f"stage {s} {name}")
+        for r in range(1, len(params)):
+            for name in ref:
+                np.testing.assert_array_equal(params[r][s][name], params[0][s][name], err_msg=f"replica {r} stage {s} {name}")
+
+
+def width_one_initial(stage):
+    """Stage ``stage``'s initial parameters (2 stages; the same at every width and batch)."""
+    from elastic_llm.model import build_stage
+
+    cfg = small_config(2, 1, "1f1b")
+    module = build_stage(cfg.model.shape(), 2, stage, cfg.train.seed)
+    return {n: p.detach().numpy() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "batch,micro,width",
+    [
+        (16, 4, 3),  # shares 6, 5, 5: microbatches (2, 2, 1, 1), (2, 1, 1, 1), (2, 1, 1, 1)
+        (16, 4, 5),  # shares 4, 3, 3, 3, 3: four replicas run 3 microbatches
+        (8, 4, 3),  # shares 3, 3, 2: every replica has fewer sequences than microbatches
+    ],
+)
+def test_a_step_at_any_width_equals_the_width_one_step(ray_local, batch, micro, width):
+    """Widths that do not split the batch into whole microbatches train the same step as one
+    replica: uneven shares, fewer microbatches where a share is small, weighted losses, and the
+    replicas' gradients summed in replica order."""
+    from elastic_llm.pipeline.shares import replica_microbatches
+
+    results, params = cached_steps(batch, micro, width, (11,))
+    heads = [results[0].reports[ShardKey(1, r)].losses for r in range(width)]
+    assert [len(h) for h in heads] == [len(m) for m in replica_microbatches(batch, width, micro)]
+    assert_same_as_width_one(results, params, *width_one(batch, micro, (11,)))
+
+
+def test_the_same_config_and_seed_give_the_same_bits_twice(ray_local):
+    """A second run on fresh actors of the step at width 3 (8 sequences, 4 microbatches)."""
+    cfg = small_config(2, 3, "1f1b", micro=4, batch=8)
+    first, p_first = cached_steps(8, 4, 3, (11,))
+    second, p_second = train_steps(cfg, 3, [token_batch(cfg, 11)])
+    assert first[0].loss == second[0].loss
+    assert first[0].grad_norms == second[0].grad_norms
+    for r in range(3):
+        for s in range(2):
+            for name in p_first[r][s]:
+                np.testing.assert_array_equal(p_first[r][s][name], p_second[r][s][name])
+
+
+def test_a_width_change_from_two_to_three_replicas_keeps_the_width_one_math(ray_local):
+    """Two replicas train a step; a third joins with replica 0's state (as a grow does) and the
+    three train the next step on the same global batch of 8 sequences (shares 3, 3, 2 in
+    microbatches of one): a new generation of links, replicas bit-identical, and both steps
+    equal two steps at width 1 within 1e-6."""
+    cfg = small_config(2, 2, "1f1b", micro=4, batch=8)
+    batches = [token_batch(cfg, seed) for seed in (12, 13)]
+    actors, joined = stage_actors(cfg, 2, 2), []
+    try:
+        ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches)
+        first = ex.finish(ex.start(1, *batches[0]))
+        joined = stage_actors(cfg, 2, 3, replicas=[2])[0]
+        ray.get([joined[s].load_state.remote(*actors[0][s].capture_state.options(num_returns=2).remote()) for s in range(2)])
+        grown = actors + [joined]
+        ray.get([grown[r][s].set_width.remote(r, 3) for r in range(3) for s in range(2)])
+        ex3 = RayStepExecutor(grown, "1f1b", cfg.parallel.microbatches)
+        second = ex3.finish(ex3.start(2, *batches[1]))
+        assert ex3.generation > ex.generation
+        assert set(second.reports) == {ShardKey(s, r) for r in range(3) for s in range(2)}
+        assert [len(second.reports[ShardKey(1, r)].losses) for r in range(3)] == [3, 3, 2]
+        params = [ray.get([a.parameters.remote() for a in row]) for row in grown]
+        assert_same_as_width_one([first, second], params, *width_one(8, 4, (12, 13)))
+        x, y = batches[0]  # evaluation of replica 0's share at width 3: 3 sequences in 3 microbatches; 5 in (2, 1, 1, 1)
+        per_sequence = [ex3.eval_loss(x[i : i + 1], y[i : i + 1]) for i in range(5)]
+        assert abs(ex3.eval_loss(x[:3], y[:3]) - np.mean(per_sequence[:3])) <= 1e-6
+        assert abs(ex3.eval_loss(x[:5], y[:5]) - np.mean(per_sequence)) <= 1e-6
+    finally:
+        kill_all(actors)
+        kill_all([joined])

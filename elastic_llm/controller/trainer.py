@@ -72,6 +72,7 @@ from elastic_llm.durable.restore import check_fits
 from elastic_llm.durable.tier import DurableTier
 from elastic_llm.model import count_parameters
 from elastic_llm.pipeline.executor import PendingStep, RayStepExecutor, StepExecutor, StepFailed, StepResult
+from elastic_llm.pipeline.shares import replica_shares
 from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
 from elastic_llm.recovery.policy import RecoveryPolicy, UnrecoverableError
 from elastic_llm.spans import Spans
@@ -385,8 +386,8 @@ class Trainer:
     def evaluate(self) -> float:
         assert self.executor is not None
         stream = TokenStream(self.val_tokens, self.cfg.model.seq_len, seed=0, shuffle=False)
-        per_replica = self.cfg.train.batch_size // self.group.width
-        losses = [self.executor.eval_loss(*stream.next_batch(per_replica)) for _ in range(self.cfg.train.eval_batches)]
+        share = replica_shares(self.cfg.train.batch_size, self.group.width)[0]  # replica 0's share of a step's batch
+        losses = [self.executor.eval_loss(*stream.next_batch(share)) for _ in range(self.cfg.train.eval_batches)]
         return float(np.mean(losses))
 
     # ------------------------------------------------------------------ the run

@@ -1,12 +1,14 @@
-"""Gradient averaging among the replicas of one stage, over the step's links.
+"""Gradient summing among the replicas of one stage, over the step's links.
 
-Owns: the all-reduce (mean) of a flat float32 gradient: a direct reduce-scatter (replica j owns
-chunk j; every other replica sends it that chunk) and an all-gather (each owner sends its averaged
-chunk to every other replica). The owner adds the contributions in replica order 0, 1, ..., DP-1
-and divides by DP, exactly the element-wise operations of averaging whole gradients in replica
-order, so every replica ends with identical bits, and the same bits as before the exchange moved
-into the actors. Each replica sends 2 (DP - 1) / DP of its gradient (1.5x at DP = 4), like a ring,
-in two rounds instead of 2 (DP - 1). Never decides who the replicas are: the plan's peers say.
+Owns: the all-reduce (sum) of a flat float32 gradient: a direct reduce-scatter (replica j owns
+chunk j; every other replica sends it that chunk) and an all-gather (each owner sends its summed
+chunk to every other replica). The owner adds the contributions in replica order 0, 1, ..., DP-1,
+exactly the element-wise operations of summing whole gradients in replica order, so every replica
+ends with identical bits and the result does not depend on timing. A sum, not a mean: each
+replica's gradient is already weighted by its share of the global batch
+(:mod:`elastic_llm.pipeline.shares`), which may differ between replicas. Each replica sends
+2 (DP - 1) / DP of its gradient (1.5x at DP = 4), like a ring, in two rounds instead of
+2 (DP - 1). Never decides who the replicas are: the plan's peers say.
 """
 
 from __future__ import annotations
@@ -14,24 +16,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from elastic_llm.pipeline.shares import even_sizes
 from elastic_llm.pipeline.transport import Msg, Transport
 from elastic_llm.snapshot.records import ShardKey
 
 
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous ranges covering ``range(n)``, sizes differing by at most one."""
-    base, extra = divmod(n, parts)
     bounds, lo = [], 0
-    for j in range(parts):
-        hi = lo + base + (1 if j < extra else 0)
-        bounds.append((lo, hi))
-        lo = hi
+    for size in even_sizes(n, parts):
+        bounds.append((lo, lo + size))
+        lo += size
     return bounds
 
 
-def allreduce_mean(transport: Transport, flat: np.ndarray, replicas: list[ShardKey], me: int) -> np.ndarray:
-    """The mean of ``flat`` over ``replicas`` (this stage's actors in replica order; this actor is
-    ``replicas[me]``). Returns a new array; ``flat`` is not modified."""
+def allreduce_sum(transport: Transport, flat: np.ndarray, replicas: list[ShardKey], me: int) -> np.ndarray:
+    """The sum of ``flat`` over ``replicas`` (this stage's actors in replica order; this actor is
+    ``replicas[me]``), added in that order. Returns a new array; ``flat`` is not modified."""
     dp = len(replicas)
     if dp == 1:
         return flat
@@ -41,14 +42,13 @@ def allreduce_mean(transport: Transport, flat: np.ndarray, replicas: list[ShardK
             transport.send(replicas[j], Msg.CHUNK, 0, j, flat[lo:hi])
     lo, hi = bounds[me]
     parts = [flat[lo:hi] if r == me else transport.recv(replicas[r], Msg.CHUNK, 0, me) for r in range(dp)]
-    total = torch.from_numpy(np.array(parts[0]))  # torch's in-place ops, as whole-gradient averaging used
+    total = torch.from_numpy(np.array(parts[0]))  # torch's in-place adds
     for part in parts[1:]:  # fixed replica order: identical bits on every replica
         total += torch.from_numpy(part)
-    total /= dp
     total = total.numpy()
     out = np.empty_like(flat)
     out[lo:hi] = total
-    for j in range(dp):  # all-gather: my averaged chunk to every other replica
+    for j in range(dp):  # all-gather: my summed chunk to every other replica
         if j != me:
             transport.send(replicas[j], Msg.GATHER, 0, me, total)
     for r, (a, b) in enumerate(bounds):

@@ -1,8 +1,9 @@
 """The driver's side of a step: one :class:`StepPlan` to every stage actor, one report back.
 
 Owns: the :class:`StepExecutor` protocol the controller runs steps through; its Ray
-implementation, :class:`RayStepExecutor` (cutting the global batch into the replicas' token
-inputs, one ``run_step`` call per actor per step, the links of the membership set up before its
+implementation, :class:`RayStepExecutor` (cutting the global batch into the replicas' shares and
+their microbatches at any width (:mod:`elastic_llm.pipeline.shares`), each replica's schedule for
+its microbatch count, one ``run_step`` call per actor per step, the links of the membership set up before its
 first step and again after any failed step, waiting for the reports, aborting the others at the
 first failure, naming the root cause); and :func:`link_peers`, which actors talk to which (pure).
 The driver makes S x DP calls per step whatever the number of microbatches, and never holds an
@@ -22,6 +23,7 @@ import numpy as np
 
 from elastic_llm.pipeline.plan import FailureKind, Fault, StepPlan, StepReport, describe_failure, encode_ops
 from elastic_llm.pipeline.schedules import Route, build_schedule, routes, submission_order
+from elastic_llm.pipeline.shares import cut, microbatch_sizes, replica_microbatches, weighted_mean
 from elastic_llm.snapshot.records import ShardKey
 
 STEP_TIMEOUT_S = 900.0  # a step that takes longer is treated as a failure (a hung stage)
@@ -64,31 +66,35 @@ class PendingStep:
     n_stages: int
     dp: int
     refs: dict[ShardKey, Any]
+    micro_sizes: tuple[tuple[int, ...], ...]  # per replica, its microbatches' sizes (as planned)
     started: float = field(default_factory=time.perf_counter)
     reports: dict[ShardKey, StepReport] = field(default_factory=dict)
     lost: dict[ShardKey, BaseException] = field(default_factory=dict)  # calls that raised (the actor died)
 
     def result(self) -> StepResult:
-        """The step's result from the reports that came back: the loss needs the LM head's stage
-        of every replica (NaN otherwise); per stage, the first replica that answered."""
+        """The step's result from the reports that came back: the loss (every microbatch's loss
+        weighted by its sequences) needs the LM head's stage of every replica (NaN otherwise); per
+        stage, the first replica that answered."""
         last = self.n_stages - 1
         root = self.reports.get(ShardKey(0, 0))
-        per_replica = []
+        losses: list[float] = []
+        ok = True
         for r in range(self.dp):
             head = self.reports.get(ShardKey(last, r))
             if head is not None and head.ok:
-                per_replica.append(head.losses)
+                losses += head.losses
             elif root is not None and r in root.head_losses:  # the head died after the barrier
-                per_replica.append(root.head_losses[r])
-        ok = len(per_replica) == self.dp
-        losses = [x for part in per_replica for x in part]
+                losses += root.head_losses[r]
+            else:
+                ok = False
         norms, lr = [], float("nan")
         for s in range(self.n_stages):
             rep = next((self.reports[k] for k in (ShardKey(s, r) for r in range(self.dp)) if k in self.reports and self.reports[k].ok), None)
             if rep is not None:
                 norms.append(rep.grad_norm)
                 lr = rep.lr if math.isnan(lr) else lr
-        return StepResult(float(np.mean(losses)) if ok and losses else float("nan"), norms or [float("nan")], lr, dict(self.reports))
+        loss = weighted_mean(losses, [n for m in self.micro_sizes for n in m]) if ok else float("nan")
+        return StepResult(loss, norms or [float("nan")], lr, dict(self.reports))
 
 
 class StepExecutor(Protocol):
@@ -136,16 +142,25 @@ class RayStepExecutor:
     def __init__(self, actors: Sequence[Sequence[Any]], schedule: str, n_micro: int, swapped: bool = False, redundant: bool = False) -> None:
         self.actors = [list(r) for r in actors]
         self.dp, self.n_stages = len(self.actors), len(self.actors[0])
-        self.n_micro = n_micro
-        self.redundant = redundant
-        self.routes = routes(self.n_stages, n_micro, swapped)
-        sched = build_schedule(schedule, self.n_stages, n_micro, swapped)
-        submission_order(sched, self.routes)  # refuses a schedule that would deadlock
-        self.ops = [encode_ops(ops) for ops in sched]  # one compact array per stage, reused by every plan
+        self.n_micro = n_micro  # the most microbatches a replica runs (fewer when its share has fewer sequences)
+        self.schedule, self.swapped, self.redundant = schedule, swapped, redundant
+        self.routes = routes(self.n_stages, n_micro, swapped)  # every route a microbatch may take: what the links cover
+        self._ops: dict[int, list[np.ndarray]] = {}
+        self.stage_ops(n_micro)  # refuses a schedule that would deadlock before any step
         self.generation = 0
         self.linked = False
         self.last: PendingStep | None = None
         self.calls = 0  # actor calls made (steps, links, aborts): the driver's cost
+
+    def stage_ops(self, n_micro: int) -> list[np.ndarray]:
+        """Each stage's ops for a replica of ``n_micro`` microbatches, one compact array per stage
+        (built once per count, reused by every plan). Raises ValueError for a schedule that would
+        deadlock."""
+        if n_micro not in self._ops:
+            sched = build_schedule(self.schedule, self.n_stages, n_micro, self.swapped)
+            submission_order(sched, routes(self.n_stages, n_micro, self.swapped))
+            self._ops[n_micro] = [encode_ops(ops) for ops in sched]
+        return self._ops[n_micro]
 
     def keys(self) -> list[ShardKey]:
         return [ShardKey(s, r) for r in range(self.dp) for s in range(self.n_stages)]
@@ -178,15 +193,20 @@ class RayStepExecutor:
         return out
 
     def plans(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: dict[str, int] | None, faults: Mapping[ShardKey, Fault] | None = None) -> dict[ShardKey, StepPlan]:
-        """Each actor's plan: stage 0 gets its replica's tokens, the LM head's stage the targets
-        (and with redundant copies the last stage the tokens, the one before it the targets)."""
-        xs, ys = np.split(x, self.dp), np.split(y, self.dp)
+        """Each actor's plan: replica r's share of the rows of ``x`` / ``y`` and its microbatch
+        sizes (:func:`~elastic_llm.pipeline.shares.replica_microbatches`), the ops of its
+        microbatch count; stage 0 gets the replica's tokens, the LM head's stage the targets (and
+        with redundant copies the last stage the tokens, the one before it the targets)."""
+        sizes = replica_microbatches(len(x), self.dp, self.n_micro)
+        shares = [sum(m) for m in sizes]
+        xs, ys = cut(x, shares), cut(y, shares)
         n, faults = self.n_stages, faults or {}
         out = {}
         for k in self.keys():
             tokens = xs[k.replica] if k.stage == 0 or (self.redundant and k.stage == n - 1) else None
             targets = ys[k.replica] if k.stage == n - 1 or (self.redundant and k.stage == n - 2) else None
-            out[k] = StepPlan(step, self.generation, self.ops[k.stage], tokens, targets, snapshot, faults.get(k))
+            ops = self.stage_ops(len(sizes[k.replica]))[k.stage]
+            out[k] = StepPlan(step, self.generation, ops, sizes[k.replica], len(x), tokens, targets, snapshot, faults.get(k))
         return out
 
     def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: dict[str, int] | None = None, faults: Mapping[ShardKey, Fault] | None = None) -> PendingStep:
@@ -195,7 +215,8 @@ class RayStepExecutor:
         plans = self.plans(step, x, y, snapshot, faults)
         refs = {k: self.actor(k).run_step.remote(plan) for k, plan in plans.items()}
         self.calls += len(refs)
-        self.last = PendingStep(step, self.generation, self.n_stages, self.dp, refs)
+        sizes = tuple(plans[ShardKey(0, r)].micro_sizes for r in range(self.dp))
+        self.last = PendingStep(step, self.generation, self.n_stages, self.dp, refs, sizes)
         return self.last
 
     def finish(self, pending: PendingStep, timeout: float = STEP_TIMEOUT_S) -> StepResult:
@@ -286,13 +307,15 @@ class RayStepExecutor:
             self._wait(p, timeout)
 
     def eval_loss(self, x: np.ndarray, y: np.ndarray) -> float:
-        """Forward-only loss of a batch through replica 0's stages (evaluation, not a step)."""
+        """Forward-only loss of a batch (any number of sequences) through replica 0's stages, in
+        at most ``n_micro`` microbatches (evaluation, not a step): the mean over its sequences."""
         import ray
 
+        sizes = microbatch_sizes(len(x), self.n_micro)
         refs = []
-        for xm, ym in zip(np.split(x, self.n_micro), np.split(y, self.n_micro)):
+        for xm, ym in zip(cut(x, sizes), cut(y, sizes)):
             act: Any = xm
             for s, actor in enumerate(self.actors[0]):
                 act = actor.eval_forward.remote(act, ym if s == self.n_stages - 1 else None)
             refs.append(act)
-        return float(np.mean(ray.get(refs, timeout=STEP_TIMEOUT_S)))
+        return weighted_mean(ray.get(refs, timeout=STEP_TIMEOUT_S), sizes)

@@ -1,7 +1,9 @@
 """What the driver tells a stage actor about one optimizer step, and what the actor answers.
 
 Owns: :class:`StepPlan` (one per actor per step: the step number, the actor's ops in schedule
-order, its token inputs, whether to snapshot, the link generation its peers are on) and
+order, its replica's microbatch sizes and the global batch size (which the microbatch count and
+the loss weights follow), its token inputs, whether to snapshot, the link generation its peers
+are on) and
 :class:`StepReport` (one per actor per step: loss parts, clipped gradient norm, learning rate,
 per-op timings, and on failure which op failed, against which peer, why), plus the small enums
 both use. Pure data: no Ray, no torch, no sockets; both are frozen and cross the Ray boundary as
@@ -30,7 +32,7 @@ class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     SHADOW = "shadow"  # the redundant copy's backward (recovery.mode: redundant)
-    ALLREDUCE = "allreduce"  # gradient averaging among the replicas of the stage
+    ALLREDUCE = "allreduce"  # gradient sum among the replicas of the stage (each weighted by its share)
     BARRIER = "barrier"  # every actor of the run finished its gradients: updates may start
     UPDATE = "update"  # clip, optimizer step, LR schedule, snapshot copy
 
@@ -84,6 +86,8 @@ class StepPlan:
     step: int  # the step this call runs (the actor has completed step - 1)
     generation: int  # the link generation its peers were connected with
     ops: np.ndarray  # this stage's forward/backward ops in schedule order (encode_ops; .op_list() decodes)
+    micro_sizes: tuple[int, ...]  # sequences in each of this replica's microbatches (its share of the batch, cut)
+    batch: int  # sequences in the global batch: a microbatch's loss counts with weight size / batch
     tokens: np.ndarray | None = None  # this replica's token batch (stage 0; the last stage's redundant copy of stage 0)
     targets: np.ndarray | None = None  # this replica's targets (the LM head; the redundant copy of the last stage)
     snapshot: dict[str, int] | None = None  # data position after the step: copy the updated state for a snapshot

@@ -32,12 +32,13 @@ class Shadow:
         self.outputs: dict[int, torch.Tensor] = {}
         self.buffer = np.zeros(self.arena.layout.nbytes, dtype=np.uint8)
 
-    def forward(self, mb: int, x: torch.Tensor, targets: np.ndarray | None, n_micro: int) -> None:
+    def forward(self, mb: int, x: torch.Tensor, targets: np.ndarray | None, weight: float) -> None:
+        """``weight``: the loss weight of microbatch ``mb``, as the real last stage uses it."""
         out = self.module(x.to(self.device))
         if self.last:
             if targets is None:
                 raise ValueError("the redundant copy of the last stage needs the targets")
-            out = lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)) / n_micro
+            out = lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)) * weight
         self.outputs[mb] = out
 
     def backward(self, grads: tuple[np.ndarray, ...], n_micro: int) -> None:

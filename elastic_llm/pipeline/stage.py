@@ -2,7 +2,7 @@
 
 Owns: the stage's layers, its AdamW optimizer, LR schedule (warm-up + cosine), per-microbatch
 forward/backward with the activations kept between them, its flat gradient (what the replicas'
-all-reduce averages), clipping at ``grad_clip`` and the L2 norm of the last clipped gradient
+all-reduce sums), clipping at ``grad_clip`` and the L2 norm of the last clipped gradient
 (CheckFree weights rebuilt stages by it), and the actor's links to its step peers. A whole step
 is one call, :meth:`StageWorker.run_step`: :mod:`elastic_llm.pipeline.step` runs the plan's ops
 on this object, activations and gradients travel over :mod:`elastic_llm.pipeline.transport`.
@@ -41,6 +41,7 @@ from elastic_llm.pipeline.copies import BackgroundCopies
 from elastic_llm.pipeline.plan import InjectedFault, StepPlan, StepReport
 from elastic_llm.pipeline.redundant import Shadow
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
+from elastic_llm.pipeline.shares import microbatch_sizes
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
 from elastic_llm.monitor import StageState
 from elastic_llm.telemetry import Metrics
@@ -54,7 +55,7 @@ STEP_DEADLINE_S = 900.0  # a step whose peer stays silent this long fails (a hun
 class StepStats:
     """What one optimizer step of a stage reports to the driver."""
 
-    grad_norm: float  # L2 norm of the averaged gradient before clipping
+    grad_norm: float  # L2 norm of the replicas' summed gradient before clipping
     lr: float  # the learning rate the step used
     snapshot_wait_s: float  # total seconds steps of this actor waited for an unfinished snapshot copy
 
@@ -171,9 +172,7 @@ class StageWorker:
         from elastic_llm.snapshot.state import StateArena
 
         self.arena = StateArena(self.module, self.optimizer)  # state in one block: copies are single memcpys
-        self.micro_per_replica = par.microbatches
-        self.routes = routes(par.stages, par.microbatches, self.cfg.swapped)
-        self.backwards_per_step = sum(len(hops_of(r, stage)) for r in self.routes)
+        self.set_microbatches(microbatch_sizes(train.batch_size, par.microbatches), train.batch_size)  # the whole batch, until a plan sets this replica's
         self.backwards_done = 0  # visits backpropagated in the current step
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (microbatch, visit) -> input
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -239,6 +238,18 @@ class StageWorker:
             self.links.abort(generation)
 
     # ------------------------------------------------------------------ one microbatch
+    def set_microbatches(self, sizes: tuple[int, ...], batch: int) -> None:
+        """This replica's microbatches from now on (every :class:`StepPlan` sets them): ``sizes[mb]``
+        sequences each, of a global batch of ``batch`` (:mod:`elastic_llm.pipeline.shares`). Their
+        count fixes the routes and the visits a step must backpropagate; microbatch ``mb``'s loss
+        counts with weight ``sizes[mb] / batch``, so the replicas' summed gradients are those of the
+        mean loss over the global batch."""
+        self.micro_sizes = tuple(sizes)
+        self.micro_per_replica = len(self.micro_sizes)
+        self.loss_weights = tuple(n / batch for n in self.micro_sizes)
+        self.routes = routes(self.n_stages, self.micro_per_replica, self.cfg.swapped)
+        self.backwards_per_step = sum(len(hops_of(r, self.stage)) for r in self.routes)
+
     def _hop(self, mb: int, visit: int) -> Hop:
         route = self.routes[mb]
         return route[hop_index(route, self.stage, visit)]
@@ -270,12 +281,12 @@ class StageWorker:
         self.inputs[(mb, visit)] = inp
         if self.shadow is not None:
             copy_in = out.detach().requires_grad_(True) if shadow_x is None else torch.from_numpy(np.asarray(shadow_x))  # as the successor gets it
-            self.shadow.forward(mb, copy_in, shadow_targets, self.micro_per_replica)
+            self.shadow.forward(mb, copy_in, shadow_targets, self.loss_weights[mb])
         if hop.head:
             if targets is None:
                 raise ValueError("the stage applying the LM head needs targets to compute the loss")
             loss = lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device))
-            self.outputs[(mb, visit)] = loss / self.micro_per_replica
+            self.outputs[(mb, visit)] = loss * self.loss_weights[mb]
             return float(loss.detach())
         self.outputs[(mb, visit)] = out
         return out.detach()
@@ -312,13 +323,13 @@ class StageWorker:
             )
 
     def flat_grad(self) -> np.ndarray:
-        """All parameter gradients of this stage, flattened (for data-parallel averaging)."""
+        """All parameter gradients of this stage, flattened (for the replicas' sum)."""
         self._check_complete()
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in self.module.parameters()]
         return torch.cat(grads).cpu().numpy()
 
     def set_flat_grad(self, flat: np.ndarray) -> None:
-        """Replace the local gradients by ``flat`` (the replicas' average, :meth:`flat_grad` layout)."""
+        """Replace the local gradients by ``flat`` (the replicas' sum, :meth:`flat_grad` layout)."""
         total = torch.from_numpy(np.asarray(flat))
         offset = 0
         for p in self.module.parameters():
@@ -327,7 +338,7 @@ class StageWorker:
             offset += n
 
     def step(self, snapshot: dict[str, int] | None = None) -> StepStats:
-        """Clip the (already averaged) gradients, remember the clipped norm, update, advance the
+        """Clip the (already summed over replicas) gradients, remember the clipped norm, update, advance the
         LR schedule.
 
         Waits first if the snapshot copy of an earlier step is unfinished (the update would

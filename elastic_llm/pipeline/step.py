@@ -2,9 +2,9 @@
 
 Owns: the order of work inside an actor's step: its forward and backward ops in schedule order
 (receiving inputs from and sending outputs to the neighbouring hops of each microbatch's route),
-the redundant copy's backward, the gradient all-reduce among the stage's replicas, the run-wide
-barrier before any update (every actor's gradients are final before any actor changes its
-weights: a failure before it leaves every survivor at the previous step), the update, and the
+the redundant copy's backward, the gradient all-reduce (sum) among the stage's replicas, the
+run-wide barrier before any update (every actor's gradients are final before any actor changes
+its weights: a failure before it leaves every survivor at the previous step), the update, and the
 :class:`StepReport`. A failure is caught here, classified (own error, lost peer, abort, deadline),
 and the actor's links are closed so that peers blocked on it wake at once; the report carries it.
 Never decides anything about the run: what to run comes from the plan, the model math from
@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from elastic_llm.pipeline.collective import allreduce_mean
+from elastic_llm.pipeline.collective import allreduce_sum
 from elastic_llm.pipeline.plan import FailureKind, Fault, FaultAction, InjectedFault, Phase, StepFailureInfo, StepPlan, StepReport
 from elastic_llm.pipeline.schedules import hop_index
+from elastic_llm.pipeline.shares import cut
 from elastic_llm.pipeline.transport import Aborted, DeadlineExceeded, Msg, PeerLost, Transport
 from elastic_llm.snapshot.records import ShardKey
 
@@ -73,9 +74,10 @@ class _Run:
 
     def run(self) -> StepReport:
         w, plan = self.w, self.plan
+        w.set_microbatches(plan.micro_sizes, plan.batch)
         n, m = w.n_stages, w.micro_per_replica
-        xs = np.split(plan.tokens, m) if plan.tokens is not None else None
-        ys = np.split(plan.targets, m) if plan.targets is not None else None
+        xs = cut(plan.tokens, plan.micro_sizes) if plan.tokens is not None else None
+        ys = cut(plan.targets, plan.micro_sizes) if plan.targets is not None else None
         losses: dict[int, float] = {}
         for op in plan.op_list():
             t0 = self._enter(Phase.of(op), repr(op))
@@ -110,7 +112,7 @@ class _Run:
         if w.dp > 1:
             t0 = self._enter(Phase.ALLREDUCE, "allreduce")
             replicas = [ShardKey(w.stage, r) for r in range(w.dp)]
-            w.set_flat_grad(allreduce_mean(self, w.flat_grad(), replicas, w.replica))
+            w.set_flat_grad(allreduce_sum(self, w.flat_grad(), replicas, w.replica))
             self._done(t0)
         t0 = self._enter(Phase.BARRIER, "barrier")
         mine = tuple(losses[mb] for mb in sorted(losses))

@@ -48,7 +48,7 @@ class Msg(enum.IntEnum):
     GRAD = 2  # gradient of the output of hop ``hop``
     SHADOW = 3  # the gradient a stage received, passed on to the stage holding its redundant copy
     CHUNK = 4  # reduce-scatter: a replica's gradient chunk ``hop`` for its owner
-    GATHER = 5  # all-gather: the averaged chunk ``hop`` from its owner
+    GATHER = 5  # all-gather: the summed chunk ``hop`` from its owner
     READY = 6  # barrier: this actor's gradients are final
     GO = 7  # barrier: every actor's are: update
 
