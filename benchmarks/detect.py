@@ -39,7 +39,7 @@ def _rounds(system_config: dict[str, Any], rounds: int) -> list[float]:
     import ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system_config})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": dict(system_config)})
     try:
         ray.init(address=c.address, logging_level="ERROR")
         out = []
