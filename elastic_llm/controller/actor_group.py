@@ -56,6 +56,8 @@ class StageSpare:
     actor: Any = None
     info: Any = None
     adopted: bool = False
+    bundle: int = 0  # the bundle of ``pg`` it is on
+    owned: bool = True  # ``pg`` was made for it (released with it); else an orphan bundle of its replica's group
 
 
 class PlanNotFollowed(RuntimeError):
@@ -92,7 +94,10 @@ class ActorGroup:
         self.width = cfg.parallel.dp
         self.spares: list[Spare] = []  # replicas started in the background, not yet in the width
         self.stage_spares: dict[ShardKey, StageSpare] = {}  # single stages started in the background (drain moves)
-        self.patches: dict[ShardKey, Any] = {}  # actors moved alone: their one-bundle placement group (their reservation)
+        # actors moved alone: their reservation (placement group, bundle): a one-bundle group of their
+        # own, or a bundle of their replica's group that no stage uses any more (an "orphan": the
+        # bundle of a moved actor, re-placed by Ray once its node went)
+        self.patches: dict[ShardKey, tuple[Any, int]] = {}
         self._cls: Any = None
 
     @property
@@ -123,7 +128,12 @@ class ActorGroup:
         re-places the bundles of a lost node by itself once capacity appears."""
         while len(self.pgs) < self.width:
             self.pgs.append(self._new_pg())
-        pending = self.unplaceable(range(self.width), wait_s=wait_s) if at_once else self.unplaced_replicas(range(self.width), wait_s)
+        if at_once:
+            from elastic_llm.controller.drains import draining_nodes
+
+            pending = self.unplaceable(range(self.width), avoid=frozenset(draining_nodes()), wait_s=wait_s)
+        else:
+            pending = self.unplaced_replicas(range(self.width), wait_s)
         if pending:
             raise CapacityUnavailable(self.capacity())
 
@@ -141,8 +151,15 @@ class ActorGroup:
     def reservation(self, key: ShardKey) -> tuple[Any, int]:
         """(placement group, bundle index) that reserves ``key``'s resources."""
         if key in self.patches:
-            return self.patches[key], 0
+            return self.patches[key]
         return self.pgs[key.replica], key.stage
+
+    def orphans(self, replica: int) -> list[int]:
+        """Bundles of ``replica``'s placement group that reserve no actor (their actor moved
+        alone): room the run already holds, for moving another of the replica's actors."""
+        used = {self.reservation(ShardKey(s, replica)) for s in range(self.stages)}
+        pg = self.pgs[replica]
+        return [i for i in range(self.stages) if (pg, i) not in used]
 
     def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]:
         """Where the bundle (the reservation) of each of ``keys`` is placed now (None: not
@@ -160,6 +177,33 @@ class ActorGroup:
                 tables[pg.id] = placement_group_table(pg).get("bundles_to_node_id", {})
             out[k] = tables[pg.id].get(i) or None
         return out
+
+    def rehome(self, keys: list[ShardKey], avoid: set[str] | frozenset[str] = frozenset()) -> list[ShardKey]:
+        """Lost actors whose reservation is not placed (its node went) take a placed orphan bundle
+        of their replica's group instead, where there is one on a node not in ``avoid``: room the
+        run already holds. Changes only which bundle reserves which actor; returns the keys moved."""
+        moved = []
+        where = self.bundle_nodes([k for k in keys if k.replica < len(self.pgs)])
+        for key in keys:
+            if key.replica >= len(self.pgs) or where.get(key):
+                continue
+            pg = self.pgs[key.replica]
+            placed = self.bundle_nodes_of(pg)
+            spare = next((i for i in self.orphans(key.replica) if placed.get(i) and placed[i] not in avoid), None)
+            if spare is None:
+                continue
+            previous = self.patches.get(key)
+            self.patches[key] = (pg, spare)
+            if previous is not None and previous[0] is not pg:
+                self._release([], previous[0])
+            moved.append(key)
+        return moved
+
+    def placed_orphans(self, replica: int, avoid: set[str] | frozenset[str] = frozenset()) -> int:
+        """Orphan bundles of ``replica``'s group placed on live nodes not in ``avoid``: room the
+        run holds for moving that replica's actors."""
+        where = self.bundle_nodes_of(self.pgs[replica])
+        return sum(1 for i in self.orphans(replica) if where.get(i) and where[i] not in avoid)
 
     def free_slots(self, avoid: set[str] | frozenset[str] = frozenset()) -> int:
         """How many more bundles like a stage actor's the live nodes not in ``avoid`` have free
@@ -369,7 +413,8 @@ class ActorGroup:
         for r in sorted(gone, reverse=True):
             for s in range(self.stages):
                 self.kill(ShardKey(s, r))
-            for pg in [self.pgs[r], *(self.patches.pop(ShardKey(s, r)) for s in range(self.stages) if ShardKey(s, r) in self.patches)]:
+            own = [self.patches.pop(ShardKey(s, r))[0] for s in range(self.stages) if ShardKey(s, r) in self.patches]
+            for pg in {id(p): p for p in [self.pgs[r], *own]}.values():
                 try:
                     remove_placement_group(pg)
                 except Exception:
@@ -468,7 +513,7 @@ class ActorGroup:
             self.spares.remove(spare)
         self._release(spare.actors, spare.pg)
 
-    def _release(self, actors: Any, pg: Any) -> None:
+    def _release_actors(self, actors: Any) -> None:
         import ray
 
         for a in actors:
@@ -476,43 +521,63 @@ class ActorGroup:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
+
+    def _release(self, actors: Any, pg: Any) -> None:
+        import ray
+
+        self._release_actors(actors)
         try:
             ray.util.remove_placement_group(pg)
         except Exception:
             pass
 
-    def start_stage_spare(self, key: ShardKey) -> StageSpare:
-        """Reserve room for one more actor of ``key`` elsewhere (a one-bundle placement group;
-        Ray places no new bundle on a draining node) and start it in the background."""
+    def start_stage_spare(self, key: ShardKey, avoid: set[str] | frozenset[str] = frozenset()) -> StageSpare:
+        """Reserve room for one more actor of ``key`` elsewhere and start it in the background: an
+        orphan bundle of its replica's group placed on a node not in ``avoid``, else a new
+        one-bundle placement group (Ray places no new bundle on a draining node)."""
         from ray.util.placement_group import placement_group
 
-        pg = placement_group([dict(self.bundle)], strategy="PACK")
-        spare = StageSpare(key, pg, time.monotonic())
+        taken = {(sp.pg, sp.bundle) for sp in self.stage_spares.values()}
+        pg = self.pgs[key.replica]
+        free = self.bundle_nodes_of(pg)
+        for i in self.orphans(key.replica):
+            if (pg, i) not in taken and free.get(i) and free[i] not in avoid:
+                spare = StageSpare(key, pg, time.monotonic(), bundle=i, owned=False)
+                break
+        else:
+            spare = StageSpare(key, placement_group([dict(self.bundle)], strategy="PACK"), time.monotonic())
         self.stage_spares[key] = spare
         return spare
+
+    def bundle_nodes_of(self, pg: Any) -> dict[int, str]:
+        from ray.util.placement_group import placement_group_table
+
+        return {i: n for i, n in placement_group_table(pg).get("bundles_to_node_id", {}).items() if n}
 
     def stage_spare_ready(self, spare: StageSpare) -> bool:
         """Whether the actor of ``spare`` has started (no waiting; gives it its actor once placed)."""
         import ray
 
         if spare.actor is None:
-            if not self._placed_now(spare.pg, 1):
+            if not self.bundle_nodes_of(spare.pg).get(spare.bundle):
                 return False
-            (actor, info, adopted), = self._fill(spare.pg, [spare.key], [0], self.width)
+            (actor, info, adopted), = self._fill(spare.pg, [spare.key], [spare.bundle], self.width)
             spare.actor, spare.info, spare.adopted = actor, info, adopted
         done, _ = ray.wait([spare.info], timeout=0)
         return bool(done)
 
     def spare_nodes_of(self, spare: StageSpare) -> set[str]:
         """The node the bundle of a stage spare is placed on (empty while unplaced)."""
-        from ray.util.placement_group import placement_group_table
-
-        return {n for n in placement_group_table(spare.pg).get("bundles_to_node_id", {}).values() if n}
+        node = self.bundle_nodes_of(spare.pg).get(spare.bundle)
+        return {node} if node else set()
 
     def cancel_stage_spare(self, spare: StageSpare) -> None:
         if self.stage_spares.get(spare.key) is spare:
             del self.stage_spares[spare.key]
-        self._release([spare.actor] if spare.actor is not None else [], spare.pg)
+        if spare.owned:
+            self._release([spare.actor] if spare.actor is not None else [], spare.pg)
+        else:  # an orphan bundle of the replica's group: it stays, only the actor goes
+            self._release_actors([spare.actor] if spare.actor is not None else [])
 
     def swap_in(self, spare: StageSpare) -> None:
         """The started ``spare`` takes over its key: it gets the old actor's whole state (actor to
@@ -530,11 +595,11 @@ class ActorGroup:
         previous = self.patches.get(key)
         self.kill(key)
         self.actors[key.replica][key.stage] = spare.actor
-        self.patches[key] = spare.pg
+        self.patches[key] = (spare.pg, spare.bundle)
         self.nodes[key], self.pids[key], self.gpus[key] = info.node_id, info.pid, info.gpu_ids
         self.ready.add(key)
-        if previous is not None:  # moved before: its earlier one-bundle group is free now
-            self._release([], previous)
+        if previous is not None and previous[0] is not self.pgs[key.replica]:  # moved before: its own one-bundle group is free now
+            self._release([], previous[0])
 
     def set_width(self) -> None:
         """Tell every actor its replica index and the width (after adding or dropping replicas)."""
@@ -554,7 +619,7 @@ class ActorGroup:
             self.cancel_stage_spare(spare)
         for key in self.keys() if self.actors else []:
             self.kill(key)
-        for pg in [*self.pgs, *self.patches.values()]:
+        for pg in {id(p): p for p in [*self.pgs, *(pg for pg, _ in self.patches.values())]}.values():
             try:
                 ray.util.remove_placement_group(pg)
             except Exception:

@@ -137,11 +137,13 @@ class ElasticExecutor:
             keys = [k for k in g.keys() if g.nodes.get(k) in nodes]
             on_drain = {r: sum(1 for k in keys if k.replica == r) for r in {k.replica for k in keys}}
             if not g.stage_spares and not any(g.spare_ready(sp) for sp in g.spares):
-                free = g.free_slots(avoid=frozenset(draining))
+                avoid = frozenset(draining)
+                # free CPUs, plus bundles the affected replicas hold that no actor uses any more
+                free = g.free_slots(avoid) + sum(g.placed_orphans(r, avoid) for r in on_drain)
                 moves = drain_moves(on_drain, g.stages, free, False, g.width, self.min_width)
                 for k in keys:
                     if moves[k.replica] is Move.STAGES:
-                        g.start_stage_spare(k)
+                        g.start_stage_spare(k, avoid)
                 if any(m is Move.REPLICA for m in moves.values()) and not g.spares:
                     g.start_spare()
                 log(f"nodes {[n[:12] for n in sorted(nodes)]} are draining: {', '.join(f'replica {r}: {m.value}' for r, m in sorted(moves.items()))}")

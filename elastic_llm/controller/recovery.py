@@ -117,6 +117,11 @@ class RecoveryExecutor:
         ckpt = o.checkpoints.latest() if o.checkpoints is not None else None
         durable = o.durable.latest() if o.durable is not None else None
         lost = [k for k, st in steps.items() if st is None]
+        from elastic_llm.controller.drains import draining_nodes
+
+        # bookkeeping only: a lost actor whose bundle went with its node takes a bundle its replica
+        # already holds and no actor uses (left by an earlier per-stage move), if one is placed
+        self.group.rehome(lost, avoid=frozenset(draining_nodes()))
         unplaceable = self._unplaceable(lost, alive_nodes)
         pool = self.group.pool
         standbys = pool.ready() if pool is not None and pool.enabled else {}
