@@ -10,10 +10,11 @@ in the tests), live :class:`~elastic_llm.controller.Trainer` runs (snapshots eve
 product starts them ahead of time: that is their point; waiting there also keeps their start out
 of the steady steps), notes their pids, and trains on; then, during step ``warmup + 1``:
 
-* ``local_smp``: dp=1, a stage process is SIGKILLed (chaos ``kill: stage``, its node lives): the
-  stage is restored from its node's snapshot manager, the survivors roll back to the committed step;
-* ``dp_peer``: dp=2, a stage actor of replica 1 is SIGKILLed: its replacement copies the state of
-  the same stage of replica 0 (no rollback);
+* ``local_smp``: dp=1, stage 0's process is SIGKILLed as it starts the step's first forward
+  (chaos ``kill: stage``, its node lives; stage 0 so that the chaos line, written as the step is
+  planned, is the moment of the kill): the stage is restored from its node's snapshot manager;
+* ``dp_peer``: dp=2, stage 0 of replica 1 is SIGKILLed the same way: its replacement copies the
+  state of stage 0 of replica 0 (no rollback);
 * ``parity``: dp=1, the node hosting a stage is removed (chaos ``kill: node``, which calls
   ``Cluster.remove_node`` and waits until Ray sees the node dead) while other nodes have room: the
   stage is rebuilt from the erasure group's parity on another node;
@@ -144,11 +145,13 @@ def path_overrides(path: str, fail_step: int, plan: dict[str, int]) -> list[str]
     """Config overrides (``--set`` syntax) that make a run take ``path`` at ``fail_step``."""
     n = plan[path]
     group = [f"snapshot.group_size={n}"]
+    # the stage kills strike stage 0, whose first op starts as its plan arrives: the chaos line
+    # (written as the step is planned) is then the moment of the kill, not a forward earlier
     if path == "local_smp":
-        chaos = f"{{step: {fail_step}, kill: stage, stage: 1, how: sigkill}}"
+        chaos = f"{{step: {fail_step}, kill: stage, stage: 0, how: sigkill}}"
         return ["parallel.dp=1", "parallel.placement_strategy=SPREAD", *group, f"chaos.events=[{chaos}]"]
     if path == "dp_peer":
-        chaos = f"{{step: {fail_step}, kill: stage, stage: 1, replica: 1, how: sigkill}}"
+        chaos = f"{{step: {fail_step}, kill: stage, stage: 0, replica: 1, how: sigkill}}"
         return ["parallel.dp=2", "parallel.placement_strategy=SPREAD", *group, f"chaos.events=[{chaos}]"]
     if path == "parity":
         chaos = f"{{step: {fail_step}, kill: node, stage: 1}}"
