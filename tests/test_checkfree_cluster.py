@@ -25,6 +25,7 @@ BASE = [
     "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4", "parallel.stages=4",
     "parallel.microbatches=2", "parallel.cpus_per_actor=0.5", "train.batch_size=4", "train.eval_every=0",
     "train.lr=3e-3", "train.warmup_steps=2",
+    "recovery.standby=0",  # new processes replace lost stages here; warm standbys: test_standby_cluster.py
 ]
 
 

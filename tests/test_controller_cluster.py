@@ -26,6 +26,7 @@ BASE = [
     "parallel.stages=4", "parallel.microbatches=2", "parallel.cpus_per_actor=1",
     "parallel.placement_strategy=SPREAD", "train.batch_size=4", "train.eval_every=0",
     "snapshot.group_size=2", "snapshot.parity=1", "recovery.capacity_report_s=1",
+    "recovery.standby=0",  # new processes replace lost stages here; warm standbys: test_standby_cluster.py
 ]
 LOSE_NODE = "chaos.events=[{step: 5, kill: node, stage: 1}]"
 

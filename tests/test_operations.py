@@ -199,6 +199,8 @@ def test_status_json_lists_every_actor_of_each_run_with_its_state(seen):
         assert all(m["state"]["run"] == run and m["name"].startswith(f"smp-{run}-") for m in r["managers"])
         # every live actor of the run is in the report, and nothing else
         listed = {s["actor_id"] for s in r["stages"]} | {m["actor_id"] for m in r["managers"]} | {r["monitor"]["actor_id"]}
+        listed |= {s["actor_id"] for s in r["standbys"]}  # the run's idle warm standbys
+        assert all(s["state"]["role"] == "standby" and s["name"].startswith(f"standby-{run}-") for s in r["standbys"] if s["state"])
         assert listed == set(seen["alive_a" if run == seen["run_a"] else "alive_b"])
 
 

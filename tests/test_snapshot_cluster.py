@@ -28,6 +28,7 @@ BASE = [
     "parallel.stages=4", "parallel.microbatches=2", "parallel.cpus_per_actor=0.5",
     "parallel.placement_strategy=SPREAD", "train.batch_size=4", "train.eval_every=0",
     "snapshot.group_size=5",
+    "recovery.standby=0",  # new processes replace lost stages here; warm standbys: test_standby_cluster.py
 ]
 
 

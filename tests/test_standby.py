@@ -97,5 +97,5 @@ def test_spans_sum_per_name_and_count_a_nested_span_once():
 
 
 def test_status_finds_standbys_by_their_names():
-    assert parse_name("standby-0a1b2c-0123456789ab.7") == ("stage", "0a1b2c")
+    assert parse_name("standby-0a1b2c-0123456789ab.7") == ("standby", "0a1b2c")
     assert parse_name("standby-0a1b2c-xyz.7") is None

@@ -28,12 +28,14 @@ class StatusError(RuntimeError):
 
 
 def parse_name(name: str) -> tuple[str, str] | None:
-    """(kind, run id) of one of our actor names: kind is ``stage``, ``smp`` or ``run``. Pure."""
+    """(kind, run id) of one of our actor names: kind is ``stage``, ``standby``, ``smp`` or ``run``. Pure."""
     m = NAME.match(name or "")
     if m is None:
         return None
-    if m["stage_run"] or m["standby_run"]:  # a warm standby is a stage actor without a stage (state() says which)
-        return "stage", m["stage_run"] or m["standby_run"]
+    if m["stage_run"]:
+        return "stage", m["stage_run"]
+    if m["standby_run"]:  # a warm standby: a stage actor without a stage until adopted (its state() says which)
+        return "standby", m["standby_run"]
     return ("smp", m["smp_run"]) if m["smp_run"] else ("run", m["only"])
 
 
@@ -61,10 +63,10 @@ def collect(api: str, run: str | None = None, timeout_s: float = STATE_S) -> dic
             continue
         kind, rid = parsed
         entry = {"name": a.name, "display_name": a.repr_name or a.class_name, "actor_id": a.actor_id, "node_id": a.node_id, "pid": a.pid, "state": None}
-        r = runs.setdefault(rid, {"run": rid, "status": None, "events": [], "stages": [], "managers": []})
+        r = runs.setdefault(rid, {"run": rid, "status": None, "events": [], "stages": [], "standbys": [], "managers": []})
         handle = ray.get_actor(a.name, namespace=NAMESPACE)
-        if kind == "stage":
-            r["stages"].append(entry)
+        if kind in ("stage", "standby"):
+            r["standbys" if kind == "standby" else "stages"].append(entry)
             asks[handle.state.options(concurrency_group="status").remote()] = entry
         elif kind == "smp":
             r["managers"].append(entry)
@@ -79,6 +81,9 @@ def collect(api: str, run: str | None = None, timeout_s: float = STATE_S) -> dic
         except Exception as e:  # not answered in time, or the actor died meanwhile
             entry["problem"] = f"no state: {type(e).__name__}"
     for r in runs.values():
+        adopted = [e for e in r["standbys"] if (e["state"] or {}).get("role") not in (None, "standby")]
+        r["stages"] += adopted  # a standby that became a stage is listed as that stage
+        r["standbys"] = [e for e in r["standbys"] if e not in adopted]
         view = r.get("monitor", {}).get("state")
         if view:
             r["status"], r["events"] = view["status"], view["events"]
@@ -123,6 +128,9 @@ def render(report: dict[str, Any]) -> str:
             ])
         if stage_rows:
             out.append(tabulate(stage_rows, ["stage", "replica", "role", "node", "pid", "step", "snapshot", "copying", "held", "actor"], tablefmt="simple"))
+        if r.get("standbys"):
+            where = ", ".join(f"{(e['node_id'] or '?')[:12]} (pid {e['pid']})" for e in r["standbys"])
+            out.append(f"warm standbys: {len(r['standbys'])}: {where}")
         mgr_rows = []
         for e in r["managers"]:
             st = e["state"] or {}
