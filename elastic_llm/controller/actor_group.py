@@ -8,7 +8,17 @@ describing them (node, pid), resetting the survivors of a failed step, changing 
 bundles cannot be placed. Every wait has a deadline: a placement that does not happen within
 ``PLACE_S`` raises :class:`CapacityUnavailable` (the controller then shrinks or waits for
 capacity, visibly) instead of blocking.
-Never decides anything: the controller says which actors to place, replace, add or drop.
+Also: which bundle reserves which actor (an actor moved alone by a drain keeps a one-bundle group,
+or an orphan bundle of its replica's group), warm standbys adopted in place of new processes
+(:mod:`.standby` keeps the pool), and single stage actors started in the background for per-stage
+drain moves.
+Never decides anything: the controller says which actors to place, replace, add or drop, and the
+recovery plan which actor adopts a standby.
+
+Why ~620 lines: every Ray placement and actor-lifecycle call of the run lives here, so the
+controller, recovery and elastic executors stay free of Ray's placement-group bookkeeping; the
+reservations (bundles, orphans, patches) and the three kinds of actors started ahead (spare
+replicas, spare stages, adopted standbys) share that bookkeeping and would leak if split apart.
 """
 
 from __future__ import annotations
@@ -464,19 +474,13 @@ class ActorGroup:
         (a new GPU bundle has no dead actor's device to hand over)."""
         return not self.cfg.parallel.gpus_per_actor or self.cfg.recovery.standby_gpus
 
-    def _placed_now(self, pg: Any, bundles: int) -> bool:
-        from ray.util.placement_group import placement_group_table
-
-        where = placement_group_table(pg).get("bundles_to_node_id", {})
-        return all(where.get(i) for i in range(bundles))
-
     def spare_ready(self, spare: Spare) -> bool:
         """Whether every actor of ``spare`` has started (no waiting; gives it its actors once its
         placement group is placed)."""
         import ray
 
         if not spare.actors:
-            if not self._placed_now(spare.pg, self.stages):
+            if len(self.bundle_nodes_of(spare.pg)) < self.stages:
                 return False
             made = self._fill(spare.pg, [ShardKey(s, self.width) for s in range(self.stages)], list(range(self.stages)), self.width + 1)
             spare.actors = tuple(a for a, _, _ in made)
@@ -487,9 +491,7 @@ class ActorGroup:
 
     def spare_nodes(self, spare: Spare) -> set[str]:
         """Nodes the bundles of ``spare`` are placed on (empty while unplaced)."""
-        from ray.util.placement_group import placement_group_table
-
-        return {n for n in placement_group_table(spare.pg).get("bundles_to_node_id", {}).values() if n}
+        return set(self.bundle_nodes_of(spare.pg).values())
 
     def adopt(self, spare: Spare) -> int:
         """Make a started spare the last replica; returns its index. The caller copies state in

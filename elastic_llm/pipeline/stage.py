@@ -15,7 +15,7 @@ successor stage (``redundant``), and writing / reading checkpoint files (``check
 
 Never decides anything about the run: the controller tells it what to do, in which order.
 
-Why ~600 lines: every method here is a remote call the controller makes on a stage actor (Ray
+Why ~670 lines (a warm standby and the per-replica microbatch shares included): every method here is a remote call the controller makes on a stage actor (Ray
 exposes methods of the actor class only) or a piece of a step, grouped by the job they serve: the
 step and its links, one microbatch, the optimizer step, snapshot copies, restore, CheckFree, the redundant copy (its module and optimizer
 live in :mod:`elastic_llm.pipeline.redundant`), checkpoint files (:mod:`elastic_llm.checkpoint`) and
