@@ -127,6 +127,8 @@ class RecoveryConfig:
     checkpoint_dir: str | None = None  # mode checkpoint: where (None: a fresh temporary directory per run)
     standby: int | str = 1  # warm standby stage processes per node (0: none; auto: from the observed failure rate)
     standby_gpus: bool = False  # GPU runs: standbys hold a device each (adoptable on any node), else they take the dead actor's device
+    node_probe_s: float = 0.25  # the driver probes every worker node's raylet this often and declares dead ones to Ray (0: Ray's health checks alone)
+    node_probe_failures: int = 3  # probes in a row that time out before a node is dead (a refused connection is dead at once)
 
 
 @dataclass
@@ -328,6 +330,10 @@ def _validate(c: RunConfig) -> list[str]:
         p.append(f"recovery.max_retries_per_step={rc.max_retries_per_step} must be >= 0 (0: a step that fails is not retried)")
     if rc.capacity_timeout_s <= 0:
         p.append(f"recovery.capacity_timeout_s={rc.capacity_timeout_s} must be > 0 seconds (default 600)")
+    if rc.node_probe_s < 0:
+        p.append(f"recovery.node_probe_s={rc.node_probe_s} must be >= 0 seconds (0 leaves node deaths to Ray's health checks; default 0.25)")
+    if rc.node_probe_failures < 1:
+        p.append(f"recovery.node_probe_failures={rc.node_probe_failures} must be >= 1 (timed-out probes in a row before a node counts as dead; default 3)")
     if rc.capacity_report_s <= 0:
         p.append(f"recovery.capacity_report_s={rc.capacity_report_s} must be > 0 seconds (default 10)")
     p += _validate_recovery_mode(c)

@@ -172,6 +172,26 @@ def test_drain_with_room_for_its_stages_only_moves_just_them(nodes, clean, corpu
         nodes.remove_node(victim, allow_graceful=False)  # a drained node takes no new work: replace it
 
 
+def test_a_removed_node_is_declared_dead_by_the_run_itself(nodes, clean, corpus_dir, tmp_path):
+    # the run's node watch (recovery.node_probe_s, default 0.25 s) finds the raylet gone and tells
+    # Ray, before Ray's own health checks (here 4 x 0.5 s) would: the death carries its reason
+    import ray
+
+    t = make_trainer(nodes, corpus_dir, tmp_path, f"chaos.events=[{{step: {KILL_AT}, kill: node, stage: 1}}]")
+    try:
+        got = losses(t.fit(STEPS))
+        (start,) = events(tmp_path, "start")
+        victim = next(a["node_id"] for a in start["actors"] if (a["stage"], a["replica"]) == (1, 0))
+        dead = events(tmp_path, "node_dead")
+        assert [(d["node"], d["outcome"]) for d in dead] == [(victim, "refused")], dead
+        info = ray._private.worker.global_worker.gcs_client.get_all_node_info()[ray.NodeID.from_hex(victim)]
+        assert info.death_info.reason_message.startswith("elastic-llm node watch: the raylet at"), info.death_info
+        assert {r["source"] for r in t.recoveries if r["stage"] is not None} <= {"local_smp", "parity"}, t.recoveries
+        assert got == clean  # the recovery is lossless: bit for bit
+    finally:
+        t.shutdown()
+
+
 def test_shrink_without_free_cpu_is_decided_at_once(nodes, corpus_dir, tmp_path):
     # 3 replicas of 2 one-CPU stages fill the 3 nodes (PACK): a lost node's stages fit nowhere
     t = make_trainer(

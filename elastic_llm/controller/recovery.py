@@ -18,6 +18,7 @@ from typing import Any
 
 from elastic_llm.controller.actor_group import ActorGroup
 from elastic_llm.controller.checkpoints import CheckpointExecutor
+from elastic_llm.controller.liveness import NodeWatch
 from elastic_llm.controller.neighbours import promote_copies, rebuild_from_neighbours
 from elastic_llm.recovery.failure import StepFailure
 from elastic_llm.recovery.policy import LOSSY, Member, Observation, RecoveryPlan
@@ -92,8 +93,9 @@ class ModeOptions:
 
 
 class RecoveryExecutor:
-    def __init__(self, group: ActorGroup, snapshots: SnapshotCoordinator | None, parity: int, min_width: int = 1, options: ModeOptions | None = None) -> None:
+    def __init__(self, group: ActorGroup, snapshots: SnapshotCoordinator | None, parity: int, min_width: int = 1, options: ModeOptions | None = None, watch: NodeWatch | None = None) -> None:
         self.group = group
+        self.watch = watch  # probed once more before looking: a node whose actor call failed is declared dead now
         self.snapshots = snapshots
         self.parity = parity
         self.min_width = min_width
@@ -102,6 +104,8 @@ class RecoveryExecutor:
     def observe(self, runner: Any, failed_step: int) -> Observation:
         import ray
 
+        if self.watch is not None:  # before waiting for the failed step's calls: a dead node's calls then fail at once
+            self.watch.sweep(refresh=True)
         if runner is not None:
             runner.settle()
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}

@@ -47,6 +47,7 @@ from elastic_llm.controller.parts import Elastic, Group, Parts, Recovery
 from elastic_llm.controller.progress import ProgressBar
 from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor, RecoveryOutcome, recovery_records
 from elastic_llm.controller.session import NAMESPACE, log, start_ray
+from elastic_llm.controller.liveness import NodeWatch, RayNodeTable
 from elastic_llm.controller.standby import StandbyPool
 from elastic_llm.controller.states import (
     Draining,
@@ -174,6 +175,7 @@ class Trainer:
         self._t0: float | None = None
         self._standby_look = float("-inf")
         self._own_spans = Spans()
+        self.watch: NodeWatch | None = None  # the driver's node probes (recovery.node_probe_s)
         self._adopted_seen = 0  # standbys adopted when the pool was last topped up
         self.bar = ProgressBar(progress, cfg.name)
         self._last_report = 0.0
@@ -221,7 +223,7 @@ class Trainer:
             self.recovery, self.elastic = self.parts.recovery, self.parts.elastic
         else:
             options = ModeOptions(c.recovery.mode, c.mirrors, c.checkfree.lr_scale, self.checkpoints, self.durable)
-            self.recovery = RecoveryExecutor(self.group, self.snapshots, c.snapshot.parity, min_width, options)
+            self.recovery = RecoveryExecutor(self.group, self.snapshots, c.snapshot.parity, min_width, options, self.watch)
             self.elastic = ElasticExecutor(self.group, self.snapshots, min_width, c)
         self._new_executor()
         self._refresh_mirrors(force=True)
@@ -241,6 +243,10 @@ class Trainer:
         """Ray (started or joined), the run's monitor actor, the snapshot managers (and the
         durable tier), and the stage actors' group."""
         self.owns_ray = start_ray(self.cfg, self.address, self.dashboard) or self.owns_ray
+        rc = self.cfg.recovery
+        if rc.node_probe_s > 0 and self.watch is None:  # before any actor: a node that dies from now on is noticed
+            self.watch = NodeWatch(RayNodeTable(), rc.node_probe_s, rc.node_probe_failures)
+            self.watch.start()
         if self.publisher is None:  # the run-<id> actor: status and Ray metrics of the run
             self.publisher = Publisher(self, NAMESPACE)
             self.metrics.observers.append(self.publisher.on_record)
@@ -475,6 +481,11 @@ class Trainer:
             ready, starting = pool.count()
             self.metrics.event("standby", step=self.step, started=started, ready=ready, starting=starting, per_node=pool.per_node)
 
+    def _report_deaths(self) -> None:
+        """One ``node_dead`` line per node the watch declared dead since the last look."""
+        for d in self.watch.take() if self.watch is not None else []:
+            self.metrics.event("node_dead", step=self.step, node=d.node, address=d.address, outcome=d.outcome.value, failures=d.failures, suspect_s=round(d.suspect_s, 3))
+
     def request_stop(self) -> None:
         """Finish the run at the next step boundary (from another thread: a replay, a signal)."""
         self.stop_requested = True
@@ -482,6 +493,7 @@ class Trainer:
     def _next(self) -> State:
         """After a step: finish, or act on draining nodes, or grow into new room, or go on."""
         assert self.group is not None and self.elastic is not None
+        self._report_deaths()
         self._keep_standbys()
         drains, grow_to = self.elastic.look(self.drains_seen)
         return after_step(self.step, self.end, self.stop_requested, drains, self.group.width, grow_to)
@@ -512,6 +524,7 @@ class Trainer:
         assert self.recovery is not None
         failure = state.failure
         t0 = time.perf_counter()
+        self._report_deaths()
         spans = self._spans()
         try:
             with spans.span("plan"):
@@ -640,6 +653,9 @@ class Trainer:
     def shutdown(self) -> None:
         import ray
 
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
         if ray.is_initialized():
             if self.group is not None:
                 self.group.shutdown()

@@ -1,0 +1,194 @@
+"""Node liveness: the driver notices a dead node by its first failed connection and tells Ray.
+
+Owns: :class:`NodeWatch`, which every ``recovery.node_probe_s`` (and once more whenever a recovery
+observes the cluster) opens a TCP connection to the raylet of every live worker node, and the pure
+rule that turns what it saw into deaths (:func:`judge`): a refused connection is a dead node at
+once (nothing listens on the raylet's port any more: the raylet process is gone, and with it the
+node's actors and object store); a connection that times out ``recovery.node_probe_failures``
+times in a row is a dead node too (a machine that went away answers nothing). A death is declared
+to Ray's GCS (``UnregisterNode`` with the reason), so Ray's own view follows at once: calls to
+the node's actors fail with ``ActorDiedError`` (the step fails and recovery begins), the node
+drops out of ``ray.nodes()``, and its placement-group bundles are placed again elsewhere. The
+controller, the snapshot managers' bookkeeping and Ray then agree on which nodes live.
+
+Without the watch, Ray's health checks notice the node (``cluster.yaml``: period 1 s, timeout 1 s,
+3 failures; Ray's defaults take 15-30 s), and until they do, calls to the dead node's actors hang
+or fail with ``ActorUnavailableError`` while Ray still lists the node alive.
+
+Never probes the head node (if it died, the GCS went with it: that is driver failover's business),
+never decides how to recover, and never touches an actor. Cost: one ``ray.nodes()`` every
+:data:`REFRESH_S` and one TCP connect per worker node per round (sequential; a node that times
+out holds the round up by ``timeout_s``). The Ray side (node table, the GCS call,
+the socket probe) sits behind the small :class:`NodeTable` and :data:`Probe` seams, so the rule and
+the watch run with fakes.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+
+REFRESH_S = 2.0  # how often the watch reads Ray's node table again (new nodes are probed from then on)
+
+
+class Outcome(Enum):
+    """What one connection attempt to a node's raylet gave."""
+
+    OK = "ok"
+    REFUSED = "refused"  # the machine answered: nothing listens there
+    TIMEOUT = "timeout"  # no answer at all (or the network is unreachable)
+
+
+@dataclass(frozen=True)
+class NodeDeath:
+    node: str
+    address: str  # host:port of the raylet that failed to answer
+    outcome: Outcome  # the probe outcome that decided it
+    failures: int  # failed probes in a row, the deciding one included
+    suspect_s: float  # seconds from the first of those failed probes to the decision
+
+    def reason(self) -> str:
+        what = "refused the connection" if self.outcome is Outcome.REFUSED else f"did not answer {self.failures} probes in a row"
+        return f"elastic-llm node watch: the raylet at {self.address} {what}"
+
+
+def judge(streak: dict[str, tuple[int, float]], seen: dict[str, Outcome], addresses: dict[str, str], failures: int, now: float) -> tuple[dict[str, tuple[int, float]], list[NodeDeath]]:
+    """One probe round (pure). ``streak``: per node, failed probes in a row and when the first of
+    them happened. Returns the new streaks and the nodes now judged dead (a refusal at once,
+    ``failures`` timeouts in a row)."""
+    out: dict[str, tuple[int, float]] = {}
+    dead: list[NodeDeath] = []
+    for node, outcome in sorted(seen.items()):
+        if outcome is Outcome.OK:
+            continue
+        count, since = streak.get(node, (0, now))
+        count += 1
+        if outcome is Outcome.REFUSED or count >= failures:
+            dead.append(NodeDeath(node, addresses.get(node, "?"), outcome, count, now - since))
+        else:
+            out[node] = (count, since)
+    return out, dead
+
+
+Probe = Callable[[str, int, float], Outcome]
+
+
+def tcp_probe(host: str, port: int, timeout: float) -> Outcome:
+    """Open (and close at once) a TCP connection to ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return Outcome.OK
+    except ConnectionRefusedError:
+        return Outcome.REFUSED
+    except OSError:  # timed out, host or network unreachable
+        return Outcome.TIMEOUT
+
+
+class NodeTable(Protocol):
+    """Ray's node table as the watch needs it."""
+
+    def workers(self) -> dict[str, tuple[str, int]]:
+        """Live worker nodes (the head left out): node id -> the raylet's host and port."""
+        ...
+
+    def declare_dead(self, death: NodeDeath) -> None:
+        """Tell Ray the node is dead (its actors fail, its bundles are placed again)."""
+        ...
+
+
+class RayNodeTable:
+    """:class:`NodeTable` over the running Ray: ``ray.nodes()`` and the GCS's ``UnregisterNode``."""
+
+    def __init__(self) -> None:
+        self._stub = None
+
+    def workers(self) -> dict[str, tuple[str, int]]:
+        import ray
+
+        return {
+            n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"]))
+            for n in ray.nodes()
+            if n["Alive"] and "node:__internal_head__" not in n.get("Resources", {})
+        }
+
+    def declare_dead(self, death: NodeDeath) -> None:
+        import ray
+        from ray.core.generated import common_pb2, gcs_service_pb2, gcs_service_pb2_grpc
+
+        if self._stub is None:
+            from ray._private.gcs_utils import create_gcs_channel  # carries the cluster's auth token
+
+            channel = create_gcs_channel(ray.get_runtime_context().gcs_address)
+            self._stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        info = common_pb2.NodeDeathInfo(reason=common_pb2.NodeDeathInfo.UNEXPECTED_TERMINATION, reason_message=death.reason())
+        self._stub.UnregisterNode(gcs_service_pb2.UnregisterNodeRequest(node_id=bytes.fromhex(death.node), node_death_info=info), timeout=10)
+
+
+class NodeWatch:
+    """Probes every live worker node's raylet each ``period_s`` on a daemon thread (and on demand
+    with :meth:`sweep`), declares the dead ones to Ray and keeps them for :meth:`take`."""
+
+    def __init__(self, table: NodeTable, period_s: float, failures: int, timeout_s: float = 0.5, probe: Probe = tcp_probe, clock: Callable[[], float] = time.monotonic) -> None:
+        self.table = table
+        self.period_s = period_s
+        self.failures = max(1, failures)
+        self.timeout_s = timeout_s
+        self.probe = probe
+        self.clock = clock
+        self._streak: dict[str, tuple[int, float]] = {}
+        self._declared: set[str] = set()
+        self._table: dict[str, tuple[str, int]] = {}
+        self._table_at: float | None = None
+        self._deaths: list[NodeDeath] = []
+        self._lock = threading.Lock()  # one sweep at a time (the thread's and a recovery's)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errors = 0  # sweeps that failed (Ray unreachable for a moment): the next one tries again
+
+    def sweep(self, refresh: bool = False) -> list[NodeDeath]:
+        """One round: probe, judge, declare. Returns the deaths declared in this round. The node
+        table is read again every :data:`REFRESH_S` (or with ``refresh``)."""
+        with self._lock:
+            now = self.clock()
+            if refresh or self._table_at is None or now - self._table_at >= REFRESH_S:
+                self._table, self._table_at = self.table.workers(), now
+            nodes = {n: a for n, a in self._table.items() if n not in self._declared}
+            seen = {n: self.probe(host, port, self.timeout_s) for n, (host, port) in nodes.items()}
+            addresses = {n: f"{h}:{p}" for n, (h, p) in nodes.items()}
+            self._streak, dead = judge(self._streak, seen, addresses, self.failures, self.clock())
+            for death in dead:
+                self.table.declare_dead(death)
+                self._declared.add(death.node)
+            self._deaths.extend(dead)
+            return dead
+
+    def take(self) -> list[NodeDeath]:
+        """The deaths declared since the last call (for the run's metrics lines)."""
+        with self._lock:
+            out, self._deaths = self._deaths, []
+            return out
+
+    def start(self) -> None:
+        if self._thread is None and self.period_s > 0:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="elastic-llm-node-watch", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - a watch that stops would leave detection to Ray alone
+                self.errors += 1

@@ -1,0 +1,87 @@
+"""The driver's node watch without Ray: the rule that turns probe outcomes into deaths, the watch
+over a fake node table, and the TCP probe against real sockets on loopback."""
+
+import socket
+
+import pytest
+
+from elastic_llm.config import ConfigError, load_config
+from elastic_llm.controller.liveness import NodeDeath, NodeWatch, Outcome, judge, tcp_probe
+
+ADDR = {"a": "10.0.0.1:7000", "b": "10.0.0.2:7000"}
+
+
+def test_a_refused_connection_is_a_death_at_once():
+    streak, dead = judge({}, {"a": Outcome.REFUSED, "b": Outcome.OK}, ADDR, failures=3, now=5.0)
+    assert streak == {}
+    assert dead == [NodeDeath("a", "10.0.0.1:7000", Outcome.REFUSED, 1, 0.0)]
+    assert "refused" in dead[0].reason() and "10.0.0.1:7000" in dead[0].reason()
+
+
+def test_timeouts_count_in_a_row_and_an_answer_forgets_them():
+    streak, dead = judge({}, {"a": Outcome.TIMEOUT}, ADDR, failures=3, now=1.0)
+    streak, dead2 = judge(streak, {"a": Outcome.TIMEOUT}, ADDR, failures=3, now=1.5)
+    assert dead == dead2 == [] and streak == {"a": (2, 1.0)}
+    assert judge(streak, {"a": Outcome.OK}, ADDR, failures=3, now=2.0) == ({}, [])  # answered: suspicion gone
+    streak, dead = judge(streak, {"a": Outcome.TIMEOUT}, ADDR, failures=3, now=2.0)
+    assert dead == [NodeDeath("a", "10.0.0.1:7000", Outcome.TIMEOUT, 3, 1.0)]
+    assert "3 probes in a row" in dead[0].reason()
+
+
+class FakeTable:
+    def __init__(self, nodes):
+        self.nodes = dict(nodes)
+        self.declared = []
+        self.reads = 0
+
+    def workers(self):
+        self.reads += 1
+        return {n: a for n, a in self.nodes.items() if n not in {d.node for d in self.declared}}
+
+    def declare_dead(self, death):
+        self.declared.append(death)
+
+
+def test_the_watch_declares_each_dead_node_once_and_stops_probing_it():
+    table = FakeTable({"a": ("h", 1), "b": ("h", 2)})
+    outcomes = {1: Outcome.OK, 2: Outcome.REFUSED}
+    probed = []
+
+    def probe(host, port, timeout):
+        probed.append(port)
+        return outcomes[port]
+
+    w = NodeWatch(table, period_s=0.0, failures=3, probe=probe, clock=lambda: 0.0)
+    assert [d.node for d in w.sweep()] == ["b"]
+    assert w.sweep() == [] and w.sweep(refresh=True) == []
+    assert [d.node for d in table.declared] == ["b"]  # told to Ray once
+    assert probed == [1, 2, 1, 1]  # a declared node is not probed again
+    assert [d.node for d in w.take()] == ["b"] and w.take() == []
+
+
+def test_the_watch_reads_the_node_table_again_only_now_and_then():
+    table = FakeTable({"a": ("h", 1)})
+    now = [0.0]
+    w = NodeWatch(table, period_s=0.0, failures=1, probe=lambda h, p, t: Outcome.OK, clock=lambda: now[0])
+    w.sweep()
+    w.sweep()
+    assert table.reads == 1
+    now[0] = 10.0
+    w.sweep()
+    w.sweep(refresh=True)
+    assert table.reads == 3
+
+
+def test_tcp_probe_on_loopback_sockets():
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port = srv.getsockname()[1]
+        assert tcp_probe("127.0.0.1", port, 1.0) is Outcome.OK
+    assert tcp_probe("127.0.0.1", port, 1.0) is Outcome.REFUSED  # nothing listens there any more
+
+
+@pytest.mark.parametrize("field, value", [("node_probe_s", "-1"), ("node_probe_failures", "0")])
+def test_bad_probe_settings_are_refused_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"recovery.{field}"):
+        load_config(None, [f"recovery.{field}={value}"])
