@@ -46,7 +46,7 @@ def _rounds(system_config: dict[str, Any], rounds: int, watch: bool = False) -> 
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastic_llm.controller.liveness import NodeWatch, RayNodeTable
+    from elastic_llm.controller.liveness import REFRESH_S, NodeWatch, RayNodeTable
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": dict(system_config)})
     w = None
@@ -60,6 +60,11 @@ def _rounds(system_config: dict[str, Any], rounds: int, watch: bool = False) -> 
         for _ in range(rounds):
             node = c.add_node(num_cpus=1)
             c.wait_for_nodes()
+            seen_by = time.monotonic() + 10 * REFRESH_S
+            while w is not None and node.node_id not in w.watching():  # a run's nodes are watched long before they die
+                if time.monotonic() > seen_by:
+                    raise TimeoutError(f"the node watch did not pick up the new node within {10 * REFRESH_S:.0f} s")
+                time.sleep(0.05)
             t = time.monotonic()
             c.remove_node(node, allow_graceful=False)
             while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):

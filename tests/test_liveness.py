@@ -56,6 +56,7 @@ def test_the_watch_declares_each_dead_node_once_and_stops_probing_it():
     assert w.sweep() == [] and w.sweep(refresh=True) == []
     assert [d.node for d in table.declared] == ["b"]  # told to Ray once
     assert probed == [1, 2, 1, 1]  # a declared node is not probed again
+    assert w.watching() == {"a"}
     assert [d.node for d in w.take()] == ["b"] and w.take() == []
 
 

@@ -168,6 +168,11 @@ class NodeWatch:
             self._deaths.extend(dead)
             return dead
 
+    def watching(self) -> set[str]:
+        """The nodes the watch probes now (its copy of the node table, the declared dead left out)."""
+        with self._lock:
+            return set(self._table) - self._declared
+
     def take(self) -> list[NodeDeath]:
         """The deaths declared since the last call (for the run's metrics lines)."""
         with self._lock:
