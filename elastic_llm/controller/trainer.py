@@ -141,7 +141,6 @@ class Trainer:
         self.make_executor = parts.make_executor if parts is not None else ray_executor
         self.address = address
         self.dashboard = dashboard
-        self.metrics = MetricsWriter(metrics_out)
         self.run_id = uuid.uuid4().hex[:6]
         self.chaos = Chaos(cfg, cluster)
         self.failure_policy = FailurePolicy(cfg.recovery.max_failures, cfg.recovery.max_retries_per_step)
@@ -183,6 +182,7 @@ class Trainer:
             self.resume_from = open_checkpoint(resume)
             for warning in check_fits(self.resume_from, cfg):
                 log(f"warning: {warning}")
+        self.metrics = MetricsWriter(metrics_out)  # opened (truncated) once the checks above passed
 
     @property
     def actors(self) -> list[list[Any]]:

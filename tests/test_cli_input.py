@@ -1,0 +1,45 @@
+"""Bad input to the CLI is refused with one clear message and exit code 2, before Ray starts,
+and nothing of the user's is written or lost. No Ray here: every refusal happens before it."""
+
+import pytest
+
+from elastic_llm.cli import main
+from elastic_llm.controller.metrics import MetricsWriter
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def refused(capsys, *args: str) -> str:
+    """Run the CLI; assert exit code 2 and a one-line error; return that line."""
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_metrics_out_under_a_file_or_onto_a_directory_is_refused(corpus_dir, tmp_path, capsys):
+    (tmp_path / "afile").write_text("mine\n")
+    train = ("train", "--set", f"data.dir={corpus_dir}", "--no-progress")
+    line = refused(capsys, *train, "--metrics-out", str(tmp_path / "afile" / "m.jsonl"))
+    assert f"cannot write the metrics file {tmp_path / 'afile' / 'm.jsonl'} ({tmp_path / 'afile'} is a file, not a directory)" in line
+    assert "give a path in a directory you can write" in line
+    line = refused(capsys, *train, "--metrics-out", str(tmp_path))
+    assert f"({tmp_path} is a directory)" in line
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_metrics_out_creates_missing_directories(tmp_path):
+    writer = MetricsWriter(tmp_path / "new" / "dirs" / "m.jsonl")
+    writer.event("start")
+    writer.close()
+    assert (tmp_path / "new" / "dirs" / "m.jsonl").read_text().startswith('{"event": "start"')
+
+
+def test_an_existing_metrics_file_is_untouched_when_another_input_is_refused(corpus_dir, tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    line = refused(capsys, "train", "--set", f"data.dir={corpus_dir}", "--metrics-out", str(metrics), "--resume", str(tmp_path / "nothing"))
+    assert "does not exist: give a checkpoint directory or a run directory" in line
+    assert metrics.read_text() == '{"step": 1}\n'
