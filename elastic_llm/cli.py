@@ -419,6 +419,7 @@ def _run(args: argparse.Namespace) -> int:
     from elastic_llm.config import ConfigError
     from elastic_llm.controller import PlacementError, RunFailed
     from elastic_llm.controller.metrics import MetricsError
+    from elastic_llm.controller.session import ClusterUnreachable
     from elastic_llm.data import DataError
     from elastic_llm.durable.format import DurableError
     from elastic_llm.durable.storage import StorageError
@@ -435,7 +436,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
-    except (ConfigError, DataError, PlacementError, LayoutError, DurableError, StorageError, ExportError, MetricsError) as e:
+    except (ConfigError, DataError, PlacementError, LayoutError, DurableError, StorageError, ExportError, MetricsError, ClusterUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as e:  # the controller already logged the reason; repeat it as the last word

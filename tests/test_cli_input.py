@@ -1,10 +1,15 @@
 """Bad input to the CLI is refused with one clear message and exit code 2, before Ray starts,
 and nothing of the user's is written or lost. No Ray here: every refusal happens before it."""
 
+import socket
+import time
+
 import pytest
+import ray
 
 from elastic_llm.cli import main
 from elastic_llm.controller.metrics import MetricsWriter
+from elastic_llm.controller.session import ClusterUnreachable, check_reachable, unreachable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,3 +48,35 @@ def test_an_existing_metrics_file_is_untouched_when_another_input_is_refused(cor
     line = refused(capsys, "train", "--set", f"data.dir={corpus_dir}", "--metrics-out", str(metrics), "--resume", str(tmp_path / "nothing"))
     assert "does not exist: give a checkpoint directory or a run directory" in line
     assert metrics.read_text() == '{"step": 1}\n'
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("scheme", ["", "ray://", "auto"])
+def test_train_at_an_address_where_nothing_listens_fails_within_seconds(corpus_dir, scheme, monkeypatch, capsys):
+    port = closed_port()
+    address = "auto" if scheme == "auto" else f"{scheme}127.0.0.1:{port}"
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # what auto finds (never a cluster of this machine)
+    t = time.monotonic()
+    line = refused(capsys, "train", "--address", address, "--set", f"data.dir={corpus_dir}", "--no-progress")
+    assert time.monotonic() - t < 20  # Ray's own retries take over a minute
+    assert line.startswith(f"error: no Ray cluster at --address {address} (")
+    assert "Connection refused" in line and "start one (`ray start --head`), or pass the address of its GCS" in line
+    assert (f"127.0.0.1:{port}: Connection refused" in line) == (address != f"127.0.0.1:{port}")  # where auto / ray:// led
+    assert not ray.is_initialized()
+
+
+def test_auto_without_any_cluster_and_malformed_addresses_say_why(monkeypatch):
+    from ray._private import services
+
+    monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda address, temp_dir=None: None)
+    assert "RAY_ADDRESS is unset and `ray start` recorded no cluster" in unreachable("auto")
+    assert unreachable("localhost") == "'localhost' is not HOST:PORT"
+    assert unreachable("anyscale://somewhere") is None  # other schemes: Ray's business
+    with pytest.raises(ClusterUnreachable, match=r"no Ray cluster at --address ray://nowhere \('nowhere' is not HOST:PORT\)"):
+        check_reachable("ray://nowhere")
