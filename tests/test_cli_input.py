@@ -1,6 +1,7 @@
 """Bad input to the CLI is refused with one clear message and exit code 2, before Ray starts,
 and nothing of the user's is written or lost. No Ray here: every refusal happens before it."""
 
+import os
 import socket
 import time
 
@@ -8,8 +9,12 @@ import pytest
 import ray
 
 from elastic_llm.cli import main
+from elastic_llm.config import load_config
 from elastic_llm.controller.metrics import MetricsWriter
 from elastic_llm.controller.session import ClusterUnreachable, check_reachable, unreachable
+from elastic_llm.durable.storage import StorageError
+from elastic_llm.durable.tier import run_storage
+from tests.test_data_s3 import s3  # noqa: F401  (moto's S3 server on 127.0.0.1, module scope)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,3 +85,40 @@ def test_auto_without_any_cluster_and_malformed_addresses_say_why(monkeypatch):
     assert unreachable("anyscale://somewhere") is None  # other schemes: Ray's business
     with pytest.raises(ClusterUnreachable, match=r"no Ray cluster at --address ray://nowhere \('nowhere' is not HOST:PORT\)"):
         check_reachable("ray://nowhere")
+
+
+@pytest.mark.parametrize(
+    "where,expected",
+    [
+        ("afile/store", "Not a directory"),  # a path under a file
+        ("nosuchscheme://bucket/x", "durable.storage_path: storage path 'nosuchscheme://bucket/x' cannot be opened"),
+    ],
+)
+def test_a_durable_storage_path_that_cannot_be_written_is_refused_before_ray(corpus_dir, tmp_path, where, expected, capsys):
+    (tmp_path / "afile").write_text("mine\n")
+    path = where if "://" in where else str(tmp_path / where)
+    line = refused(capsys, "train", "--set", f"data.dir={corpus_dir}", "--set", f"durable.storage_path={path}", "--no-progress")
+    assert expected in line
+    if "://" not in where:
+        assert f"durable.storage_path={path!r} cannot be written" in line and "give a directory or URI this user may create and write files in" in line
+    assert not ray.is_initialized() and (tmp_path / "afile").read_text() == "mine\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission")
+def test_a_durable_storage_path_without_write_permission_is_refused(tmp_path):
+    (tmp_path / "ro").mkdir(mode=0o500)
+    with pytest.raises(StorageError, match="durable.storage_path=.* cannot be written .*Permission denied"):
+        run_storage(load_config("jobs/tiny.yaml", [f"durable.storage_path={tmp_path / 'ro'}"]))
+
+
+def test_a_writable_durable_storage_path_gets_the_run_directory_and_no_probe_file(tmp_path):
+    run = run_storage(load_config("jobs/tiny.yaml", [f"durable.storage_path={tmp_path / 'store'}", "durable.run_name=mine"]))
+    assert run.root == str(tmp_path / "store" / "mine") and os.listdir(run.root) == []
+
+
+def test_the_write_probe_on_an_object_store(s3):  # noqa: F811
+    fs, query = s3
+    run = run_storage(load_config("jobs/tiny.yaml", [f"durable.storage_path=s3://corpus/probe?{query}"]))
+    assert run.display() == "s3://corpus/probe/tiny" and run.list_files() == []
+    with pytest.raises(StorageError, match=r"durable.storage_path='s3://nobucket/x\?.*' cannot be written .*give a directory or URI"):
+        run_storage(load_config("jobs/tiny.yaml", [f"durable.storage_path=s3://nobucket/x?{query}"]))

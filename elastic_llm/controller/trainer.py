@@ -69,7 +69,7 @@ from elastic_llm.controller.states import (
 from elastic_llm.data import TokenStream, open_run_data
 from elastic_llm.durable.format import Checkpoint, open_checkpoint
 from elastic_llm.durable.restore import check_fits
-from elastic_llm.durable.tier import DurableTier
+from elastic_llm.durable.tier import DurableTier, run_storage
 from elastic_llm.model import count_parameters
 from elastic_llm.pipeline.executor import PendingStep, RayStepExecutor, StepExecutor, StepFailed, StepResult
 from elastic_llm.pipeline.shares import replica_shares
@@ -182,6 +182,8 @@ class Trainer:
             self.resume_from = open_checkpoint(resume)
             for warning in check_fits(self.resume_from, cfg):
                 log(f"warning: {warning}")
+        if cfg.durable.storage_path:
+            run_storage(cfg)  # refused now if it cannot be written, not at the first flush
         self.metrics = MetricsWriter(metrics_out)  # opened (truncated) once the checks above passed
 
     @property
