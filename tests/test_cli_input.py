@@ -122,3 +122,42 @@ def test_the_write_probe_on_an_object_store(s3):  # noqa: F811
     assert run.display() == "s3://corpus/probe/tiny" and run.list_files() == []
     with pytest.raises(StorageError, match=r"durable.storage_path='s3://nobucket/x\?.*' cannot be written .*give a directory or URI"):
         run_storage(load_config("jobs/tiny.yaml", [f"durable.storage_path=s3://nobucket/x?{query}"]))
+
+
+def test_parity_beyond_the_nodes_of_a_cluster_is_named_and_one_node_or_a_wide_group_is_fine():
+    from elastic_llm.snapshot.coordinator import check_parity_fits, make_groups
+    from elastic_llm.snapshot.layout import LayoutError
+
+    with pytest.raises(LayoutError, match=r"snapshot.parity=2 needs erasure groups of at least parity \+ 1 = 3 nodes .*snapshot.group_size=4.* the cluster has 2: .*set snapshot.parity to at most 1, or add nodes"):
+        check_parity_fits(2, 2, 4)
+    check_parity_fits(1, 3, 4)  # one node: no parity whatever the setting (embedded Ray)
+    check_parity_fits(3, 2, 8)  # group_size beyond the nodes: one group of all of them
+    assert make_groups(["c", "a", "b"], 8, 2) == (("a", "b", "c"),)
+    assert make_groups(["a", "b"], 4, 2) == ()  # what the check keeps a run from: no group, no parity
+
+
+class NoMonitor:
+    """Stands in for the run's monitor actor (no Ray here)."""
+
+    def __init__(self, trainer, namespace):
+        pass
+
+    def on_record(self, record):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_train_on_two_nodes_with_parity_two_is_refused_before_any_stage_starts(corpus_dir, monkeypatch, capsys):
+    """The trainer's start on a (pretend) two-node cluster: one snapshot manager per node, then
+    the check; exit 2 naming the fields, and no stage actor was asked for."""
+    from elastic_llm.controller import trainer as trainer_module
+    from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+
+    monkeypatch.setattr(trainer_module, "start_ray", lambda cfg, address, dashboard: False)
+    monkeypatch.setattr(trainer_module, "Publisher", NoMonitor)
+    monkeypatch.setattr(SnapshotCoordinator, "ensure_managers", lambda self: self.managers.update(node0=None, node1=None) or self.managers)
+    monkeypatch.setattr(trainer_module, "ActorGroup", None)  # calling it would fail the test
+    line = refused(capsys, "train", "--address", "127.0.0.1:6379", "--set", f"data.dir={corpus_dir}", "--set", "snapshot.parity=2", "--no-progress")
+    assert "snapshot.parity=2 needs erasure groups of at least parity + 1 = 3 nodes with CPUs (snapshot.group_size=4 per group), but the cluster has 2" in line

@@ -247,10 +247,11 @@ class Trainer:
             self.publisher = Publisher(self, NAMESPACE)
             self.metrics.observers.append(self.publisher.on_record)
         if self.cfg.snapshots_on and self.snapshots is None:  # managers first: they outlive any stage
-            from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+            from elastic_llm.snapshot.coordinator import SnapshotCoordinator, check_parity_fits
 
             self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE, self.run_id)
-            self.snapshots.ensure_managers()
+            self.snapshots.ensure_managers()  # one per node with CPUs
+            check_parity_fits(len(self.snapshots.managers), self.cfg.snapshot.parity, self.cfg.snapshot.group_size)
             if self.cfg.durable.storage_path:
                 self.durable = DurableTier(self.cfg, self.snapshots, str(self.data_dir), self.metrics)
                 self.snapshots.durable = self.durable
