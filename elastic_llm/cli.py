@@ -149,14 +149,17 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from elastic_llm.durable.format import Checkpoint, list_checkpoints, open_checkpoint
+    from elastic_llm.durable.format import Checkpoint, list_checkpoints, open_checkpoint, storage_root_problem
     from elastic_llm.durable.storage import Storage
 
     if args.action == "list":
         run = Storage(args.uri)
         entries = list_checkpoints(run)
-        if not entries and not run.is_dir():
-            print(f"error: {run.display()} does not exist: give a run directory of durable checkpoints", file=sys.stderr)
+        problem = None
+        if not entries:
+            problem = storage_root_problem(run) if run.is_dir() else f"{run.display()} does not exist: give a run directory of durable checkpoints"
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
             return EXIT_USAGE
         for e in entries:
             size = ""

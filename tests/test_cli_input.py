@@ -161,3 +161,15 @@ def test_train_on_two_nodes_with_parity_two_is_refused_before_any_stage_starts(c
     monkeypatch.setattr(trainer_module, "ActorGroup", None)  # calling it would fail the test
     line = refused(capsys, "train", "--address", "127.0.0.1:6379", "--set", f"data.dir={corpus_dir}", "--set", "snapshot.parity=2", "--no-progress")
     assert "snapshot.parity=2 needs erasure groups of at least parity + 1 = 3 nodes with CPUs (snapshot.group_size=4 per group), but the cluster has 2" in line
+
+
+def test_checkpoints_at_the_storage_root_name_its_runs(tmp_path, capsys):
+    for run in ("alpha", "beta"):
+        (tmp_path / run / "checkpoint_00000002").mkdir(parents=True)
+    (tmp_path / "notes").mkdir()  # not a run: no checkpoint_* inside
+    for args in (("checkpoints", "verify", str(tmp_path)), ("checkpoints", "list", str(tmp_path)), ("export", str(tmp_path), "--out", str(tmp_path / "hf"))):
+        line = refused(capsys, *args)
+        assert line == f"error: {tmp_path} holds the runs alpha, beta, not checkpoints: give a run directory, e.g. {tmp_path / 'alpha'}"
+    assert not (tmp_path / "hf").exists()
+    line = refused(capsys, "checkpoints", "verify", str(tmp_path / "notes"))
+    assert line == f"error: {tmp_path / 'notes'} holds no committed checkpoint: give another directory"
