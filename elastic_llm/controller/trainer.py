@@ -67,7 +67,7 @@ from elastic_llm.controller.states import (
     while_waiting,
 )
 from elastic_llm.data import TokenStream, open_run_data
-from elastic_llm.durable.format import Checkpoint, open_checkpoint
+from elastic_llm.durable.format import Checkpoint, DurableError, open_checkpoint
 from elastic_llm.durable.restore import check_fits
 from elastic_llm.durable.tier import DurableTier, run_storage
 from elastic_llm.model import count_parameters
@@ -96,6 +96,14 @@ class InterruptedStep:
 def ray_executor(actors: list[list[Any]], cfg: RunConfig) -> StepExecutor:
     """The real step executor: one plan per stage actor per step."""
     return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.recovery.mode == "redundant")
+
+
+def checkpoint_refusal(error: Exception) -> DurableError | None:
+    """The :class:`DurableError` a stage actor raised loading a durable checkpoint (the checkpoint
+    is at fault: a corrupted, truncated or foreign file), with its message only, without Ray's
+    wrapping and the actor's traceback; None for any other error."""
+    cause = getattr(error, "cause", None)
+    return DurableError(str(cause)) if isinstance(cause, DurableError) else None
 
 
 class RunFailed(RuntimeError):
@@ -267,7 +275,13 @@ class Trainer:
         assert self.group is not None
         t = time.perf_counter()
         calls = [self.group.actor(k).load_durable.remote(ck.storage.uri, ck.name) for k in self.group.keys()]
-        ray.get(calls, timeout=RESUME_S)
+        try:
+            ray.get(calls, timeout=RESUME_S)
+        except ray.exceptions.RayTaskError as e:
+            refusal = checkpoint_refusal(e)
+            if refusal is None:
+                raise
+            raise refusal from None
         self.resume_from = None
         self.step = self.committed_high = ck.step
         self.tokens_seen = self.step * self.cfg.tokens_per_step()
