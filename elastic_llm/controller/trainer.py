@@ -80,6 +80,7 @@ from elastic_llm.spans import Spans
 WAIT_POLL_S = 1.0  # how often the cluster is looked at while waiting for capacity
 STANDBY_LOOK_S = 1.0  # how often (at step boundaries) the warm standbys are topped up
 RESUME_S = 600.0  # longest the stages may take to load a durable checkpoint
+UNTIL_STOPPED = 10**9  # fit(UNTIL_STOPPED): train until request_stop() (a replay); the progress shows no total
 
 
 @dataclass(frozen=True)
@@ -415,7 +416,7 @@ class Trainer:
         self.end = max_steps if max_steps is not None else self.cfg.train.max_steps
         self.on_step = on_step
         self.state = Starting() if self.executor is None else self._next()
-        self.bar.open(self.end, self.step)  # the clock (elapsed_s) starts at the first step, not at setup
+        self.bar.open(self.end if self.end < UNTIL_STOPPED else None, self.step)  # the clock (elapsed_s) starts at the first step, not at setup
         handlers: dict[type, Callable[[Any], State]] = {
             Starting: self._start,
             Running: self._run,
