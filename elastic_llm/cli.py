@@ -149,14 +149,17 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from elastic_llm.durable.format import Checkpoint, list_checkpoints, open_checkpoint
+    from elastic_llm.durable.format import Checkpoint, list_checkpoints, open_checkpoint, storage_root_problem
     from elastic_llm.durable.storage import Storage
 
     if args.action == "list":
         run = Storage(args.uri)
         entries = list_checkpoints(run)
-        if not entries and not run.is_dir():
-            print(f"error: {run.display()} does not exist: give a run directory of durable checkpoints", file=sys.stderr)
+        problem = None
+        if not entries:
+            problem = storage_root_problem(run) if run.is_dir() else f"{run.display()} does not exist: give a run directory of durable checkpoints"
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
             return EXIT_USAGE
         for e in entries:
             size = ""
@@ -418,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from elastic_llm.config import ConfigError
     from elastic_llm.controller import PlacementError, RunFailed
+    from elastic_llm.controller.metrics import MetricsError
+    from elastic_llm.controller.session import ClusterUnreachable
     from elastic_llm.data import DataError
     from elastic_llm.durable.format import DurableError
     from elastic_llm.durable.storage import StorageError
@@ -434,7 +439,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
-    except (ConfigError, DataError, PlacementError, LayoutError, DurableError, StorageError, ExportError) as e:
+    except (ConfigError, DataError, PlacementError, LayoutError, DurableError, StorageError, ExportError, MetricsError, ClusterUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as e:  # the controller already logged the reason; repeat it as the last word

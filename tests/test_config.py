@@ -97,6 +97,9 @@ def run_cli(*args):
         (["train", "--set", "chaos.events=[{step: 2, kill: stage, op: allreduce}]"], "op=allreduce needs parallel.dp >= 2"),
         (["train", "--set", "chaos.events=[{step: 2, kill: stage, op: sideways}]"], "chaos.events[0].op='sideways' is unknown"),
         (["train", "--set", "parallel.cpus_per_actor=64"], "exceeds the largest node"),
+        (["train", "--set", "train.learning_rate=3e-4"], "unknown key train.learning_rate: valid keys of train are batch_size, max_steps, lr,"),
+        (["train", "--set", "train.lr=fast"], "train.lr='fast' must be a float"),
+        (["train", "--set", "snapshot.enabled=maybe"], "snapshot.enabled='maybe' must be true or false"),
     ],
 )
 def test_cli_refuses_with_exit_2_and_no_traceback(args, expected):

@@ -268,3 +268,18 @@ def test_injected_parts_refuse_snapshots(corpus_dir, tmp_path):
     group = FakeGroup(4, 1)
     with pytest.raises(ConfigError, match="snapshot.enabled=false"):
         Trainer(cfg, parts=Parts(group, FakeRecovery(group), FakeElastic(group), lambda a, c: FakeExecutor([], {}, 1)))
+
+
+def test_an_open_ended_run_shows_its_steps_without_a_total(corpus_dir, tmp_path):
+    import io
+
+    from elastic_llm.controller.progress import ProgressBar
+    from elastic_llm.controller.trainer import UNTIL_STOPPED
+
+    t, *_ = make(corpus_dir, tmp_path)
+    out = io.StringIO()  # not a terminal: plain lines
+    t.bar = ProgressBar(True, "tiny", stream=out)
+    history = t.fit(UNTIL_STOPPED, on_step=lambda r: t.request_stop() if r["step"] == 3 else None)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    lines = out.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["tiny: step 1", "tiny: step 3"] and str(UNTIL_STOPPED) not in out.getvalue()

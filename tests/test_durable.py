@@ -282,3 +282,31 @@ def test_cli_checkpoints_list_verify_and_bad_resume(trained, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "nothing"), "--max-steps", "1", "--no-progress"]) == 2
     assert "does not exist: give a checkpoint directory or a run directory" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_truncated_checkpoint_and_resuming_another_model(trained, tmp_path, capsys):
+    from elastic_llm.cli import main
+
+    cfg, workers = trained
+    run = Storage(str(tmp_path / "run"))
+    name = write_checkpoint(run, cfg, workers, 2)
+    assert main(["train", "--resume", str(tmp_path / "run"), "--no-progress"]) == 2  # jobs/tiny.yaml: dim 256, seq_len 128
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'run' / name} is a checkpoint of another model (model.dim: 64 there, 256 here, model.seq_len: 16 there, 128 here): resume it with the config it was written with" in err
+    shard = tmp_path / "run" / name / fmt.shard_file(1, 0)
+    shard.write_bytes(shard.read_bytes()[:-100])  # a copy that stopped early
+    assert main(["checkpoints", "verify", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {shard} is not a safetensors file (" in err and "Traceback" not in err
+
+
+def test_a_stages_checkpoint_refusal_reaches_the_user_without_the_actors_traceback():
+    from ray.exceptions import RayTaskError
+
+    from elastic_llm.controller.trainer import checkpoint_refusal
+
+    wrapped = RayTaskError("load_durable", "Traceback (most recent call last):\n  File stage.py", fmt.DurableError("x.safetensors fails its CRC-32")).as_instanceof_cause()
+    assert "File stage.py" in str(wrapped)  # what the user saw
+    refusal = checkpoint_refusal(wrapped)
+    assert isinstance(refusal, fmt.DurableError) and str(refusal) == "x.safetensors fails its CRC-32"
+    assert checkpoint_refusal(RayTaskError("load_durable", "Traceback", ValueError("a bug")).as_instanceof_cause()) is None

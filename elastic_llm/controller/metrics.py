@@ -1,6 +1,8 @@
 """JSON-lines metrics of a run: one line per step, one per event.
 
-Owns: the metrics file, and handing every line to its observers (the run's monitor actor).
+Owns: the metrics file (its missing parent directories are created; a place that cannot be
+written is refused with :class:`MetricsError` when the writer is made, before any line), and
+handing every line to its observers (the run's monitor actor).
 Never decides anything; flushed per line so a crash loses nothing.
 """
 
@@ -12,13 +14,20 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 
+class MetricsError(OSError):
+    """The metrics file cannot be written; the message names it and the fix."""
+
+
 class MetricsWriter:
     def __init__(self, path: str | Path | None) -> None:
         self.file: IO[str] | None = None
         self.observers: list[Callable[[dict[str, Any]], None]] = []
         if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "w")
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self.file = open(path, "w")
+            except OSError as e:
+                raise MetricsError(f"cannot write the metrics file {path} ({why_unwritable(Path(path), e)}): give a path in a directory you can write") from None
 
     def write(self, record: dict[str, Any]) -> None:
         for observe in self.observers:
@@ -36,3 +45,17 @@ class MetricsWriter:
         if self.file:
             self.file.close()
             self.file = None
+
+
+def why_unwritable(path: Path, error: OSError) -> str:
+    """What stands in the way of writing the file ``path``: a directory in its place, a file in
+    place of a parent directory, or what the system said (permission denied, read-only, ...)."""
+    for p in (path, *path.parents):
+        if not p.exists():
+            continue
+        if p == path and p.is_dir():
+            return f"{p} is a directory"
+        if p != path and not p.is_dir():
+            return f"{p} is a file, not a directory"
+        break
+    return error.strerror or str(error)

@@ -2,14 +2,16 @@
 placement can exist at all.
 
 Owns: the environment Ray needs here (loopback addresses, token auth and its token file),
-starting an embedded single-node Ray or joining a cluster, and :func:`check_placement`, a pure
-check that refuses placements no cluster of this shape could satisfy.
+starting an embedded single-node Ray or joining a cluster (refused within seconds when nothing
+answers at the address: :func:`check_reachable`), and :func:`check_placement`, a pure check that
+refuses placements no cluster of this shape could satisfy.
 Never places actors (the actor group does) and never waits for capacity (the controller does).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +20,21 @@ from typing import Any
 from elastic_llm.config import RunConfig
 
 NAMESPACE = "elastic-llm"
+PROBE_S = 5.0  # longest a cluster address may take to accept a TCP connection
 
 
 class PlacementError(RuntimeError):
     """The cluster cannot host the requested actors; the message says what is missing."""
+
+
+class ClusterUnreachable(ConnectionError):
+    """No Ray cluster answers at the address given; the message names it and the fix."""
+
+    def __init__(self, address: str, why: str) -> None:
+        super().__init__(
+            f"no Ray cluster at --address {address} ({why}): start one (`ray start --head`), "
+            "or pass the address of its GCS, e.g. --address 127.0.0.1:6379"
+        )
 
 
 def log(line: str) -> None:
@@ -64,6 +77,7 @@ def start_ray(cfg: RunConfig, address: str | None = None, dashboard: bool = Fals
     if ray.is_initialized():
         return False
     if address:
+        check_reachable(address)
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
         return False
     check_placement(cfg, local_resources(), [])  # refuse before starting anything
@@ -79,6 +93,43 @@ def start_ray(cfg: RunConfig, address: str | None = None, dashboard: bool = Fals
         logging_level="WARNING",
     )
     return True
+
+
+def check_reachable(address: str, timeout_s: float = PROBE_S) -> None:
+    """Raise :class:`ClusterUnreachable` unless the cluster at ``address`` accepts a TCP
+    connection within ``timeout_s``: ``ray.init`` retries an unreachable GCS for a minute or more."""
+    why = unreachable(address, timeout_s)
+    if why is not None:
+        raise ClusterUnreachable(address, why)
+
+
+def unreachable(address: str, timeout_s: float = PROBE_S) -> str | None:
+    """Why nothing answers at ``address``, or None when it accepts a TCP connection within
+    ``timeout_s``. ``address``: a GCS ``host:port``; ``ray://host:port`` (a Ray client server);
+    or ``auto``, found as ``ray.init`` finds it (RAY_ADDRESS, then the cluster ``ray start``
+    recorded on this machine). Other schemes are left to Ray."""
+    target: str | None = address
+    if address.startswith("ray://"):
+        target = address[len("ray://") :].split("/", 1)[0]
+    elif "://" in address:
+        return None
+    elif address == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        try:
+            target = canonicalize_bootstrap_address(address)
+        except ValueError as e:
+            return str(e)
+        if target is None:
+            return "found none: RAY_ADDRESS is unset and `ray start` recorded no cluster on this machine"
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return f"{target!r} is not HOST:PORT"
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return ("" if target == address else f"{target}: ") + (e.strerror or type(e).__name__)
+    return None
 
 
 def local_resources() -> dict[str, float]:

@@ -68,9 +68,9 @@ from elastic_llm.controller.states import (
     while_waiting,
 )
 from elastic_llm.data import TokenStream, open_run_data
-from elastic_llm.durable.format import Checkpoint, open_checkpoint
+from elastic_llm.durable.format import Checkpoint, DurableError, open_checkpoint
 from elastic_llm.durable.restore import check_fits
-from elastic_llm.durable.tier import DurableTier
+from elastic_llm.durable.tier import DurableTier, run_storage
 from elastic_llm.model import count_parameters
 from elastic_llm.pipeline.executor import PendingStep, RayStepExecutor, StepExecutor, StepFailed, StepResult
 from elastic_llm.pipeline.shares import replica_shares
@@ -81,6 +81,7 @@ from elastic_llm.spans import Spans
 WAIT_POLL_S = 1.0  # how often the cluster is looked at while waiting for capacity
 STANDBY_LOOK_S = 1.0  # how often (at step boundaries) the warm standbys are topped up
 RESUME_S = 600.0  # longest the stages may take to load a durable checkpoint
+UNTIL_STOPPED = 10**9  # fit(UNTIL_STOPPED): train until request_stop() (a replay); the progress shows no total
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,14 @@ class InterruptedStep:
 def ray_executor(actors: list[list[Any]], cfg: RunConfig) -> StepExecutor:
     """The real step executor: one plan per stage actor per step."""
     return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.recovery.mode == "redundant")
+
+
+def checkpoint_refusal(error: Exception) -> DurableError | None:
+    """The :class:`DurableError` a stage actor raised loading a durable checkpoint (the checkpoint
+    is at fault: a corrupted, truncated or foreign file), with its message only, without Ray's
+    wrapping and the actor's traceback; None for any other error."""
+    cause = getattr(error, "cause", None)
+    return DurableError(str(cause)) if isinstance(cause, DurableError) else None
 
 
 class RunFailed(RuntimeError):
@@ -142,7 +151,6 @@ class Trainer:
         self.make_executor = parts.make_executor if parts is not None else ray_executor
         self.address = address
         self.dashboard = dashboard
-        self.metrics = MetricsWriter(metrics_out)
         self.run_id = uuid.uuid4().hex[:6]
         self.chaos = Chaos(cfg, cluster)
         self.failure_policy = FailurePolicy(cfg.recovery.max_failures, cfg.recovery.max_retries_per_step)
@@ -185,6 +193,9 @@ class Trainer:
             self.resume_from = open_checkpoint(resume)
             for warning in check_fits(self.resume_from, cfg):
                 log(f"warning: {warning}")
+        if cfg.durable.storage_path:
+            run_storage(cfg)  # refused now if it cannot be written, not at the first flush
+        self.metrics = MetricsWriter(metrics_out)  # opened (truncated) once the checks above passed
 
     @property
     def actors(self) -> list[list[Any]]:
@@ -251,10 +262,11 @@ class Trainer:
             self.publisher = Publisher(self, NAMESPACE)
             self.metrics.observers.append(self.publisher.on_record)
         if self.cfg.snapshots_on and self.snapshots is None:  # managers first: they outlive any stage
-            from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+            from elastic_llm.snapshot.coordinator import SnapshotCoordinator, check_parity_fits
 
             self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE, self.run_id)
-            self.snapshots.ensure_managers()
+            self.snapshots.ensure_managers()  # one per node with CPUs
+            check_parity_fits(len(self.snapshots.managers), self.cfg.snapshot.parity, self.cfg.snapshot.group_size)
             if self.cfg.durable.storage_path:
                 self.durable = DurableTier(self.cfg, self.snapshots, str(self.data_dir), self.metrics)
                 self.snapshots.durable = self.durable
@@ -270,7 +282,13 @@ class Trainer:
         assert self.group is not None
         t = time.perf_counter()
         calls = [self.group.actor(k).load_durable.remote(ck.storage.uri, ck.name) for k in self.group.keys()]
-        ray.get(calls, timeout=RESUME_S)
+        try:
+            ray.get(calls, timeout=RESUME_S)
+        except ray.exceptions.RayTaskError as e:
+            refusal = checkpoint_refusal(e)
+            if refusal is None:
+                raise
+            raise refusal from None
         self.resume_from = None
         self.step = self.committed_high = ck.step
         self.tokens_seen = self.step * self.cfg.tokens_per_step()
@@ -404,7 +422,7 @@ class Trainer:
         self.end = max_steps if max_steps is not None else self.cfg.train.max_steps
         self.on_step = on_step
         self.state = Starting() if self.executor is None else self._next()
-        self.bar.open(self.end, self.step)  # the clock (elapsed_s) starts at the first step, not at setup
+        self.bar.open(self.end if self.end < UNTIL_STOPPED else None, self.step)  # the clock (elapsed_s) starts at the first step, not at setup
         handlers: dict[type, Callable[[Any], State]] = {
             Starting: self._start,
             Running: self._run,

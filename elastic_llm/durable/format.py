@@ -243,6 +243,22 @@ def list_checkpoints(run: Storage) -> list[Entry]:
     return out
 
 
+def runs_in(root: Storage) -> list[str]:
+    """The run directories directly under ``root`` (those holding ``checkpoint_*`` directories):
+    what a ``durable.storage_path`` holds."""
+    return [d for d in root.list_dirs() if any(step_of(n) is not None for n in root.list_dirs(d))]
+
+
+def storage_root_problem(root: Storage) -> str | None:
+    """The message for a storage root given where a run directory belongs (it holds runs, not
+    checkpoints), or None when ``root`` holds no runs."""
+    runs = runs_in(root)
+    if not runs:
+        return None
+    shown = ", ".join(runs[:5]) + (f" and {len(runs) - 5} more" if len(runs) > 5 else "")
+    return f"{root.display()} holds the runs {shown}, not checkpoints: give a run directory, e.g. {root.display(runs[0])}"
+
+
 def newest_committed(run: Storage) -> Entry | None:
     trusted = [e for e in list_checkpoints(run) if e.committed]
     return trusted[-1] if trusted else None
@@ -340,9 +356,12 @@ def open_checkpoint(uri: str) -> Checkpoint:
     except StorageError as e:
         raise DurableError(str(e)) from None
     if entry is None:
-        seen = [e for e in list_checkpoints(storage)]
-        why = f" ({len(seen)} uncommitted: {seen[-1].problem})" if seen else ""
-        raise DurableError(f"{storage.display()} holds no committed checkpoint{why}: give another directory")
+        seen = list_checkpoints(storage)
+        problem = None if seen else storage_root_problem(storage)
+        if problem is None:
+            why = f" ({len(seen)} uncommitted: {seen[-1].problem})" if seen else ""
+            problem = f"{storage.display()} holds no committed checkpoint{why}: give another directory"
+        raise DurableError(problem)
     return Checkpoint(storage, entry.name)
 
 

@@ -2,7 +2,7 @@
 
 Owns: turning ``durable.storage_path`` (a path, ``file://``, ``s3://bucket/dir?endpoint_override=
 host:port&scheme=http``, ``gs://``, ``hdfs://``) into a filesystem and a root, and the few file
-operations the durable tier needs: streaming writes (on a local disk forced to the platter with
+operations the durable tier needs: a probe that the root can be written, streaming writes (on a local disk forced to the platter with
 fsync before they count as written), whole-file reads, listing, deleting a directory. Never knows
 what a checkpoint is (:mod:`elastic_llm.durable.format` does).
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -136,6 +137,14 @@ class Storage:
         except (FileNotFoundError, pa.ArrowInvalid):
             return []
         return sorted(os.path.basename(i.path) for i in infos if i.type == pafs.FileType.File)
+
+    def probe_write(self) -> None:
+        """Create the root and write, then delete, a small file in it: raises OSError (what the
+        filesystem said) when this process cannot. Leaves the root directory behind."""
+        probe = f".write-probe-{uuid.uuid4().hex[:8]}"
+        self.makedirs("")
+        self.write_bytes(probe, b"elastic-llm")
+        self.fs.delete_file(self.path(probe))
 
     def delete_dir(self, rel: str) -> None:
         try:

@@ -20,7 +20,7 @@ from elastic_llm import cadence
 from elastic_llm.config import RunConfig
 from elastic_llm.durable import format as fmt
 from elastic_llm.durable.flush import plan_parts
-from elastic_llm.durable.storage import Storage
+from elastic_llm.durable.storage import Storage, StorageError
 from elastic_llm.model import stage_layer_range
 from elastic_llm.snapshot.records import VersionRecord
 
@@ -48,16 +48,34 @@ class _Flush:
     results: list[Any] = field(default_factory=list)
 
 
+def run_storage(cfg: RunConfig) -> Storage:
+    """The run's directory ``{durable.storage_path}/{run_name}``, created and proved writable
+    (a file written and deleted in it); :class:`StorageError` naming ``durable.storage_path`` and
+    the fix when it cannot be opened or written. The trainer calls it before Ray starts."""
+    du = cfg.durable
+    assert du.storage_path, "the durable tier needs durable.storage_path"
+    try:
+        run = Storage(du.storage_path).child(du.run_name or cfg.name)
+    except StorageError as e:
+        raise StorageError(f"durable.storage_path: {e}") from None
+    try:
+        run.probe_write()
+    except OSError as e:
+        raise StorageError(
+            f"durable.storage_path={du.storage_path!r} cannot be written ({e}): give a directory or URI this user may create "
+            "and write files in, or leave durable.storage_path unset to train without durable checkpoints"
+        ) from None
+    return run
+
+
 class DurableTier:
     def __init__(self, cfg: RunConfig, coordinator: Any, data_dir: str | None = None, metrics: Any = None) -> None:
         du = cfg.durable
-        assert du.storage_path, "the durable tier needs durable.storage_path"
         self.cfg = cfg
         self.coordinator = coordinator
         self.metrics = metrics
         self.data_dir = data_dir
-        self.run = Storage(du.storage_path).child(du.run_name or cfg.name)
-        self.run.makedirs("")
+        self.run = run_storage(cfg)
         self.auto = du.every == "auto"
         self.every = 1 if self.auto else int(du.every)  # auto: the first commit is flushed, to measure the cost
         self.why = "auto: the first committed snapshot is flushed to measure the cost" if self.auto else f"durable.every={du.every}"

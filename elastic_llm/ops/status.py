@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import sys
 from dataclasses import asdict, is_dataclass
 from typing import Any
@@ -147,34 +146,17 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(out).rstrip()
 
 
-def reachable(address: str, timeout_s: float = 5.0) -> str | None:
-    """None if ``host:port`` accepts a TCP connection within ``timeout_s``, else why not
-    (``ray.init`` would retry an unreachable GCS for minutes). ``auto`` is left to Ray."""
-    if address == "auto":
-        return None
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        return "not HOST:PORT"
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        return e.strerror or type(e).__name__
-    return None
-
-
 def status(args: argparse.Namespace) -> int:
     import ray
 
-    from elastic_llm.controller.session import NAMESPACE
+    from elastic_llm.controller.session import NAMESPACE, ClusterUnreachable, check_reachable
 
     try:
-        why = reachable(args.address)
-        if why is not None:
-            raise ConnectionError(why)
+        check_reachable(args.address)
         ctx = ray.init(address=args.address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        print(f"error: no Ray cluster at --address {args.address} ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
-              "start one (`ray start --head`), or pass the address of its GCS, e.g. --address 127.0.0.1:6379", file=sys.stderr)
+        err = e if isinstance(e, ClusterUnreachable) else ClusterUnreachable(args.address, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        print(f"error: {err}", file=sys.stderr)
         return 2
     try:
         if not ctx.dashboard_url:

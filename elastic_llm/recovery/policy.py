@@ -200,7 +200,7 @@ class RecoveryPolicy:
                         f"{obs.parity}: raise snapshot.parity or add durable checkpoints"
                     )
             if any(shard_node[k] in obs.dead_managers and not any(shard_node[k] in g for g in obs.groups) for k in lost_shards):
-                return "lost shards are not covered by any erasure group (single node: no parity)"
+                return "lost shards are not covered by any erasure group (one node, or fewer than snapshot.parity + 1: no parity)"
             return None
 
         snap_problem = snapshot_available()

@@ -117,8 +117,10 @@ class Replay:
         return report
 
     def _fit(self) -> None:
+        from elastic_llm.controller.trainer import UNTIL_STOPPED
+
         try:
-            self.trainer.fit(10**9)
+            self.trainer.fit(UNTIL_STOPPED)
         except BaseException as e:  # reported in replay.json; the replay goes on to its end
             self.error = e
             say(f"the run stopped: {str(e).splitlines()[0]}")

@@ -5,7 +5,9 @@ Owns: one SnapshotManager actor per node (named ``smp-<run>-<node>``), when a sn
 (:func:`elastic_llm.cadence.snapshot_every`), and ``snapshot.max_lag``: how far the committed version may trail training
 before a step waits for it), the erasure groups of each version, the versions in flight (shards
 in -> parity encoded -> committed), the record of the latest committed version, and fetching a
-stage's committed state back from the managers, rebuilding lost shards from parity.
+stage's committed state back from the managers, rebuilding lost shards from parity. A cluster of
+several nodes too small for one erasure group of ``snapshot.parity`` is refused when the run
+starts (:func:`check_parity_fits`).
 
 Never blocks a training step except when the committed version trails by more than ``max_lag``
 (and then with a deadline); never decides recovery: it answers where state is, the controller
@@ -22,6 +24,7 @@ from typing import Any
 from elastic_llm.cadence import Ema, snapshot_every
 from elastic_llm.config import RunConfig
 from elastic_llm.recovery.policy import UnrecoverableError
+from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.manager import SnapshotManager
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
 
@@ -72,6 +75,19 @@ def make_groups(nodes: list[str], size: int, parity: int) -> tuple[tuple[str, ..
         tail = groups.pop()
         groups[-1] += tail
     return tuple(tuple(g) for g in groups)
+
+
+def check_parity_fits(nodes: int, parity: int, group_size: int) -> None:
+    """Raise :class:`LayoutError` when ``nodes`` nodes with CPUs (two or more) cannot form one
+    erasure group of ``parity`` + 1: :func:`make_groups` would form none and every snapshot would
+    go without parity, less protection than a smaller ``snapshot.parity`` gives. A single node is
+    accepted: it holds no parity whatever the setting (the embedded single-node Ray). Pure."""
+    if 2 <= nodes < parity + 1:
+        raise LayoutError(
+            f"snapshot.parity={parity} needs erasure groups of at least parity + 1 = {parity + 1} nodes with CPUs "
+            f"(snapshot.group_size={group_size} per group), but the cluster has {nodes}: no group could form and the snapshots "
+            f"would have no parity at all; set snapshot.parity to at most {nodes - 1}, or add nodes"
+        )
 
 
 class SnapshotCoordinator:
