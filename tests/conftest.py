@@ -8,7 +8,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 import pytest  # noqa: E402
 
-from elastic_llm.controller.session import loopback_env  # noqa: E402
+from elastic_llm.controller.session import add_loopback_node, loopback_env  # noqa: E402
 
 loopback_env()  # also creates the Ray auth token a test cluster's GCS needs
 
@@ -88,7 +88,7 @@ def loopback_cluster_fixture(workers, cpus_per_node):
 def top_up(cluster, workers, cpus_per_node, exact=False):
     """Add nodes until ``workers`` worker nodes are live again (``exact``: no more than that)."""
     while len(cluster.worker_nodes) < workers:
-        cluster.add_node(num_cpus=cpus_per_node)
+        add_loopback_node(cluster, cpus_per_node)
     cluster.wait_for_nodes()
     wait_until(lambda: (live_workers() == workers) if exact else (live_workers() >= workers), 60, "worker nodes coming up")
     return cluster

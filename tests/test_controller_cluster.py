@@ -15,6 +15,7 @@ import ray
 
 from elastic_llm.config import load_config
 from elastic_llm.controller import RunFailed, Trainer
+from elastic_llm.controller.session import add_loopback_node
 
 from .conftest import REPO, events, loopback_cluster_fixture, top_up, wait_until
 
@@ -74,7 +75,7 @@ def test_lost_node_without_spare_capacity_waits_then_resumes_bit_identically(nod
         if seen_waiting:  # it keeps reporting while nothing can be placed
             wait_until(lambda: t.seconds_by_state.get("waiting_for_capacity", 0) >= 3 and len(events(tmp_path, "waiting_for_capacity")) >= 2,
                        60, "3 s of waiting for capacity, reported twice")
-        nodes.add_node(num_cpus=2)
+        add_loopback_node(nodes, 2)
         runner.join(timeout=180)
         assert not runner.is_alive(), "training did not resume after a node joined"
     finally:

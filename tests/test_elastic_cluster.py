@@ -21,7 +21,7 @@ import ray
 
 from elastic_llm.config import load_config
 from elastic_llm.controller import Trainer
-from elastic_llm.controller.session import loopback_cluster
+from elastic_llm.controller.session import add_loopback_node, loopback_cluster
 from elastic_llm.controller.drains import draining_nodes, request_drain
 from elastic_llm.snapshot.records import ShardKey
 
@@ -60,7 +60,7 @@ def nodes(cluster):
     while len(cluster.worker_nodes) > WORKERS:
         cluster.remove_node(list(cluster.worker_nodes)[-1])
     while len(cluster.worker_nodes) < WORKERS:
-        cluster.add_node(num_cpus=1)
+        add_loopback_node(cluster, 1)
     cluster.wait_for_nodes()
     wait_until(lambda: live_workers() == WORKERS, 60, "worker nodes coming up")
     return cluster
@@ -147,7 +147,7 @@ def test_a_lost_node_without_room_shrinks_without_rollback_then_two_new_nodes_gr
         assert t.group.width == 1
         shrunk_at = t.step
         for _ in range(2):
-            nodes.add_node(num_cpus=1)
+            add_loopback_node(nodes, 1)
         wait_until(lambda: len(events(tmp_path, "resize")) >= 2, 120, "growing back")
         grown_at = t.step
         wait_until(lambda: t.step >= grown_at + 3, 60, "three steps at width 2")

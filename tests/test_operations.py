@@ -21,7 +21,7 @@ import pytest
 import ray
 
 from elastic_llm.cli import main
-from elastic_llm.controller.session import FAST_HEALTH, NAMESPACE
+from elastic_llm.controller.session import FAST_HEALTH, NAMESPACE, NODE_STORE_BYTES, add_loopback_node
 
 from .conftest import REPO, wait_until
 
@@ -115,11 +115,11 @@ def seen(tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
+        "num_cpus": 2, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
         "metrics_export_port": metrics, "_system_config": {**FAST_HEALTH, "metrics_report_interval_ms": 1000},
         "dashboard_agent_listen_port": free_port(),  # not the default 52365: another Ray on this machine may hold it
     })
-    c.add_node(num_cpus=2)
+    add_loopback_node(c, 2)
     c.wait_for_nodes()
     gcs, api = c.address, f"http://127.0.0.1:{dash}"
     ray.init(address=gcs, namespace=NAMESPACE, logging_level="WARNING")

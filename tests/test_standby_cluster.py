@@ -15,6 +15,7 @@ import ray
 from elastic_llm.config import load_config
 from elastic_llm.controller import Trainer
 from elastic_llm.controller.drains import request_drain
+from elastic_llm.controller.session import NODE_STORE_BYTES
 from elastic_llm.snapshot.records import ShardKey
 
 from .conftest import REPO, events, live_workers, loopback_cluster_fixture, top_up, wait_until
@@ -188,6 +189,9 @@ def test_a_removed_node_is_declared_dead_by_the_run_itself(nodes, clean, corpus_
         assert info.death_info.reason_message.startswith("elastic-llm node watch: the raylet at"), info.death_info
         assert {r["source"] for r in t.recoveries if r["stage"] is not None} <= {"local_smp", "parity"}, t.recoveries
         assert got == clean  # the recovery is lossless: bit for bit
+        # loopback nodes are sized for every-step snapshots: the run found none too small
+        stores = {n["Resources"]["object_store_memory"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")}
+        assert stores == {NODE_STORE_BYTES} and events(tmp_path, "warning") == []
     finally:
         t.shutdown()
 

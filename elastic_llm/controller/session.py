@@ -173,10 +173,60 @@ def check_placement(cfg: RunConfig, resources: dict[str, float], nodes: list[dic
 FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000}
 
 
-def loopback_cluster(workers: int, cpus_per_node: float) -> Any:
+NODE_STORE_BYTES = 1 << 30  # object store of a loopback worker node (Cluster.add_node's default is 150 MiB)
+SNAPSHOT_BYTES_PER_PARAM = 12  # fp32 parameters + two AdamW moments
+SNAPSHOT_VERSIONS_HELD = 4  # by one manager at most: 2 in flight (snapshot.coordinator.MAX_INFLIGHT), the committed one, one pinned by a durable flush
+
+
+def snapshot_store_bytes(cfg: RunConfig, nodes: int) -> int:
+    """The most one node's object store holds of the run's snapshots (pure estimate): one copy of
+    the model's state (``SNAPSHOT_BYTES_PER_PARAM`` per parameter; with data parallelism each
+    replica snapshots a 1/dp slice of its stage) spread over ``nodes`` nodes, no finer than one
+    stage per node, plus the parity it holds for its erasure group and the copies of its peers'
+    data chunks it pulls to encode that parity (``snapshot.parity`` holders pull each chunk), for
+    every version a manager may hold at once (:data:`SNAPSHOT_VERSIONS_HELD`). 0 without snapshots."""
+    from elastic_llm.model import count_parameters
+
+    if not cfg.snapshots_on or nodes < 1:
+        return 0
+    sn = cfg.snapshot
+    state = SNAPSHOT_BYTES_PER_PARAM * count_parameters(cfg.model.shape())
+    per_node = state / min(nodes, cfg.parallel.stages * cfg.parallel.dp)
+    group = min(sn.group_size, nodes)
+    if group <= sn.parity:  # no erasure group forms
+        return int(per_node * SNAPSHOT_VERSIONS_HELD)
+    parity_share = sn.parity / (group - sn.parity)  # parity held per byte of data
+    return int(per_node * (1 + parity_share + sn.parity) * SNAPSHOT_VERSIONS_HELD)
+
+
+def store_warnings(cfg: RunConfig, nodes: list[dict[str, Any]]) -> list[str]:
+    """One warning per live node with CPUs whose object store (``ray.nodes()``'s
+    ``object_store_memory``) cannot hold what :func:`snapshot_store_bytes` says its snapshot
+    manager keeps: Ray would spill the snapshots to disk, slowly. Pure."""
+    workers = [n for n in nodes if n.get("Alive", True) and n.get("Resources", {}).get("CPU", 0) > 0]
+    need = snapshot_store_bytes(cfg, len(workers))
+    mib = 1 << 20
+    return [
+        f"node {n['NodeID'][:12]}'s object store holds {n['Resources'].get('object_store_memory', 0) / mib:.0f} MiB, but its snapshot manager "
+        f"keeps up to {need / mib:.0f} MiB ({SNAPSHOT_VERSIONS_HELD} versions of its share of the state, with parity): "
+        f"snapshots would spill to disk; start the node with `ray start --object-store-memory={need}` or more, "
+        "or add nodes (each then holds a smaller share)"
+        for n in workers
+        if n.get("Resources", {}).get("object_store_memory", 0) < need
+    ]
+
+
+def add_loopback_node(cluster: Any, cpus: float, store_bytes: int = NODE_STORE_BYTES) -> Any:
+    """A worker node of a loopback ``Cluster`` with ``cpus`` CPUs and an object store of
+    ``store_bytes`` (not ``Cluster.add_node``'s 150 MiB, which every-step snapshots overflow)."""
+    return cluster.add_node(num_cpus=cpus, object_store_memory=store_bytes)
+
+
+def loopback_cluster(workers: int, cpus_per_node: float, store_bytes: int = NODE_STORE_BYTES) -> Any:
     """A ``ray.cluster_utils.Cluster`` on 127.0.0.1 (for tests, replays and benchmarks): a head
-    without CPUs plus ``workers`` nodes of ``cpus_per_node`` CPUs, a lost node noticed within
-    about 2 s; this driver is connected to it. The caller shuts down Ray, then the cluster."""
+    without CPUs plus ``workers`` nodes of ``cpus_per_node`` CPUs and ``store_bytes`` of object
+    store each, a lost node noticed within about 2 s by Ray (the run's node watch notices sooner);
+    this driver is connected to it. The caller shuts down Ray, then the cluster."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -184,7 +234,7 @@ def loopback_cluster(workers: int, cpus_per_node: float) -> Any:
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_HEALTH})
     for _ in range(workers):
-        c.add_node(num_cpus=cpus_per_node)
+        add_loopback_node(c, cpus_per_node, store_bytes)
     c.wait_for_nodes()
     ray.init(address=c.address, namespace=NAMESPACE, logging_level="WARNING")
     return c

@@ -46,7 +46,7 @@ from elastic_llm.controller.neighbours import refresh_mirrors
 from elastic_llm.controller.parts import Elastic, Group, Parts, Recovery
 from elastic_llm.controller.progress import ProgressBar
 from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor, RecoveryOutcome, recovery_records
-from elastic_llm.controller.session import NAMESPACE, log, start_ray
+from elastic_llm.controller.session import NAMESPACE, log, start_ray, store_warnings
 from elastic_llm.controller.liveness import NodeWatch, RayNodeTable
 from elastic_llm.controller.standby import StandbyPool
 from elastic_llm.controller.states import (
@@ -253,6 +253,8 @@ class Trainer:
     def _start_ray_parts(self) -> None:
         """Ray (started or joined), the run's monitor actor, the snapshot managers (and the
         durable tier), and the stage actors' group."""
+        import ray
+
         self.owns_ray = start_ray(self.cfg, self.address, self.dashboard) or self.owns_ray
         rc = self.cfg.recovery
         if rc.node_probe_s > 0 and self.watch is None:  # before any actor: a node that dies from now on is noticed
@@ -267,6 +269,9 @@ class Trainer:
             self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE, self.run_id)
             self.snapshots.ensure_managers()  # one per node with CPUs
             check_parity_fits(len(self.snapshots.managers), self.cfg.snapshot.parity, self.cfg.snapshot.group_size)
+            for warning in store_warnings(self.cfg, ray.nodes()):
+                log(f"warning: {warning}")
+                self.metrics.event("warning", step=self.step, what="object_store", message=warning)
             if self.cfg.durable.storage_path:
                 self.durable = DurableTier(self.cfg, self.snapshots, str(self.data_dir), self.metrics)
                 self.snapshots.durable = self.durable

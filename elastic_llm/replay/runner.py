@@ -75,7 +75,11 @@ class Replay:
         self.cluster.wait_for_nodes()
 
     def _add(self, label: str) -> None:
-        self.nodes[label] = self.cluster.add_node(num_cpus=self.options.cpus_per_node)
+        from elastic_llm.controller.session import NODE_STORE_BYTES, add_loopback_node, snapshot_store_bytes
+
+        fewest = max(1, min((n for _, n in self.plan.replay_alive if n > 0), default=1))  # the most a node holds
+        store = max(NODE_STORE_BYTES, snapshot_store_bytes(self.cfg, fewest))
+        self.nodes[label] = add_loopback_node(self.cluster, self.options.cpus_per_node, store)
 
     def _act(self, action: ReplayAction) -> None:
         from elastic_llm.controller.drains import request_drain
