@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. --set train.lr=3e-4")
     t.add_argument("--dashboard", action="store_true", help="start the Ray dashboard on 127.0.0.1:8265 (embedded Ray)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--resume", metavar="URI_OR_RUN_DIR", help="start from a durable checkpoint (a checkpoint_* directory, or a run directory: its newest committed one)")
+    t.add_argument("--resume", metavar="URI_OR_RUN_DIR_OR_RUN_ID", help="start from a durable checkpoint (a checkpoint_* directory, or a run directory: its newest committed one), or go on with run RUN_ID (six hex digits, as `elastic-llm status` shows it) whose driver died: from its newest committed in-memory snapshot, else its newest durable checkpoint")
     t.set_defaults(func=cmd_train)
 
     sb = sub.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
@@ -422,6 +422,7 @@ def _run(args: argparse.Namespace) -> int:
     from elastic_llm.config import ConfigError
     from elastic_llm.controller import PlacementError, RunFailed
     from elastic_llm.controller.metrics import MetricsError
+    from elastic_llm.controller.failover import ResumeError
     from elastic_llm.controller.session import ClusterUnreachable
     from elastic_llm.data import DataError
     from elastic_llm.durable.format import DurableError
@@ -439,7 +440,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
-    except (ConfigError, DataError, PlacementError, LayoutError, DurableError, StorageError, ExportError, MetricsError, ClusterUnreachable) as e:
+    except (ConfigError, DataError, PlacementError, LayoutError, DurableError, StorageError, ExportError, MetricsError, ClusterUnreachable, ResumeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as e:  # the controller already logged the reason; repeat it as the last word

@@ -129,6 +129,7 @@ class RecoveryConfig:
     standby_gpus: bool = False  # GPU runs: standbys hold a device each (adoptable on any node), else they take the dead actor's device
     node_probe_s: float = 0.25  # the driver probes every worker node's raylet this often and declares dead ones to Ray (0: Ray's health checks alone)
     node_probe_failures: int = 3  # probes in a row that time out before a node is dead (a refused connection is dead at once)
+    driver_grace_s: float = 120.0  # snapshot managers outlive a dead driver this long for `train --resume RUN_ID` (0: they die with it)
 
 
 @dataclass
@@ -332,6 +333,8 @@ def _validate(c: RunConfig) -> list[str]:
         p.append(f"recovery.capacity_timeout_s={rc.capacity_timeout_s} must be > 0 seconds (default 600)")
     if rc.node_probe_s < 0:
         p.append(f"recovery.node_probe_s={rc.node_probe_s} must be >= 0 seconds (0 leaves node deaths to Ray's health checks; default 0.25)")
+    if rc.driver_grace_s < 0:
+        p.append(f"recovery.driver_grace_s={rc.driver_grace_s} must be >= 0 seconds (0: the run's snapshot managers end with its driver; default 120)")
     if rc.node_probe_failures < 1:
         p.append(f"recovery.node_probe_failures={rc.node_probe_failures} must be >= 1 (timed-out probes in a row before a node counts as dead; default 3)")
     if rc.capacity_report_s <= 0:

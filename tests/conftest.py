@@ -59,6 +59,14 @@ def wait_until(predicate, seconds, what, every=0.1):
         time.sleep(every)
 
 
+# a 4-stage model small enough for multi-node tests: one CPU per stage, spread over the nodes
+FOUR_SMALL_STAGES = [
+    "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4",
+    "parallel.stages=4", "parallel.microbatches=2", "parallel.cpus_per_actor=1",
+    "parallel.placement_strategy=SPREAD", "train.batch_size=4", "train.eval_every=0",
+]
+
+
 def events(tmp_path, name):
     """The ``{"event": name}`` lines of ``tmp_path/metrics.jsonl``."""
     import json

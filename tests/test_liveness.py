@@ -82,7 +82,7 @@ def test_tcp_probe_on_loopback_sockets():
     assert tcp_probe("127.0.0.1", port, 1.0) is Outcome.REFUSED  # nothing listens there any more
 
 
-@pytest.mark.parametrize("field, value", [("node_probe_s", "-1"), ("node_probe_failures", "0")])
+@pytest.mark.parametrize("field, value", [("node_probe_s", "-1"), ("node_probe_failures", "0"), ("driver_grace_s", "-1")])
 def test_bad_probe_settings_are_refused_naming_the_field(field, value):
     with pytest.raises(ConfigError, match=f"recovery.{field}"):
         load_config(None, [f"recovery.{field}={value}"])

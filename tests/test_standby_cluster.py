@@ -18,19 +18,14 @@ from elastic_llm.controller.drains import request_drain
 from elastic_llm.controller.session import NODE_STORE_BYTES
 from elastic_llm.snapshot.records import ShardKey
 
-from .conftest import REPO, events, live_workers, loopback_cluster_fixture, top_up, wait_until
+from .conftest import FOUR_SMALL_STAGES, REPO, events, live_workers, loopback_cluster_fixture, top_up, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 3
 STEPS = 12
 KILL_AT = 8
 # 4 stages of one CPU each, spread over 3 nodes of 2 CPUs: two free CPUs, not room for a replica
-BASE = [
-    "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4",
-    "parallel.stages=4", "parallel.microbatches=2", "parallel.cpus_per_actor=1",
-    "parallel.placement_strategy=SPREAD", "train.batch_size=4", "train.eval_every=0",
-    "snapshot.group_size=3", "recovery.standby=1",
-]
+BASE = [*FOUR_SMALL_STAGES, "snapshot.group_size=3", "recovery.standby=1"]
 
 cluster = loopback_cluster_fixture(WORKERS, 2)
 

@@ -1,5 +1,6 @@
 """Stage state packs into a flat buffer + JSON manifest and restores bit for bit (no Ray, no pickle)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -156,3 +157,17 @@ def test_rollback_from_own_copy_checks_the_committed_checksums():
     for n, p in a.module.named_parameters():
         assert torch.equal(p, after3[n]), n
     assert run_steps(a, data[3:]) == expected
+
+
+def test_a_version_record_survives_its_json_form():
+    from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey, VersionRecord, record_from_json, record_json
+
+    rec = VersionRecord(7, (("n1", "n2"),), (
+        ShardInfo(ShardKey(0, 0), 7, 0, 10, (Piece(0, 6, 123), Piece(6, 4, 9)), '{"data_position": {"i": 3}}', 0.5, "n1"),
+        ShardInfo(ShardKey(1, 0), 7, 0, 8, (Piece(0, 8, 5),), "{}", 0.1, "n2"),
+    ))
+    back = record_from_json(record_json(rec))
+    assert back == dataclasses.replace(rec, shards=tuple(dataclasses.replace(s, copy_s=0.0) for s in rec.shards))  # copy time is not kept
+    assert back.shard(ShardKey(0, 0)).data_position() == {"i": 3}
+    with pytest.raises(ValueError, match="not a snapshot version record"):
+        record_from_json('{"version": 1}')

@@ -27,6 +27,7 @@ calls one executor and one pure transition, and keeping them side by side is wha
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -47,6 +48,19 @@ from elastic_llm.controller.parts import Elastic, Group, Parts, Recovery
 from elastic_llm.controller.progress import ProgressBar
 from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor, RecoveryOutcome, recovery_records
 from elastic_llm.controller.session import NAMESPACE, log, start_ray, store_warnings
+from elastic_llm.controller.failover import (
+    Keepalive,
+    ResumeError,
+    check_same_model,
+    find_managers,
+    forget,
+    is_run_id,
+    publish,
+    publish_committed,
+    publish_driver,
+    published_committed,
+    retire_old_driver,
+)
 from elastic_llm.controller.liveness import NodeWatch, RayNodeTable
 from elastic_llm.controller.standby import StandbyPool
 from elastic_llm.controller.states import (
@@ -76,6 +90,7 @@ from elastic_llm.pipeline.executor import PendingStep, RayStepExecutor, StepExec
 from elastic_llm.pipeline.shares import replica_shares
 from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
 from elastic_llm.recovery.policy import RecoveryPolicy, UnrecoverableError
+from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.spans import Spans
 
 WAIT_POLL_S = 1.0  # how often the cluster is looked at while waiting for capacity
@@ -189,7 +204,11 @@ class Trainer:
         self._last_report = 0.0
         self._load_data()
         self.resume_from: Checkpoint | None = None
-        if resume:  # checked now (JSON only), before any actor starts: a wrong checkpoint is refused at once
+        self.reattach: str | None = None  # --resume RUN_ID: a run whose driver died
+        self.keepalive: Keepalive | None = None
+        if resume and is_run_id(resume):
+            self.reattach = self.run_id = resume
+        elif resume:  # checked now (JSON only), before any actor starts: a wrong checkpoint is refused at once
             self.resume_from = open_checkpoint(resume)
             for warning in check_fits(self.resume_from, cfg):
                 log(f"warning: {warning}")
@@ -228,6 +247,8 @@ class Trainer:
         if c.recovery.mode == "checkpoint" and self.checkpoints is None:
             self.checkpoints = CheckpointExecutor(self.group, c.recovery.checkpoint_every, c.recovery.checkpoint_dir)
             self._checkpoint(0)  # a failure before the first periodic checkpoint rolls back to the start
+        if self.reattach is not None:
+            self._reattach()
         if self.resume_from is not None:
             self._resume(self.resume_from)
         if self.parts is not None:
@@ -267,6 +288,7 @@ class Trainer:
             from elastic_llm.snapshot.coordinator import SnapshotCoordinator, check_parity_fits
 
             self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE, self.run_id)
+            self._failover_parts()
             self.snapshots.ensure_managers()  # one per node with CPUs
             check_parity_fits(len(self.snapshots.managers), self.cfg.snapshot.parity, self.cfg.snapshot.group_size)
             for warning in store_warnings(self.cfg, ray.nodes()):
@@ -278,6 +300,69 @@ class Trainer:
         if self.group is None:
             pool = StandbyPool(self.cfg, self.run_id, NAMESPACE) if self.cfg.recovery.standby != 0 else None
             self.group = ActorGroup(self.cfg, self.run_id, pool)
+
+    def _failover_parts(self) -> None:
+        """Driver failover (``recovery.driver_grace_s``): a resuming driver first finds the dead
+        driver's managers and its committed record; every driver then publishes its config and
+        each committed record, and keeps its managers alive."""
+        sn = self.snapshots
+        if self.reattach is not None:
+            check_same_model(self.run_id, self.cfg.to_dict())
+            retire_old_driver(NAMESPACE, self.run_id)
+            sn.managers = find_managers(NAMESPACE, self.run_id)
+            sn.name_tag = f"-r{uuid.uuid4().hex[:4]}"
+            record = published_committed(self.run_id)
+            if sn.managers and record is not None:
+                sn.committed = record
+        if sn.grace_s > 0:
+            publish(self.run_id, "config", json.dumps(self.cfg.to_dict()))
+            publish_driver(self.run_id)
+            sn.on_commit = lambda record: publish_committed(self.run_id, record)
+            self.keepalive = Keepalive(lambda: list(sn.managers.values()), min(5.0, sn.grace_s / 4))
+            self.keepalive.start()
+            log(f"run {self.run_id}: if this driver dies, `elastic-llm train --resume {self.run_id}` with the same config goes on from "
+                f"its snapshots in memory within recovery.driver_grace_s={sn.grace_s:g} s")
+
+    def _reattach(self) -> None:
+        """``--resume RUN_ID``: the fresh stages restore the dead driver's newest committed
+        snapshot from its managers (shards on lost nodes rebuilt from parity), and training goes
+        on from its step and data position; without one, from the run's newest durable checkpoint."""
+        import ray
+
+        assert self.group is not None and self.reattach is not None
+        t = time.perf_counter()
+        sn = self.snapshots
+        rec = sn.committed if sn is not None else None
+        try:
+            if rec is None:
+                raise UnrecoverableError("its snapshot managers or its committed record are gone")
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            dead = sn.dead_managers(alive)
+            calls = []
+            for k in self.group.keys():
+                src = sn.fetch_stage_state(k.stage, k.replica, dead)
+                calls.append(self.group.actor(k).load_parts.remote(src.manifest, list(src.offsets), *src.refs))
+            ray.get(calls, timeout=RESUME_S)
+        except (UnrecoverableError, ray.exceptions.RayError) as e:
+            self.reattach = None
+            if not self.cfg.durable.storage_path:
+                raise ResumeError(
+                    f"--resume {self.run_id}: nothing to resume from in memory ({str(e).splitlines()[0]}; its driver died more than "
+                    f"recovery.driver_grace_s={self.cfg.recovery.driver_grace_s:g} s ago, or too many of its nodes went) and "
+                    "durable.storage_path is not set: start a new run"
+                ) from None
+            log(f"--resume {self.run_id}: no in-memory snapshot ({str(e).splitlines()[0]}): the newest durable checkpoint instead")
+            self.resume_from = open_checkpoint(run_storage(self.cfg).uri)
+            return
+        self.reattach = None
+        self.step = self.committed_high = rec.version
+        self.tokens_seen = self.step * self.cfg.tokens_per_step()
+        position = rec.shard(ShardKey(0, 0)).data_position()
+        if position:
+            self.stream.load_state_dict(position)
+        seconds = time.perf_counter() - t
+        log(f"resumed run {self.run_id} from its committed in-memory snapshot of step {rec.version} in {seconds:.1f} s")
+        self.metrics.event("reattach", step=rec.version, run_id=self.run_id, seconds=seconds, managers=len(sn.managers))
 
     def _resume(self, ck: Checkpoint) -> None:
         """Every stage loads its layers from the durable checkpoint ``ck`` (whatever width or stage
@@ -679,6 +764,11 @@ class Trainer:
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
+        if self.keepalive is not None:
+            self.keepalive.stop()
+            self.keepalive = None
+            if ray.is_initialized():
+                forget(self.run_id)  # its managers end with this driver: nothing is left to resume
         if ray.is_initialized():
             if self.group is not None:
                 self.group.shutdown()

@@ -105,6 +105,9 @@ class SnapshotCoordinator:
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
         self.durable: Any = None  # the durable tier (DurableTier): decides at each commit whether to flush it
+        self.on_commit: Any = None  # called with each committed VersionRecord (driver failover publishes it)
+        self.grace_s = cfg.recovery.driver_grace_s  # > 0: detached managers that outlive their driver this long
+        self.name_tag = ""  # a resuming driver's managers get names of their own (the old ones may still hold theirs)
         sn = cfg.snapshot
         self.auto = sn.every == "auto"
         self.every = AUTO_START if self.auto else int(sn.every)  # auto: leaves steps without snapshots, to compare
@@ -130,12 +133,13 @@ class SnapshotCoordinator:
         for node in sorted(alive - set(self.managers)):
             n = self._incarnations[node] = self._incarnations.get(node, -1) + 1
             self.managers[node] = Actor.options(  # a SIGKILLed actor's name is released late: a replacement gets its own
-                name=f"smp-{self.run_id}-{node[:12]}" + (f"-{n}" if n else ""),
+                name=f"smp-{self.run_id}-{node[:12]}{self.name_tag}" + (f"-{n}" if n else ""),
                 namespace=self.namespace,
                 num_cpus=0,
                 max_concurrency=16,
+                lifetime="detached" if self.grace_s > 0 else None,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(node, self.cfg.snapshot.codec, self.run_id)
+            ).remote(node, self.cfg.snapshot.codec, self.run_id, self.grace_s)
         ray.get([m.held.remote() for m in self.managers.values()], timeout=120)
         return self.managers
 
@@ -279,6 +283,8 @@ class SnapshotCoordinator:
         for handle in self.managers.values():  # fire and forget: a dead manager is a later failure
             handle.commit.remote(record.version, flush)  # pinned until its flush is over
         self.committed = record
+        if self.on_commit is not None:
+            self.on_commit(record)
         self.inflight.remove(p)
         self.stats.committed += 1
         self._choose(p)

@@ -21,7 +21,9 @@ Never unpickles data it did not produce: pieces are numpy arrays, manifests JSON
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,7 @@ from elastic_llm.snapshot.layout import ParityLayout
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ManagerState, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
 from elastic_llm.telemetry import Metrics
 
+log = logging.getLogger(__name__)
 WAIT_S = 600.0  # longest a version waits for a stage's copy or a peer's offer
 
 
@@ -97,9 +100,13 @@ def encode_pieces(rs: ReedSolomon, symbols: list[list[np.ndarray]], row: int, ou
 class SnapshotManager:
     """Body of the per-node snapshot actor (``smp-<run>-<node id>``)."""
 
-    def __init__(self, node_id: str, codec_backend: str = "auto", run_id: str = "") -> None:
+    def __init__(self, node_id: str, codec_backend: str = "auto", run_id: str = "", grace_s: float = 0.0) -> None:
         self.node_id = node_id
         self.run_id = run_id
+        self.grace_s = grace_s  # > 0: a detached manager that ends itself this long after its driver's last keepalive
+        self.contact = time.monotonic()
+        if grace_s > 0:
+            threading.Thread(target=self._reaper, name="smp-reaper", daemon=True).start()
         self.metrics = Metrics()
         self.codec_backend = codec_backend
         self.versions: dict[int, Version] = {}
@@ -109,6 +116,20 @@ class SnapshotManager:
 
     def __repr__(self) -> str:  # Ray's display name of the actor and its log prefix
         return f"SnapshotManager(node {self.node_id[:8]}, run {self.run_id})"
+
+    def keepalive(self) -> None:
+        """A driver of the run lives (see ``recovery.driver_grace_s``)."""
+        self.contact = time.monotonic()
+
+    def _reaper(self) -> None:
+        """Ends this (detached) manager once no driver has kept it alive for ``grace_s``: a run
+        whose driver died and was not resumed leaks nothing."""
+        while time.monotonic() - self.contact < self.grace_s:
+            time.sleep(min(1.0, self.grace_s / 4))
+        log.warning("%r: no driver for %.0f s (recovery.driver_grace_s): ending, its snapshots go with it", self, self.grace_s)
+        import os
+
+        os._exit(0)
 
     def state(self) -> ManagerState:
         """What this manager holds now (``elastic-llm status``)."""

@@ -152,3 +152,31 @@ def chunk_pieces(infos: tuple[ShardInfo, ...], chunk: int) -> list[Piece]:
     """The pieces that form data chunk ``chunk`` of a node: piece ``chunk`` of each of its shards,
     in key order (``infos`` as :meth:`VersionRecord.infos_on` returns them)."""
     return [s.pieces[chunk] for s in sorted(infos, key=lambda s: s.key)]
+
+
+def record_json(record: VersionRecord) -> str:
+    """``record`` as JSON text (no pickle: a new driver reads it back with :func:`record_from_json`)."""
+    return json.dumps({
+        "version": record.version,
+        "groups": [list(g) for g in record.groups],
+        "shards": [
+            {"stage": s.key.stage, "replica": s.key.replica, "version": s.version, "lo": s.lo, "nbytes": s.nbytes,
+             "pieces": [[p.offset, p.length, p.crc] for p in s.pieces], "manifest": s.manifest, "node_id": s.node_id}
+            for s in record.shards
+        ],
+    })
+
+
+def record_from_json(text: str | bytes) -> VersionRecord:
+    """The :class:`VersionRecord` that :func:`record_json` wrote; ``ValueError`` naming what is
+    wrong when the text is not one."""
+    try:
+        d = json.loads(text)
+        shards = tuple(
+            ShardInfo(ShardKey(int(s["stage"]), int(s["replica"])), int(s["version"]), int(s["lo"]), int(s["nbytes"]),
+                      tuple(Piece(int(o), int(n), int(c)) for o, n, c in s["pieces"]), str(s["manifest"]), node_id=str(s["node_id"]))
+            for s in d["shards"]
+        )
+        return VersionRecord(int(d["version"]), tuple(tuple(str(n) for n in g) for g in d["groups"]), shards)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"not a snapshot version record ({type(e).__name__}: {e})") from None

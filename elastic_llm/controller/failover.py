@@ -1,0 +1,184 @@
+"""Driver failover: what lets a new driver pick a run up where a dead one left it.
+
+With ``recovery.driver_grace_s`` > 0 (the default), a run's snapshot managers are detached Ray
+actors: they outlive the driver that started them, holding the run's newest committed in-memory
+snapshot, for ``driver_grace_s`` after the last keepalive of a driver; then each ends itself, so a
+run nobody resumes leaks nothing. ``elastic-llm train --resume RUN_ID`` (or the same command in a
+resubmitted Ray job) starts a driver that finds them, reads the committed version's record and
+restores fresh stage actors from it, as a recovery would; without them it falls back to the run's
+newest durable checkpoint.
+
+Owns: the run's entries in Ray's GCS key-value store (namespace ``elastic-llm``:
+``run/<id>/config``, the run's config as JSON, and ``run/<id>/driver``, its Ray job id, written
+at start; ``run/<id>/committed``, the newest
+committed snapshot version's record as JSON, rewritten at every commit), the :class:`Keepalive`
+thread that tells the run's managers a driver lives, finding a run's surviving managers by their
+names (:func:`find_managers`), and retiring a dead driver (:func:`retire_old_driver`: refused
+while its Ray job runs; its leftover actors ended, so their names are free).
+Never decides what to restore (the trainer does, from what is found) and never unpickles: the
+records are JSON (:func:`~elastic_llm.snapshot.records.record_from_json`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elastic_llm.snapshot.records import VersionRecord, record_from_json, record_json
+
+KV_NAMESPACE = "elastic-llm"
+RUN_ID = re.compile(r"^[0-9a-f]{6}$")
+OLD_ACTORS_S = 30.0  # longest a resuming driver waits for the dead driver's actors to be gone
+
+
+class ResumeError(RuntimeError):
+    """A run cannot be resumed as asked; the message says why and what to do."""
+
+
+def is_run_id(text: str) -> bool:
+    """Whether ``--resume`` names a run (six hex digits, as ``elastic-llm status`` shows it)
+    rather than a durable checkpoint's path."""
+    return bool(RUN_ID.match(text))
+
+
+def _key(run_id: str, what: str) -> bytes:
+    return f"run/{run_id}/{what}".encode()
+
+
+def publish(run_id: str, what: str, text: str) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(_key(run_id, what), text.encode(), overwrite=True, namespace=KV_NAMESPACE)
+
+
+def read(run_id: str, what: str) -> str | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    got = _internal_kv_get(_key(run_id, what), namespace=KV_NAMESPACE)
+    return got.decode() if got is not None else None
+
+
+def forget(run_id: str) -> None:
+    """A run that ended cleanly: nothing is left to resume."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    for what in ("config", "driver", "committed"):
+        _internal_kv_del(_key(run_id, what), namespace=KV_NAMESPACE)
+
+
+def publish_committed(run_id: str, record: VersionRecord) -> None:
+    publish(run_id, "committed", record_json(record))
+
+
+def published_committed(run_id: str) -> VersionRecord | None:
+    text = read(run_id, "committed")
+    return record_from_json(text) if text is not None else None
+
+
+def check_same_model(run_id: str, config: dict[str, Any]) -> None:
+    """Raise :class:`ResumeError` unless run ``run_id`` was started (on this cluster) with the same
+    model and stage count as ``config``."""
+    text = read(run_id, "config")
+    if text is None:
+        raise ResumeError(
+            f"--resume {run_id}: no run {run_id} is known to this Ray cluster (it ended, or ran on another cluster): "
+            "give a run id that `elastic-llm status` lists, or a durable checkpoint directory"
+        )
+    then = json.loads(text)
+    for section, keys in (("model", None), ("parallel", ("stages",))):
+        a, b = then.get(section, {}), config.get(section, {})
+        diff = sorted(k for k in (keys or set(a) | set(b)) if a.get(k) != b.get(k))
+        if diff:
+            raise ResumeError(
+                f"--resume {run_id}: the run was started with other {section} settings ({', '.join(f'{section}.{k}={a.get(k)!r}' for k in diff)}): "
+                "resume it with the config it was started with"
+            )
+
+
+def find_managers(namespace: str, run_id: str) -> dict[str, Any]:
+    """The live snapshot managers of run ``run_id``, by node id (asked for their node)."""
+    import ray
+
+    handles = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == namespace and entry["name"].startswith(f"smp-{run_id}-"):
+            try:
+                handles.append(ray.get_actor(entry["name"], namespace=namespace))
+            except ValueError:  # gone since it was listed
+                continue
+    states = [h.state.remote() for h in handles]
+    out: dict[str, Any] = {}
+    for h, ref in zip(handles, states):
+        try:
+            out[ray.get(ref, timeout=30).node_id] = h
+        except Exception:  # noqa: BLE001 - a manager that does not answer is one that is not there
+            continue
+    return out
+
+
+def publish_driver(run_id: str) -> None:
+    """Record this driver's Ray job as the run's (a resuming driver checks that it is dead)."""
+    import ray
+
+    publish(run_id, "driver", ray.get_runtime_context().get_job_id())
+
+
+def retire_old_driver(namespace: str, run_id: str, seconds: float = OLD_ACTORS_S) -> None:
+    """Before a new driver takes run ``run_id`` over: refuse if the old driver's job still runs;
+    else end what is left of its own (not detached) actors (stages, standbys, the run's monitor:
+    Ray ends a dead job's actors, but not always at once) and wait until their names are free."""
+    import ray
+
+    job = read(run_id, "driver")
+    if job is not None:
+        info = ray._private.worker.global_worker.gcs_client.get_all_job_info()
+        alive = [j for j, data in info.items() if j.hex() == job and not data.is_dead]
+        if alive:
+            raise ResumeError(
+                f"--resume {run_id}: the run's driver (Ray job {job}) is still running: stop it first "
+                "(`ray job stop`, or kill its process), or let it train"
+            )
+    prefixes = (f"stage-{run_id}-", f"run-{run_id}", f"standby-{run_id}-")
+
+    def left() -> list[str]:
+        return [e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == namespace and e["name"].startswith(prefixes)]
+
+    for name in left():
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:  # gone since it was listed
+            continue
+    deadline = time.monotonic() + seconds
+    while left():
+        if time.monotonic() > deadline:
+            raise ResumeError(f"--resume {run_id}: actors of the old driver are still registered after {seconds:.0f} s ({', '.join(sorted(left())[:4])})")
+        time.sleep(0.1)
+
+
+class Keepalive:
+    """Tells every manager ``handles()`` returns that a driver lives, every ``period_s``, on a
+    daemon thread (fire and forget: a dead manager is a later failure, not this thread's)."""
+
+    def __init__(self, handles: Callable[[], list[Any]], period_s: float) -> None:
+        self.handles = handles
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="elastic-llm-keepalive", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            for h in list(self.handles()):
+                try:
+                    h.keepalive.remote()
+                except Exception:  # noqa: BLE001
+                    pass
