@@ -2,12 +2,18 @@
 short soak end to end on a loopback cluster (a head without CPUs + 4 worker nodes of 2 CPUs,
 shared by the module) with real kills and a real straggler."""
 
+import json
+import os
+
 import pytest
 
 from elastic_llm.cli import main
+from elastic_llm.config import load_config
 from elastic_llm.soak.plan import GAP, Fault, FaultKind, TrialPlan, parse_kinds, plan_soak, plan_trial
 from elastic_llm.soak.report import Injection, TrialRun, build_report, judge_trial, render_markdown
-from elastic_llm.soak.runner import corrupt_events
+from elastic_llm.soak.runner import Soak, SoakOptions, corrupt_events
+
+from .conftest import REPO, loopback_cluster_fixture
 
 pytestmark = pytest.mark.timeout(300)
 ALL = tuple(FaultKind)
@@ -95,3 +101,33 @@ def test_bad_arguments_exit_2_naming_the_argument(argv, message, tmp_path, capsy
     assert main(["chaos", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+# ---------------------------------------------------------------------------- end to end
+BASE = [
+    "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4",
+    "parallel.stages=4", "parallel.microbatches=2", "parallel.cpus_per_actor=1",
+    "parallel.placement_strategy=SPREAD", "train.batch_size=4", "train.eval_every=0",
+    "snapshot.parity=1", "recovery.standby=0",
+]
+WORKERS = 4
+cluster = loopback_cluster_fixture(WORKERS, 2)
+
+
+def test_soak_of_stage_manager_and_pause_faults_holds_every_invariant(cluster, corpus_dir, tmp_path):
+    kinds = (FaultKind.STAGE, FaultKind.MANAGER, FaultKind.PAUSE)
+    plans = plan_soak(kinds, 1, 3, seed=1, stages=4)
+
+    def load(extra):
+        return load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
+
+    report = Soak(load, plans, SoakOptions(WORKERS, 2.0, trial_timeout_s=120.0, seed=1), cluster=cluster).run(tmp_path)
+    assert report["ok"], report["failures"]
+    assert json.loads((tmp_path / "report.json").read_text())["totals"] == report["totals"]
+    assert {k: v["injected"] for k, v in report["by_kind"].items()} == {"stage": 1, "manager": 1, "pause": 1}
+    assert all(v["survived"] == 1 and v["committed_steps_lost"] == 0 and v["bit_identical"] for v in report["by_kind"].values())
+    assert report["by_kind"]["stage"]["recovery_sources"] and report["by_kind"]["pause"]["recovery_sources"] == {}
+    (trial,) = report["trials"]
+    assert [(f["kind"], f["step"], f["stage"]) for f in trial["faults"]] == [(f.kind.value, f.step, f.stage) for f in plans[0].faults]
+    assert trial["recoveries"] == 1  # the stage kill; the manager kill and the pause needed none
+    print((tmp_path / "report.md").read_text())

@@ -103,7 +103,8 @@ def judge_fault(inj: Injection, nxt: Fault | None, run: TrialRun) -> Outcome:
         return Outcome(False, f"no recovery line for stage {f.stage}" + (f" (recoveries of other stages: {', '.join(sources)})" if recs else ""), sources, secs, lost)
     if f.kind is FaultKind.CORRUPT and any(r["source"] == "local_smp" for r in mine):
         return Outcome(False, f"stage {f.stage} was restored from its corrupted local shard (source local_smp), not rebuilt", sources, secs, lost)
-    return Outcome(True, f"recovered from {', '.join(sorted({str(r['source']) for r in mine}))}", sources, secs, lost)
+    lossy = " (lossy)" if any(r.get("lossless") is False for r in mine) else ""
+    return Outcome(True, f"recovered from {', '.join(sorted({str(r['source']) for r in mine}))}{lossy}", sources, secs, lost)
 
 
 def loss_diff(got: dict[int, float], want: dict[int, float]) -> str | None:

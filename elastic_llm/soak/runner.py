@@ -12,7 +12,8 @@ the manager's object store. A trial that does not end by its deadline is abandon
 cluster replaced.
 Never judges anything (report does) and never sends traffic off loopback. Nodes are added and
 removed from the main thread, which ``Cluster`` requires; the run's on_step callback waits
-while a fault strikes, so the run is between two steps when it is hit.
+while a fault strikes, so the run is between two steps when it is hit, and the snapshots in
+flight are waited for first (faults during a snapshot or a recovery are not soaked yet).
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class _Trial:
         if self.drained is not None and any(d.get("node") == self.drained for d in self.t.drains):
             self.soak.replace_node(self.drained)  # the run left it: it goes, a fresh node comes
             self.drained = None
+        if (fault is not None or corrupt is not None) and self.t.snapshots is not None:
+            self.doing = f"waiting for the snapshots in flight after step {step}"
+            self.t.snapshots.poll(block=True)  # faults strike between snapshots, not during one (the run is parked in on_step)
         if corrupt is not None:  # struck by the run's chaos hook in the next step
             key = ShardKey(corrupt.stage, 0)
             self.injections.append(Injection(corrupt, f"stage {corrupt.stage}'s shard on node {self.t.group.nodes[key][:8]} (chaos hook), then the stage killed"))
