@@ -90,6 +90,15 @@ def test_verdict_names_each_broken_invariant():
     assert [f["invariant"] for f in judge_trial(hung, REF)[1]] == ["finished"]
 
 
+def test_a_run_lengthened_by_a_drain_is_checked_on_every_step_it_trained():
+    drain = Fault(FaultKind.DRAIN, 6, 0)
+    run = TrialRun(TrialPlan(0, (drain,), 9), [Injection(drain, "d", node="n1")], {s: REF[s] for s in range(1, 12)},
+                   drains=[{"step": 10, "node": "n1", "seconds": 2.0}])
+    assert judge_trial(run, REF)[1] == []  # steps 10 and 11 were trained while the drain moved its stage
+    run.losses[11] = 0.0
+    assert [f["invariant"] for f in judge_trial(run, REF)[1]] == ["bit_identical"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--faults", "stage,disk"], "unknown fault kind 'disk'"),
     (["--trials", "0"], "--trials=0 must be >= 1"),

@@ -6,7 +6,8 @@ shared by the trials, whose configs are the same), and each trial's soaked run: 
 thread while this (main) thread strikes each fault from outside the run once the fault's step
 finished: SIGKILL of a stage's or a snapshot manager's process, removal of a node (a fresh node
 takes its place), a Ray drain (the drained node is removed and replaced once the run has left
-it), SIGSTOP then SIGCONT of a stage (a straggler). Corruption goes through the run's own chaos
+it; until its drain line the next fault waits and the run is lengthened by up to
+:data:`DRAIN_EXTRA_STEPS`), SIGSTOP then SIGCONT of a stage (a straggler). Corruption goes through the run's own chaos
 hook (``kill: smp, corrupt: true`` plus a kill of that stage in the next step), which reaches
 the manager's object store. A trial that does not end by its deadline is abandoned and the
 cluster replaced.
@@ -24,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +37,7 @@ from elastic_llm.soak.report import Injection, TrialRun, build_report, write_rep
 POLL_S = 0.1
 STRIKE_S = 60.0  # longest one fault may take to strike
 STOP_S = 30.0  # after a trial's deadline, how long its run gets to stop
+DRAIN_EXTRA_STEPS = 10  # most steps a run is lengthened while a drain's moves are still under way
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class _Trial:
         self.error: str | None = None
         self.paused: dict[int, float] = {}  # pid -> when to SIGCONT it
         self.drained: str | None = None  # node drained, to be removed once the run has left it
+        self.later: dict[int, Fault] = {}  # faults deferred while a drain is under way, by their new step
+        self.extra = 0  # steps added to the run while a drain was under way
         self.managers: list[tuple[int, str, Any, int]] = []  # (injection index, node, old handle, step)
         self.doing = "starting"
 
@@ -122,6 +126,20 @@ class _Trial:
         if self.drained is not None and any(d.get("node") == self.drained for d in self.t.drains):
             self.soak.replace_node(self.drained)  # the run left it: it goes, a fresh node comes
             self.drained = None
+        if self.drained is not None:  # its stages still move (their new actors start): one fault at a time
+            self.doing = f"waiting for the stage spares of the drain of node {self.drained[:8]}"
+            self._wait_for_spares(time.monotonic() + self.soak.options.drain_deadline_s / 2)
+            if fault is not None:
+                self.later[step + 1] = replace(fault, step=step + 1)
+                fault = None
+            if step >= self.t.end - 1 and self.extra < DRAIN_EXTRA_STEPS:  # the run ends after the drain, not during it
+                self.t.end += 1
+                self.extra += 1
+        if step in self.later:
+            if fault is not None:  # two due at once: the deferred one waits one more step
+                self.later[step + 1] = replace(self.later.pop(step), step=step + 1)
+            else:
+                fault = self.later.pop(step)
         if (fault is not None or corrupt is not None) and self.t.snapshots is not None:
             self.doing = f"waiting for the snapshots in flight after step {step}"
             self.t.snapshots.poll(block=True)  # faults strike between snapshots, not during one (the run is parked in on_step)
@@ -136,6 +154,16 @@ class _Trial:
             except Exception as e:  # reported as a fault without an outcome
                 self.injections.append(Injection(fault, f"stage {fault.stage}", error=f"{type(e).__name__}: {e}"))
             self.doing = f"training after {fault}"
+
+    def _wait_for_spares(self, until: float) -> None:
+        """Hold the run (parked in on_step) until the actors its drain moves stages to have
+        started, as a step of real length would: tiny steps outrun an actor's start."""
+        g = self.t.group
+        while time.monotonic() < until:
+            spares = getattr(g, "stage_spares", None)
+            if spares and all(g.stage_spare_ready(sp) for sp in spares.values()):
+                return
+            time.sleep(POLL_S)
 
     def _strike(self, f: Fault) -> Injection:
         import ray
@@ -242,7 +270,8 @@ class Soak:
         try:
             cfg = self.load([])
             say(f"reference run: {self.plans[0].steps if self.plans else 0}+ steps of {cfg.name}")
-            reference = self._reference(cfg, max(p.steps for p in self.plans), out / "reference")
+            drains = any(f.kind is FaultKind.DRAIN for p in self.plans for f in p.faults)
+            reference = self._reference(cfg, max(p.steps for p in self.plans) + (DRAIN_EXTRA_STEPS if drains else 0), out / "reference")
             for plan in self.plans:
                 self.top_up()
                 runs.append(self._trial(plan, out / f"trial-{plan.trial}"))
