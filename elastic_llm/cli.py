@@ -1,5 +1,5 @@
-"""Command line: ``elastic-llm train | submit | status | spot-watcher | prepare | replay | experiment |
-checkpoints | export | bench``.
+"""Command line: ``elastic-llm train | submit | status | spot-watcher | prepare | replay | chaos |
+experiment | checkpoints | export | bench``.
 
 Owns: argument parsing and turning user errors into one clear message and exit code 2.
 Everything else is delegated (controller, data, bench).
@@ -104,6 +104,44 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(json.dumps({k: report[k] for k in keys}))
     print(f"wrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.png'}", file=sys.stderr)
     return int(report["exit_code"])
+
+
+def _chaos_problem(args: argparse.Namespace) -> str | None:
+    """The first bad ``chaos`` argument, named with its fix (pure)."""
+    if args.trials < 1:
+        return f"--trials={args.trials} must be >= 1"
+    if args.faults_per_trial < 1:
+        return f"--faults-per-trial={args.faults_per_trial} must be >= 1"
+    if args.workers < 2:
+        return f"--workers={args.workers} must be >= 2 (a node fault needs another node to recover on)"
+    if args.cpus_per_node <= 0:
+        return f"--cpus-per-node={args.cpus_per_node:g} must be > 0"
+    if args.trial_timeout_s <= 0:
+        return f"--trial-timeout-s={args.trial_timeout_s:g} must be > 0 (seconds before a trial counts as hung)"
+    return None
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from elastic_llm.config import load_config
+    from elastic_llm.soak.plan import parse_kinds, plan_soak
+    from elastic_llm.soak.runner import Soak, SoakOptions
+
+    problem = _chaos_problem(args)
+    try:
+        kinds = parse_kinds(args.faults)
+    except ValueError as e:
+        problem = problem or str(e)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    overrides = list(args.set or [])
+    cfg = load_config(args.config, overrides)  # a bad config is refused before any node starts
+    plans = plan_soak(kinds, args.trials, args.faults_per_trial, args.seed, cfg.parallel.stages)
+    options = SoakOptions(args.workers, args.cpus_per_node, args.trial_timeout_s, seed=args.seed)
+    report = Soak(lambda extra: load_config(args.config, [*overrides, *extra]), plans, options).run(args.out)
+    print(json.dumps({"ok": report["ok"], **report["totals"], "failed": [f"trial {f['trial']}: {f['invariant']}" for f in report["failures"]]}))
+    print(f"wrote {Path(args.out) / 'report.json'} and {Path(args.out) / 'report.md'}", file=sys.stderr)
+    return 0 if report["ok"] else 1
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
@@ -358,6 +396,19 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", required=True, help="directory for replay.json, replay.png and metrics.jsonl")
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
     rp.set_defaults(func=cmd_replay)
+
+    ch = sub.add_parser("chaos", help="soak runs on a loopback Ray cluster with seeded faults; check them against an undisturbed run")
+    ch.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
+    ch.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
+    ch.add_argument("--faults", default="stage,manager,node,drain,pause,corrupt", help="fault kinds, comma-separated (default: all of stage,manager,node,drain,pause,corrupt)")
+    ch.add_argument("--trials", type=int, default=1, help="soaked runs, each with its own faults (default 1)")
+    ch.add_argument("--faults-per-trial", type=int, default=3, help="faults in each soaked run, one at a time (default 3)")
+    ch.add_argument("--seed", type=int, default=0, help="seed of the fault schedule: trial i's faults depend only on (seed, i)")
+    ch.add_argument("--workers", type=int, default=4, help="worker nodes of the loopback cluster (default 4)")
+    ch.add_argument("--cpus-per-node", type=float, default=2.0, help="CPUs of each worker node (default 2)")
+    ch.add_argument("--trial-timeout-s", type=float, default=600.0, help="a trial not done by then fails as hung (default 600)")
+    ch.add_argument("--out", required=True, help="directory for report.json, report.md and each run's metrics.jsonl")
+    ch.set_defaults(func=cmd_chaos)
 
     ex = sub.add_parser("experiment", help="experiments that drive real training runs and compare them")
     ex_sub = ex.add_subparsers(dest="experiment", required=True)

@@ -1,0 +1,240 @@
+"""The verdict of a soak: each fault matched to its outcome, the invariants checked per trial,
+the numbers per fault kind, and ``report.json`` / ``report.md``.
+
+Owns: :func:`judge_trial` (pure: a trial's injections, metrics lines and losses in, its faults'
+outcomes and failed invariants out), :func:`build_report` (pure aggregation) and writing the
+two report files. Never runs anything and never reads a clock: the runner hands in what it saw.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic_llm.soak.plan import Fault, FaultKind, TrialPlan
+
+INVARIANTS = ("finished", "no_committed_step_lost", "bit_identical", "fault_outcome", "corrupt_detected")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A fault as the runner carried it out: what it hit (``target``: one line for the report),
+    or why it could not (``error``); ``manager_replaced``: a killed manager had a successor
+    holding a newer committed version by the end of the fault's window (manager faults only)."""
+
+    fault: Fault
+    target: str
+    node: str | None = None
+    error: str | None = None
+    manager_replaced: bool | None = None
+
+
+@dataclass
+class TrialRun:
+    """What the runner saw of one soaked run (metrics lines as the trainer keeps them)."""
+
+    plan: TrialPlan
+    injections: list[Injection]
+    losses: dict[int, float]
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    drains: list[dict[str, Any]] = field(default_factory=list)
+    resizes: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None  # the run stopped with this error
+    hung: str | None = None  # the trial's deadline passed: what the run was doing
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What followed one fault: ``matched`` when it is what that kind of fault must cause."""
+
+    matched: bool
+    what: str
+    sources: tuple[str, ...] = ()
+    seconds: tuple[float, ...] = ()  # one per recovery (or drain) it caused
+    committed_steps_lost: int = 0
+
+
+def _window(fault: Fault, nxt: Fault | None, lines: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
+    """Lines whose step falls between ``fault`` and the next fault: recoveries name the failed
+    step (``first`` = 1: after the fault's step), drains the step they followed (``first`` = 0)."""
+    hi = nxt.step + first - 1 if nxt is not None else float("inf")
+    return [x for x in lines if fault.step + first <= x["step"] <= hi]
+
+
+def _per_recovery_seconds(recs: list[dict[str, Any]]) -> tuple[float, ...]:
+    """One duration per recovery (its lines, one per restored actor, share ``seconds``)."""
+    by_step: dict[int, float] = {}
+    for r in recs:
+        by_step[r["step"]] = max(by_step.get(r["step"], 0.0), float(r["seconds"]))
+    return tuple(round(s, 3) for s in by_step.values())
+
+
+def judge_fault(inj: Injection, nxt: Fault | None, run: TrialRun) -> Outcome:
+    """Match one injected fault with what the run did before the next fault. Pure."""
+    f = inj.fault
+    if inj.error is not None:
+        return Outcome(False, f"not injected: {inj.error}")
+    recs = [r for r in _window(f, nxt, run.recoveries, 1) if r.get("source") != "none"]
+    lost = sum(int(r.get("committed_steps_lost", 0)) for r in recs)
+    mine = [r for r in recs if r.get("stage") == f.stage]
+    sources = tuple(sorted({str(r["source"]) for r in recs}))
+    secs = _per_recovery_seconds(recs)
+    if f.kind is FaultKind.PAUSE:
+        if recs:
+            return Outcome(False, f"the paused stage was recovered as a death ({', '.join(sources)})", sources, secs, lost)
+        return Outcome(True, "no recovery: the run waited for the straggler")
+    if f.kind is FaultKind.MANAGER:
+        if not inj.manager_replaced:
+            return Outcome(False, "no successor manager on the node held a newer committed snapshot", sources, secs, lost)
+        return Outcome(True, "manager replaced, later snapshots committed" + (f"; recoveries: {', '.join(sources)}" if recs else ""), sources, secs, lost)
+    if f.kind is FaultKind.DRAIN:
+        drains = [d for d in _window(f, nxt, run.drains, 0) if d.get("node") == inj.node]
+        if not drains:
+            return Outcome(False, "no drain line for the drained node", sources, secs, lost)
+        d = drains[0]
+        return Outcome(True, f"drained ({d.get('how')}: {d.get('moved')} moved, {d.get('dropped')} dropped)", sources,
+                       tuple(round(float(x["seconds"]), 3) for x in drains) + secs, lost)
+    if not mine:
+        return Outcome(False, f"no recovery line for stage {f.stage}" + (f" (recoveries of other stages: {', '.join(sources)})" if recs else ""), sources, secs, lost)
+    if f.kind is FaultKind.CORRUPT and any(r["source"] == "local_smp" for r in mine):
+        return Outcome(False, f"stage {f.stage} was restored from its corrupted local shard (source local_smp), not rebuilt", sources, secs, lost)
+    lossy = " (lossy)" if any(r.get("lossless") is False for r in mine) else ""
+    return Outcome(True, f"recovered from {', '.join(sorted({str(r['source']) for r in mine}))}{lossy}", sources, secs, lost)
+
+
+def loss_diff(got: dict[int, float], want: dict[int, float]) -> str | None:
+    """None when ``got`` equals ``want`` bit for bit; else the first difference. Pure."""
+    missing = sorted(set(want) - set(got))
+    if missing:
+        return f"steps {missing[:5]} have no loss"
+    for step in sorted(want):
+        if got[step] != want[step]:
+            return f"step {step}: loss {got[step]!r} vs {want[step]!r} in the reference"
+    return None
+
+
+def trim(reference: dict[int, float], run: TrialRun) -> dict[int, float]:
+    """The reference's steps a trial must match: its planned steps and any it was lengthened by
+    (a drain under way at its end); the reference may be longer. Pure."""
+    last = max([run.plan.steps, *run.losses])
+    return {s: v for s, v in reference.items() if s <= last}
+
+
+def judge_trial(run: TrialRun, reference: dict[int, float]) -> tuple[list[Outcome], list[dict[str, str]]]:
+    """Each fault's outcome and the trial's failed invariants (``invariant`` and ``diagnosis``). Pure."""
+    faults = [i.fault for i in run.injections]
+    outcomes = [judge_fault(inj, faults[k + 1] if k + 1 < len(faults) else None, run) for k, inj in enumerate(run.injections)]
+    failed: list[dict[str, str]] = []
+
+    def fail(invariant: str, diagnosis: str) -> None:
+        failed.append({"invariant": invariant, "diagnosis": diagnosis})
+
+    if run.hung is not None:
+        fail("finished", f"no end within the trial's deadline: {run.hung}")
+    elif run.error is not None:
+        fail("finished", f"the run stopped: {run.error}")
+    lost = sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries)
+    if lost:
+        fail("no_committed_step_lost", f"recoveries undid {lost} committed steps")
+    if run.hung is None and run.error is None:
+        diff = loss_diff(run.losses, trim(reference, run))
+        if diff is not None:
+            fail("bit_identical", diff)
+    for inj, out in zip(run.injections, outcomes):
+        if not out.matched:
+            fail("corrupt_detected" if inj.fault.kind is FaultKind.CORRUPT and inj.error is None else "fault_outcome", f"{inj.fault}: {out.what}")
+    planned = len(run.plan.faults)
+    if len(run.injections) < planned and run.hung is None and run.error is None:
+        fail("fault_outcome", f"{planned - len(run.injections)} of {planned} planned faults were never injected")
+    return outcomes, failed
+
+
+def _seconds(values: list[float]) -> dict[str, float | None]:
+    return {"median": round(statistics.median(values), 3) if values else None, "max": round(max(values), 3) if values else None}
+
+
+def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[TrialRun]) -> dict[str, Any]:
+    """``report.json``: per fault kind, overall totals, per trial its faults and outcomes, and
+    every failed invariant with its diagnosis. ``meta``: the command's settings. Pure."""
+    trials: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    kinds: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        outcomes, failed = judge_trial(run, reference)
+        identical = run.hung is None and run.error is None and loss_diff(run.losses, trim(reference, run)) is None
+        failures += [{"trial": run.plan.trial, **x} for x in failed]
+        faults = []
+        for inj, out in zip(run.injections, outcomes):
+            f = inj.fault
+            faults.append({"kind": f.kind.value, "step": f.step, "stage": f.stage, "target": inj.target, "outcome": asdict(out)})
+            k = kinds.setdefault(f.kind.value, {"injected": 0, "survived": 0, "sources": Counter(), "seconds": [], "committed_steps_lost": 0, "bit_identical": True})
+            k["injected"] += inj.error is None
+            k["survived"] += out.matched and run.hung is None and run.error is None
+            k["sources"].update(out.sources)
+            k["seconds"] += list(out.seconds)
+            k["committed_steps_lost"] += out.committed_steps_lost
+            k["bit_identical"] &= identical
+        trials.append({
+            "trial": run.plan.trial, "steps": run.plan.steps, "seconds": round(run.seconds, 3), "faults": faults,
+            "recoveries": len({r["step"] for r in run.recoveries if r.get("source") != "none"}), "drains": len(run.drains), "resizes": len(run.resizes),
+            "committed_steps_lost": sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries),
+            "bit_identical": identical, "error": run.error, "hung": run.hung, "failed": [x["invariant"] for x in failed],
+        })
+    by_kind = {
+        name: {"injected": k["injected"], "survived": k["survived"], "recovery_sources": dict(sorted(k["sources"].items())),
+               "recover_s": _seconds(k["seconds"]), "committed_steps_lost": k["committed_steps_lost"], "bit_identical": k["bit_identical"]}
+        for name, k in kinds.items()
+    }
+    totals = {
+        "trials": len(runs),
+        "trials_ok": sum(1 for t in trials if not t["failed"]),
+        "injected": sum(k["injected"] for k in by_kind.values()),
+        "survived": sum(k["survived"] for k in by_kind.values()),
+        "committed_steps_lost": sum(t["committed_steps_lost"] for t in trials),
+        "bit_identical_trials": sum(1 for t in trials if t["bit_identical"]),
+    }
+    return {**meta, "ok": not failures, "failures": failures, "by_kind": by_kind, "totals": totals, "trials": trials}
+
+
+def _md_seconds(s: dict[str, float | None]) -> str:
+    return "-" if s["median"] is None else f"{s['median']:.2f} / {s['max']:.2f}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """``report.md``: the verdict, the per-kind table, totals, failures, then each trial. Pure."""
+    t = report["totals"]
+    lines = [
+        f"# chaos soak of {report['config']}: {'all invariants held' if report['ok'] else 'INVARIANTS FAILED'}",
+        "",
+        f"seed {report['seed']}, {t['trials']} trials x {report['faults_per_trial']} faults of {', '.join(report['kinds'])}; "
+        f"{t['injected']} injected, {t['survived']} survived, {t['committed_steps_lost']} committed steps lost, "
+        f"{t['bit_identical_trials']}/{t['trials']} trials bit-identical to the reference",
+        "",
+        "| fault | injected | survived | recovery sources | recover s (median / max) | committed steps lost | bit-identical |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, k in report["by_kind"].items():
+        src = ", ".join(f"{s} x{n}" for s, n in k["recovery_sources"].items()) or "-"
+        lines.append(f"| {name} | {k['injected']} | {k['survived']} | {src} | {_md_seconds(k['recover_s'])} | {k['committed_steps_lost']} | {'yes' if k['bit_identical'] else 'NO'} |")
+    if report["failures"]:
+        lines += ["", "## Failed invariants", ""] + [f"- trial {f['trial']}: **{f['invariant']}**: {f['diagnosis']}" for f in report["failures"]]
+    lines += ["", "## Trials", ""]
+    for tr in report["trials"]:
+        state = "ok" if not tr["failed"] else "FAILED " + ", ".join(tr["failed"])
+        lines.append(f"### trial {tr['trial']} ({tr['steps']} steps, {tr['seconds']:.1f} s): {state}")
+        lines.append("")
+        for f in tr["faults"]:
+            lines.append(f"- after step {f['step']}: {f['kind']} -> {f['target']}: {f['outcome']['what']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(render_markdown(report))

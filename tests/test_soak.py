@@ -1,0 +1,142 @@
+"""``elastic-llm chaos``: the seeded schedule, the verdict and the arguments (pure), and one
+short soak end to end on a loopback cluster (a head without CPUs + 4 worker nodes of 2 CPUs,
+shared by the module) with real kills and a real straggler."""
+
+import json
+import os
+
+import pytest
+
+from elastic_llm.cli import main
+from elastic_llm.config import load_config
+from elastic_llm.soak.plan import GAP, Fault, FaultKind, TrialPlan, parse_kinds, plan_soak, plan_trial
+from elastic_llm.soak.report import Injection, TrialRun, build_report, judge_trial, render_markdown
+from elastic_llm.soak.runner import Soak, SoakOptions, corrupt_events
+
+from .conftest import REPO, loopback_cluster_fixture
+
+pytestmark = pytest.mark.timeout(300)
+ALL = tuple(FaultKind)
+
+# ---------------------------------------------------------------------------- the schedule
+
+
+def test_schedule_is_reproducible_per_seed_and_trial():
+    a = plan_soak(ALL, 3, 5, seed=7, stages=4)
+    assert a == plan_soak(ALL, 3, 5, seed=7, stages=4)
+    assert a != plan_soak(ALL, 3, 5, seed=8, stages=4)
+    assert a[2] == plan_trial(ALL, 5, 7, 2, 4)  # a trial re-runs alone
+    assert a[0].faults != a[1].faults
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_schedule_spaces_faults_and_covers_every_kind(seed):
+    plan = plan_trial(ALL, 8, seed, 0, stages=3)
+    steps = [f.step for f in plan.faults]
+    assert all(b - a >= GAP for a, b in zip(steps, steps[1:])) and steps[0] >= 3
+    assert plan.steps > steps[-1]
+    assert {f.kind for f in plan.faults[:6]} == set(ALL)  # every kind once before any twice
+    assert all(0 <= f.stage < 3 for f in plan.faults)
+
+
+def test_kinds_parse_and_unknown_ones_are_named():
+    assert parse_kinds("stage, pause,stage") == (FaultKind.STAGE, FaultKind.PAUSE)
+    with pytest.raises(ValueError, match="unknown fault kind 'disk'.*stage, manager, node, drain, pause, corrupt"):
+        parse_kinds("stage,disk")
+
+
+def test_corrupt_faults_become_chaos_events_of_the_next_step():
+    plan = TrialPlan(0, (Fault(FaultKind.STAGE, 3, 0), Fault(FaultKind.CORRUPT, 6, 2)), 9)
+    assert corrupt_events(plan) == ["{step: 7, kill: smp, stage: 2, corrupt: true}", "{step: 7, kill: stage, stage: 2, how: sigkill}"]
+
+
+# ---------------------------------------------------------------------------- the verdict
+REF = {s: 1.0 / s for s in range(1, 13)}
+
+
+def rec(step, stage, source, seconds=1.0, lost=0):
+    return {"step": step, "stage": stage, "source": source, "seconds": seconds, "committed_steps_lost": lost}
+
+
+def test_verdict_of_a_clean_soak():
+    faults = (Fault(FaultKind.STAGE, 3, 1), Fault(FaultKind.PAUSE, 6, 0), Fault(FaultKind.MANAGER, 9, 2))
+    run = TrialRun(
+        TrialPlan(0, faults, 12),
+        [Injection(faults[0], "stage 1"), Injection(faults[1], "stage 0"), Injection(faults[2], "manager", manager_replaced=True)],
+        dict(REF), recoveries=[rec(4, 1, "local_smp", 0.5)],
+    )
+    report = build_report({"config": "t", "seed": 0, "faults_per_trial": 3, "kinds": ["manager", "pause", "stage"]}, REF, [run])
+    assert report["ok"] and report["failures"] == []
+    assert report["by_kind"]["stage"] == {"injected": 1, "survived": 1, "recovery_sources": {"local_smp": 1}, "recover_s": {"median": 0.5, "max": 0.5},
+                                          "committed_steps_lost": 0, "bit_identical": True}
+    assert report["by_kind"]["pause"]["recovery_sources"] == {} and report["totals"]["survived"] == 3
+    assert "all invariants held" in render_markdown(report)
+
+
+def test_verdict_names_each_broken_invariant():
+    faults = (Fault(FaultKind.PAUSE, 3, 1), Fault(FaultKind.CORRUPT, 6, 2), Fault(FaultKind.DRAIN, 9, 0))
+    got = {**REF, 8: 0.5}
+    run = TrialRun(
+        TrialPlan(0, faults, 12),
+        [Injection(faults[0], "p"), Injection(faults[1], "c"), Injection(faults[2], "d", node="n1")],
+        got, recoveries=[rec(4, 1, "local_smp"), rec(7, 2, "local_smp", lost=2)], drains=[{"step": 9, "node": "n2", "seconds": 1.0}],
+    )
+    outcomes, failed = judge_trial(run, REF)
+    assert [o.matched for o in outcomes] == [False, False, False]
+    assert [f["invariant"] for f in failed] == ["no_committed_step_lost", "bit_identical", "fault_outcome", "corrupt_detected", "fault_outcome"]
+    assert "recovered as a death" in failed[2]["diagnosis"] and "corrupted local shard" in failed[3]["diagnosis"]
+    assert "step 8" in failed[1]["diagnosis"]
+    hung = TrialRun(TrialPlan(1, faults, 12), [], {}, hung="state recovering at step 4")
+    assert [f["invariant"] for f in judge_trial(hung, REF)[1]] == ["finished"]
+
+
+def test_a_run_lengthened_by_a_drain_is_checked_on_every_step_it_trained():
+    drain = Fault(FaultKind.DRAIN, 6, 0)
+    run = TrialRun(TrialPlan(0, (drain,), 9), [Injection(drain, "d", node="n1")], {s: REF[s] for s in range(1, 12)},
+                   drains=[{"step": 10, "node": "n1", "seconds": 2.0}])
+    assert judge_trial(run, REF)[1] == []  # steps 10 and 11 were trained while the drain moved its stage
+    run.losses[11] = 0.0
+    assert [f["invariant"] for f in judge_trial(run, REF)[1]] == ["bit_identical"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--faults", "stage,disk"], "unknown fault kind 'disk'"),
+    (["--trials", "0"], "--trials=0 must be >= 1"),
+    (["--faults-per-trial", "0"], "--faults-per-trial=0 must be >= 1"),
+    (["--workers", "1"], "--workers=1 must be >= 2"),
+    (["--trial-timeout-s", "0"], "--trial-timeout-s=0 must be > 0"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(argv, message, tmp_path, capsys):
+    assert main(["chaos", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+# ---------------------------------------------------------------------------- end to end
+BASE = [
+    "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4",
+    "parallel.stages=4", "parallel.microbatches=2", "parallel.cpus_per_actor=1",
+    "parallel.placement_strategy=SPREAD", "train.batch_size=4", "train.eval_every=0",
+    "snapshot.parity=1", "recovery.standby=0",
+]
+WORKERS = 4
+cluster = loopback_cluster_fixture(WORKERS, 2)
+
+
+def test_soak_of_stage_manager_and_pause_faults_holds_every_invariant(cluster, corpus_dir, tmp_path):
+    kinds = (FaultKind.STAGE, FaultKind.MANAGER, FaultKind.PAUSE)
+    plans = plan_soak(kinds, 1, 3, seed=1, stages=4)
+
+    def load(extra):
+        return load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
+
+    report = Soak(load, plans, SoakOptions(WORKERS, 2.0, trial_timeout_s=120.0, seed=1), cluster=cluster).run(tmp_path)
+    assert report["ok"], report["failures"]
+    assert json.loads((tmp_path / "report.json").read_text())["totals"] == report["totals"]
+    assert {k: v["injected"] for k, v in report["by_kind"].items()} == {"stage": 1, "manager": 1, "pause": 1}
+    assert all(v["survived"] == 1 and v["committed_steps_lost"] == 0 and v["bit_identical"] for v in report["by_kind"].values())
+    assert report["by_kind"]["stage"]["recovery_sources"] and report["by_kind"]["pause"]["recovery_sources"] == {}
+    (trial,) = report["trials"]
+    assert [(f["kind"], f["step"], f["stage"]) for f in trial["faults"]] == [(f.kind.value, f.step, f.stage) for f in plans[0].faults]
+    assert trial["recoveries"] == 1  # the stage kill; the manager kill and the pause needed none
+    print((tmp_path / "report.md").read_text())
