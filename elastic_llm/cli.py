@@ -324,6 +324,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.run_transport_bench(rounds=args.steps or 200)
     elif args.what == "detect":
         result = bench.run_detect_bench(rounds=args.steps or 3)
+    elif args.what == "failover":
+        result = bench.run_failover_bench(config=args.config or "jobs/tiny.yaml", rounds=args.steps or 2)
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     if args.json:
@@ -441,10 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=cmd_export)
 
     b = sub.add_parser("bench", help="benchmarks against real peers (from the root of a source checkout)")
-    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect"])
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
-    b.add_argument("--steps", type=int, default=None, help="timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips for transport, 200; node removals per setting for detect, 3)")
+    b.add_argument("--steps", type=int, default=None, help="timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips for transport, 200; node removals per setting for detect, 3; driver kills per resume kind for failover, 2)")
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
     b.add_argument("--sweep", action="store_true", help="pipeline: driver cost over stages x microbatches x replicas (micro and tiny models) instead of the peer comparison")

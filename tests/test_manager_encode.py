@@ -46,3 +46,35 @@ def test_chunk_pieces_take_one_piece_of_each_shard_in_key_order():
     infos = (info(10, 0, [[0, 10, 1], [10, 5, 2]]), info(2, 0, [[0, 8, 3], [8, 8, 4]]), info(2, 1, [[0, 1, 5], [1, 1, 6]]))
     assert chunk_pieces(infos, 0) == [Piece(0, 8, 3), Piece(0, 1, 5), Piece(0, 10, 1)]
     assert chunk_pieces(infos, 1) == [Piece(8, 8, 4), Piece(1, 1, 6), Piece(10, 5, 2)]
+
+
+def _manager_holding(*versions):
+    from elastic_llm.snapshot.manager import SnapshotManager, Version
+
+    m = SnapshotManager("node")
+    m.state = lambda: None  # no metrics export outside Ray
+    m.versions = {v: Version() for v in versions}
+    return m
+
+
+def test_a_commit_frees_older_versions_but_not_one_being_flushed():
+    m = _manager_holding(1, 2, 3)
+    # commit(2) runs before the (earlier sent) commit(1, pin=True): the driver named 1 as flushing
+    m.commit(2, keep=(1,))
+    assert sorted(m.versions) == [1, 2, 3]
+    m.commit(1, pin=True)  # late: pinned, kept for its flush
+    assert sorted(m.versions) == [1, 2, 3] and m.versions[1].pinned
+    m.commit(3)
+    assert sorted(m.versions) == [1, 3]  # 2 freed; 1 stays until its flush ends
+    m.unpin(1)
+    assert sorted(m.versions) == [3]
+
+
+def test_a_late_commit_of_an_older_version_frees_it():
+    m = _manager_holding(4, 5)
+    m.commit(5)
+    assert sorted(m.versions) == [5]
+    m2 = _manager_holding(4, 5)
+    m2.versions[5].committed = True
+    m2.commit(4)  # arrives after commit(5) ran, not pinned: a newer version is committed
+    assert sorted(m2.versions) == [5]

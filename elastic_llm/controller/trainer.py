@@ -281,6 +281,9 @@ class Trainer:
         if rc.node_probe_s > 0 and self.watch is None:  # before any actor: a node that dies from now on is noticed
             self.watch = NodeWatch(RayNodeTable(), rc.node_probe_s, rc.node_probe_failures)
             self.watch.start()
+        if self.reattach is not None and self.publisher is None:  # before this driver's actors take the run's names
+            check_same_model(self.run_id, self.cfg.to_dict())
+            retire_old_driver(NAMESPACE, self.run_id)
         if self.publisher is None:  # the run-<id> actor: status and Ray metrics of the run
             self.publisher = Publisher(self, NAMESPACE)
             self.metrics.observers.append(self.publisher.on_record)
@@ -288,12 +291,14 @@ class Trainer:
             from elastic_llm.snapshot.coordinator import SnapshotCoordinator, check_parity_fits
 
             self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE, self.run_id)
-            self._failover_parts()
+            if self.reattach is not None:
+                self._find_old_run()
             self.snapshots.ensure_managers()  # one per node with CPUs
             check_parity_fits(len(self.snapshots.managers), self.cfg.snapshot.parity, self.cfg.snapshot.group_size)
             for warning in store_warnings(self.cfg, ray.nodes()):
                 log(f"warning: {warning}")
                 self.metrics.event("warning", step=self.step, what="object_store", message=warning)
+            self._publish_run()
             if self.cfg.durable.storage_path:
                 self.durable = DurableTier(self.cfg, self.snapshots, str(self.data_dir), self.metrics)
                 self.snapshots.durable = self.durable
@@ -301,27 +306,28 @@ class Trainer:
             pool = StandbyPool(self.cfg, self.run_id, NAMESPACE) if self.cfg.recovery.standby != 0 else None
             self.group = ActorGroup(self.cfg, self.run_id, pool)
 
-    def _failover_parts(self) -> None:
-        """Driver failover (``recovery.driver_grace_s``): a resuming driver first finds the dead
-        driver's managers and its committed record; every driver then publishes its config and
-        each committed record, and keeps its managers alive."""
+    def _find_old_run(self) -> None:
+        """``--resume RUN_ID``: the dead driver's managers and its committed record."""
         sn = self.snapshots
-        if self.reattach is not None:
-            check_same_model(self.run_id, self.cfg.to_dict())
-            retire_old_driver(NAMESPACE, self.run_id)
-            sn.managers = find_managers(NAMESPACE, self.run_id)
-            sn.name_tag = f"-r{uuid.uuid4().hex[:4]}"
-            record = published_committed(self.run_id)
-            if sn.managers and record is not None:
-                sn.committed = record
-        if sn.grace_s > 0:
-            publish(self.run_id, "config", json.dumps(self.cfg.to_dict()))
-            publish_driver(self.run_id)
-            sn.on_commit = lambda record: publish_committed(self.run_id, record)
-            self.keepalive = Keepalive(lambda: list(sn.managers.values()), min(5.0, sn.grace_s / 4))
-            self.keepalive.start()
-            log(f"run {self.run_id}: if this driver dies, `elastic-llm train --resume {self.run_id}` with the same config goes on from "
-                f"its snapshots in memory within recovery.driver_grace_s={sn.grace_s:g} s")
+        sn.managers = find_managers(NAMESPACE, self.run_id)
+        sn.name_tag = f"-r{uuid.uuid4().hex[:4]}"
+        record = published_committed(self.run_id)
+        if sn.managers and record is not None:
+            sn.committed = record
+
+    def _publish_run(self) -> None:
+        """Driver failover (``recovery.driver_grace_s`` > 0): publish the run's config, this
+        driver's job and each committed record, and keep the managers alive."""
+        sn = self.snapshots
+        if sn.grace_s <= 0:
+            return
+        publish(self.run_id, "config", json.dumps(self.cfg.to_dict()))
+        publish_driver(self.run_id)
+        sn.on_commit = lambda record: publish_committed(self.run_id, record)
+        self.keepalive = Keepalive(lambda: list(sn.managers.values()), min(5.0, sn.grace_s / 4))
+        self.keepalive.start()
+        log(f"run {self.run_id}: if this driver dies, `elastic-llm train --resume {self.run_id}` with the same config goes on from "
+            f"its snapshots in memory within recovery.driver_grace_s={sn.grace_s:g} s")
 
     def _reattach(self) -> None:
         """``--resume RUN_ID``: the fresh stages restore the dead driver's newest committed

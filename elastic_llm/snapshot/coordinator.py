@@ -280,8 +280,10 @@ class SnapshotCoordinator:
         shards = tuple(s for part in p.results.values() for s in part.shards)
         record = VersionRecord(p.version, p.groups, tuple(sorted(shards, key=lambda s: s.key)))
         flush = self.durable is not None and self.durable.wants(record)
+        flushing = self.durable.inflight if self.durable is not None else None
+        keep = (flushing.record.version,) if flushing is not None else ()
         for handle in self.managers.values():  # fire and forget: a dead manager is a later failure
-            handle.commit.remote(record.version, flush)  # pinned until its flush is over
+            handle.commit.remote(record.version, flush, keep)  # pinned until its flush is over
         self.committed = record
         if self.on_commit is not None:
             self.on_commit(record)

@@ -285,15 +285,21 @@ class SnapshotManager:
         return ParityInfo(region, length, crc)
 
     # ------------------------------------------------------------------ commit / free
-    def commit(self, version: int, pin: bool = False) -> list[int]:
-        """Mark ``version`` committed and free every older version that is not pinned. ``pin``:
-        keep ``version`` until :meth:`unpin` (a durable flush reads it). Returns the versions held."""
+    def commit(self, version: int, pin: bool = False, keep: tuple[int, ...] = ()) -> list[int]:
+        """Mark ``version`` committed and free every older version that is neither pinned nor in
+        ``keep``. ``pin``: keep ``version`` until :meth:`unpin` (a durable flush reads it);
+        ``keep``: versions the driver is flushing (this actor runs calls on several threads, so
+        an older version's own ``commit(pin=True)`` may run after this one). A commit that comes
+        after a newer one frees its version unless pinned. Returns the versions held."""
         with self.lock:
             if version in self.versions:  # a manager with no part in this version just frees older ones
                 self.versions[version].committed = True
-                self.versions[version].pinned = pin
-            for old in [x for x in self.versions if x < version and not self.versions[x].pinned]:
+                self.versions[version].pinned = self.versions[version].pinned or pin
+            for old in [x for x in self.versions if x < version and x not in keep and not self.versions[x].pinned]:
                 self._free(self.versions.pop(old))
+            v = self.versions.get(version)
+            if v is not None and not v.pinned and any(x > version and w.committed for x, w in self.versions.items()):
+                self._free(self.versions.pop(version))
             self.lock.notify_all()
             held = sorted(self.versions)
         self.state()  # refreshes this node's metrics

@@ -1,0 +1,129 @@
+"""Driver failover: seconds from a new driver's start to its first completed step after the old
+driver was SIGKILLed, resuming from the run's snapshots in memory (``elastic-llm train --resume
+RUN_ID``) against resuming from the run's newest durable checkpoint (``--resume RUN_DIR``, the
+peer: what a restart without failover does at best), side by side on one loopback
+``ray.cluster_utils.Cluster`` (a head without CPUs + 3 worker nodes of 2 CPUs).
+
+Per round: a driver process (``elastic-llm train --address``: the config, a durable checkpoint
+every 2 committed snapshots into a temporary directory) trains until ``kill_at`` steps are done
+and is SIGKILLed; then one of the two resumes runs as a new process (alternating which goes first
+between rounds) until ``kill_at + 2`` steps, and the other from a fresh killed run. Timed from
+outside (``perf_counter`` around the process): until the resumed driver's metrics file shows its
+first step; also the product's own ``reattach`` / ``resume`` line (``seconds``: the restore), and
+the step each resumed from (memory: the newest committed snapshot; durable: an older one).
+Must never reach anything but 127.0.0.1, or judge its result (BENCHMARKS.md does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import machine_info
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = [  # 4 one-CPU stages of a small model over 3 nodes of 2 CPUs
+    "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4", "parallel.stages=4",
+    "parallel.microbatches=2", "parallel.cpus_per_actor=1", "parallel.placement_strategy=SPREAD",
+    "train.batch_size=4", "train.eval_every=0", "snapshot.group_size=3", "recovery.standby=0",
+]
+STEP_S = 300.0  # longest a driver may take to reach a step
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for x in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(x))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _steps(path: Path) -> list[int]:
+    return [x["step"] for x in _lines(path) if "loss" in x]
+
+
+def _command(config: str, address: str, out: Path, steps: int, sets: list[str]) -> list[str]:
+    args = [a for s in sets for a in ("--set", s)]
+    return [sys.executable, "-m", "elastic_llm.cli", "train", "--config", config, "--address", address,
+            "--max-steps", str(steps), "--metrics-out", str(out), "--no-progress", *args]
+
+
+def _wait(pred: Any, proc: subprocess.Popen[str], what: str) -> None:
+    deadline = time.monotonic() + STEP_S
+    while not pred():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the driver ended before {what}: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {STEP_S:.0f} s")
+        time.sleep(0.05)
+
+
+def _killed_run(config: str, address: str, work: Path, kill_at: int, sets: list[str]) -> tuple[str, Path]:
+    out = work / "killed.jsonl"
+    p = subprocess.Popen(_command(config, address, out, kill_at + 50, sets), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait(lambda: kill_at in _steps(out), p, f"step {kill_at}")
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    (start,) = [x for x in _lines(out) if x.get("event") == "start"]
+    return start["run_id"], out
+
+
+def _resume(config: str, address: str, work: Path, name: str, target: str, steps: int, sets: list[str]) -> dict[str, Any]:
+    out = work / f"{name}.jsonl"
+    t = time.perf_counter()
+    p = subprocess.Popen([*_command(config, address, out, steps, sets), "--resume", target], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait(lambda: bool(_steps(out)), p, "a first step after the resume")
+    first_step_s = time.perf_counter() - t
+    p.wait(timeout=STEP_S)
+    (line,) = [x for x in _lines(out) if x.get("event") in ("reattach", "resume")]
+    return {"first_step_s": first_step_s, "restore_s": line["seconds"], "resumed_at": line["step"], "how": line["event"]}
+
+
+def run_failover_bench(config: str = "jobs/tiny.yaml", rounds: int = 2, kill_at: int = 6) -> dict[str, Any]:
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        raise RuntimeError("export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (and RAY_AUTH_MODE=token) first: the nodes must stay on 127.0.0.1")
+    import ray
+
+    from elastic_llm.controller.session import loopback_cluster, loopback_env
+
+    loopback_env()
+    cluster = loopback_cluster(3, 2)
+    result: dict[str, Any] = {"bench": "failover", "config": config, "machine": machine_info(), "rounds": rounds, "kill_at": kill_at}
+    runs: dict[str, list[dict[str, Any]]] = {"memory": [], "durable": []}
+    try:
+        for r in range(rounds):
+            order = ("memory", "durable") if r % 2 == 0 else ("durable", "memory")
+            for how in order:
+                with tempfile.TemporaryDirectory(prefix="elastic-llm-failover-") as tmp:
+                    work = Path(tmp)
+                    sets = [*SMALL, f"durable.storage_path={work / 'store'}", "durable.every=2", "durable.run_name=bench"]
+                    run_id, _ = _killed_run(str(REPO / config), cluster.address, work, kill_at, sets)
+                    target = run_id if how == "memory" else str(work / "store" / "bench")
+                    if how == "durable":  # no managers to find: the peer restarts from storage only
+                        sets = [*sets, "recovery.driver_grace_s=0"]
+                    runs[how].append(_resume(str(REPO / config), cluster.address, work, how, target, kill_at + 2, sets))
+                    for e in ray.util.list_named_actors(all_namespaces=True):  # the memory round's managers, if any were left
+                        if e["name"].startswith(f"smp-{run_id}-"):
+                            ray.kill(ray.get_actor(e["name"], namespace=e["namespace"]))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    for how, rs in runs.items():
+        result[how] = {
+            "first_step_s_median": round(statistics.median(x["first_step_s"] for x in rs), 2),
+            "restore_s_median": round(statistics.median(x["restore_s"] for x in rs), 3),
+            "steps_redone_median": statistics.median(kill_at - x["resumed_at"] for x in rs),
+            "runs": rs,
+        }
+    result["speedup"] = round(result["durable"]["first_step_s_median"] / result["memory"]["first_step_s_median"], 2)
+    return result
