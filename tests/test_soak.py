@@ -13,7 +13,7 @@ from elastic_llm.soak.plan import GAP, Fault, FaultKind, TrialPlan, parse_kinds,
 from elastic_llm.soak.report import Injection, TrialRun, build_report, judge_trial, render_markdown
 from elastic_llm.soak.runner import Soak, SoakOptions, corrupt_events
 
-from .conftest import REPO, loopback_cluster_fixture
+from .conftest import FOUR_SMALL_STAGES, REPO, loopback_cluster_fixture
 
 pytestmark = pytest.mark.timeout(300)
 ALL = tuple(FaultKind)
@@ -113,12 +113,7 @@ def test_bad_arguments_exit_2_naming_the_argument(argv, message, tmp_path, capsy
 
 
 # ---------------------------------------------------------------------------- end to end
-BASE = [
-    "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4",
-    "parallel.stages=4", "parallel.microbatches=2", "parallel.cpus_per_actor=1",
-    "parallel.placement_strategy=SPREAD", "train.batch_size=4", "train.eval_every=0",
-    "snapshot.parity=1", "recovery.standby=0",
-]
+BASE = [*FOUR_SMALL_STAGES, "snapshot.parity=1", "recovery.standby=0"]
 WORKERS = 4
 cluster = loopback_cluster_fixture(WORKERS, 2)
 
