@@ -232,7 +232,7 @@ def loopback_cluster(workers: int, cpus_per_node: float, store_bytes: int = NODE
 
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_HEALTH})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": store_bytes, "include_dashboard": False, "_system_config": FAST_HEALTH})
     for _ in range(workers):
         add_loopback_node(c, cpus_per_node, store_bytes)
     c.wait_for_nodes()
