@@ -110,6 +110,8 @@ def _chaos_problem(args: argparse.Namespace) -> str | None:
     """The first bad ``chaos`` argument, named with its fix (pure)."""
     if args.trials < 1:
         return f"--trials={args.trials} must be >= 1"
+    if args.first_trial < 0:
+        return f"--first-trial={args.first_trial} must be >= 0"
     if args.faults_per_trial < 1:
         return f"--faults-per-trial={args.faults_per_trial} must be >= 1"
     if args.workers < 2:
@@ -136,7 +138,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     overrides = list(args.set or [])
     cfg = load_config(args.config, overrides)  # a bad config is refused before any node starts
-    plans = plan_soak(kinds, args.trials, args.faults_per_trial, args.seed, cfg.parallel.stages)
+    plans = plan_soak(kinds, args.trials, args.faults_per_trial, args.seed, cfg.parallel.stages, args.first_trial)
     options = SoakOptions(args.workers, args.cpus_per_node, args.trial_timeout_s, seed=args.seed)
     report = Soak(lambda extra: load_config(args.config, [*overrides, *extra]), plans, options).run(args.out)
     print(json.dumps({"ok": report["ok"], **report["totals"], "failed": [f"trial {f['trial']}: {f['invariant']}" for f in report["failures"]]}))
@@ -404,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
     ch.add_argument("--faults", default="stage,manager,node,drain,pause,corrupt", help="fault kinds, comma-separated (default: all of stage,manager,node,drain,pause,corrupt)")
     ch.add_argument("--trials", type=int, default=1, help="soaked runs, each with its own faults (default 1)")
+    ch.add_argument("--first-trial", type=int, default=0, help="number of the first trial (default 0): re-run trial i alone with --first-trial i --trials 1")
     ch.add_argument("--faults-per-trial", type=int, default=3, help="faults in each soaked run, one at a time (default 3)")
     ch.add_argument("--seed", type=int, default=0, help="seed of the fault schedule: trial i's faults depend only on (seed, i)")
     ch.add_argument("--workers", type=int, default=4, help="worker nodes of the loopback cluster (default 4)")

@@ -78,3 +78,55 @@ def test_a_late_commit_of_an_older_version_frees_it():
     m2.versions[5].committed = True
     m2.commit(4)  # arrives after commit(5) ran, not pinned: a newer version is committed
     assert sorted(m2.versions) == [5]
+
+
+# A step re-run after a rollback snapshots the same version number again (a new attempt). The
+# messages of the earlier attempt (offers, discards) are fire-and-forget and run on the manager's
+# threads in any order: found by the chaos soak, where a late discard of step 46's first attempt
+# wiped the second attempt's offers and its parity holder waited 600 s at the end of the run.
+
+
+def test_a_late_discard_of_an_earlier_attempt_keeps_the_newer_attempts_offers():
+    m = _manager_holding()
+    m.offer(46, 0, 1, ["ref"], [Piece(0, 1, 2)], attempt=200)
+    m.discard(46, attempt=100)  # the first attempt's discard, delivered late
+    assert m.versions[46].attempt == 200 and 1 in m.versions[46].offers[0]
+    m.discard(46, attempt=200)
+    assert 46 not in m.versions
+
+
+def test_a_late_offer_of_an_earlier_attempt_is_dropped_and_a_newer_one_replaces_it():
+    m = _manager_holding()
+    m.offer(46, 0, 1, ["new"], [Piece(0, 1, 2)], attempt=200)
+    m.offer(46, 0, 2, ["old"], [Piece(0, 1, 3)], attempt=100)
+    assert set(m.versions[46].offers[0]) == {1}
+    m.offer(46, 0, 2, ["newer"], [Piece(0, 1, 4)], attempt=300)
+    assert m.versions[46].attempt == 300 and set(m.versions[46].offers[0]) == {2}
+
+
+def test_an_encode_waiting_for_offers_gives_up_when_a_newer_attempt_takes_its_version():
+    import threading
+
+    from elastic_llm.snapshot.layout import ParityLayout
+    from elastic_llm.snapshot.manager import SnapshotMissingError
+
+    m = _manager_holding()
+    layout = ParityLayout(3, 1)
+    region, row = layout.parity_regions(0)[0]
+    with m.lock:
+        v = m._claim(7, 100)
+    raised = []
+
+    def encode():
+        try:
+            m._encode(v, 7, layout, region, row)
+        except SnapshotMissingError as e:
+            raised.append(str(e))
+
+    t = threading.Thread(target=encode, daemon=True)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not raised  # waiting for its group's data
+    m.offer(7, region, layout.data_nodes(region)[0], [], [], attempt=200)  # the re-run's first offer
+    t.join(10)
+    assert not t.is_alive() and raised and "superseded" in raised[0]

@@ -9,7 +9,7 @@ import pytest
 
 from elastic_llm.cli import main
 from elastic_llm.config import load_config
-from elastic_llm.soak.plan import GAP, Fault, FaultKind, TrialPlan, parse_kinds, plan_soak, plan_trial
+from elastic_llm.soak.plan import GAP, MOMENTS, Fault, FaultKind, Moment, TrialPlan, parse_kinds, plan_soak, plan_trial
 from elastic_llm.soak.report import Injection, TrialRun, build_report, judge_trial, render_markdown
 from elastic_llm.soak.runner import Soak, SoakOptions, corrupt_events
 
@@ -35,8 +35,15 @@ def test_schedule_spaces_faults_and_covers_every_kind(seed):
     steps = [f.step for f in plan.faults]
     assert all(b - a >= GAP for a, b in zip(steps, steps[1:])) and steps[0] >= 3
     assert plan.steps > steps[-1]
-    assert {f.kind for f in plan.faults[:6]} == set(ALL)  # every kind once before any twice
+    assert {f.kind for f in plan.faults[: len(ALL)]} == set(ALL)  # every kind once before any twice
     assert all(0 <= f.stage < 3 for f in plan.faults)
+    assert all(f.moment in MOMENTS[f.kind] for f in plan.faults)
+
+
+def test_schedule_aims_faults_at_every_moment():
+    faults = [f for p in plan_soak(ALL, 10, 12, seed=0, stages=4) for f in p.faults]
+    assert {f.moment for f in faults} == set(Moment)
+    assert {f.moment for f in faults if f.kind is FaultKind.CORRUPT} == {Moment.STEP}
 
 
 def test_kinds_parse_and_unknown_ones_are_named():
@@ -88,6 +95,33 @@ def test_verdict_names_each_broken_invariant():
     assert "step 8" in failed[1]["diagnosis"]
     hung = TrialRun(TrialPlan(1, faults, 12), [], {}, hung="state recovering at step 4")
     assert [f["invariant"] for f in judge_trial(hung, REF)[1]] == ["finished"]
+    bad = TrialRun(TrialPlan(2, (), 12), [], dict(REF), durable_error="checkpoint_000012 does not verify: DurableError: crc")
+    assert judge_trial(bad, REF)[1] == [{"invariant": "durable_verifies", "diagnosis": "checkpoint_000012 does not verify: DurableError: crc"}]
+
+
+def test_a_fault_struck_during_a_recovery_shares_the_window_of_the_stage_killed_to_start_it():
+    primer, fault = Fault(FaultKind.STAGE, 3, 2), Fault(FaultKind.STAGE, 3, 1, Moment.RECOVERY)
+    nxt = Fault(FaultKind.PAUSE, 6, 0)
+    run = TrialRun(
+        TrialPlan(0, (fault, nxt), 9),
+        [Injection(primer, "stage 2", primer=True), Injection(fault, "stage 1", moment=Moment.RECOVERY), Injection(nxt, "stage 0")],
+        dict(REF), recoveries=[rec(4, 2, "local_smp", 0.4), rec(4, 1, "parity", 0.9)],
+    )
+    outcomes, failed = judge_trial(run, REF)
+    assert failed == [] and [o.matched for o in outcomes] == [True, True, True]
+    assert "parity" in outcomes[1].what and "local_smp" in outcomes[0].what
+    report = build_report({"config": "t", "seed": 0, "faults_per_trial": 2, "kinds": ["pause", "stage"]}, REF, [run])
+    assert report["by_moment"] == {"step": {"injected": 2, "survived": 2}, "recovery": {"injected": 1, "survived": 1}}
+    assert report["by_kind"]["stage"]["injected"] == 2
+    missing = TrialRun(TrialPlan(0, (fault, nxt), 9), [Injection(primer, "stage 2", primer=True), Injection(fault, "stage 1")], dict(REF),
+                       recoveries=[rec(4, 2, "local_smp"), rec(4, 1, "parity")])
+    assert [f["diagnosis"] for f in judge_trial(missing, REF)[1]] == ["1 of 2 planned faults were never injected"]
+
+
+def test_a_soak_stopped_by_a_run_it_could_not_end_fails_with_the_reason():
+    run = TrialRun(TrialPlan(4, (), 9), [], {}, hung="state finished at step 9")
+    report = build_report({"config": "t", "seed": 0, "faults_per_trial": 0, "kinds": [], "aborted": "trial 4 hung"}, REF, [run])
+    assert not report["ok"] and {"trial": 4, "invariant": "finished", "diagnosis": "the soak stopped: trial 4 hung"} in report["failures"]
 
 
 def test_a_run_lengthened_by_a_drain_is_checked_on_every_step_it_trained():
@@ -102,6 +136,7 @@ def test_a_run_lengthened_by_a_drain_is_checked_on_every_step_it_trained():
 @pytest.mark.parametrize("argv, message", [
     (["--faults", "stage,disk"], "unknown fault kind 'disk'"),
     (["--trials", "0"], "--trials=0 must be >= 1"),
+    (["--first-trial", "-1"], "--first-trial=-1 must be >= 0"),
     (["--faults-per-trial", "0"], "--faults-per-trial=0 must be >= 1"),
     (["--workers", "1"], "--workers=1 must be >= 2"),
     (["--trial-timeout-s", "0"], "--trial-timeout-s=0 must be > 0"),
@@ -118,20 +153,29 @@ WORKERS = 4
 cluster = loopback_cluster_fixture(WORKERS, 2)
 
 
-def test_soak_of_stage_manager_and_pause_faults_holds_every_invariant(cluster, corpus_dir, tmp_path):
-    kinds = (FaultKind.STAGE, FaultKind.MANAGER, FaultKind.PAUSE)
-    plans = plan_soak(kinds, 1, 3, seed=1, stages=4)
+def test_soak_of_faults_at_their_worst_moments_holds_every_invariant(cluster, corpus_dir, tmp_path):
+    """A stage killed while another stage's recovery runs, a manager killed while a snapshot is
+    in flight, a manager killed while a durable flush is written, a straggler between steps."""
+    faults = (
+        Fault(FaultKind.STAGE, 3, 1, Moment.RECOVERY),
+        Fault(FaultKind.MANAGER, 6, 2, Moment.SNAPSHOT),
+        Fault(FaultKind.FLUSH, 9, 0, Moment.FLUSH),
+        Fault(FaultKind.PAUSE, 12, 3),
+    )
+    plans = [TrialPlan(0, faults, 15)]
 
     def load(extra):
         return load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
 
-    report = Soak(load, plans, SoakOptions(WORKERS, 2.0, trial_timeout_s=120.0, seed=1), cluster=cluster).run(tmp_path)
+    report = Soak(load, plans, SoakOptions(WORKERS, 2.0, trial_timeout_s=150.0, seed=1), cluster=cluster).run(tmp_path)
+    print((tmp_path / "report.md").read_text())
     assert report["ok"], report["failures"]
     assert json.loads((tmp_path / "report.json").read_text())["totals"] == report["totals"]
-    assert {k: v["injected"] for k, v in report["by_kind"].items()} == {"stage": 1, "manager": 1, "pause": 1}
-    assert all(v["survived"] == 1 and v["committed_steps_lost"] == 0 and v["bit_identical"] for v in report["by_kind"].values())
-    assert report["by_kind"]["stage"]["recovery_sources"] and report["by_kind"]["pause"]["recovery_sources"] == {}
+    assert {k: v["injected"] for k, v in report["by_kind"].items()} == {"stage": 2, "manager": 1, "flush": 1, "pause": 1}
+    assert all(v["survived"] == v["injected"] and v["committed_steps_lost"] == 0 and v["bit_identical"] for v in report["by_kind"].values())
+    assert report["by_kind"]["pause"]["recovery_sources"] == {}
+    assert report["by_moment"]["recovery"] == {"injected": 1, "survived": 1}  # struck while the primer's recovery ran
+    assert sum(m["injected"] for m in report["by_moment"].values()) == 5
     (trial,) = report["trials"]
-    assert [(f["kind"], f["step"], f["stage"]) for f in trial["faults"]] == [(f.kind.value, f.step, f.stage) for f in plans[0].faults]
-    assert trial["recoveries"] == 1  # the stage kill; the manager kill and the pause needed none
-    print((tmp_path / "report.md").read_text())
+    assert [(f["kind"], f["stage"]) for f in trial["faults"]] == [("stage", 2), ("stage", 1), ("manager", 2), ("flush", 0), ("pause", 3)]
+    assert trial["durable"] is not None and trial["durable_error"] is None  # the final checkpoint verified

@@ -52,6 +52,7 @@ class _Inflight:
     refs: dict[str, Any]  # node -> ref of its manager's ManagerPart
     groups: tuple[tuple[str, ...], ...]
     lost: tuple[ShardKey, ...]  # stages whose node had no manager
+    attempt: int = 0  # ManagerPlan.attempt: a step re-run after a rollback is a new attempt at its version
     results: dict[str, ManagerPart] = field(default_factory=dict)
 
 
@@ -117,6 +118,7 @@ class SnapshotCoordinator:
         self.clean_s = Ema(alpha=0.1)  # steps with no snapshot begun or in flight
         self._felt: dict[int, float] = {}  # version -> step time its steps took beyond clean steps
         self.last_begin = 0
+        self._attempt = 0  # the newest ManagerPlan.attempt sent
         self.changes: list[dict[str, Any]] = []  # snapshot.every: auto decisions, for the metrics file
 
     # ------------------------------------------------------------------ managers
@@ -204,6 +206,7 @@ class SnapshotCoordinator:
             self.ensure_managers()
             self.refresh_managers = False
         sn = self.cfg.snapshot
+        attempt = self._attempt = max(self._attempt + 1, time.time_ns())  # increasing, also across drivers
         by_node: dict[str, list[tuple[ShardKey, Any]]] = {node: [] for node in self.managers}
         lost = []
         for m in stages:
@@ -228,9 +231,10 @@ class SnapshotCoordinator:
                 me=group.index(node) if group else 0,
                 peers=tuple(self.managers[n] for n in group),
                 parity=sn.parity,
+                attempt=attempt,
             )
             refs[node] = handle.snapshot_version.remote(plan)
-        self.inflight.append(_Inflight(version, refs, groups, tuple(lost)))
+        self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt))
         self.last_begin = version
 
     def can_begin(self) -> bool:
@@ -340,7 +344,7 @@ class SnapshotCoordinator:
         """Drop a version in flight: superseded by a newer complete one (``why`` None) or failed
         (``expected``: because its training step failed, which the controller reports)."""
         for m in self.managers.values():
-            m.discard.remote(p.version)
+            m.discard.remote(p.version, p.attempt)
         self.inflight.remove(p)
         self._felt.pop(p.version, None)
         self._dropped += [ref for node, ref in p.refs.items() if node not in p.results]

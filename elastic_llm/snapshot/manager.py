@@ -55,6 +55,7 @@ class Version:
     offers: dict[int, dict[int, tuple[list[Any], list[Piece]]]] = field(default_factory=dict)  # region -> member -> (refs, pieces)
     committed: bool = False
     pinned: bool = False  # being flushed to durable storage: not freed when a newer version commits
+    attempt: int = 0  # the attempt these belong to (ManagerPlan.attempt)
 
     def infos(self) -> tuple[ShardInfo, ...]:
         return tuple(self.shards[k].info for k in sorted(self.shards))
@@ -167,6 +168,21 @@ class SnapshotManager:
         except KeyError:
             raise SnapshotMissingError(f"snapshot version {version} is not held by {self.node_id} (held: {sorted(self.versions)})") from None
 
+    def _claim(self, version: int, attempt: int) -> Version | None:
+        """The version held for (``version``, ``attempt``), created if absent; an older attempt's
+        is freed and replaced; None if a newer attempt holds it (this call is stale). Call with
+        the lock held. A step re-run after a rollback snapshots the same version number again:
+        a late offer or discard of the earlier attempt must not touch the new one."""
+        v = self.versions.get(version)
+        if v is not None and v.attempt > attempt:
+            return None
+        if v is None or v.attempt < attempt:
+            if v is not None:
+                self._free(v)
+            v = self.versions[version] = Version(attempt=attempt)
+            self.lock.notify_all()  # an encode waiting on the older attempt gives up
+        return v
+
     def _buffer(self, nbytes: int) -> np.ndarray:
         free = self._pool.get(nbytes)
         if free:
@@ -193,7 +209,9 @@ class SnapshotManager:
         layout = ParityLayout(len(group), m) if group else None
         k = layout.k if layout else 1
         with self.lock:
-            self.versions.setdefault(version, Version())
+            mine = self._claim(version, plan.attempt)
+        if mine is None:
+            raise SnapshotMissingError(f"step {version}, attempt {plan.attempt}: a newer attempt at this version is under way")
         calls = {
             key: stage.snapshot_pieces.options(num_returns=k + 1, concurrency_group="snapshot").remote(version, k)
             for key, stage in plan.stages
@@ -201,6 +219,8 @@ class SnapshotManager:
         infos = self._collect(version, calls)
         with self.lock:
             v = self._version(version)
+            if v is not mine:
+                raise SnapshotMissingError(f"step {version}, attempt {plan.attempt}: discarded or superseded while its pieces were collected")
             for (key, refs), info in zip(calls.items(), infos):
                 v.shards[key] = Shard(list(refs[1:]), info.on_node(self.node_id))
         shards = v.infos()
@@ -213,8 +233,8 @@ class SnapshotManager:
             refs = [v.shards[key].refs[c] for key in sorted(v.shards)]
             pieces = chunk_pieces(shards, c)
             for h in layout.holders(region):
-                plan.peers[h].offer.remote(version, region, me, refs, pieces)
-        parity = tuple(self._encode(version, layout, region, row) for region, row in layout.parity_regions(me))
+                plan.peers[h].offer.remote(version, region, me, refs, pieces, plan.attempt)
+        parity = tuple(self._encode(v, version, layout, region, row) for region, row in layout.parity_regions(me))
         return ManagerPart(self.node_id, shards, parity, time.thread_time() - cpu0)
 
     @staticmethod
@@ -239,23 +259,27 @@ class SnapshotManager:
             raise RuntimeError(f"no snapshot of step {version} from stages {', '.join(failed)}")
         return infos
 
-    def offer(self, version: int, region: int, member: int, refs: list[Any], pieces: list[Piece]) -> None:
+    def offer(self, version: int, region: int, member: int, refs: list[Any], pieces: list[Piece], attempt: int = 0) -> None:
         """Group member ``member`` offers its data chunk of ``region`` (piece refs + their
-        byte ranges and checksums) to this parity holder."""
+        byte ranges and checksums) to this parity holder; an offer of an older attempt than
+        the one held is dropped."""
         with self.lock:
-            v = self.versions.setdefault(version, Version())
+            v = self._claim(version, attempt)
+            if v is None:
+                return
             v.offers.setdefault(region, {})[member] = (list(refs), list(pieces))
             self.lock.notify_all()
 
-    def _encode(self, version: int, layout: ParityLayout, region: int, row: int) -> ParityInfo:
+    def _encode(self, v: Version, version: int, layout: ParityLayout, region: int, row: int) -> ParityInfo:
         import ray
 
         members = layout.data_nodes(region)
         with self.lock:
             ok = self.lock.wait_for(
-                lambda: version not in self.versions or all(j in self.versions[version].offers.get(region, {}) for j in members), timeout=WAIT_S
+                lambda: self.versions.get(version) is not v or all(j in v.offers.get(region, {}) for j in members), timeout=WAIT_S
             )
-            v = self._version(version)
+            if self.versions.get(version) is not v:
+                raise SnapshotMissingError(f"step {version}, attempt {v.attempt}: discarded or superseded while waiting for its group's data")
             offers = v.offers.get(region, {})
             if not ok:
                 late = [j for j in members if j not in offers]
@@ -337,11 +361,12 @@ class SnapshotManager:
 
         return write_part(plan, local)
 
-    def discard(self, version: int) -> None:
+    def discard(self, version: int, attempt: int | None = None) -> None:
+        """Forget ``version`` (only up to ``attempt``: a newer attempt's is kept)."""
         with self.lock:
-            v = self.versions.pop(version, None)
-            if v is not None:
-                self._free(v)
+            v = self.versions.get(version)
+            if v is not None and (attempt is None or v.attempt <= attempt):
+                self._free(self.versions.pop(version))
             self.lock.notify_all()
 
     def held(self) -> dict[int, bool]:

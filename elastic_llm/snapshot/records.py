@@ -75,6 +75,7 @@ class ManagerPlan:
     me: int = 0  # this node's index in ``group``
     peers: tuple[Any, ...] = ()  # the group's manager handles, in ``group`` order
     parity: int = 1  # parity symbols per codeword
+    attempt: int = 0  # which attempt at ``version`` (a step re-run after a rollback is a new one): larger is newer
 
 
 @dataclass(frozen=True)

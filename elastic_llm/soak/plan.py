@@ -1,8 +1,10 @@
 """The fault schedule of a soak: which faults strike which trial, after which step, aimed where.
 
-Owns: the fault kinds (:class:`FaultKind`), parsing ``--faults``, and :func:`plan_soak`, a pure
-function of (kinds, trials, faults per trial, seed, stages): the same arguments give the same
-schedule, and trial ``i``'s faults depend only on (seed, i), so any trial can be re-run alone.
+Owns: the fault kinds (:class:`FaultKind`), the moments a fault is aimed at (:class:`Moment`:
+between steps, during a snapshot's copy and parity exchange, during a recovery, during a durable
+flush), parsing ``--faults``, and :func:`plan_soak`, a pure function of (kinds, trials, faults
+per trial, seed, stages): the same arguments give the same schedule, and trial ``i``'s faults
+depend only on (seed, i), so any trial can be re-run alone.
 Never touches Ray, a process or a clock: the runner carries the schedule out.
 """
 
@@ -28,19 +30,43 @@ class FaultKind(str, Enum):
     DRAIN = "drain"  # a Ray preemption drain of a stage's node (removed once drained, then replaced)
     PAUSE = "pause"  # SIGSTOP of a stage's process, SIGCONT a few seconds later: a straggler, not a death
     CORRUPT = "corrupt"  # a flipped byte in a stage's snapshot shard, then that stage killed: the recovery must not load it
+    FLUSH = "flush"  # SIGKILL of a snapshot manager while it writes its part of a durable checkpoint
+
+
+class Moment(str, Enum):
+    """When a fault strikes; the value is the name used in the report."""
+
+    STEP = "step"  # between two steps, no snapshot in flight
+    SNAPSHOT = "snapshot"  # while a snapshot version is in flight: stage copies, parity exchange, encode
+    RECOVERY = "recovery"  # while the run recovers from another stage killed just before
+    FLUSH = "flush"  # while a durable flush is being written
+
+
+MOMENTS: dict[FaultKind, tuple[Moment, ...]] = {  # the moments each kind is aimed at, drawn at random
+    FaultKind.STAGE: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY, Moment.FLUSH),
+    FaultKind.MANAGER: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY),
+    FaultKind.NODE: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY, Moment.FLUSH),
+    FaultKind.DRAIN: (Moment.STEP, Moment.SNAPSHOT),
+    FaultKind.PAUSE: (Moment.STEP, Moment.SNAPSHOT),
+    FaultKind.CORRUPT: (Moment.STEP,),  # struck by the run's chaos hook at a step's start
+    FaultKind.FLUSH: (Moment.FLUSH,),
+}
 
 
 @dataclass(frozen=True)
 class Fault:
     """One scheduled fault: it strikes once step ``step`` finished (so it hits step ``step + 1``),
-    aimed at stage ``stage`` (replica 0), its process, its node or its node's snapshot manager."""
+    aimed at stage ``stage`` (replica 0), its process, its node or its node's snapshot manager,
+    at ``moment`` (the runner waits up to a few steps for a snapshot or flush to be in flight)."""
 
     kind: FaultKind
     step: int
     stage: int
+    moment: Moment = Moment.STEP
 
     def __str__(self) -> str:
-        return f"{self.kind.value} of stage {self.stage} after step {self.step}"
+        at = "" if self.moment is Moment.STEP else f" during a {self.moment.value}"
+        return f"{self.kind.value} of stage {self.stage} after step {self.step}{at}"
 
 
 @dataclass(frozen=True)
@@ -84,10 +110,12 @@ def plan_trial(kinds: tuple[FaultKind, ...], faults: int, seed: int, trial: int,
     step = FIRST_STEP - GAP
     for kind in order[:faults]:
         step += GAP + int(rng.integers(0, JITTER + 1))
-        out.append(Fault(kind, step, int(rng.integers(0, stages))))
+        stage = int(rng.integers(0, stages))
+        moments = MOMENTS[kind]
+        out.append(Fault(kind, step, stage, moments[int(rng.integers(0, len(moments)))]))
     return TrialPlan(trial, tuple(out), step + TAIL)
 
 
-def plan_soak(kinds: tuple[FaultKind, ...], trials: int, faults: int, seed: int, stages: int) -> list[TrialPlan]:
-    """Every trial's plan (see :func:`plan_trial`). Pure."""
-    return [plan_trial(kinds, faults, seed, i, stages) for i in range(trials)]
+def plan_soak(kinds: tuple[FaultKind, ...], trials: int, faults: int, seed: int, stages: int, first: int = 0) -> list[TrialPlan]:
+    """The plans of trials ``first`` .. ``first + trials - 1`` (see :func:`plan_trial`). Pure."""
+    return [plan_trial(kinds, faults, seed, i, stages) for i in range(first, first + trials)]

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic_llm.soak.plan import Fault, FaultKind, TrialPlan
+from elastic_llm.soak.plan import Fault, FaultKind, Moment, TrialPlan
 
-INVARIANTS = ("finished", "no_committed_step_lost", "bit_identical", "fault_outcome", "corrupt_detected")
+INVARIANTS = ("finished", "no_committed_step_lost", "bit_identical", "fault_outcome", "corrupt_detected", "durable_verifies")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class Injection:
     node: str | None = None
     error: str | None = None
     manager_replaced: bool | None = None
+    moment: Moment = Moment.STEP  # when it really struck (a snapshot or flush may not have come)
+    primer: bool = False  # a stage killed to start the recovery the next fault strikes during (not planned)
 
 
 @dataclass
@@ -46,6 +48,8 @@ class TrialRun:
     seconds: float = 0.0
     error: str | None = None  # the run stopped with this error
     hung: str | None = None  # the trial's deadline passed: what the run was doing
+    durable: str | None = None  # the run's newest durable checkpoint, verified (None: the run has no durable tier)
+    durable_error: str | None = None  # why it did not verify (or was missing)
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,7 @@ def judge_fault(inj: Injection, nxt: Fault | None, run: TrialRun) -> Outcome:
         if recs:
             return Outcome(False, f"the paused stage was recovered as a death ({', '.join(sources)})", sources, secs, lost)
         return Outcome(True, "no recovery: the run waited for the straggler")
-    if f.kind is FaultKind.MANAGER:
+    if f.kind in (FaultKind.MANAGER, FaultKind.FLUSH):
         if not inj.manager_replaced:
             return Outcome(False, "no successor manager on the node held a newer committed snapshot", sources, secs, lost)
         return Outcome(True, "manager replaced, later snapshots committed" + (f"; recoveries: {', '.join(sources)}" if recs else ""), sources, secs, lost)
@@ -128,7 +132,10 @@ def trim(reference: dict[int, float], run: TrialRun) -> dict[int, float]:
 def judge_trial(run: TrialRun, reference: dict[int, float]) -> tuple[list[Outcome], list[dict[str, str]]]:
     """Each fault's outcome and the trial's failed invariants (``invariant`` and ``diagnosis``). Pure."""
     faults = [i.fault for i in run.injections]
-    outcomes = [judge_fault(inj, faults[k + 1] if k + 1 < len(faults) else None, run) for k, inj in enumerate(run.injections)]
+    # a fault's window ends at the next fault struck after a later step (a fault struck during a
+    # recovery shares its step, and its window, with the stage killed to start that recovery)
+    later = [next((g for g in faults[k + 1 :] if g.step > f.step), None) for k, f in enumerate(faults)]
+    outcomes = [judge_fault(inj, later[k], run) for k, inj in enumerate(run.injections)]
     failed: list[dict[str, str]] = []
 
     def fail(invariant: str, diagnosis: str) -> None:
@@ -148,9 +155,12 @@ def judge_trial(run: TrialRun, reference: dict[int, float]) -> tuple[list[Outcom
     for inj, out in zip(run.injections, outcomes):
         if not out.matched:
             fail("corrupt_detected" if inj.fault.kind is FaultKind.CORRUPT and inj.error is None else "fault_outcome", f"{inj.fault}: {out.what}")
+    if run.durable_error is not None:
+        fail("durable_verifies", run.durable_error)
     planned = len(run.plan.faults)
-    if len(run.injections) < planned and run.hung is None and run.error is None:
-        fail("fault_outcome", f"{planned - len(run.injections)} of {planned} planned faults were never injected")
+    struck = sum(1 for i in run.injections if not i.primer)
+    if struck < planned and run.hung is None and run.error is None:
+        fail("fault_outcome", f"{planned - struck} of {planned} planned faults were never injected")
     return outcomes, failed
 
 
@@ -164,6 +174,9 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
     trials: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     kinds: dict[str, dict[str, Any]] = {}
+    moments: dict[str, dict[str, int]] = {}
+    if meta.get("aborted"):
+        failures.append({"trial": runs[-1].plan.trial if runs else -1, "invariant": "finished", "diagnosis": f"the soak stopped: {meta['aborted']}"})
     for run in runs:
         outcomes, failed = judge_trial(run, reference)
         identical = run.hung is None and run.error is None and loss_diff(run.losses, trim(reference, run)) is None
@@ -171,7 +184,7 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
         faults = []
         for inj, out in zip(run.injections, outcomes):
             f = inj.fault
-            faults.append({"kind": f.kind.value, "step": f.step, "stage": f.stage, "target": inj.target, "outcome": asdict(out)})
+            faults.append({"kind": f.kind.value, "step": f.step, "stage": f.stage, "moment": inj.moment.value, "target": inj.target, "outcome": asdict(out)})
             k = kinds.setdefault(f.kind.value, {"injected": 0, "survived": 0, "sources": Counter(), "seconds": [], "committed_steps_lost": 0, "bit_identical": True})
             k["injected"] += inj.error is None
             k["survived"] += out.matched and run.hung is None and run.error is None
@@ -179,11 +192,15 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
             k["seconds"] += list(out.seconds)
             k["committed_steps_lost"] += out.committed_steps_lost
             k["bit_identical"] &= identical
+            m = moments.setdefault(inj.moment.value, {"injected": 0, "survived": 0})
+            m["injected"] += inj.error is None
+            m["survived"] += out.matched and run.hung is None and run.error is None
         trials.append({
             "trial": run.plan.trial, "steps": run.plan.steps, "seconds": round(run.seconds, 3), "faults": faults,
             "recoveries": len({r["step"] for r in run.recoveries if r.get("source") != "none"}), "drains": len(run.drains), "resizes": len(run.resizes),
             "committed_steps_lost": sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries),
-            "bit_identical": identical, "error": run.error, "hung": run.hung, "failed": [x["invariant"] for x in failed],
+            "bit_identical": identical, "error": run.error, "hung": run.hung, "durable": run.durable, "durable_error": run.durable_error,
+            "failed": [x["invariant"] for x in failed],
         })
     by_kind = {
         name: {"injected": k["injected"], "survived": k["survived"], "recovery_sources": dict(sorted(k["sources"].items())),
@@ -198,7 +215,8 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
         "committed_steps_lost": sum(t["committed_steps_lost"] for t in trials),
         "bit_identical_trials": sum(1 for t in trials if t["bit_identical"]),
     }
-    return {**meta, "ok": not failures, "failures": failures, "by_kind": by_kind, "totals": totals, "trials": trials}
+    totals["durable_verified_trials"] = sum(1 for t in trials if t["durable"] is not None and t["durable_error"] is None)
+    return {**meta, "ok": not failures, "failures": failures, "by_kind": by_kind, "by_moment": moments, "totals": totals, "trials": trials}
 
 
 def _md_seconds(s: dict[str, float | None]) -> str:
@@ -221,6 +239,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     for name, k in report["by_kind"].items():
         src = ", ".join(f"{s} x{n}" for s, n in k["recovery_sources"].items()) or "-"
         lines.append(f"| {name} | {k['injected']} | {k['survived']} | {src} | {_md_seconds(k['recover_s'])} | {k['committed_steps_lost']} | {'yes' if k['bit_identical'] else 'NO'} |")
+    if report.get("by_moment"):
+        lines += ["", "| struck during | injected | survived |", "|---|---|---|"]
+        lines += [f"| {name} | {m['injected']} | {m['survived']} |" for name, m in report["by_moment"].items()]
+    lines += ["", f"final durable checkpoint verified in {t.get('durable_verified_trials', 0)}/{t['trials']} trials"]
     if report["failures"]:
         lines += ["", "## Failed invariants", ""] + [f"- trial {f['trial']}: **{f['invariant']}**: {f['diagnosis']}" for f in report["failures"]]
     lines += ["", "## Trials", ""]
@@ -229,7 +251,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"### trial {tr['trial']} ({tr['steps']} steps, {tr['seconds']:.1f} s): {state}")
         lines.append("")
         for f in tr["faults"]:
-            lines.append(f"- after step {f['step']}: {f['kind']} -> {f['target']}: {f['outcome']['what']}")
+            at = f" (during a {f['moment']})" if f.get("moment", "step") != "step" else ""
+            lines.append(f"- after step {f['step']}{at}: {f['kind']} -> {f['target']}: {f['outcome']['what']}")
         lines.append("")
     return "\n".join(lines)
 

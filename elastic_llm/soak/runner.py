@@ -2,19 +2,25 @@
 
 Owns: the loopback ``ray.cluster_utils.Cluster`` of a soak (a head without CPUs plus
 ``workers`` nodes), the reference run (undisturbed, same config and seed; trained once and
-shared by the trials, whose configs are the same), and each trial's soaked run: it trains in a
-thread while this (main) thread strikes each fault from outside the run once the fault's step
-finished: SIGKILL of a stage's or a snapshot manager's process, removal of a node (a fresh node
-takes its place), a Ray drain (the drained node is removed and replaced once the run has left
-it; until its drain line the next fault waits and the run is lengthened by up to
-:data:`DRAIN_EXTRA_STEPS`), SIGSTOP then SIGCONT of a stage (a straggler). Corruption goes through the run's own chaos
-hook (``kill: smp, corrupt: true`` plus a kill of that stage in the next step), which reaches
-the manager's object store. A trial that does not end by its deadline is abandoned and the
-cluster replaced.
+shared by the trials, whose configs are the same), and each trial's soaked run (with a durable
+tier of its own, flushing every :data:`DURABLE_EVERY` committed snapshots, unless its config has
+one): it trains in a thread while this (main) thread strikes each fault from outside the run
+once the fault's step finished: SIGKILL of a stage's or a snapshot manager's process (also while
+it writes a durable flush), removal of a node (a fresh node takes its place), a Ray drain (the
+drained node is removed and replaced once the run has left it; until its drain line the next
+fault waits and the run is lengthened by up to :data:`DRAIN_EXTRA_STEPS`), SIGSTOP then SIGCONT
+of a stage (a straggler). Corruption goes through the run's own chaos hook (``kill: smp,
+corrupt: true`` plus a kill of that stage in the next step), which reaches the manager's object
+store. The moment a fault is aimed at: between steps (the snapshots in flight waited for first),
+while a snapshot version or a durable flush is still being worked on by a manager (waited for
+up to :data:`MOMENT_STEPS` steps, else between steps), or during a recovery (another stage is
+killed first, the run released, and the fault struck once the run is recovering). After the
+run its newest durable checkpoint is read back and verified. A trial that does not end by its
+deadline fails with where the run's thread is; its actors are ended, and if even that does not
+end the run the soak stops with the trials it ran.
 Never judges anything (report does) and never sends traffic off loopback. Nodes are added and
 removed from the main thread, which ``Cluster`` requires; the run's on_step callback waits
-while a fault strikes, so the run is between two steps when it is hit, and the snapshots in
-flight are waited for first (faults during a snapshot or a recovery are not soaked yet).
+while a fault strikes between steps.
 """
 
 from __future__ import annotations
@@ -25,19 +31,23 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.snapshot.records import ShardKey
-from elastic_llm.soak.plan import Fault, FaultKind, TrialPlan
+from elastic_llm.controller.states import Recovering
+from elastic_llm.soak.plan import Fault, FaultKind, Moment, TrialPlan
 from elastic_llm.soak.report import Injection, TrialRun, build_report, write_report
 
 POLL_S = 0.1
 STRIKE_S = 60.0  # longest one fault may take to strike
 STOP_S = 30.0  # after a trial's deadline, how long its run gets to stop
-DRAIN_EXTRA_STEPS = 10  # most steps a run is lengthened while a drain's moves are still under way
+DRAIN_EXTRA_STEPS = 10  # most steps a run is lengthened while a drain's moves (or faults) are still under way
+DURABLE_EVERY = 3  # a trial flushes every 3rd committed snapshot (unless its config has a durable tier)
+MOMENT_STEPS = 3  # steps a fault waits for a snapshot or flush in flight before it strikes between steps
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,37 @@ def say(line: str) -> None:
 
 def _pid(actor_self: Any) -> int:  # runs inside an actor (``__ray_call__``)
     return os.getpid()
+
+
+def where(thread: threading.Thread, frames: int = 6) -> str:
+    """The innermost ``frames`` frames of ``thread``'s stack, one line each: a hang's diagnosis."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return "its thread has ended"
+    stack = traceback.extract_stack(frame)[-frames:]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack))
+
+
+def verify_durable(t: Any) -> tuple[str | None, str | None]:
+    """A finished run's newest durable checkpoint, read back and checked (every tensor against
+    its checksum) and of the run's newest committed step: (what verified, None) or (None, why
+    not); (None, None) for a run without a durable tier."""
+    from elastic_llm.durable.format import Checkpoint
+
+    if t.durable is None:
+        return None, None
+    latest = t.durable.latest()
+    if latest is None:
+        return None, "the run committed no durable checkpoint"
+    step, name = latest
+    committed = t.snapshots.committed.version if t.snapshots is not None and t.snapshots.committed is not None else None
+    try:
+        summary = Checkpoint(t.durable.run, name).verify()
+    except Exception as e:
+        return None, f"{name} does not verify: {type(e).__name__}: {e}"
+    if committed is not None and step != committed:
+        return None, f"the newest durable checkpoint is of step {step}, the newest committed snapshot of step {committed}"
+    return f"{name}: {summary['tensors']} tensors, {summary['bytes']} bytes", None
 
 
 def losses(history: list[dict[str, Any]]) -> dict[int, float]:
@@ -88,6 +129,9 @@ class _Trial:
         self.later: dict[int, Fault] = {}  # faults deferred while a drain is under way, by their new step
         self.extra = 0  # steps added to the run while a drain was under way
         self.managers: list[tuple[int, str, Any, int]] = []  # (injection index, node, old handle, step)
+        self.pending: Fault | None = None  # a fault waiting for its moment (a snapshot or flush in flight)
+        self.waited = 0  # steps it has waited
+        self.in_recovery: Fault | None = None  # a fault to strike once the run is recovering
         self.doing = "starting"
 
     # --------------------------------------------------------------- the run's thread
@@ -110,7 +154,7 @@ class _Trial:
         while thread.is_alive():
             self._resume(time.monotonic())
             if time.monotonic() > deadline:
-                return f"state {self.t.state.name} at step {self.t.step} ({self.doing})"
+                return f"state {self.t.state.name} at step {self.t.step} ({self.doing}); the run's thread is in {where(thread)}"
             try:
                 step, done = self.asks.get(timeout=POLL_S)
             except queue.Empty:
@@ -118,9 +162,20 @@ class _Trial:
             self.doing = f"training after step {step}"
             try:
                 self._between_steps(step, due.pop(step, None), corrupt.pop(step, None))
+                if self.pending is not None or self.later or any(s > step for s in due):
+                    self._lengthen(step)
             finally:
                 done.set()
+            if self.in_recovery is not None:  # the run is released: strike once it is recovering
+                fault, self.in_recovery = self.in_recovery, None
+                self._strike_in_recovery(fault, min(deadline, time.monotonic() + STRIKE_S))
         return None
+
+    def _lengthen(self, step: int) -> None:
+        """Faults still to strike at the run's last step: one more step (at most DRAIN_EXTRA_STEPS)."""
+        if step >= self.t.end - 1 and self.extra < DRAIN_EXTRA_STEPS:
+            self.t.end += 1
+            self.extra += 1
 
     def _between_steps(self, step: int, fault: Fault | None, corrupt: Fault | None) -> None:
         if self.drained is not None and any(d.get("node") == self.drained for d in self.t.drains):
@@ -129,31 +184,78 @@ class _Trial:
         if self.drained is not None:  # its stages still move (their new actors start): one fault at a time
             self.doing = f"waiting for the stage spares of the drain of node {self.drained[:8]}"
             self._wait_for_spares(time.monotonic() + self.soak.options.drain_deadline_s / 2)
-            if fault is not None:
-                self.later[step + 1] = replace(fault, step=step + 1)
-                fault = None
-            if step >= self.t.end - 1 and self.extra < DRAIN_EXTRA_STEPS:  # the run ends after the drain, not during it
-                self.t.end += 1
-                self.extra += 1
+            for f in [x for x in (fault, self.later.pop(step, None)) if x is not None]:
+                self.later[step + 1] = replace(f, step=step + 1)  # keeps the later step's own fault after it
+            self._lengthen(step)  # the run ends after the drain, not during it
+            return
         if step in self.later:
             if fault is not None:  # two due at once: the deferred one waits one more step
                 self.later[step + 1] = replace(self.later.pop(step), step=step + 1)
             else:
                 fault = self.later.pop(step)
-        if (fault is not None or corrupt is not None) and self.t.snapshots is not None:
-            self.doing = f"waiting for the snapshots in flight after step {step}"
-            self.t.snapshots.poll(block=True)  # faults strike between snapshots, not during one (the run is parked in on_step)
+        if self.pending is not None:  # a fault waiting for its moment goes first
+            if fault is not None:
+                self.later[step + 1] = replace(fault, step=step + 1)
+            fault, self.pending = self.pending, None
         if corrupt is not None:  # struck by the run's chaos hook in the next step
+            self._settle(step)
             key = ShardKey(corrupt.stage, 0)
             self.injections.append(Injection(corrupt, f"stage {corrupt.stage}'s shard on node {self.t.group.nodes[key][:8]} (chaos hook), then the stage killed"))
-        if fault is not None:
-            self.doing = f"striking {fault}"
-            say(f"trial {self.plan.trial}: {fault}")
-            try:
-                self.injections.append(self._strike(fault))
-            except Exception as e:  # reported as a fault without an outcome
-                self.injections.append(Injection(fault, f"stage {fault.stage}", error=f"{type(e).__name__}: {e}"))
-            self.doing = f"training after {fault}"
+        if fault is None:
+            return
+        moment = fault.moment
+        if moment in (Moment.SNAPSHOT, Moment.FLUSH) and not self._busy(moment):
+            if self.waited < MOMENT_STEPS:  # not now: ask again after the next step
+                self.waited += 1
+                self.pending = fault
+                return
+            moment = Moment.STEP  # none came: it strikes between steps instead
+        self.waited = 0
+        if moment in (Moment.STEP, Moment.RECOVERY):  # a recovery's primer strikes between steps too
+            self._settle(step)
+        if moment is Moment.RECOVERY:  # kill another stage first; strike the fault once the run recovers
+            primer = Fault(FaultKind.STAGE, fault.step, (fault.stage + 1) % self.t.cfg.parallel.stages)
+            self._inject(primer, Moment.STEP, primer=True)
+            self.in_recovery = fault
+            return
+        self._inject(fault, moment)
+
+    def _settle(self, step: int) -> None:
+        if self.t.snapshots is not None:
+            self.doing = f"waiting for the snapshots in flight after step {step}"
+            self.t.snapshots.poll(block=True)  # the run is parked in on_step: nothing new starts
+
+    def _busy(self, moment: Moment) -> bool:
+        """Whether a snapshot version (or a durable flush) is still being worked on by a manager."""
+        import ray
+
+        if moment is Moment.SNAPSHOT:
+            snaps = self.t.snapshots
+            refs = [r for p in (snaps.inflight if snaps is not None else []) for node, r in p.refs.items() if node not in p.results]
+        else:
+            flush = self.t.durable.inflight if self.t.durable is not None else None
+            refs = list(flush.refs) if flush is not None else []
+        if not refs:
+            return False
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) < len(refs)
+
+    def _inject(self, fault: Fault, moment: Moment, primer: bool = False) -> None:
+        self.doing = f"striking {fault}"
+        say(f"trial {self.plan.trial}: {fault}" + (f" (struck at a {moment.value})" if moment is not fault.moment else ""))
+        try:
+            inj = self._strike(fault)
+        except Exception as e:  # reported as a fault without an outcome
+            inj = Injection(fault, f"stage {fault.stage}", error=f"{type(e).__name__}: {e}")
+        self.injections.append(replace(inj, moment=moment, primer=primer))
+        self.doing = f"training after {fault}"
+
+    def _strike_in_recovery(self, fault: Fault, until: float) -> None:
+        """Strike ``fault`` while the run recovers from the stage just killed (between steps if
+        its recovery ended before this saw it)."""
+        while time.monotonic() < until and not isinstance(self.t.state, Recovering):
+            time.sleep(0.005)
+        self._inject(fault, Moment.RECOVERY if isinstance(self.t.state, Recovering) else Moment.STEP)
 
     def _wait_for_spares(self, until: float) -> None:
         """Hold the run (parked in on_step) until the actors its drain moves stages to have
@@ -165,9 +267,16 @@ class _Trial:
                 return
             time.sleep(POLL_S)
 
-    def _strike(self, f: Fault) -> Injection:
+    def _kill_manager(self, f: Fault, node: str) -> tuple[int, Any]:
         import ray
 
+        handle = self.t.snapshots.managers[node]
+        pid = ray.get(handle.__ray_call__.remote(_pid), timeout=STRIKE_S)
+        os.kill(pid, signal.SIGKILL)
+        self.managers.append((len(self.injections), node, handle, f.step))
+        return pid, handle
+
+    def _strike(self, f: Fault) -> Injection:
         from elastic_llm.controller.drains import request_drain
 
         key = ShardKey(f.stage, 0)
@@ -182,11 +291,15 @@ class _Trial:
             self.paused[pid] = time.monotonic() + self.soak.options.pause_s
             return Injection(f, f"stage {f.stage} (pid {pid}, node {node[:8]}) stopped for {self.soak.options.pause_s:g} s", node)
         if f.kind is FaultKind.MANAGER:
-            handle = self.t.snapshots.managers[node]
-            pid = ray.get(handle.__ray_call__.remote(_pid), timeout=STRIKE_S)
-            os.kill(pid, signal.SIGKILL)
-            self.managers.append((len(self.injections), node, handle, f.step))
+            pid, _ = self._kill_manager(f, node)
             return Injection(f, f"snapshot manager of node {node[:8]} (pid {pid}), stage {f.stage}'s node", node)
+        if f.kind is FaultKind.FLUSH:
+            flush = self.t.durable.inflight if self.t.durable is not None else None
+            writing = sorted({n for n, _ in flush.refs.values()}) if flush is not None else []
+            node = node if node in writing or not writing else writing[0]
+            what = f"durable flush of step {flush.record.version}" if flush is not None else "no durable flush in flight"
+            pid, _ = self._kill_manager(f, node)
+            return Injection(f, f"snapshot manager of node {node[:8]} (pid {pid}) during the {what}", node)
         if f.kind is FaultKind.NODE:
             self.soak.replace_node(node)
             return Injection(f, f"node {node[:8]} (stage {f.stage}), replaced by a fresh node", node)
@@ -217,8 +330,15 @@ class _Trial:
         for i, node, old, step in self.managers:
             new = snaps.managers.get(node) if snaps is not None else None
             replaced = (new is not None and new is not old and committed > step) or (new is None and committed > step)
-            inj = self.injections[i]
-            self.injections[i] = Injection(inj.fault, inj.target, inj.node, inj.error, replaced)
+            self.injections[i] = replace(self.injections[i], manager_replaced=replaced)
+
+
+class SoakAborted(RuntimeError):
+    """A hung run that could not be ended: the soak stops with the trials run so far."""
+
+    def __init__(self, why: str, run: TrialRun) -> None:
+        super().__init__(why)
+        self.run = run
 
 
 class Soak:
@@ -267,6 +387,7 @@ class Soak:
         if self.cluster is None:
             self._start_cluster()
         runs: list[TrialRun] = []
+        aborted = None
         try:
             cfg = self.load([])
             say(f"reference run: {self.plans[0].steps if self.plans else 0}+ steps of {cfg.name}")
@@ -274,12 +395,19 @@ class Soak:
             reference = self._reference(cfg, max(p.steps for p in self.plans) + (DRAIN_EXTRA_STEPS if drains else 0), out / "reference")
             for plan in self.plans:
                 self.top_up()
-                runs.append(self._trial(plan, out / f"trial-{plan.trial}"))
+                try:
+                    runs.append(self._trial(plan, out / f"trial-{plan.trial}"))
+                except SoakAborted as e:
+                    say(f"soak stopped: {e}")
+                    runs.append(e.run)
+                    aborted = str(e)
+                    break
         finally:
             if self.own_cluster:
                 self._stop_cluster()
         meta = {"config": cfg.name, "seed": self.options.seed, "faults_per_trial": len(self.plans[0].faults),
-                "kinds": sorted({f.kind.value for p in self.plans for f in p.faults}), "reference_steps": len(reference)}
+                "kinds": sorted({f.kind.value for p in self.plans for f in p.faults}), "reference_steps": len(reference),
+                "trials_planned": len(self.plans), "aborted": aborted}
         report = build_report(meta, reference, runs)
         write_report(out, report)
         return report
@@ -299,11 +427,15 @@ class Soak:
 
         out.mkdir(parents=True, exist_ok=True)
         events = corrupt_events(plan)
-        cfg = self.load([f"chaos.events=[{', '.join(events)}]"] if events else [])
+        extra = [f"chaos.events=[{', '.join(events)}]"] if events else []
+        if not self.load([]).durable.storage_path:  # every trial flushes, so faults can strike a flush
+            extra += [f"durable.storage_path={out / 'durable'}", f"durable.every={DURABLE_EVERY}"]
+        cfg = self.load(extra)
         t0 = time.monotonic()
         t = Trainer(cfg, cluster=self.cluster, metrics_out=out / "metrics.jsonl", progress=False)
         trial = _Trial(self, plan, t)
         hung = None
+        thread = None
         try:
             t.setup()
             thread = threading.Thread(target=trial.fit, daemon=True, name=f"soak-trial-{plan.trial}")
@@ -313,6 +445,9 @@ class Soak:
                 say(f"trial {plan.trial} hung: {hung}")
                 t.request_stop()
                 thread.join(STOP_S)
+                if thread.is_alive():  # stuck inside Ray: ending the run's actors fails what it waits on
+                    t.shutdown()
+                    thread.join(STOP_S)
             trial.finish()
         except Exception as e:  # the harness itself failed: judged as a run that did not finish
             trial.error = trial.error or f"harness: {type(e).__name__}: {e}"
@@ -320,9 +455,9 @@ class Soak:
             trial._resume(0.0, every=True)
             if hung is None:
                 t.shutdown()
+        durable, durable_error = verify_durable(t) if hung is None and trial.error is None else (None, None)
         run = TrialRun(plan, trial.injections, losses(trial.history), list(t.recoveries), list(t.drains), list(t.resizes),
-                       time.monotonic() - t0, trial.error, hung)
-        if hung is not None and self.own_cluster:  # the run may hold actors anywhere: start afresh
-            self._stop_cluster()
-            self._start_cluster()
+                       time.monotonic() - t0, trial.error, hung, durable, durable_error)
+        if thread is not None and thread.is_alive():
+            raise SoakAborted(f"trial {plan.trial} hung ({hung}) and its run did not end once its actors were ended; it is in {where(thread)}", run)
         return run
