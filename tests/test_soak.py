@@ -176,6 +176,7 @@ def test_soak_of_faults_at_their_worst_moments_holds_every_invariant(cluster, co
     assert report["by_kind"]["pause"]["recovery_sources"] == {}
     assert report["by_moment"]["recovery"] == {"injected": 1, "survived": 1}  # struck while the primer's recovery ran
     assert sum(m["injected"] for m in report["by_moment"].values()) == 5
+    assert report["by_moment"]["flush"] == {"injected": 1, "survived": 1}  # every 2nd commit flushes: one comes within 5 steps
     (trial,) = report["trials"]
     assert [(f["kind"], f["stage"]) for f in trial["faults"]] == [("stage", 2), ("stage", 1), ("manager", 2), ("flush", 0), ("pause", 3)]
     assert trial["durable"] is not None and trial["durable_error"] is None  # the final checkpoint verified

@@ -46,8 +46,8 @@ POLL_S = 0.1
 STRIKE_S = 60.0  # longest one fault may take to strike
 STOP_S = 30.0  # after a trial's deadline, how long its run gets to stop
 DRAIN_EXTRA_STEPS = 10  # most steps a run is lengthened while a drain's moves (or faults) are still under way
-DURABLE_EVERY = 3  # a trial flushes every 3rd committed snapshot (unless its config has a durable tier)
-MOMENT_STEPS = 3  # steps a fault waits for a snapshot or flush in flight before it strikes between steps
+DURABLE_EVERY = 2  # a trial flushes every 2nd committed snapshot (unless its config has a durable tier)
+MOMENT_STEPS = 5  # steps a fault waits for a snapshot or flush in flight before it strikes between steps
 
 
 @dataclass(frozen=True)
@@ -226,15 +226,15 @@ class _Trial:
             self.t.snapshots.poll(block=True)  # the run is parked in on_step: nothing new starts
 
     def _busy(self, moment: Moment) -> bool:
-        """Whether a snapshot version (or a durable flush) is still being worked on by a manager."""
+        """Whether a snapshot version is still being worked on by a manager (or a durable flush
+        is in flight: started, not yet committed)."""
         import ray
 
         if moment is Moment.SNAPSHOT:
             snaps = self.t.snapshots
             refs = [r for p in (snaps.inflight if snaps is not None else []) for node, r in p.refs.items() if node not in p.results]
-        else:
-            flush = self.t.durable.inflight if self.t.durable is not None else None
-            refs = list(flush.refs) if flush is not None else []
+        else:  # a flush started and not yet committed by the driver (its parts may all be written)
+            return self.t.durable is not None and self.t.durable.inflight is not None
         if not refs:
             return False
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -277,6 +277,8 @@ class _Trial:
         return pid, handle
 
     def _strike(self, f: Fault) -> Injection:
+        import ray
+
         from elastic_llm.controller.drains import request_drain
 
         key = ShardKey(f.stage, 0)
@@ -297,7 +299,11 @@ class _Trial:
             flush = self.t.durable.inflight if self.t.durable is not None else None
             writing = sorted({n for n, _ in flush.refs.values()}) if flush is not None else []
             node = node if node in writing or not writing else writing[0]
-            what = f"durable flush of step {flush.record.version}" if flush is not None else "no durable flush in flight"
+            if flush is None:
+                what = "no durable flush in flight"
+            else:
+                ready, _ = ray.wait(list(flush.refs), num_returns=len(flush.refs), timeout=0)
+                what = f"durable flush of step {flush.record.version} ({len(flush.refs) - len(ready)} of {len(flush.refs)} parts still being written)"
             pid, _ = self._kill_manager(f, node)
             return Injection(f, f"snapshot manager of node {node[:8]} (pid {pid}) during the {what}", node)
         if f.kind is FaultKind.NODE:
