@@ -125,12 +125,13 @@ def _chaos_problem(args: argparse.Namespace) -> str | None:
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     from elastic_llm.config import load_config
-    from elastic_llm.soak.plan import parse_kinds, plan_soak
+    from elastic_llm.soak.plan import kinds_problem, parse_kinds, plan_soak
     from elastic_llm.soak.runner import Soak, SoakOptions
 
     problem = _chaos_problem(args)
     try:
         kinds = parse_kinds(args.faults)
+        problem = problem or kinds_problem(kinds)
     except ValueError as e:
         problem = problem or str(e)
     if problem is not None:
@@ -140,7 +141,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)  # a bad config is refused before any node starts
     plans = plan_soak(kinds, args.trials, args.faults_per_trial, args.seed, cfg.parallel.stages, args.first_trial)
     options = SoakOptions(args.workers, args.cpus_per_node, args.trial_timeout_s, seed=args.seed)
-    report = Soak(lambda extra: load_config(args.config, [*overrides, *extra]), plans, options).run(args.out)
+    driver_argv = ["--config", args.config, *[a for o in overrides for a in ("--set", o)]]  # driver trials start `elastic-llm train` with these
+    report = Soak(lambda extra: load_config(args.config, [*overrides, *extra]), plans, options, driver_argv=driver_argv).run(args.out)
     print(json.dumps({"ok": report["ok"], **report["totals"], "failed": [f"trial {f['trial']}: {f['invariant']}" for f in report["failures"]]}))
     print(f"wrote {Path(args.out) / 'report.json'} and {Path(args.out) / 'report.md'}", file=sys.stderr)
     return 0 if report["ok"] else 1
@@ -404,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch = sub.add_parser("chaos", help="soak runs on a loopback Ray cluster with seeded faults; check them against an undisturbed run")
     ch.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
     ch.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
-    ch.add_argument("--faults", default="stage,manager,node,drain,pause,corrupt", help="fault kinds, comma-separated (default: all of stage,manager,node,drain,pause,corrupt)")
+    ch.add_argument("--faults", default="stage,manager,node,drain,pause,corrupt,flush", help="fault kinds, comma-separated (default: stage,manager,node,drain,pause,corrupt,flush; driver runs in soaks of its own: --faults driver)")
     ch.add_argument("--trials", type=int, default=1, help="soaked runs, each with its own faults (default 1)")
     ch.add_argument("--first-trial", type=int, default=0, help="number of the first trial (default 0): re-run trial i alone with --first-trial i --trials 1")
     ch.add_argument("--faults-per-trial", type=int, default=3, help="faults in each soaked run, one at a time (default 3)")

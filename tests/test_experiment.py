@@ -285,6 +285,7 @@ def test_cli_refuses_a_directory_of_another_experiment(tmp_path, capsys):
     assert (tmp_path / "results.json").read_text() == before
 
 
+@pytest.mark.slow  # two training cells through the CLI: 80 s
 @pytest.mark.timeout(600)
 def test_cli_end_to_end_two_small_cells_then_a_rerun_that_runs_nothing(tmp_path, capsys):
     args = [

@@ -130,3 +130,22 @@ def test_an_encode_waiting_for_offers_gives_up_when_a_newer_attempt_takes_its_ve
     m.offer(7, region, layout.data_nodes(region)[0], [], [], attempt=200)  # the re-run's first offer
     t.join(10)
     assert not t.is_alive() and raised and "superseded" in raised[0]
+
+
+def test_a_stage_refuses_at_once_a_copy_asked_for_before_a_rollback():
+    """Found by the chaos soak: a manager's request for the copy of step 5, made before a
+    rollback to step 2, reached the stage after it; waiting for a step 5 that the steps run again
+    never snapshotted held the stage's snapshot thread, so the re-run's requests for steps 3 and
+    4 queued behind it and the run stopped at step 7 waiting for them (600 s)."""
+    import time
+
+    from elastic_llm.pipeline.copies import BackgroundCopies
+
+    copies = BackgroundCopies.__new__(BackgroundCopies)  # the request path only: no arena, no copy thread
+    import threading
+
+    copies.changed, copies.held, copies.resets = threading.Condition(), {}, 0
+    t = time.perf_counter()
+    with pytest.raises(RuntimeError, match="step 5 was asked for before a rollback to step 2"):
+        copies.take(5, "stage 0 replica 0", newest=3)
+    assert time.perf_counter() - t < 1.0

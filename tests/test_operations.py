@@ -25,7 +25,7 @@ from elastic_llm.controller.session import FAST_HEALTH, NAMESPACE, NODE_STORE_BY
 
 from .conftest import REPO, wait_until
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]  # two submitted jobs of 1500 and 40 steps: 2-5 minutes
 STAGES = 2
 A_STEPS, B_STEPS = 1500, 40  # A outlasts B (B is submitted once A trains; A does ~10-30 steps/s)
 RUN = [

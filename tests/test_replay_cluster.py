@@ -24,6 +24,7 @@ TRACE = os.path.join(REPO, "tests", "data", "spot_trace.csv")
 SMALL = ["model.dim=64", "model.n_heads=4", "model.seq_len=32"]
 
 
+@pytest.mark.slow  # a 100 s replay of the whole test trace
 @pytest.mark.timeout(420)
 def test_replay_of_the_test_trace_completes_with_no_committed_step_lost(corpus_dir, tmp_path):
     cfg = load_config(os.path.join(REPO, "jobs", "spot-tiny.yaml"), [*SMALL, f"data.dir={corpus_dir}"])

@@ -11,7 +11,7 @@ from elastic_llm.cli import main
 from elastic_llm.config import load_config
 from elastic_llm.soak.plan import GAP, MOMENTS, Fault, FaultKind, Moment, TrialPlan, parse_kinds, plan_soak, plan_trial
 from elastic_llm.soak.report import Injection, TrialRun, build_report, judge_trial, render_markdown
-from elastic_llm.soak.runner import Soak, SoakOptions, corrupt_events
+from elastic_llm.soak.runner import Soak, SoakOptions, hook_events
 
 from .conftest import FOUR_SMALL_STAGES, REPO, loopback_cluster_fixture
 
@@ -42,19 +42,21 @@ def test_schedule_spaces_faults_and_covers_every_kind(seed):
 
 def test_schedule_aims_faults_at_every_moment():
     faults = [f for p in plan_soak(ALL, 10, 12, seed=0, stages=4) for f in p.faults]
-    assert {f.moment for f in faults} == set(Moment)
+    assert {f.moment for f in faults} == set(Moment) and {f.moment for f in faults if f.kind is FaultKind.DRIVER} == {Moment.STEP}
     assert {f.moment for f in faults if f.kind is FaultKind.CORRUPT} == {Moment.STEP}
 
 
 def test_kinds_parse_and_unknown_ones_are_named():
     assert parse_kinds("stage, pause,stage") == (FaultKind.STAGE, FaultKind.PAUSE)
-    with pytest.raises(ValueError, match="unknown fault kind 'disk'.*stage, manager, node, drain, pause, corrupt"):
+    with pytest.raises(ValueError, match="unknown fault kind 'disk'.*stage, manager, node, drain, pause, corrupt, flush, driver"):
         parse_kinds("stage,disk")
 
 
-def test_corrupt_faults_become_chaos_events_of_the_next_step():
-    plan = TrialPlan(0, (Fault(FaultKind.STAGE, 3, 0), Fault(FaultKind.CORRUPT, 6, 2)), 9)
-    assert corrupt_events(plan) == ["{step: 7, kill: smp, stage: 2, corrupt: true}", "{step: 7, kill: stage, stage: 2, how: sigkill}"]
+def test_corrupt_faults_and_stage_kills_at_an_op_become_chaos_events_of_the_next_step():
+    plan = TrialPlan(0, (Fault(FaultKind.STAGE, 3, 0), Fault(FaultKind.CORRUPT, 6, 2), Fault(FaultKind.STAGE, 9, 1, Moment.BACKWARD)), 12)
+    assert hook_events(plan) == ["{step: 7, kill: smp, stage: 2, corrupt: true}", "{step: 7, kill: stage, stage: 2, how: sigkill}",
+                                 "{step: 10, kill: stage, stage: 1, how: sigkill, op: backward}"]
+    assert str(plan.faults[2]) == "stage of stage 1 after step 9 at its backward op"
 
 
 # ---------------------------------------------------------------------------- the verdict
@@ -118,6 +120,24 @@ def test_a_fault_struck_during_a_recovery_shares_the_window_of_the_stage_killed_
     assert [f["diagnosis"] for f in judge_trial(missing, REF)[1]] == ["1 of 2 planned faults were never injected"]
 
 
+def test_driver_faults_are_judged_by_where_the_new_driver_resumed_from():
+    faults = (Fault(FaultKind.DRIVER, 3, 0), Fault(FaultKind.DRIVER, 6, 0), Fault(FaultKind.DRIVER, 9, 0))
+    injections = [Injection(f, "driver") for f in faults]
+    failovers = [
+        {"fault_step": 3, "committed": 3, "source": "memory", "step": 3, "seconds": 9.5},
+        {"fault_step": 6, "committed": 7, "source": "memory", "step": 6, "seconds": 9.0},  # one committed step not resumed from
+        {"fault_step": 9, "committed": 9, "source": "durable", "step": None, "seconds": 12.0},
+    ]
+    run = TrialRun(TrialPlan(0, faults, 12), injections, dict(REF), failovers=failovers)
+    outcomes, failed = judge_trial(run, REF)
+    assert [o.matched for o in outcomes] == [True, False, False]
+    assert outcomes[0].seconds == (9.5,) and "in-memory snapshot of step 3" in outcomes[0].what
+    assert "step 7 was committed" in outcomes[1].what and "durable tier" in outcomes[2].what
+    assert failed[0] == {"invariant": "no_committed_step_lost", "diagnosis": "recoveries undid 10 committed steps"}
+    report = build_report({"config": "t", "seed": 0, "faults_per_trial": 3, "kinds": ["driver"]}, REF, [run])
+    assert report["by_kind"]["driver"]["recovery_sources"] == {"durable": 1, "memory": 2} and report["totals"]["committed_steps_lost"] == 10
+
+
 def test_a_soak_stopped_by_a_run_it_could_not_end_fails_with_the_reason():
     run = TrialRun(TrialPlan(4, (), 9), [], {}, hung="state finished at step 9")
     report = build_report({"config": "t", "seed": 0, "faults_per_trial": 0, "kinds": [], "aborted": "trial 4 hung"}, REF, [run])
@@ -137,6 +157,7 @@ def test_a_run_lengthened_by_a_drain_is_checked_on_every_step_it_trained():
     (["--faults", "stage,disk"], "unknown fault kind 'disk'"),
     (["--trials", "0"], "--trials=0 must be >= 1"),
     (["--first-trial", "-1"], "--first-trial=-1 must be >= 0"),
+    (["--faults", "stage,driver"], "driver faults run in soaks of their own"),
     (["--faults-per-trial", "0"], "--faults-per-trial=0 must be >= 1"),
     (["--workers", "1"], "--workers=1 must be >= 2"),
     (["--trial-timeout-s", "0"], "--trial-timeout-s=0 must be > 0"),
@@ -155,14 +176,16 @@ cluster = loopback_cluster_fixture(WORKERS, 2)
 
 def test_soak_of_faults_at_their_worst_moments_holds_every_invariant(cluster, corpus_dir, tmp_path):
     """A stage killed while another stage's recovery runs, a manager killed while a snapshot is
-    in flight, a manager killed while a durable flush is written, a straggler between steps."""
+    in flight, a manager killed while a durable flush is written, a straggler between steps, a
+    stage killed by the chaos hook as it starts its backward op."""
     faults = (
         Fault(FaultKind.STAGE, 3, 1, Moment.RECOVERY),
         Fault(FaultKind.MANAGER, 6, 2, Moment.SNAPSHOT),
         Fault(FaultKind.FLUSH, 9, 0, Moment.FLUSH),
         Fault(FaultKind.PAUSE, 12, 3),
+        Fault(FaultKind.STAGE, 15, 2, Moment.BACKWARD),
     )
-    plans = [TrialPlan(0, faults, 15)]
+    plans = [TrialPlan(0, faults, 18)]
 
     def load(extra):
         return load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
@@ -171,12 +194,32 @@ def test_soak_of_faults_at_their_worst_moments_holds_every_invariant(cluster, co
     print((tmp_path / "report.md").read_text())
     assert report["ok"], report["failures"]
     assert json.loads((tmp_path / "report.json").read_text())["totals"] == report["totals"]
-    assert {k: v["injected"] for k, v in report["by_kind"].items()} == {"stage": 2, "manager": 1, "flush": 1, "pause": 1}
+    assert {k: v["injected"] for k, v in report["by_kind"].items()} == {"stage": 3, "manager": 1, "flush": 1, "pause": 1}
     assert all(v["survived"] == v["injected"] and v["committed_steps_lost"] == 0 and v["bit_identical"] for v in report["by_kind"].values())
     assert report["by_kind"]["pause"]["recovery_sources"] == {}
     assert report["by_moment"]["recovery"] == {"injected": 1, "survived": 1}  # struck while the primer's recovery ran
-    assert sum(m["injected"] for m in report["by_moment"].values()) == 5
+    assert sum(m["injected"] for m in report["by_moment"].values()) == 6 and report["by_moment"]["backward"] == {"injected": 1, "survived": 1}
     assert report["by_moment"]["flush"] == {"injected": 1, "survived": 1}  # every 2nd commit flushes: one comes within 5 steps
     (trial,) = report["trials"]
-    assert [(f["kind"], f["stage"]) for f in trial["faults"]] == [("stage", 2), ("stage", 1), ("manager", 2), ("flush", 0), ("pause", 3)]
+    assert [(f["kind"], f["stage"]) for f in trial["faults"]] == [("stage", 2), ("stage", 1), ("manager", 2), ("flush", 0), ("pause", 3), ("stage", 2)]
     assert trial["durable"] is not None and trial["durable_error"] is None  # the final checkpoint verified
+
+
+def test_soak_of_driver_kills_resumes_each_new_driver_from_memory_bit_for_bit(cluster, corpus_dir, tmp_path):
+    """Two SIGKILLed driver processes in a row, each replaced by `elastic-llm train --resume RUN_ID`."""
+    plans = [TrialPlan(0, (Fault(FaultKind.DRIVER, 3, 0), Fault(FaultKind.DRIVER, 7, 0)), 10)]
+    sets = [*BASE, f"data.dir={corpus_dir}"]
+    config = os.path.join(REPO, "jobs", "tiny.yaml")
+
+    def load(extra):
+        return load_config(config, [*sets, *extra])
+
+    argv = ["--config", config, *[a for s in sets for a in ("--set", s)]]
+    report = Soak(load, plans, SoakOptions(WORKERS, 2.0, trial_timeout_s=250.0, seed=1), cluster=cluster, driver_argv=argv).run(tmp_path)
+    print((tmp_path / "report.md").read_text())
+    assert report["ok"], report["failures"]
+    k = report["by_kind"]["driver"]
+    assert k["injected"] == 2 and k["survived"] == 2 and k["recovery_sources"] == {"memory": 2} and k["bit_identical"]
+    (trial,) = report["trials"]
+    assert len(trial["failovers"]) == 2 and all(f["source"] == "memory" and f["step"] == f["committed"] >= 1 for f in trial["failovers"])
+    assert trial["durable"] is not None and trial["durable_error"] is None

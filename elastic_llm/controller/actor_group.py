@@ -320,12 +320,12 @@ class ActorGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from elastic_llm.pipeline.stage import StageWorker
+        from elastic_llm.pipeline.stage import CONCURRENCY_GROUPS, StageWorker
 
         if self._cls is None:
             # "status": state() answers while a step runs (elastic-llm status); "control": abort_step
             # wakes a step blocked on a peer
-            self._cls = ray.remote(concurrency_groups={"snapshot": 1, "status": 1, "control": 1})(StageWorker)
+            self._cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageWorker)
         par = self.cfg.parallel
         return self._cls.options(
             name=f"stage-{self.run_id}-{key.stage}-{key.replica}.{self.generation}",

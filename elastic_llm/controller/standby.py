@@ -109,10 +109,10 @@ class StandbyPool:
     def _start(self, node: str, ray: Any) -> Standby:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from elastic_llm.pipeline.stage import StageWorker
+        from elastic_llm.pipeline.stage import CONCURRENCY_GROUPS, StageWorker
 
         if self._cls is None:  # the stage actors' class and concurrency groups: an adopted standby is one of them
-            self._cls = ray.remote(concurrency_groups={"snapshot": 1, "status": 1, "control": 1})(StageWorker)
+            self._cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageWorker)
         par = self.cfg.parallel
         gpus = par.gpus_per_actor if self.cfg.recovery.standby_gpus else 0
         self.started += 1

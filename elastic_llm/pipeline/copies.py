@@ -103,9 +103,14 @@ class BackgroundCopies:
             time.sleep(self.delay_s)  # chaos.snapshot_delay_s: a snapshot of known cost
         return time.perf_counter() - t
 
-    def take(self, version: int, who: str) -> tuple[Copy, float]:
+    def take(self, version: int, who: str, newest: int | None = None) -> tuple[Copy, float]:
         """The finished copy of ``version`` and the seconds it took; waits for it to be started.
-        Raises RuntimeError when its step was aborted (:meth:`forget_after`) or never copied."""
+        Raises RuntimeError when its step was aborted (:meth:`forget_after`) or never copied, and
+        at once when ``version`` is beyond ``newest`` (the stage's step + 1: no later copy can be
+        asked for, so the request was made before a rollback; waiting for it would hold the
+        stage's snapshot thread from the requests of the steps run again)."""
+        if newest is not None and version > newest:
+            raise RuntimeError(f"{who}: a snapshot of step {version} was asked for before a rollback to step {newest - 1}; no snapshot of it")
         with self.changed:
             resets = self.resets
             ready = self.changed.wait_for(

@@ -125,6 +125,13 @@ def stage_seed(seed: int, stage: int, replica: int) -> int:
     return (seed * 7919 + stage * 104_729 + replica * 15_485_863) % (2**31)
 
 
+# The stage actor's thread groups besides training: "snapshot" serves its node manager's requests
+# for copies (two threads: a request made before a rollback that still waits cannot hold up the
+# requests of the steps run again), "status" the dashboard's state() and "control" the driver's
+# control calls, so none of them waits behind a step.
+CONCURRENCY_GROUPS = {"snapshot": 2, "status": 1, "control": 1}
+
+
 class StageWorker:
     """Layers + optimizer of (stage, replica). Methods are called in schedule order."""
 
@@ -396,7 +403,7 @@ class StageWorker:
         pieces become objects in this node's object store owned by the caller (the manager), so
         they outlive this process; ``info`` has the manifest, byte ranges and CRC-32 of each piece.
         """
-        job, copy_s = self.copies.take(version, f"stage {self.stage} replica {self.replica}")
+        job, copy_s = self.copies.take(version, f"stage {self.stage} replica {self.replica}", newest=self.step_count + 1)
         meta, pieces = self.copies.pieces(job, k)
         info = ShardInfo(ShardKey(self.stage, self.replica), version, job.lo, job.hi - job.lo, tuple(meta), job.manifest, copy_s)
         return [info, *pieces]

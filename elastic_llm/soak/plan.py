@@ -2,7 +2,7 @@
 
 Owns: the fault kinds (:class:`FaultKind`), the moments a fault is aimed at (:class:`Moment`:
 between steps, during a snapshot's copy and parity exchange, during a recovery, during a durable
-flush), parsing ``--faults``, and :func:`plan_soak`, a pure function of (kinds, trials, faults
+flush, at a stage's forward, backward or update op), parsing ``--faults``, and :func:`plan_soak`, a pure function of (kinds, trials, faults
 per trial, seed, stages): the same arguments give the same schedule, and trial ``i``'s faults
 depend only on (seed, i), so any trial can be re-run alone.
 Never touches Ray, a process or a clock: the runner carries the schedule out.
@@ -31,6 +31,7 @@ class FaultKind(str, Enum):
     PAUSE = "pause"  # SIGSTOP of a stage's process, SIGCONT a few seconds later: a straggler, not a death
     CORRUPT = "corrupt"  # a flipped byte in a stage's snapshot shard, then that stage killed: the recovery must not load it
     FLUSH = "flush"  # SIGKILL of a snapshot manager while it writes its part of a durable checkpoint
+    DRIVER = "driver"  # SIGKILL of the driver process mid-step, then ``elastic-llm train --resume RUN_ID`` in its place
 
 
 class Moment(str, Enum):
@@ -40,16 +41,23 @@ class Moment(str, Enum):
     SNAPSHOT = "snapshot"  # while a snapshot version is in flight: stage copies, parity exchange, encode
     RECOVERY = "recovery"  # while the run recovers from another stage killed just before
     FLUSH = "flush"  # while a durable flush is being written
+    FORWARD = "forward"  # inside a step: the run's chaos hook kills the stage as it starts its first forward op
+    BACKWARD = "backward"  # ... its first backward op
+    UPDATE = "update"  # ... its optimizer update
+
+
+OPS = (Moment.FORWARD, Moment.BACKWARD, Moment.UPDATE)  # moments struck through the run's chaos hook
 
 
 MOMENTS: dict[FaultKind, tuple[Moment, ...]] = {  # the moments each kind is aimed at, drawn at random
-    FaultKind.STAGE: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY, Moment.FLUSH),
+    FaultKind.STAGE: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY, Moment.FLUSH, *OPS),
     FaultKind.MANAGER: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY),
     FaultKind.NODE: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY, Moment.FLUSH),
     FaultKind.DRAIN: (Moment.STEP, Moment.SNAPSHOT),
     FaultKind.PAUSE: (Moment.STEP, Moment.SNAPSHOT),
     FaultKind.CORRUPT: (Moment.STEP,),  # struck by the run's chaos hook at a step's start
     FaultKind.FLUSH: (Moment.FLUSH,),
+    FaultKind.DRIVER: (Moment.STEP,),  # killed once its metrics show the step: it is then inside a later one
 }
 
 
@@ -65,7 +73,7 @@ class Fault:
     moment: Moment = Moment.STEP
 
     def __str__(self) -> str:
-        at = "" if self.moment is Moment.STEP else f" during a {self.moment.value}"
+        at = "" if self.moment is Moment.STEP else f" at its {self.moment.value} op" if self.moment in OPS else f" during a {self.moment.value}"
         return f"{self.kind.value} of stage {self.stage} after step {self.step}{at}"
 
 
@@ -94,6 +102,21 @@ def parse_kinds(text: str) -> tuple[FaultKind, ...]:
         if kind not in out:
             out.append(kind)
     return tuple(out)
+
+
+def hooked(f: Fault) -> bool:
+    """Whether ``f`` is struck by the run's own chaos hook (inside a step) rather than from outside."""
+    return f.kind is FaultKind.CORRUPT or (f.kind is FaultKind.STAGE and f.moment in OPS)
+
+
+def kinds_problem(kinds: tuple[FaultKind, ...]) -> str | None:
+    """Why ``kinds`` cannot be soaked together, or None. Pure. Driver faults run in trials of
+    their own: the run's driver is then a separate process, and the other kinds are struck
+    through the driver's own view of its actors."""
+    if FaultKind.DRIVER in kinds and len(kinds) > 1:
+        others = ",".join(k.value for k in kinds if k is not FaultKind.DRIVER)
+        return f"--faults: driver faults run in soaks of their own (the run's driver is then a separate process): run --faults driver and --faults {others} separately"
+    return None
 
 
 def plan_trial(kinds: tuple[FaultKind, ...], faults: int, seed: int, trial: int, stages: int) -> TrialPlan:

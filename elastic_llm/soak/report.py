@@ -50,6 +50,7 @@ class TrialRun:
     hung: str | None = None  # the trial's deadline passed: what the run was doing
     durable: str | None = None  # the run's newest durable checkpoint, verified (None: the run has no durable tier)
     durable_error: str | None = None  # why it did not verify (or was missing)
+    failovers: list[dict[str, Any]] = field(default_factory=list)  # driver faults: fault_step, committed, source, step, seconds
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,18 @@ def judge_fault(inj: Injection, nxt: Fault | None, run: TrialRun) -> Outcome:
     mine = [r for r in recs if r.get("stage") == f.stage]
     sources = tuple(sorted({str(r["source"]) for r in recs}))
     secs = _per_recovery_seconds(recs)
+    if f.kind is FaultKind.DRIVER:
+        fo = next((x for x in run.failovers if x.get("fault_step") == f.step), None)
+        if fo is None or "source" not in fo:
+            return Outcome(False, "no driver was started in its place")
+        secs = (fo["seconds"],) if fo.get("seconds") is not None else ()
+        lost = max(0, int(fo["committed"] or 0) - int(fo["step"] or 0)) if fo["source"] == "memory" else int(fo["committed"] or 0)
+        if fo["source"] != "memory":
+            return Outcome(False, f"the new driver found no in-memory snapshot (step {fo['committed']} was committed): it went back to the durable tier",
+                           ("durable",), secs, lost)
+        if lost:
+            return Outcome(False, f"resumed from step {fo['step']}, but step {fo['committed']} was committed", ("memory",), secs, lost)
+        return Outcome(True, f"resumed from its committed in-memory snapshot of step {fo['step']}", ("memory",), secs)
     if f.kind is FaultKind.PAUSE:
         if recs:
             return Outcome(False, f"the paused stage was recovered as a death ({', '.join(sources)})", sources, secs, lost)
@@ -146,6 +159,7 @@ def judge_trial(run: TrialRun, reference: dict[int, float]) -> tuple[list[Outcom
     elif run.error is not None:
         fail("finished", f"the run stopped: {run.error}")
     lost = sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries)
+    lost += sum(o.committed_steps_lost for inj, o in zip(run.injections, outcomes) if inj.fault.kind is FaultKind.DRIVER)
     if lost:
         fail("no_committed_step_lost", f"recoveries undid {lost} committed steps")
     if run.hung is None and run.error is None:
@@ -198,7 +212,9 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
         trials.append({
             "trial": run.plan.trial, "steps": run.plan.steps, "seconds": round(run.seconds, 3), "faults": faults,
             "recoveries": len({r["step"] for r in run.recoveries if r.get("source") != "none"}), "drains": len(run.drains), "resizes": len(run.resizes),
-            "committed_steps_lost": sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries),
+            "failovers": run.failovers,
+            "committed_steps_lost": sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries)
+            + sum(o.committed_steps_lost for inj, o in zip(run.injections, outcomes) if inj.fault.kind is FaultKind.DRIVER),
             "bit_identical": identical, "error": run.error, "hung": run.hung, "durable": run.durable, "durable_error": run.durable_error,
             "failed": [x["invariant"] for x in failed],
         })

@@ -11,11 +11,14 @@ drained node is removed and replaced once the run has left it; until its drain l
 fault waits and the run is lengthened by up to :data:`DRAIN_EXTRA_STEPS`), SIGSTOP then SIGCONT
 of a stage (a straggler). Corruption goes through the run's own chaos hook (``kill: smp,
 corrupt: true`` plus a kill of that stage in the next step), which reaches the manager's object
-store. The moment a fault is aimed at: between steps (the snapshots in flight waited for first),
-while a snapshot version or a durable flush is still being worked on by a manager (waited for
-up to :data:`MOMENT_STEPS` steps, else between steps), or during a recovery (another stage is
-killed first, the run released, and the fault struck once the run is recovering). After the
-run its newest durable checkpoint is read back and verified. A trial that does not end by its
+store, and so does a stage kill aimed at an op (``kill: stage, op: forward | backward | update``
+in the next step). The moment a fault is aimed at from outside: between steps (the snapshots in
+flight waited for first), while a snapshot version is still being worked on by a manager or a
+durable flush is in flight (waited for up to :data:`MOMENT_STEPS` steps, else between steps), or
+during a recovery (another stage is killed first, the run released, and the fault struck once
+the run is recovering). Driver faults run in trials of their own, whose driver is an
+``elastic-llm train`` process, SIGKILLed and resumed with ``--resume RUN_ID``. After the run its
+newest durable checkpoint is read back and verified. A trial that does not end by its
 deadline fails with where the run's thread is; its actors are ended, and if even that does not
 end the run the soak stops with the trials it ran.
 Never judges anything (report does) and never sends traffic off loopback. Nodes are added and
@@ -25,9 +28,11 @@ while a fault strikes between steps.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -39,7 +44,7 @@ from typing import Any, Callable
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.controller.states import Recovering
-from elastic_llm.soak.plan import Fault, FaultKind, Moment, TrialPlan
+from elastic_llm.soak.plan import Fault, FaultKind, Moment, TrialPlan, hooked
 from elastic_llm.soak.report import Injection, TrialRun, build_report, write_report
 
 POLL_S = 0.1
@@ -99,19 +104,49 @@ def verify_durable(t: Any) -> tuple[str | None, str | None]:
     return f"{name}: {summary['tensors']} tensors, {summary['bytes']} bytes", None
 
 
+def verify_durable_dir(cfg: RunConfig) -> tuple[str | None, str | None]:
+    """The newest committed checkpoint in ``cfg``'s durable run directory, verified: (what, None)
+    or (None, why not)."""
+    from elastic_llm.durable.format import open_checkpoint
+    from elastic_llm.durable.tier import run_storage
+
+    try:
+        ck = open_checkpoint(run_storage(cfg).uri)
+        summary = ck.verify()
+    except Exception as e:
+        return None, f"the run's newest durable checkpoint does not verify: {type(e).__name__}: {e}"
+    return f"{ck.name}: {summary['tensors']} tensors, {summary['bytes']} bytes", None
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """A metrics file's complete lines (one being written is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
 def losses(history: list[dict[str, Any]]) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in history}  # a re-run step keeps its last loss
 
 
-def corrupt_events(plan: TrialPlan) -> list[str]:
-    """The run's chaos events that carry out ``plan``'s corrupt faults: flip a byte of the stage's
-    shard in its node's manager, and kill the stage in the same (next) step so that its recovery
-    needs that shard. Pure."""
+def hook_events(plan: TrialPlan) -> list[str]:
+    """The run's chaos events that carry out ``plan``'s faults struck from inside a step (pure):
+    a corrupt fault flips a byte of the stage's shard in its node's manager and kills the stage in
+    the same (next) step, so that its recovery needs that shard; a stage fault aimed at an op
+    kills the stage as it starts its first op of that kind in the next step."""
     out = []
     for f in plan.faults:
+        hit = f.step + 1
         if f.kind is FaultKind.CORRUPT:
-            hit = f.step + 1
             out += [f"{{step: {hit}, kill: smp, stage: {f.stage}, corrupt: true}}", f"{{step: {hit}, kill: stage, stage: {f.stage}, how: sigkill}}"]
+        elif hooked(f):
+            out.append(f"{{step: {hit}, kill: stage, stage: {f.stage}, how: sigkill, op: {f.moment.value}}}")
     return out
 
 
@@ -149,8 +184,8 @@ class _Trial:
     # --------------------------------------------------------------- the main thread
     def drive(self, thread: threading.Thread, deadline: float) -> str | None:
         """Serve the run's asks until it ends; what it was doing if ``deadline`` passes first."""
-        due = {f.step: f for f in self.plan.faults if f.kind is not FaultKind.CORRUPT}
-        corrupt = {f.step: f for f in self.plan.faults if f.kind is FaultKind.CORRUPT}
+        due = {f.step: f for f in self.plan.faults if not hooked(f)}
+        inside = {f.step: f for f in self.plan.faults if hooked(f)}
         while thread.is_alive():
             self._resume(time.monotonic())
             if time.monotonic() > deadline:
@@ -161,7 +196,7 @@ class _Trial:
                 continue
             self.doing = f"training after step {step}"
             try:
-                self._between_steps(step, due.pop(step, None), corrupt.pop(step, None))
+                self._between_steps(step, due.pop(step, None), inside.pop(step, None))
                 if self.pending is not None or self.later or any(s > step for s in due):
                     self._lengthen(step)
             finally:
@@ -177,7 +212,7 @@ class _Trial:
             self.t.end += 1
             self.extra += 1
 
-    def _between_steps(self, step: int, fault: Fault | None, corrupt: Fault | None) -> None:
+    def _between_steps(self, step: int, fault: Fault | None, inside: Fault | None) -> None:
         if self.drained is not None and any(d.get("node") == self.drained for d in self.t.drains):
             self.soak.replace_node(self.drained)  # the run left it: it goes, a fresh node comes
             self.drained = None
@@ -197,10 +232,16 @@ class _Trial:
             if fault is not None:
                 self.later[step + 1] = replace(fault, step=step + 1)
             fault, self.pending = self.pending, None
-        if corrupt is not None:  # struck by the run's chaos hook in the next step
+        if inside is not None:  # struck by the run's chaos hook in the next step
             self._settle(step)
-            key = ShardKey(corrupt.stage, 0)
-            self.injections.append(Injection(corrupt, f"stage {corrupt.stage}'s shard on node {self.t.group.nodes[key][:8]} (chaos hook), then the stage killed"))
+            key = ShardKey(inside.stage, 0)
+            node = self.t.group.nodes[key][:8]
+            if inside.kind is FaultKind.CORRUPT:
+                self.injections.append(Injection(inside, f"stage {inside.stage}'s shard on node {node} (chaos hook), then the stage killed"))
+            else:
+                say(f"trial {self.plan.trial}: {inside} (chaos hook)")
+                what = f"stage {inside.stage} (pid {self.t.group.pids[key]}, node {node}) SIGKILLed by the chaos hook at its first {inside.moment.value} op of step {step + 1}"
+                self.injections.append(Injection(inside, what, moment=inside.moment))
         if fault is None:
             return
         moment = fault.moment
@@ -351,8 +392,10 @@ class Soak:
     """A soak: ``Soak(load, plans, options).run(out_dir) -> report``; ``load(extra)`` builds the
     run config with ``extra`` overrides (the trials' chaos events) appended."""
 
-    def __init__(self, load: Callable[[list[str]], RunConfig], plans: list[TrialPlan], options: SoakOptions, cluster: Any = None) -> None:
+    def __init__(self, load: Callable[[list[str]], RunConfig], plans: list[TrialPlan], options: SoakOptions, cluster: Any = None,
+                 driver_argv: list[str] | None = None) -> None:
         self.load, self.plans, self.options = load, plans, options
+        self.driver_argv = driver_argv  # ``elastic-llm train`` arguments (--config, --set ...) of the same run: driver trials
         self.cluster = cluster  # given: a test's cluster, kept; else started and shut down here
         self.own_cluster = cluster is None
 
@@ -402,7 +445,8 @@ class Soak:
             for plan in self.plans:
                 self.top_up()
                 try:
-                    runs.append(self._trial(plan, out / f"trial-{plan.trial}"))
+                    driver = any(f.kind is FaultKind.DRIVER for f in plan.faults)
+                    runs.append((self._driver_trial if driver else self._trial)(plan, out / f"trial-{plan.trial}"))
                 except SoakAborted as e:
                     say(f"soak stopped: {e}")
                     runs.append(e.run)
@@ -428,15 +472,86 @@ class Soak:
         finally:
             t.shutdown()
 
+    def _durable_overrides(self, out: Path) -> list[str]:
+        if self.load([]).durable.storage_path:
+            return []
+        return [f"durable.storage_path={out / 'durable'}", f"durable.every={DURABLE_EVERY}"]
+
+    def _driver_trial(self, plan: TrialPlan, out: Path) -> TrialRun:
+        """A run whose driver is an ``elastic-llm train`` process: SIGKILLed once its metrics
+        show each fault's step, and each time ``elastic-llm train --resume RUN_ID`` started in
+        its place (its first step timed from its start); the last one trains to the end."""
+        from elastic_llm.controller.failover import published_committed
+
+        if self.driver_argv is None:
+            raise ValueError("driver faults need the run's `elastic-llm train` arguments (Soak(driver_argv=...))")
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        sets = [a for o in ["recovery.driver_grace_s=120", *self._durable_overrides(out)] for a in ("--set", o)]
+        base = [sys.executable, "-m", "elastic_llm.cli", "train", *self.driver_argv, *sets, "--address", self.cluster.address,
+                "--max-steps", str(plan.steps), "--no-progress"]
+        injections: list[Injection] = []
+        failovers: list[dict[str, Any]] = []
+        segments: list[Path] = []
+        run_id = error = hung = None
+        deadline = t0 + self.options.trial_timeout_s
+        for k in range(len(plan.faults) + 1):
+            seg = out / f"metrics-{k}.jsonl"
+            segments.append(seg)
+            argv = [*base, "--metrics-out", str(seg), *(["--resume", run_id] if run_id else [])]
+            started = time.monotonic()
+            with open(out / f"driver-{k}.log", "w") as log:
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+                fault = plan.faults[k] if k < len(plan.faults) else None
+                first = None
+                while proc.poll() is None and time.monotonic() < deadline:
+                    lines = _jsonl(seg)
+                    steps = [x["step"] for x in lines if "loss" in x]
+                    if steps and first is None:
+                        first = time.monotonic() - started
+                    if fault is not None and steps and max(steps) >= fault.step:
+                        break
+                    time.sleep(POLL_S / 2)
+                if proc.poll() is None and time.monotonic() >= deadline:
+                    proc.kill()
+                    hung = f"driver {k} not done by the trial's deadline"
+                    proc.wait()
+                    break
+                if k > 0:
+                    back = [x for x in _jsonl(seg) if x.get("event") == "reattach"]
+                    failovers[-1].update(source="memory" if back else "durable", step=back[0]["step"] if back else None,
+                                         seconds=round(first, 3) if first is not None else None)
+                if fault is None or proc.poll() is not None:  # the last driver, or one that ended before its fault
+                    code = proc.wait()
+                    if code != 0:
+                        error = f"driver {k} exited {code}: {(out / f'driver-{k}.log').read_text()[-400:].strip()}"
+                    break
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+            if run_id is None:
+                run_id = next((x["run_id"] for x in _jsonl(seg) if x.get("event") == "start"), None)
+            rec = published_committed(run_id) if run_id else None
+            committed = rec.version if rec is not None else None
+            trained = max([x["step"] for x in _jsonl(seg) if "loss" in x], default=0)
+            say(f"trial {plan.trial}: {fault} (driver pid {proc.pid} at step {trained}, committed {committed})")
+            injections.append(Injection(fault, f"driver pid {proc.pid} (run {run_id}) in step {trained + 1}, step {committed} committed"))
+            failovers.append({"fault_step": fault.step, "committed": committed})
+        history: dict[int, float] = {}
+        for seg in segments:  # a re-run step keeps its last loss
+            history.update({x["step"]: x["loss"] for x in _jsonl(seg) if "loss" in x})
+        durable, durable_error = None, None
+        if error is None and hung is None:
+            durable, durable_error = verify_durable_dir(self.load(self._durable_overrides(out)))
+        return TrialRun(plan, injections, history, seconds=time.monotonic() - t0, error=error, hung=hung,
+                        durable=durable, durable_error=durable_error, failovers=failovers)
+
     def _trial(self, plan: TrialPlan, out: Path) -> TrialRun:
         from elastic_llm.controller import Trainer
 
         out.mkdir(parents=True, exist_ok=True)
-        events = corrupt_events(plan)
+        events = hook_events(plan)
         extra = [f"chaos.events=[{', '.join(events)}]"] if events else []
-        if not self.load([]).durable.storage_path:  # every trial flushes, so faults can strike a flush
-            extra += [f"durable.storage_path={out / 'durable'}", f"durable.every={DURABLE_EVERY}"]
-        cfg = self.load(extra)
+        cfg = self.load(extra + self._durable_overrides(out))  # every trial flushes, so faults can strike a flush
         t0 = time.monotonic()
         t = Trainer(cfg, cluster=self.cluster, metrics_out=out / "metrics.jsonl", progress=False)
         trial = _Trial(self, plan, t)
