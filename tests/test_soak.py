@@ -207,7 +207,7 @@ def test_soak_of_faults_at_their_worst_moments_holds_every_invariant(cluster, co
 
 def test_soak_of_driver_kills_resumes_each_new_driver_from_memory_bit_for_bit(cluster, corpus_dir, tmp_path):
     """Two SIGKILLed driver processes in a row, each replaced by `elastic-llm train --resume RUN_ID`."""
-    plans = [TrialPlan(0, (Fault(FaultKind.DRIVER, 3, 0), Fault(FaultKind.DRIVER, 7, 0)), 10)]
+    plans = [TrialPlan(0, (Fault(FaultKind.DRIVER, 3, 0), Fault(FaultKind.DRIVER, 8, 0)), 11)]
     sets = [*BASE, f"data.dir={corpus_dir}"]
     config = os.path.join(REPO, "jobs", "tiny.yaml")
 

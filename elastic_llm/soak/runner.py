@@ -509,7 +509,11 @@ class Soak:
                     steps = [x["step"] for x in lines if "loss" in x]
                     if steps and first is None:
                         first = time.monotonic() - started
-                    if fault is not None and steps and max(steps) >= fault.step:
+                    if run_id is None:
+                        run_id = next((x["run_id"] for x in lines if x.get("event") == "start"), None)
+                    # struck once past its step with a snapshot committed (before the first one a
+                    # driver's death is beyond what memory can bring back: the durable tier's case)
+                    if fault is not None and steps and max(steps) >= fault.step and run_id and published_committed(run_id) is not None:
                         break
                     time.sleep(POLL_S / 2)
                 if proc.poll() is None and time.monotonic() >= deadline:
@@ -528,8 +532,6 @@ class Soak:
                     break
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
-            if run_id is None:
-                run_id = next((x["run_id"] for x in _jsonl(seg) if x.get("event") == "start"), None)
             rec = published_committed(run_id) if run_id else None
             committed = rec.version if rec is not None else None
             trained = max([x["step"] for x in _jsonl(seg) if "loss" in x], default=0)
