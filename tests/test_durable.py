@@ -310,3 +310,15 @@ def test_a_stages_checkpoint_refusal_reaches_the_user_without_the_actors_traceba
     refusal = checkpoint_refusal(wrapped)
     assert isinstance(refusal, fmt.DurableError) and str(refusal) == "x.safetensors fails its CRC-32"
     assert checkpoint_refusal(RayTaskError("load_durable", "Traceback", ValueError("a bug")).as_instanceof_cause()) is None
+
+
+def test_the_soaks_flipped_byte_check_catches_a_verifier_that_misses_it(trained, tmp_path, monkeypatch):
+    from elastic_llm.soak.runner import flip_is_missed
+
+    cfg, workers = trained
+    run = Storage(str(tmp_path / "run"))
+    name = write_checkpoint(run, cfg, workers, 2)
+    assert flip_is_missed(run, name) is None  # the flipped copy is refused with a DurableError
+    fmt.Checkpoint(run, name).verify()  # the original is untouched
+    monkeypatch.setattr(fmt.Checkpoint, "verify", lambda self: {"ok": True})  # a verifier blind to the flip
+    assert "was not detected" in flip_is_missed(run, name)

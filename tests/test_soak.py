@@ -203,6 +203,7 @@ def test_soak_of_faults_at_their_worst_moments_holds_every_invariant(cluster, co
     (trial,) = report["trials"]
     assert [(f["kind"], f["stage"]) for f in trial["faults"]] == [("stage", 2), ("stage", 1), ("manager", 2), ("flush", 0), ("pause", 3), ("stage", 2)]
     assert trial["durable"] is not None and trial["durable_error"] is None  # the final checkpoint verified
+    assert "a byte flipped in a copy of it was detected" in trial["durable"]
 
 
 def test_soak_of_driver_kills_resumes_each_new_driver_from_memory_bit_for_bit(cluster, corpus_dir, tmp_path):

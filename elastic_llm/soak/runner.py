@@ -101,7 +101,38 @@ def verify_durable(t: Any) -> tuple[str | None, str | None]:
         return None, f"{name} does not verify: {type(e).__name__}: {e}"
     if committed is not None and step != committed:
         return None, f"the newest durable checkpoint is of step {step}, the newest committed snapshot of step {committed}"
-    return f"{name}: {summary['tensors']} tensors, {summary['bytes']} bytes", None
+    missed = flip_is_missed(t.durable.run, name)
+    if missed is not None:
+        return None, missed
+    return f"{name}: {summary['tensors']} tensors, {summary['bytes']} bytes; a byte flipped in a copy of it was detected", None
+
+
+def flip_is_missed(run: Any, name: str) -> str | None:
+    """Copy checkpoint ``name`` of a local run directory, flip one byte in the middle of its
+    largest file, and verify the copy: None when the flip is refused with a DurableError, else
+    what happened (object stores are not copied: None)."""
+    import shutil
+    import tempfile
+
+    from elastic_llm.durable.format import Checkpoint, DurableError
+    from elastic_llm.durable.storage import Storage
+
+    src = Path(run.root) / name
+    if "://" in run.uri and not run.uri.startswith("file://") or not src.is_dir():
+        return None
+    with tempfile.TemporaryDirectory(prefix="soak-flip-") as tmp:
+        shutil.copytree(src, Path(tmp) / name)
+        victim = max((f for f in (Path(tmp) / name).iterdir() if f.is_file()), key=lambda f: f.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        try:
+            Checkpoint(Storage(tmp), name).verify()
+        except DurableError:
+            return None
+        except Exception as e:
+            return f"a flipped byte in {victim.name} of a copy of {name} ended in {type(e).__name__}: {e} instead of a clear DurableError"
+        return f"a flipped byte in {victim.name} of a copy of {name} was not detected"
 
 
 def verify_durable_dir(cfg: RunConfig) -> tuple[str | None, str | None]:
@@ -115,7 +146,10 @@ def verify_durable_dir(cfg: RunConfig) -> tuple[str | None, str | None]:
         summary = ck.verify()
     except Exception as e:
         return None, f"the run's newest durable checkpoint does not verify: {type(e).__name__}: {e}"
-    return f"{ck.name}: {summary['tensors']} tensors, {summary['bytes']} bytes", None
+    missed = flip_is_missed(ck.storage, ck.name)
+    if missed is not None:
+        return None, missed
+    return f"{ck.name}: {summary['tensors']} tensors, {summary['bytes']} bytes; a byte flipped in a copy of it was detected", None
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
