@@ -120,6 +120,18 @@ def test_a_fault_struck_during_a_recovery_shares_the_window_of_the_stage_killed_
     assert [f["diagnosis"] for f in judge_trial(missing, REF)[1]] == ["1 of 2 planned faults were never injected"]
 
 
+def test_losses_are_compared_up_to_the_first_lossy_recovery():
+    node = Fault(FaultKind.NODE, 3, 1, Moment.SNAPSHOT)  # before any snapshot committed: CheckFree is the right fall-back
+    lossy = {**rec(4, 1, "checkfree"), "lossless": False}
+    run = TrialRun(TrialPlan(0, (node,), 9), [Injection(node, "n", node="n1")], {**REF, 5: 0.0, 9: 0.0}, recoveries=[lossy])
+    outcomes, failed = judge_trial(run, REF)
+    assert failed == [] and "(lossy)" in outcomes[0].what
+    report = build_report({"config": "t", "seed": 0, "faults_per_trial": 1, "kinds": ["node"]}, REF, [run])
+    assert report["totals"]["lossy_recoveries"] == 1 and report["trials"][0]["bit_identical"]
+    run.losses[3] = 0.0  # a step before the lossy recovery must still match
+    assert [f["invariant"] for f in judge_trial(run, REF)[1]] == ["bit_identical"]
+
+
 def test_driver_faults_are_judged_by_where_the_new_driver_resumed_from():
     faults = (Fault(FaultKind.DRIVER, 3, 0), Fault(FaultKind.DRIVER, 6, 0), Fault(FaultKind.DRIVER, 9, 0))
     injections = [Injection(f, "driver") for f in faults]

@@ -57,8 +57,11 @@ class PeerLost(RuntimeError):
     """The link to ``peer`` closed or broke: the peer died, or it failed and closed its links."""
 
     def __init__(self, peer: ShardKey, why: str) -> None:
-        self.peer = peer
+        self.peer, self.why = peer, why
         super().__init__(f"link to {peer} lost: {why}")
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # crosses processes rebuilt from its fields
+        return (type(self), (self.peer, self.why))
 
 
 class Aborted(RuntimeError):
@@ -67,8 +70,11 @@ class Aborted(RuntimeError):
 
 class DeadlineExceeded(RuntimeError):
     def __init__(self, peer: ShardKey, seconds: float) -> None:
-        self.peer = peer
+        self.peer, self.seconds = peer, seconds
         super().__init__(f"no message from {peer} within {seconds:.0f} s")
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (type(self), (self.peer, self.seconds))
 
 
 class ProtocolError(RuntimeError):

@@ -119,6 +119,7 @@ class SnapshotCoordinator:
         self._felt: dict[int, float] = {}  # version -> step time its steps took beyond clean steps
         self.last_begin = 0
         self._attempt = 0  # the newest ManagerPlan.attempt sent
+        self.unloadable: dict[str, int] = {}  # node -> committed version whose shard there failed to load
         self.changes: list[dict[str, Any]] = []  # snapshot.every: auto decisions, for the metrics file
 
     # ------------------------------------------------------------------ managers
@@ -146,21 +147,29 @@ class SnapshotCoordinator:
         return self.managers
 
     def dead_managers(self, alive_nodes: set[str] | frozenset[str]) -> frozenset[str]:
-        """Nodes whose manager is gone: the node died, or the manager does not answer. Asks every
-        manager at once (one deadline for all); changes nothing."""
+        """Nodes whose part of the committed version is gone: the node died, its manager does not
+        answer, its manager no longer holds that version (a successor of a killed manager), or a
+        shard of it failed to load there (:meth:`fetch_stage_state`: missing or failing its
+        checksum). Asks every manager at once (one deadline for all); changes nothing."""
         import ray
 
         dead = {n for n in self.managers if n not in alive_nodes}
         live = {n: h for n, h in self.managers.items() if n not in dead}
         pings = {n: h.held.remote() for n, h in live.items()}
         ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_S)
+        rec = self.committed
+        part_of = {n for g in rec.groups for n in g} | {s.node_id for s in rec.shards} if rec is not None else set()
         for node, ref in pings.items():
             try:
-                ray.get(ref, timeout=0)
+                held = ray.get(ref, timeout=0)
             except Exception:
                 dead.add(node)
-        if self.committed is not None:  # shards recorded on nodes that no longer have a manager
-            dead |= {s.node_id for s in self.committed.shards if s.node_id not in self.managers}
+                continue
+            if rec is not None and node in part_of and rec.version not in held:
+                dead.add(node)
+        if rec is not None:  # shards recorded on nodes that no longer have a manager, or that failed to load
+            dead |= {s.node_id for s in rec.shards if s.node_id not in self.managers}
+            dead |= {n for n, v in self.unloadable.items() if v == rec.version}
         return frozenset(dead)
 
     def shutdown(self) -> None:
@@ -408,6 +417,7 @@ class SnapshotCoordinator:
                     got = ray.get(self.managers[node].shard_parts.remote(rec.version, info.key), timeout=WAIT_S)
                 except Exception as e:
                     log.warning("%s unavailable on its node (%s): rebuilding from parity", info.key, str(e).splitlines()[0])
+                    self.unloadable[node] = rec.version  # counted as lost when recovery observes again
             if got is not None:
                 offsets += [p.offset for p in info.pieces]
                 refs += got

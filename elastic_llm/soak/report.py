@@ -135,10 +135,20 @@ def loss_diff(got: dict[int, float], want: dict[int, float]) -> str | None:
     return None
 
 
+def first_lossy(run: TrialRun) -> int | None:
+    """The step of the run's first lossy (CheckFree) recovery, if any. Pure."""
+    return min((int(r["step"]) for r in run.recoveries if r.get("lossless") is False), default=None)
+
+
 def trim(reference: dict[int, float], run: TrialRun) -> dict[int, float]:
     """The reference's steps a trial must match: its planned steps and any it was lengthened by
-    (a drain under way at its end); the reference may be longer. Pure."""
+    (a drain under way at its end), up to its first lossy recovery (beyond the parity budget a
+    CheckFree rebuild is the right fall-back, and from then on its losses are its own); the
+    reference may be longer. Pure."""
     last = max([run.plan.steps, *run.losses])
+    lossy = first_lossy(run)
+    if lossy is not None:
+        last = min(last, lossy - 1)
     return {s: v for s, v in reference.items() if s <= last}
 
 
@@ -230,6 +240,7 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
         "survived": sum(k["survived"] for k in by_kind.values()),
         "committed_steps_lost": sum(t["committed_steps_lost"] for t in trials),
         "bit_identical_trials": sum(1 for t in trials if t["bit_identical"]),
+        "lossy_recoveries": sum(1 for run in runs for r in run.recoveries if r.get("lossless") is False),
     }
     totals["durable_verified_trials"] = sum(1 for t in trials if t["durable"] is not None and t["durable_error"] is None)
     return {**meta, "ok": not failures, "failures": failures, "by_kind": by_kind, "by_moment": moments, "totals": totals, "trials": trials}

@@ -430,6 +430,7 @@ class Soak:
                  driver_argv: list[str] | None = None) -> None:
         self.load, self.plans, self.options = load, plans, options
         self.driver_argv = driver_argv  # ``elastic-llm train`` arguments (--config, --set ...) of the same run: driver trials
+        self.steps = 0  # the reference's steps (driver trials train as many)
         self.cluster = cluster  # given: a test's cluster, kept; else started and shut down here
         self.own_cluster = cluster is None
 
@@ -475,7 +476,11 @@ class Soak:
             cfg = self.load([])
             say(f"reference run: {self.plans[0].steps if self.plans else 0}+ steps of {cfg.name}")
             drains = any(f.kind is FaultKind.DRAIN for p in self.plans for f in p.faults)
-            reference = self._reference(cfg, max(p.steps for p in self.plans) + (DRAIN_EXTRA_STEPS if drains else 0), out / "reference")
+            self.steps = max(p.steps for p in self.plans) + (DRAIN_EXTRA_STEPS if drains else 0)
+            if any(f.kind is FaultKind.DRIVER for p in self.plans for f in p.faults):
+                # driver trials train `--max-steps` steps, which sets train.max_steps (the LR schedule's length): so does the reference
+                cfg = self.load([f"train.max_steps={self.steps}"])
+            reference = self._reference(cfg, self.steps, out / "reference")
             for plan in self.plans:
                 self.top_up()
                 try:
@@ -523,7 +528,7 @@ class Soak:
         t0 = time.monotonic()
         sets = [a for o in ["recovery.driver_grace_s=120", *self._durable_overrides(out)] for a in ("--set", o)]
         base = [sys.executable, "-m", "elastic_llm.cli", "train", *self.driver_argv, *sets, "--address", self.cluster.address,
-                "--max-steps", str(plan.steps), "--no-progress"]
+                "--max-steps", str(self.steps), "--no-progress"]  # the reference's length and LR schedule
         injections: list[Injection] = []
         failovers: list[dict[str, Any]] = []
         segments: list[Path] = []

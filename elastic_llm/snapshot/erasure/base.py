@@ -78,6 +78,11 @@ class TooManyErasuresError(ErasureError):
         )
         super().__init__(msg)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # rebuilt from its own fields when it crosses a process (a manager raises it, the driver
+        # reads it): the default would call it with the message alone and fail to deserialize
+        return (type(self), (self.k, self.m, self.missing, self.corrupted))
+
 
 class ErasureCodec(ABC):
     """A GF(2^8) kernel: ``outputs[r] = XOR_c matrix[r, c] * inputs[c]`` bytewise.

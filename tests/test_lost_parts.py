@@ -1,0 +1,63 @@
+"""What the chaos soak found about a committed version whose parts are gone without their node
+dying: a successor of a killed snapshot manager does not hold it, a corrupted shard fails to
+load, and the erasure error that says so must reach the driver intact (it crosses a process).
+Real SnapshotManager actors on an embedded Ray; the coordinator as the driver runs it."""
+
+import pickle
+
+import pytest
+
+from elastic_llm.config import load_config
+from elastic_llm.pipeline.transport import DeadlineExceeded, PeerLost
+from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+from elastic_llm.snapshot.erasure import TooManyErasuresError
+from elastic_llm.snapshot.records import ShardInfo, ShardKey, VersionRecord
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("err", [
+    TooManyErasuresError(3, 1, [0, 2], [1]),
+    PeerLost(ShardKey(1, 0), "the peer died"),
+    DeadlineExceeded(ShardKey(2, 1), 30.0),
+])
+def test_errors_raised_in_an_actor_survive_the_trip_to_the_driver(err):
+    # Ray carries an actor's exception to the caller pickled; TooManyErasuresError used to come
+    # back as "UnserializableException: Failed to deserialize exception", and recovery retried
+    # the same plan until its budget ran out
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err) and back.__dict__ == err.__dict__
+
+
+def shard(stage, node, version):
+    return ShardInfo(ShardKey(stage, 0), version, 0, 8, (), "{}", node_id=node)
+
+
+def test_a_manager_without_the_committed_version_counts_as_lost(ray_local):
+    import ray
+
+    from elastic_llm.snapshot.manager import SnapshotManager, Version
+
+    cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["parallel.stages=2", "snapshot.parity=1"])
+    coord = SnapshotCoordinator(cfg, "elastic-llm-test", "lost01")
+    alive = {"a", "b", "c"}
+    handles = {n: ray.remote(SnapshotManager).remote(n) for n in sorted(alive)}
+    coord.managers = dict(handles)
+    coord.committed = VersionRecord(7, (("a", "b", "c"),), (shard(0, "a", 7), shard(1, "b", 7), shard(2, "c", 7)))
+
+    def hold(node, versions):
+        def put(self, vs):
+            self.versions = {v: Version() for v in vs}
+        ray.get(handles[node].__ray_call__.remote(put, versions))
+
+    for n in alive:
+        hold(n, [7])
+    assert coord.dead_managers(alive) == frozenset()
+    hold("b", [8])  # a successor of b's killed manager: it never took version 7
+    assert coord.dead_managers(alive) == {"b"}
+    coord.unloadable["c"] = 7  # c's shard of 7 failed its checksum when a recovery loaded it
+    assert coord.dead_managers(alive) == {"b", "c"}
+    coord.unloadable["c"] = 6  # an older version's failure does not count against 7
+    assert coord.dead_managers(alive - {"a"}) == {"a", "b"}
