@@ -189,15 +189,17 @@ cluster = loopback_cluster_fixture(WORKERS, 2)
 def test_soak_of_faults_at_their_worst_moments_holds_every_invariant(cluster, corpus_dir, tmp_path):
     """A stage killed while another stage's recovery runs, a manager killed while a snapshot is
     in flight, a manager killed while a durable flush is written, a straggler between steps, a
-    stage killed by the chaos hook as it starts its backward op."""
+    stage killed by the chaos hook as it starts its backward op, a node removed while another
+    node's drain is pending."""
     faults = (
         Fault(FaultKind.STAGE, 3, 1, Moment.RECOVERY),
         Fault(FaultKind.MANAGER, 6, 2, Moment.SNAPSHOT),
         Fault(FaultKind.FLUSH, 9, 0, Moment.FLUSH),
         Fault(FaultKind.PAUSE, 12, 3),
         Fault(FaultKind.STAGE, 15, 2, Moment.BACKWARD),
+        Fault(FaultKind.NODE, 18, 0, Moment.DRAIN),
     )
-    plans = [TrialPlan(0, faults, 18)]
+    plans = [TrialPlan(0, faults, 21)]
 
     def load(extra):
         return load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
@@ -206,14 +208,16 @@ def test_soak_of_faults_at_their_worst_moments_holds_every_invariant(cluster, co
     print((tmp_path / "report.md").read_text())
     assert report["ok"], report["failures"]
     assert json.loads((tmp_path / "report.json").read_text())["totals"] == report["totals"]
-    assert {k: v["injected"] for k, v in report["by_kind"].items()} == {"stage": 3, "manager": 1, "flush": 1, "pause": 1}
+    assert {k: v["injected"] for k, v in report["by_kind"].items()} == {"stage": 3, "manager": 1, "flush": 1, "pause": 1, "drain": 1, "node": 1}
     assert all(v["survived"] == v["injected"] and v["committed_steps_lost"] == 0 and v["bit_identical"] for v in report["by_kind"].values())
     assert report["by_kind"]["pause"]["recovery_sources"] == {}
     assert report["by_moment"]["recovery"] == {"injected": 1, "survived": 1}  # struck while the primer's recovery ran
-    assert sum(m["injected"] for m in report["by_moment"].values()) == 6 and report["by_moment"]["backward"] == {"injected": 1, "survived": 1}
+    assert sum(m["injected"] for m in report["by_moment"].values()) == 8 and report["by_moment"]["backward"] == {"injected": 1, "survived": 1}
+    assert report["by_moment"]["drain"] == {"injected": 1, "survived": 1}  # a node removed while another node's drain was pending
     assert report["by_moment"]["flush"] == {"injected": 1, "survived": 1}  # every 2nd commit flushes: one comes within 5 steps
     (trial,) = report["trials"]
-    assert [(f["kind"], f["stage"]) for f in trial["faults"]] == [("stage", 2), ("stage", 1), ("manager", 2), ("flush", 0), ("pause", 3), ("stage", 2)]
+    assert [(f["kind"], f["stage"]) for f in trial["faults"]] == [
+        ("stage", 2), ("stage", 1), ("manager", 2), ("flush", 0), ("pause", 3), ("stage", 2), ("drain", 1), ("node", 0)]
     assert trial["durable"] is not None and trial["durable_error"] is None  # the final checkpoint verified
     assert "a byte flipped in a copy of it was detected" in trial["durable"]
 

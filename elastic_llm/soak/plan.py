@@ -2,7 +2,7 @@
 
 Owns: the fault kinds (:class:`FaultKind`), the moments a fault is aimed at (:class:`Moment`:
 between steps, during a snapshot's copy and parity exchange, during a recovery, during a durable
-flush, at a stage's forward, backward or update op), parsing ``--faults``, and :func:`plan_soak`, a pure function of (kinds, trials, faults
+flush, while a drain is pending, at a stage's forward, backward or update op), parsing ``--faults``, and :func:`plan_soak`, a pure function of (kinds, trials, faults
 per trial, seed, stages): the same arguments give the same schedule, and trial ``i``'s faults
 depend only on (seed, i), so any trial can be re-run alone.
 Never touches Ray, a process or a clock: the runner carries the schedule out.
@@ -41,6 +41,7 @@ class Moment(str, Enum):
     SNAPSHOT = "snapshot"  # while a snapshot version is in flight: stage copies, parity exchange, encode
     RECOVERY = "recovery"  # while the run recovers from another stage killed just before
     FLUSH = "flush"  # while a durable flush is being written
+    DRAIN = "drain"  # while a drain is pending: another stage's node was drained just before, the run not yet off it
     FORWARD = "forward"  # inside a step: the run's chaos hook kills the stage as it starts its first forward op
     BACKWARD = "backward"  # ... its first backward op
     UPDATE = "update"  # ... its optimizer update
@@ -50,9 +51,9 @@ OPS = (Moment.FORWARD, Moment.BACKWARD, Moment.UPDATE)  # moments struck through
 
 
 MOMENTS: dict[FaultKind, tuple[Moment, ...]] = {  # the moments each kind is aimed at, drawn at random
-    FaultKind.STAGE: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY, Moment.FLUSH, *OPS),
-    FaultKind.MANAGER: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY),
-    FaultKind.NODE: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY, Moment.FLUSH),
+    FaultKind.STAGE: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY, Moment.FLUSH, Moment.DRAIN, *OPS),
+    FaultKind.MANAGER: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY, Moment.DRAIN),
+    FaultKind.NODE: (Moment.STEP, Moment.SNAPSHOT, Moment.RECOVERY, Moment.FLUSH, Moment.DRAIN),
     FaultKind.DRAIN: (Moment.STEP, Moment.SNAPSHOT),
     FaultKind.PAUSE: (Moment.STEP, Moment.SNAPSHOT),
     FaultKind.CORRUPT: (Moment.STEP,),  # struck by the run's chaos hook at a step's start

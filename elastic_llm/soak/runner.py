@@ -16,7 +16,8 @@ in the next step). The moment a fault is aimed at from outside: between steps (t
 flight waited for first), while a snapshot version is still being worked on by a manager or a
 durable flush is in flight (waited for up to :data:`MOMENT_STEPS` steps, else between steps), or
 during a recovery (another stage is killed first, the run released, and the fault struck once
-the run is recovering). Driver faults run in trials of their own, whose driver is an
+the run is recovering), or while a drain is pending (another stage's node is drained first and
+the fault struck before the run has seen the drain: it meets both at once). Driver faults run in trials of their own, whose driver is an
 ``elastic-llm train`` process, SIGKILLed and resumed with ``--resume RUN_ID``. After the run its
 newest durable checkpoint is read back and verified. A trial that does not end by its
 deadline fails with where the run's thread is; its actors are ended, and if even that does not
@@ -286,8 +287,16 @@ class _Trial:
                 return
             moment = Moment.STEP  # none came: it strikes between steps instead
         self.waited = 0
-        if moment in (Moment.STEP, Moment.RECOVERY):  # a recovery's primer strikes between steps too
+        if moment in (Moment.STEP, Moment.RECOVERY, Moment.DRAIN):  # a recovery's or drain's primer strikes between steps too
             self._settle(step)
+        if moment is Moment.DRAIN:  # drain another stage's node first; strike before the run has left it
+            nodes = self.t.group.nodes
+            n = self.t.cfg.parallel.stages
+            other = next((s for s in ((fault.stage + i) % n for i in range(1, n)) if nodes[ShardKey(s, 0)] != nodes[ShardKey(fault.stage, 0)]), None)
+            if other is not None:
+                self._inject(Fault(FaultKind.DRAIN, fault.step, other), Moment.STEP, primer=True)
+            self._inject(fault, Moment.DRAIN if self.drained is not None else Moment.STEP)
+            return
         if moment is Moment.RECOVERY:  # kill another stage first; strike the fault once the run recovers
             primer = Fault(FaultKind.STAGE, fault.step, (fault.stage + 1) % self.t.cfg.parallel.stages)
             self._inject(primer, Moment.STEP, primer=True)
