@@ -61,3 +61,21 @@ def test_a_manager_without_the_committed_version_counts_as_lost(ray_local):
     assert coord.dead_managers(alive) == {"b", "c"}
     coord.unloadable["c"] = 6  # an older version's failure does not count against 7
     assert coord.dead_managers(alive - {"a"}) == {"a", "b"}
+
+
+def test_a_shard_that_fails_to_load_beyond_parity_asks_for_a_new_plan(ray_local):
+    """The plan knew node c lost; a's shard then fails to load while restoring: two parts of the
+    group gone, more than parity 1. That is news to the plan, so the controller must observe and
+    plan again (now falling back), not give the run up as unrecoverable."""
+    import ray
+
+    from elastic_llm.recovery.policy import SourceLost
+    from elastic_llm.snapshot.manager import SnapshotManager
+
+    cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["parallel.stages=2", "snapshot.parity=1"])
+    coord = SnapshotCoordinator(cfg, "elastic-llm-test", "lost02")
+    coord.managers = {n: ray.remote(SnapshotManager).remote(n) for n in ("a", "b")}  # c's node is gone
+    coord.committed = VersionRecord(7, (("a", "b", "c"),), (shard(0, "a", 7), shard(1, "b", 7)))
+    with pytest.raises(SourceLost, match="failed to load"):
+        coord.fetch_stage_state(0, 0, frozenset({"c"}))  # a's manager does not hold version 7
+    assert coord.unloadable == {"a": 7} and coord.dead_managers({"a", "b"}) == {"a", "b"}  # b never took 7 either

@@ -120,6 +120,18 @@ def test_a_fault_struck_during_a_recovery_shares_the_window_of_the_stage_killed_
     assert [f["diagnosis"] for f in judge_trial(missing, REF)[1]] == ["1 of 2 planned faults were never injected"]
 
 
+def test_fall_backs_beyond_the_budget_are_counted_apart_and_a_drain_line_may_follow_a_rollback():
+    drain, node = Fault(FaultKind.DRAIN, 6, 1), Fault(FaultKind.NODE, 6, 0, Moment.DRAIN)
+    durable = {**rec(7, 0, "durable", lost=4), "reason": "no in-memory copy survives (2 nodes of an erasure group...)"}
+    run = TrialRun(TrialPlan(0, (node,), 12), [Injection(drain, "d", node="n1", primer=True), Injection(node, "n", node="n2", moment=Moment.DRAIN)],
+                   dict(REF), recoveries=[durable], drains=[{"step": 5, "node": "n1", "seconds": 0.1}])  # the rollback replayed step 5
+    outcomes, failed = judge_trial(run, REF)
+    assert failed == [] and outcomes[0].matched and outcomes[1].matched
+    t = build_report({"config": "t", "seed": 0, "faults_per_trial": 1, "kinds": ["node"]}, REF, [run])
+    assert t["totals"]["committed_steps_lost"] == 0 and t["totals"]["fallbacks"] == 1 and t["totals"]["fallback_committed_steps_lost"] == 4
+    assert t["trials"][0]["fallbacks"][0]["source"] == "durable"
+
+
 def test_losses_are_compared_up_to_the_first_lossy_recovery():
     node = Fault(FaultKind.NODE, 3, 1, Moment.SNAPSHOT)  # before any snapshot committed: CheckFree is the right fall-back
     lossy = {**rec(4, 1, "checkfree"), "lossless": False}

@@ -89,7 +89,7 @@ from elastic_llm.model import count_parameters
 from elastic_llm.pipeline.executor import PendingStep, RayStepExecutor, StepExecutor, StepFailed, StepResult
 from elastic_llm.pipeline.shares import replica_shares
 from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
-from elastic_llm.recovery.policy import RecoveryPolicy, UnrecoverableError
+from elastic_llm.recovery.policy import RecoveryPolicy, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.spans import Spans
 
@@ -651,7 +651,7 @@ class Trainer:
             return start_waiting(state, e.capacity, time.monotonic(), self.cfg.recovery.capacity_timeout_s)
         except UnrecoverableError as e:
             return after_unrecoverable(failure, str(e))
-        except (ray.exceptions.RayError, TimeoutError, StepFailed, PlanNotFollowed) as err:  # observed again and re-planned
+        except (ray.exceptions.RayError, TimeoutError, StepFailed, PlanNotFollowed, SourceLost) as err:  # observed again and re-planned
             again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during="recovery")
             self.budget = self.budget.record(again.step)
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)

@@ -38,6 +38,12 @@ class UnrecoverableError(RuntimeError):
     """No lossless source survives; the message says what was lost and how to avoid it."""
 
 
+class SourceLost(RuntimeError):
+    """A source the plan named turned out to be gone while the plan was carried out (a shard
+    failed to load where the plan expected it): the controller observes again, which now sees it
+    gone, and re-plans."""
+
+
 @dataclass(frozen=True)
 class Member:
     """One (stage, replica) actor as observed after a failure."""

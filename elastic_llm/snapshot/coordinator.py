@@ -23,7 +23,7 @@ from typing import Any
 
 from elastic_llm.cadence import Ema, snapshot_every
 from elastic_llm.config import RunConfig
-from elastic_llm.recovery.policy import UnrecoverableError
+from elastic_llm.recovery.policy import SourceLost, UnrecoverableError
 from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.manager import SnapshotManager
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
@@ -424,7 +424,12 @@ class SnapshotCoordinator:
                 sources.append("local_smp")
             else:
                 offsets.append(info.lo)
-                refs.append(self._rebuild_shard(info.key, set(dead_nodes) | {node}))
+                try:
+                    refs.append(self._rebuild_shard(info.key, set(dead_nodes) | {node}))
+                except UnrecoverableError as e:
+                    if self.unloadable.get(node) == rec.version:  # learnt just now: the plan did not know it
+                        raise SourceLost(f"{e}; {info.key}'s shard failed to load on its node while restoring") from None
+                    raise
                 sources.append("parity")
         manifest = slices[min(replica, len(slices) - 1)].manifest
         return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources))

@@ -85,7 +85,7 @@ def judge_fault(inj: Injection, nxt: Fault | None, run: TrialRun) -> Outcome:
     if inj.error is not None:
         return Outcome(False, f"not injected: {inj.error}")
     recs = [r for r in _window(f, nxt, run.recoveries, 1) if r.get("source") != "none"]
-    lost = sum(int(r.get("committed_steps_lost", 0)) for r in recs)
+    lost = sum(int(r.get("committed_steps_lost", 0)) for r in recs if not fallback(r))
     mine = [r for r in recs if r.get("stage") == f.stage]
     sources = tuple(sorted({str(r["source"]) for r in recs}))
     secs = _per_recovery_seconds(recs)
@@ -109,8 +109,8 @@ def judge_fault(inj: Injection, nxt: Fault | None, run: TrialRun) -> Outcome:
         if not inj.manager_replaced:
             return Outcome(False, "no successor manager on the node held a newer committed snapshot", sources, secs, lost)
         return Outcome(True, "manager replaced, later snapshots committed" + (f"; recoveries: {', '.join(sources)}" if recs else ""), sources, secs, lost)
-    if f.kind is FaultKind.DRAIN:
-        drains = [d for d in _window(f, nxt, run.drains, 0) if d.get("node") == inj.node]
+    if f.kind is FaultKind.DRAIN:  # node ids are never reused: its line may follow a rollback to before the fault's step
+        drains = [d for d in run.drains if d.get("node") == inj.node]
         if not drains:
             return Outcome(False, "no drain line for the drained node", sources, secs, lost)
         d = drains[0]
@@ -133,6 +133,16 @@ def loss_diff(got: dict[int, float], want: dict[int, float]) -> str | None:
         if got[step] != want[step]:
             return f"step {step}: loss {got[step]!r} vs {want[step]!r} in the reference"
     return None
+
+
+FALLBACKS = ("durable", "checkfree", "checkfree_plus")  # what serves beyond the parity budget
+
+
+def fallback(recovery: dict[str, Any]) -> bool:
+    """Whether a recovery line is a fall-back beyond the parity budget (the durable tier or a
+    CheckFree rebuild: no in-memory copy survived, the line says why); the committed steps it
+    undoes are counted apart from the budget's. Pure."""
+    return str(recovery.get("source")) in FALLBACKS
 
 
 def first_lossy(run: TrialRun) -> int | None:
@@ -168,7 +178,7 @@ def judge_trial(run: TrialRun, reference: dict[int, float]) -> tuple[list[Outcom
         fail("finished", f"no end within the trial's deadline: {run.hung}")
     elif run.error is not None:
         fail("finished", f"the run stopped: {run.error}")
-    lost = sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries)
+    lost = sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries if not fallback(r))
     lost += sum(o.committed_steps_lost for inj, o in zip(run.injections, outcomes) if inj.fault.kind is FaultKind.DRIVER)
     if lost:
         fail("no_committed_step_lost", f"recoveries undid {lost} committed steps")
@@ -223,7 +233,8 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
             "trial": run.plan.trial, "steps": run.plan.steps, "seconds": round(run.seconds, 3), "faults": faults,
             "recoveries": len({r["step"] for r in run.recoveries if r.get("source") != "none"}), "drains": len(run.drains), "resizes": len(run.resizes),
             "failovers": run.failovers,
-            "committed_steps_lost": sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries)
+            "fallbacks": [{"step": r["step"], "source": r["source"], "reason": r.get("reason", "")} for r in run.recoveries if fallback(r)],
+            "committed_steps_lost": sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries if not fallback(r))
             + sum(o.committed_steps_lost for inj, o in zip(run.injections, outcomes) if inj.fault.kind is FaultKind.DRIVER),
             "bit_identical": identical, "error": run.error, "hung": run.hung, "durable": run.durable, "durable_error": run.durable_error,
             "failed": [x["invariant"] for x in failed],
@@ -241,6 +252,8 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
         "committed_steps_lost": sum(t["committed_steps_lost"] for t in trials),
         "bit_identical_trials": sum(1 for t in trials if t["bit_identical"]),
         "lossy_recoveries": sum(1 for run in runs for r in run.recoveries if r.get("lossless") is False),
+        "fallbacks": sum(len({r["step"] for r in run.recoveries if fallback(r)}) for run in runs),
+        "fallback_committed_steps_lost": sum(int(r.get("committed_steps_lost", 0)) for run in runs for r in run.recoveries if fallback(r)),
     }
     totals["durable_verified_trials"] = sum(1 for t in trials if t["durable"] is not None and t["durable_error"] is None)
     return {**meta, "ok": not failures, "failures": failures, "by_kind": by_kind, "by_moment": moments, "totals": totals, "trials": trials}
@@ -258,7 +271,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"seed {report['seed']}, {t['trials']} trials x {report['faults_per_trial']} faults of {', '.join(report['kinds'])}; "
         f"{t['injected']} injected, {t['survived']} survived, {t['committed_steps_lost']} committed steps lost, "
-        f"{t['bit_identical_trials']}/{t['trials']} trials bit-identical to the reference",
+        f"{t['bit_identical_trials']}/{t['trials']} trials bit-identical to the reference; "
+        f"{t.get('fallbacks', 0)} fall-backs beyond the parity budget (durable tier or CheckFree, "
+        f"{t.get('fallback_committed_steps_lost', 0)} committed steps undone by them), {t.get('lossy_recoveries', 0)} lossy recoveries",
         "",
         "| fault | injected | survived | recovery sources | recover s (median / max) | committed steps lost | bit-identical |",
         "|---|---|---|---|---|---|---|",
