@@ -491,7 +491,12 @@ class Soak:
                 cfg = self.load([f"train.max_steps={self.steps}"])
             reference = self._reference(cfg, self.steps, out / "reference")
             for plan in self.plans:
-                self.top_up()
+                try:
+                    self.top_up()
+                except Exception as e:  # the cluster itself failed: the report keeps the trials run so far
+                    aborted = f"before trial {plan.trial} the cluster could not be brought back to {self.options.workers} worker nodes: {type(e).__name__}: {e}"
+                    say(f"soak stopped: {aborted}")
+                    break
                 try:
                     driver = any(f.kind is FaultKind.DRIVER for f in plan.faults)
                     runs.append((self._driver_trial if driver else self._trial)(plan, out / f"trial-{plan.trial}"))
