@@ -22,6 +22,8 @@ the fault struck before the run has seen the drain: it meets both at once). Driv
 newest durable checkpoint is read back and verified. A trial that does not end by its
 deadline fails with where the run's thread is; its actors are ended, and if even that does not
 end the run the soak stops with the trials it ran.
+It is this big because it carries out every fault kind and moment against a live run, plus the
+driver trials' separate processes; the schedule (plan) and the verdict (report) live apart.
 Never judges anything (report does) and never sends traffic off loopback. Nodes are added and
 removed from the main thread, which ``Cluster`` requires; the run's on_step callback waits
 while a fault strikes between steps.
@@ -84,11 +86,8 @@ def where(thread: threading.Thread, frames: int = 6) -> str:
 
 
 def verify_durable(t: Any) -> tuple[str | None, str | None]:
-    """A finished run's newest durable checkpoint, read back and checked (every tensor against
-    its checksum) and of the run's newest committed step: (what verified, None) or (None, why
-    not); (None, None) for a run without a durable tier."""
-    from elastic_llm.durable.format import Checkpoint
-
+    """A finished run's newest durable checkpoint (see :func:`check_checkpoint`), which must also
+    be of the run's newest committed step; (None, None) for a run without a durable tier."""
     if t.durable is None:
         return None, None
     latest = t.durable.latest()
@@ -96,13 +95,21 @@ def verify_durable(t: Any) -> tuple[str | None, str | None]:
         return None, "the run committed no durable checkpoint"
     step, name = latest
     committed = t.snapshots.committed.version if t.snapshots is not None and t.snapshots.committed is not None else None
-    try:
-        summary = Checkpoint(t.durable.run, name).verify()
-    except Exception as e:
-        return None, f"{name} does not verify: {type(e).__name__}: {e}"
     if committed is not None and step != committed:
         return None, f"the newest durable checkpoint is of step {step}, the newest committed snapshot of step {committed}"
-    missed = flip_is_missed(t.durable.run, name)
+    return check_checkpoint(t.durable.run, name)
+
+
+def check_checkpoint(run: Any, name: str) -> tuple[str | None, str | None]:
+    """Checkpoint ``name`` of run directory ``run`` read back (every tensor against its checksum),
+    and a copy of it with one byte flipped refused: (what verified, None) or (None, why not)."""
+    from elastic_llm.durable.format import Checkpoint
+
+    try:
+        summary = Checkpoint(run, name).verify()
+    except Exception as e:
+        return None, f"{name} does not verify: {type(e).__name__}: {e}"
+    missed = flip_is_missed(run, name)
     if missed is not None:
         return None, missed
     return f"{name}: {summary['tensors']} tensors, {summary['bytes']} bytes; a byte flipped in a copy of it was detected", None
@@ -137,20 +144,15 @@ def flip_is_missed(run: Any, name: str) -> str | None:
 
 
 def verify_durable_dir(cfg: RunConfig) -> tuple[str | None, str | None]:
-    """The newest committed checkpoint in ``cfg``'s durable run directory, verified: (what, None)
-    or (None, why not)."""
-    from elastic_llm.durable.format import open_checkpoint
+    """The newest committed checkpoint in ``cfg``'s durable run directory (see :func:`check_checkpoint`)."""
+    from elastic_llm.durable.format import newest_committed
     from elastic_llm.durable.tier import run_storage
 
-    try:
-        ck = open_checkpoint(run_storage(cfg).uri)
-        summary = ck.verify()
-    except Exception as e:
-        return None, f"the run's newest durable checkpoint does not verify: {type(e).__name__}: {e}"
-    missed = flip_is_missed(ck.storage, ck.name)
-    if missed is not None:
-        return None, missed
-    return f"{ck.name}: {summary['tensors']} tensors, {summary['bytes']} bytes; a byte flipped in a copy of it was detected", None
+    run = run_storage(cfg)
+    newest = newest_committed(run)
+    if newest is None:
+        return None, "the run committed no durable checkpoint"
+    return check_checkpoint(run, newest.name)
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
