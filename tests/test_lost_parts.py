@@ -79,3 +79,45 @@ def test_a_shard_that_fails_to_load_beyond_parity_asks_for_a_new_plan(ray_local)
     with pytest.raises(SourceLost, match="failed to load"):
         coord.fetch_stage_state(0, 0, frozenset({"c"}))  # a's manager does not hold version 7
     assert coord.unloadable == {"a": 7} and coord.dead_managers({"a", "b"}) == {"a", "b"}  # b never took 7 either
+
+
+def test_a_slow_manager_gets_a_second_deadline_and_each_lost_part_says_why(ray_local, monkeypatch):
+    """A manager that answers late (a loaded node) is not lost: counting it lost can send the run
+    back to the durable tier. One that never answers, or is gone, is lost, each with its reason."""
+    import os
+    import signal
+    import threading
+
+    import ray
+
+    from elastic_llm.snapshot import coordinator as mod
+    from elastic_llm.snapshot.manager import SnapshotManager, Version
+
+    monkeypatch.setattr(mod, "PING_S", 0.5)
+    monkeypatch.setattr(mod, "SLOW_PING_S", 4.0)
+    cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["parallel.stages=2", "snapshot.parity=1"])
+    coord = SnapshotCoordinator(cfg, "elastic-llm-test", "lost03")
+    nodes = ("a", "b", "c", "d")
+    handles = {n: ray.remote(SnapshotManager).remote(n) for n in nodes}
+    coord.managers = dict(handles)
+    coord.committed = VersionRecord(7, (nodes,), tuple(shard(i, n, 7) for i, n in enumerate(nodes)))
+
+    def put(self, vs):
+        self.versions = {v: Version() for v in vs}
+        return os.getpid()
+
+    pid = {n: ray.get(h.__ray_call__.remote(put, [7])) for n, h in handles.items()}
+    os.kill(pid["a"], signal.SIGSTOP)  # answers 1.5 s late: within the second deadline
+    os.kill(pid["b"], signal.SIGSTOP)  # does not answer at all
+    threading.Timer(1.5, os.kill, (pid["a"], signal.SIGCONT)).start()
+    ray.kill(handles["c"])  # asynchronous: a call can still be served until the process is gone
+    with pytest.raises(ray.exceptions.RayActorError):
+        while True:
+            ray.get(handles["c"].held.remote(), timeout=10)
+    try:
+        why = coord.lost_parts(set(nodes) - {"d"})
+    finally:
+        os.kill(pid["b"], signal.SIGCONT)
+    assert set(why) == {"b", "c", "d"}
+    assert "did not answer within 4.5 s" in why["b"]
+    assert "manager is gone" in why["c"] and why["d"] == "its node died"

@@ -20,6 +20,7 @@ from elastic_llm.controller.actor_group import ActorGroup
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.liveness import NodeWatch
 from elastic_llm.controller.neighbours import promote_copies, rebuild_from_neighbours
+from elastic_llm.controller.session import log
 from elastic_llm.recovery.failure import StepFailure
 from elastic_llm.recovery.policy import LOSSY, Member, Observation, RecoveryPlan
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
@@ -116,7 +117,10 @@ class RecoveryExecutor:
             sn.abandon_pending(from_version=failed_step)  # the failed step's snapshot cannot complete
             sn.poll(block=True, timeout=COMMIT_S)  # commit what completed before the failure
             sn.abandon_pending()
-            dead_managers = sn.dead_managers(alive_nodes)
+            lost_parts = sn.lost_parts(alive_nodes)
+            for node, why in sorted(lost_parts.items()):
+                log(f"the snapshot part of step {sn.committed.version if sn.committed else None} on node {node[:12]} is lost: {why}")
+            dead_managers = frozenset(lost_parts)
         o = self.options
         ckpt = o.checkpoints.latest() if o.checkpoints is not None else None
         durable = o.durable.latest() if o.durable is not None else None

@@ -202,7 +202,8 @@ class RecoveryPolicy:
                 gone = [n for n in group if n in obs.dead_managers]
                 if len(gone) > obs.parity:
                     return (
-                        f"{len(gone)} nodes of an erasure group of {len(group)} lost their snapshots but parity covers "
+                        f"{len(gone)} nodes ({', '.join(n[:8] for n in gone)}) of an erasure group of {len(group)} lost "
+                        f"their snapshots but parity covers "
                         f"{obs.parity}: raise snapshot.parity or add durable checkpoints"
                     )
             if any(shard_node[k] in obs.dead_managers and not any(shard_node[k] in g for g in obs.groups) for k in lost_shards):

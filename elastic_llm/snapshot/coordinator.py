@@ -32,7 +32,8 @@ log = logging.getLogger("elastic_llm.snapshot")
 AUTO_START = 4  # snapshot.every: auto starts here: snapshot steps and clean steps both get measured
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
 WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
-PING_S = 10.0  # a manager that does not answer within this is dead
+PING_S = 10.0  # a manager that does not answer within this is slow ...
+SLOW_PING_S = 20.0  # ... and lost if it still has not answered this much later
 
 
 @dataclass(frozen=True)
@@ -147,30 +148,44 @@ class SnapshotCoordinator:
         return self.managers
 
     def dead_managers(self, alive_nodes: set[str] | frozenset[str]) -> frozenset[str]:
-        """Nodes whose part of the committed version is gone: the node died, its manager does not
-        answer, its manager no longer holds that version (a successor of a killed manager), or a
-        shard of it failed to load there (:meth:`fetch_stage_state`: missing or failing its
-        checksum). Asks every manager at once (one deadline for all); changes nothing."""
+        """Nodes whose part of the committed version is gone (see :meth:`lost_parts`)."""
+        return frozenset(self.lost_parts(alive_nodes))
+
+    def lost_parts(self, alive_nodes: set[str] | frozenset[str]) -> dict[str, str]:
+        """Nodes whose part of the committed version is gone, each with why: the node died, its
+        manager does not answer, its manager no longer holds that version (a successor of a killed
+        manager), or a shard of it failed to load there (:meth:`fetch_stage_state`: missing or
+        failing its checksum). Asks every manager at once; one that is alive but slow (a loaded
+        node) gets a second, longer deadline before it counts as lost, since a manager counted
+        lost can send the run back to the durable tier. Changes nothing."""
         import ray
 
-        dead = {n for n in self.managers if n not in alive_nodes}
-        live = {n: h for n, h in self.managers.items() if n not in dead}
-        pings = {n: h.held.remote() for n, h in live.items()}
-        ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_S)
+        why = {n: "its node died" for n in self.managers if n not in alive_nodes}
+        pings = {n: h.held.remote() for n, h in self.managers.items() if n not in why}
+        ready, slow = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_S)
+        if slow:
+            ray.wait(slow, num_returns=len(slow), timeout=SLOW_PING_S)
         rec = self.committed
         part_of = {n for g in rec.groups for n in g} | {s.node_id for s in rec.shards} if rec is not None else set()
         for node, ref in pings.items():
             try:
                 held = ray.get(ref, timeout=0)
-            except Exception:
-                dead.add(node)
+            except ray.exceptions.GetTimeoutError:
+                why[node] = f"its manager did not answer within {PING_S + SLOW_PING_S:g} s"
+                continue
+            except Exception as e:
+                why[node] = f"its manager is gone ({type(e).__name__})"
                 continue
             if rec is not None and node in part_of and rec.version not in held:
-                dead.add(node)
+                why[node] = f"its manager no longer holds step {rec.version} (a successor of a killed manager)"
         if rec is not None:  # shards recorded on nodes that no longer have a manager, or that failed to load
-            dead |= {s.node_id for s in rec.shards if s.node_id not in self.managers}
-            dead |= {n for n, v in self.unloadable.items() if v == rec.version}
-        return frozenset(dead)
+            for s in rec.shards:
+                if s.node_id not in self.managers:
+                    why.setdefault(s.node_id, "it has no manager")
+            for n, v in self.unloadable.items():
+                if v == rec.version:
+                    why.setdefault(n, f"a shard of step {v} failed to load there")
+        return why
 
     def shutdown(self) -> None:
         import ray

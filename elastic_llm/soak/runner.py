@@ -52,6 +52,7 @@ from elastic_llm.soak.report import Injection, TrialRun, build_report, write_rep
 
 POLL_S = 0.1
 STRIKE_S = 60.0  # longest one fault may take to strike
+JOIN_S = 180.0  # a fresh node's raylet on a loaded 2-core machine can take over Ray's default 30 s to join
 STOP_S = 30.0  # after a trial's deadline, how long its run gets to stop
 DRAIN_EXTRA_STEPS = 10  # most steps a run is lengthened while a drain's moves (or faults) are still under way
 DURABLE_EVERY = 2  # a trial flushes every 2nd committed snapshot (unless its config has a durable tier)
@@ -417,6 +418,10 @@ class _Trial:
         if self.drained is not None:
             self.soak.replace_node(self.drained)
             self.drained = None
+        self.judge_managers()
+
+    def judge_managers(self) -> None:
+        """Each killed manager: did a successor on its node hold a newer committed version?"""
         snaps = self.t.snapshots
         committed = snaps.committed.version if snaps is not None and snaps.committed is not None else -1
         for i, node, old, step in self.managers:
@@ -457,7 +462,7 @@ class Soak:
 
         while len(self.cluster.worker_nodes) < self.options.workers:
             add_loopback_node(self.cluster, self.options.cpus_per_node)
-        self.cluster.wait_for_nodes()
+        self.cluster.wait_for_nodes(timeout=JOIN_S)
 
     def replace_node(self, node_id: str) -> None:
         """Remove ``node_id`` at once (no grace) and add a fresh node in its place."""
@@ -629,6 +634,7 @@ class Soak:
             trial.finish()
         except Exception as e:  # the harness itself failed: judged as a run that did not finish
             trial.error = trial.error or f"harness: {type(e).__name__}: {e}"
+            trial.judge_managers()
         finally:
             trial._resume(0.0, every=True)
             if hung is None:
