@@ -139,7 +139,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     overrides = list(args.set or [])
     cfg = load_config(args.config, overrides)  # a bad config is refused before any node starts
-    plans = plan_soak(kinds, args.trials, args.faults_per_trial, args.seed, cfg.parallel.stages, args.first_trial)
+    lo, hi = cfg.elastic.bounds(cfg.parallel.dp)
+    plans = plan_soak(kinds, args.trials, args.faults_per_trial, args.seed, cfg.parallel.stages, args.first_trial, resize=lo < hi)
     options = SoakOptions(args.workers, args.cpus_per_node, args.trial_timeout_s, seed=args.seed)
     driver_argv = ["--config", args.config, *[a for o in overrides for a in ("--set", o)]]  # driver trials start `elastic-llm train` with these
     report = Soak(lambda extra: load_config(args.config, [*overrides, *extra]), plans, options, driver_argv=driver_argv).run(args.out)

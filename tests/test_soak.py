@@ -9,7 +9,7 @@ import pytest
 
 from elastic_llm.cli import main
 from elastic_llm.config import load_config
-from elastic_llm.soak.plan import GAP, MOMENTS, Fault, FaultKind, Moment, TrialPlan, parse_kinds, plan_soak, plan_trial
+from elastic_llm.soak.plan import GAP, MOMENTS, RESIZES, Fault, FaultKind, Moment, TrialPlan, parse_kinds, plan_soak, plan_trial
 from elastic_llm.soak.report import Injection, TrialRun, build_report, judge_trial, render_markdown
 from elastic_llm.soak.runner import Soak, SoakOptions, hook_events
 
@@ -41,9 +41,18 @@ def test_schedule_spaces_faults_and_covers_every_kind(seed):
 
 
 def test_schedule_aims_faults_at_every_moment():
-    faults = [f for p in plan_soak(ALL, 10, 12, seed=0, stages=4) for f in p.faults]
+    faults = [f for p in plan_soak(ALL, 20, 12, seed=0, stages=4, resize=True) for f in p.faults]
     assert {f.moment for f in faults} == set(Moment) and {f.moment for f in faults if f.kind is FaultKind.DRIVER} == {Moment.STEP}
     assert {f.moment for f in faults if f.kind is FaultKind.CORRUPT} == {Moment.STEP}
+    assert {f.kind for f in faults if f.moment is Moment.RESIZE} == set(RESIZES)
+
+
+def test_a_run_of_fixed_width_is_never_aimed_at_a_resize():
+    faults = [f for p in plan_soak(ALL, 10, 12, seed=0, stages=4) for f in p.faults]
+    assert Moment.RESIZE not in {f.moment for f in faults}
+    # the schedule of a fixed-width soak is the one it always was: same seed, same faults
+    assert [(f.kind, f.step, f.stage) for f in plan_trial(ALL, 12, 0, 3, 4).faults] == \
+        [(f.kind, f.step, f.stage) for f in plan_trial(ALL, 12, 0, 3, 4, resize=True).faults]
 
 
 def test_kinds_parse_and_unknown_ones_are_named():
@@ -142,6 +151,24 @@ def test_losses_are_compared_up_to_the_first_lossy_recovery():
     assert report["totals"]["lossy_recoveries"] == 1 and report["trials"][0]["bit_identical"]
     run.losses[3] = 0.0  # a step before the lossy recovery must still match
     assert [f["invariant"] for f in judge_trial(run, REF)[1]] == ["bit_identical"]
+
+
+def test_after_a_width_change_losses_match_within_a_tolerance_and_a_dropped_replica_is_an_outcome():
+    # a node removed with no room left: the run drops its replica (width 2 -> 1) instead of
+    # restoring the stage; from the next step the global batch is summed in another order
+    node = Fault(FaultKind.NODE, 3, 1)
+    shrink = {"event": "resize", "step": 3, "from_dp": 2, "to_dp": 1, "reason": "replica lost"}
+    got = {**REF, **{s: REF[s] * (1 + 1e-6) for s in range(4, 13)}}
+    run = TrialRun(TrialPlan(0, (node,), 12), [Injection(node, "n", node="n1")], got, recoveries=[rec(4, None, "none")], resizes=[shrink])
+    outcomes, failed = judge_trial(run, REF)
+    assert failed == [] and outcomes[0].matched and "dropped (width 2 -> 1)" in outcomes[0].what
+    report = build_report({"config": "t", "seed": 0, "faults_per_trial": 1, "kinds": ["node"]}, REF, [run])
+    assert report["trials"][0]["width_changed_at"] == 3 and 0 < report["totals"]["rel_diff_after_width_change"] < 2e-6
+    assert "up to their first width change" in render_markdown(report)
+    run.losses[3] = REF[3] * (1 + 1e-9)  # the step before the width changed must match bit for bit
+    assert [f["invariant"] for f in judge_trial(run, REF)[1]] == ["bit_identical"]
+    run.losses[3], run.losses[7] = REF[3], REF[7] * 1.01  # after it, only within the tolerance
+    assert "more than 0.001 apart" in judge_trial(run, REF)[1][0]["diagnosis"]
 
 
 def test_driver_faults_are_judged_by_where_the_new_driver_resumed_from():
@@ -251,4 +278,28 @@ def test_soak_of_driver_kills_resumes_each_new_driver_from_memory_bit_for_bit(cl
     assert k["injected"] == 2 and k["survived"] == 2 and k["recovery_sources"] == {"memory": 2} and k["bit_identical"]
     (trial,) = report["trials"]
     assert len(trial["failovers"]) == 2 and all(f["source"] == "memory" and f["step"] == f["committed"] >= 1 for f in trial["failovers"])
+    assert trial["durable"] is not None and trial["durable_error"] is None
+
+
+def test_soak_of_faults_during_a_resize_holds_every_invariant(cluster, corpus_dir, tmp_path):
+    """Two replicas of two stages, one stage actor per node: a removed node leaves no room, so the
+    run drops a replica; a fresh node comes and the run grows back; a stage is killed and a
+    manager is killed while that grow is under way."""
+    sets = ["model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4", "parallel.stages=2", "parallel.dp=2",
+            "parallel.microbatches=2", "parallel.cpus_per_actor=2", "parallel.placement_strategy=SPREAD", "train.batch_size=4",
+            "train.eval_every=0", "snapshot.parity=1", "recovery.standby=0", "elastic.min_replicas=1", "elastic.max_replicas=2",
+            "elastic.grow_check_s=0.5", f"data.dir={corpus_dir}"]
+    plans = [TrialPlan(0, (Fault(FaultKind.STAGE, 3, 0, Moment.RESIZE), Fault(FaultKind.MANAGER, 7, 1, Moment.RESIZE)), 10)]
+
+    def load(extra):
+        return load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*sets, *extra])
+
+    report = Soak(load, plans, SoakOptions(WORKERS, 2.0, trial_timeout_s=250.0, seed=1), cluster=cluster).run(tmp_path)
+    print((tmp_path / "report.md").read_text())
+    assert report["ok"], report["failures"]
+    assert report["by_moment"]["resize"] == {"injected": 2, "survived": 2}  # struck while a spare replica started or joined
+    (trial,) = report["trials"]
+    assert [(f["kind"], f["moment"]) for f in trial["faults"]] == [("node", "step"), ("stage", "resize"), ("node", "step"), ("manager", "resize")]
+    assert trial["resizes"] >= 3 and trial["width_changed_at"] is not None  # two shrinks, a grow (the second may come after the end)
+    assert trial["rel_diff_after_width_change"] is not None  # compared within the tolerance after the width changed
     assert trial["durable"] is not None and trial["durable_error"] is None

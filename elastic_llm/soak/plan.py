@@ -45,6 +45,7 @@ class Moment(str, Enum):
     FORWARD = "forward"  # inside a step: the run's chaos hook kills the stage as it starts its first forward op
     BACKWARD = "backward"  # ... its first backward op
     UPDATE = "update"  # ... its optimizer update
+    RESIZE = "resize"  # while the run grows back: a replica was dropped just before (its node removed with no room left), a fresh node came, and the run's spare replica is starting or joining
 
 
 OPS = (Moment.FORWARD, Moment.BACKWARD, Moment.UPDATE)  # moments struck through the run's chaos hook
@@ -60,6 +61,7 @@ MOMENTS: dict[FaultKind, tuple[Moment, ...]] = {  # the moments each kind is aim
     FaultKind.FLUSH: (Moment.FLUSH,),
     FaultKind.DRIVER: (Moment.STEP,),  # killed once its metrics show the step: it is then inside a later one
 }
+RESIZES = (FaultKind.STAGE, FaultKind.MANAGER, FaultKind.NODE)  # also aimed at a resize when the run's width can change
 
 
 @dataclass(frozen=True)
@@ -120,10 +122,12 @@ def kinds_problem(kinds: tuple[FaultKind, ...]) -> str | None:
     return None
 
 
-def plan_trial(kinds: tuple[FaultKind, ...], faults: int, seed: int, trial: int, stages: int) -> TrialPlan:
+def plan_trial(kinds: tuple[FaultKind, ...], faults: int, seed: int, trial: int, stages: int, resize: bool = False) -> TrialPlan:
     """Trial ``trial``'s ``faults`` faults, seeded by (seed, trial): the kinds come round in a
-    shuffled order (every kind once before any twice), each aimed at a random stage, each at
-    least :data:`GAP` steps after the previous one. Pure."""
+    shuffled order (every kind once before any twice), each aimed at a random stage and moment,
+    each at least :data:`GAP` steps after the previous one; with ``resize`` (a run whose
+    data-parallel width can shrink and grow) the kinds of :data:`RESIZES` are aimed at a resize
+    too. Pure."""
     if not kinds or faults < 1 or stages < 1:
         raise ValueError(f"a trial needs fault kinds, faults >= 1 and stages >= 1 (got {kinds}, {faults}, {stages})")
     rng = np.random.default_rng([seed, trial])
@@ -135,11 +139,12 @@ def plan_trial(kinds: tuple[FaultKind, ...], faults: int, seed: int, trial: int,
     for kind in order[:faults]:
         step += GAP + int(rng.integers(0, JITTER + 1))
         stage = int(rng.integers(0, stages))
-        moments = MOMENTS[kind]
+        moments = MOMENTS[kind] + ((Moment.RESIZE,) if resize and kind in RESIZES else ())
         out.append(Fault(kind, step, stage, moments[int(rng.integers(0, len(moments)))]))
     return TrialPlan(trial, tuple(out), step + TAIL)
 
 
-def plan_soak(kinds: tuple[FaultKind, ...], trials: int, faults: int, seed: int, stages: int, first: int = 0) -> list[TrialPlan]:
+def plan_soak(kinds: tuple[FaultKind, ...], trials: int, faults: int, seed: int, stages: int, first: int = 0,
+              resize: bool = False) -> list[TrialPlan]:
     """The plans of trials ``first`` .. ``first + trials - 1`` (see :func:`plan_trial`). Pure."""
-    return [plan_trial(kinds, faults, seed, i, stages) for i in range(first, first + trials)]
+    return [plan_trial(kinds, faults, seed, i, stages, resize) for i in range(first, first + trials)]

@@ -17,6 +17,7 @@ from typing import Any
 
 from elastic_llm.soak.plan import Fault, FaultKind, Moment, TrialPlan
 
+WIDTH_RTOL = 1e-3  # after a width change losses match the reference within this (relative), not bit for bit
 INVARIANTS = ("finished", "no_committed_step_lost", "bit_identical", "fault_outcome", "corrupt_detected", "durable_verifies")
 
 
@@ -116,6 +117,9 @@ def judge_fault(inj: Injection, nxt: Fault | None, run: TrialRun) -> Outcome:
         d = drains[0]
         return Outcome(True, f"drained ({d.get('how')}: {d.get('moved')} moved, {d.get('dropped')} dropped)", sources,
                        tuple(round(float(x["seconds"]), 3) for x in drains) + secs, lost)
+    shrinks = [r for r in _window(f, nxt, run.resizes, 0) if r.get("to_dp", 0) < r.get("from_dp", 0)]
+    if not mine and shrinks and f.kind in (FaultKind.STAGE, FaultKind.NODE):  # its replica was dropped, not restored
+        return Outcome(True, f"its replica was dropped (width {shrinks[0]['from_dp']} -> {shrinks[0]['to_dp']})", sources, secs, lost)
     if not mine:
         return Outcome(False, f"no recovery line for stage {f.stage}" + (f" (recoveries of other stages: {', '.join(sources)})" if recs else ""), sources, secs, lost)
     if f.kind is FaultKind.CORRUPT and any(r["source"] == "local_smp" for r in mine):
@@ -124,15 +128,33 @@ def judge_fault(inj: Injection, nxt: Fault | None, run: TrialRun) -> Outcome:
     return Outcome(True, f"recovered from {', '.join(sorted({str(r['source']) for r in mine}))}{lossy}", sources, secs, lost)
 
 
-def loss_diff(got: dict[int, float], want: dict[int, float]) -> str | None:
-    """None when ``got`` equals ``want`` bit for bit; else the first difference. Pure."""
+def loss_diff(got: dict[int, float], want: dict[int, float], exact_until: int | None = None) -> str | None:
+    """None when ``got`` equals ``want`` bit for bit (after step ``exact_until``, the first width
+    change: within :data:`WIDTH_RTOL`); else the first difference. Pure."""
     missing = sorted(set(want) - set(got))
     if missing:
         return f"steps {missing[:5]} have no loss"
     for step in sorted(want):
-        if got[step] != want[step]:
+        if exact_until is not None and step > exact_until:
+            if abs(got[step] - want[step]) > WIDTH_RTOL * abs(want[step]):
+                return (f"step {step} (after the width changed at step {exact_until}): loss {got[step]!r} vs {want[step]!r} "
+                        f"in the reference, more than {WIDTH_RTOL:g} apart")
+        elif got[step] != want[step]:
             return f"step {step}: loss {got[step]!r} vs {want[step]!r} in the reference"
     return None
+
+
+def first_width_change(run: "TrialRun") -> int | None:
+    """The step at which the run's data-parallel width first changed, if it did: from the next
+    step on the global batch is summed over other replicas, in another order. Pure."""
+    return min((int(r["step"]) for r in run.resizes if r.get("from_dp") != r.get("to_dp")), default=None)
+
+
+def after_width_change(got: dict[int, float], want: dict[int, float], since: int | None) -> float | None:
+    """The largest relative loss difference after step ``since`` (None: the width never changed). Pure."""
+    if since is None:
+        return None
+    return max((abs(got[s] - want[s]) / abs(want[s]) for s in want if s > since and s in got and want[s]), default=0.0)
 
 
 FALLBACKS = ("durable", "checkfree", "checkfree_plus")  # what serves beyond the parity budget
@@ -183,7 +205,7 @@ def judge_trial(run: TrialRun, reference: dict[int, float]) -> tuple[list[Outcom
     if lost:
         fail("no_committed_step_lost", f"recoveries undid {lost} committed steps")
     if run.hung is None and run.error is None:
-        diff = loss_diff(run.losses, trim(reference, run))
+        diff = loss_diff(run.losses, trim(reference, run), first_width_change(run))
         if diff is not None:
             fail("bit_identical", diff)
     for inj, out in zip(run.injections, outcomes):
@@ -213,7 +235,9 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
         failures.append({"trial": runs[-1].plan.trial if runs else -1, "invariant": "finished", "diagnosis": f"the soak stopped: {meta['aborted']}"})
     for run in runs:
         outcomes, failed = judge_trial(run, reference)
-        identical = run.hung is None and run.error is None and loss_diff(run.losses, trim(reference, run)) is None
+        want = trim(reference, run)
+        resized = first_width_change(run)
+        identical = run.hung is None and run.error is None and loss_diff(run.losses, want, resized) is None
         failures += [{"trial": run.plan.trial, **x} for x in failed]
         faults = []
         for inj, out in zip(run.injections, outcomes):
@@ -236,7 +260,8 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
             "fallbacks": [{"step": r["step"], "source": r["source"], "reason": r.get("reason", "")} for r in run.recoveries if fallback(r)],
             "committed_steps_lost": sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries if not fallback(r))
             + sum(o.committed_steps_lost for inj, o in zip(run.injections, outcomes) if inj.fault.kind is FaultKind.DRIVER),
-            "bit_identical": identical, "error": run.error, "hung": run.hung, "durable": run.durable, "durable_error": run.durable_error,
+            "bit_identical": identical, "width_changed_at": resized,
+            "rel_diff_after_width_change": after_width_change(run.losses, want, resized), "error": run.error, "hung": run.hung, "durable": run.durable, "durable_error": run.durable_error,
             "failed": [x["invariant"] for x in failed],
         })
     by_kind = {
@@ -255,6 +280,8 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
         "fallbacks": sum(len({r["step"] for r in run.recoveries if fallback(r)}) for run in runs),
         "fallback_committed_steps_lost": sum(int(r.get("committed_steps_lost", 0)) for run in runs for r in run.recoveries if fallback(r)),
     }
+    diffs = [t["rel_diff_after_width_change"] for t in trials if t["rel_diff_after_width_change"] is not None]
+    totals["rel_diff_after_width_change"] = max(diffs) if diffs else None
     totals["durable_verified_trials"] = sum(1 for t in trials if t["durable"] is not None and t["durable_error"] is None)
     return {**meta, "ok": not failures, "failures": failures, "by_kind": by_kind, "by_moment": moments, "totals": totals, "trials": trials}
 
@@ -271,7 +298,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"seed {report['seed']}, {t['trials']} trials x {report['faults_per_trial']} faults of {', '.join(report['kinds'])}; "
         f"{t['injected']} injected, {t['survived']} survived, {t['committed_steps_lost']} committed steps lost, "
-        f"{t['bit_identical_trials']}/{t['trials']} trials bit-identical to the reference; "
+        f"{t['bit_identical_trials']}/{t['trials']} trials bit-identical to the reference"
+        + (f" (up to their first width change, then within {WIDTH_RTOL:g}: largest difference {t['rel_diff_after_width_change']:.2g})"
+           if t.get("rel_diff_after_width_change") is not None else "") + "; "
         f"{t.get('fallbacks', 0)} fall-backs beyond the parity budget (durable tier or CheckFree, "
         f"{t.get('fallback_committed_steps_lost', 0)} committed steps undone by them), {t.get('lossy_recoveries', 0)} lossy recoveries",
         "",

@@ -17,7 +17,11 @@ flight waited for first), while a snapshot version is still being worked on by a
 durable flush is in flight (waited for up to :data:`MOMENT_STEPS` steps, else between steps), or
 during a recovery (another stage is killed first, the run released, and the fault struck once
 the run is recovering), or while a drain is pending (another stage's node is drained first and
-the fault struck before the run has seen the drain: it meets both at once). Driver faults run in trials of their own, whose driver is an
+the fault struck before the run has seen the drain: it meets both at once), or during a resize
+(a run whose width can change: a node of its last replica is removed with no fresh node, so the
+run drops that replica; then a fresh node comes, and the fault strikes while the spare replica
+that grows the run back starts or joins; each waited for up to :data:`RESIZE_STEPS` steps).
+Driver faults run in trials of their own, whose driver is an
 ``elastic-llm train`` process, SIGKILLed and resumed with ``--resume RUN_ID``. After the run its
 newest durable checkpoint is read back and verified. A trial that does not end by its
 deadline fails with where the run's thread is; its actors are ended, and if even that does not
@@ -46,15 +50,17 @@ from typing import Any, Callable
 
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.snapshot.records import ShardKey
-from elastic_llm.controller.states import Recovering
+from elastic_llm.controller.states import Recovering, Resizing
 from elastic_llm.soak.plan import Fault, FaultKind, Moment, TrialPlan, hooked
 from elastic_llm.soak.report import Injection, TrialRun, build_report, write_report
 
 POLL_S = 0.1
+PID_S = 2.0  # how long a stage actor gets to tell its pid before the recorded one is checked instead
 STRIKE_S = 60.0  # longest one fault may take to strike
 JOIN_S = 180.0  # a fresh node's raylet on a loaded 2-core machine can take over Ray's default 30 s to join
 STOP_S = 30.0  # after a trial's deadline, how long its run gets to stop
 DRAIN_EXTRA_STEPS = 10  # most steps a run is lengthened while a drain's moves (or faults) are still under way
+RESIZE_STEPS = 15  # steps a resize fault waits for the run to shrink, then for its grow to start, before it strikes between steps
 DURABLE_EVERY = 2  # a trial flushes every 2nd committed snapshot (unless its config has a durable tier)
 MOMENT_STEPS = 5  # steps a fault waits for a snapshot or flush in flight before it strikes between steps
 
@@ -205,6 +211,7 @@ class _Trial:
         self.pending: Fault | None = None  # a fault waiting for its moment (a snapshot or flush in flight)
         self.waited = 0  # steps it has waited
         self.in_recovery: Fault | None = None  # a fault to strike once the run is recovering
+        self.growing: _Grow | None = None  # a fault to strike once the run, shrunk by its primer, grows again
         self.doing = "starting"
 
     # --------------------------------------------------------------- the run's thread
@@ -245,8 +252,10 @@ class _Trial:
         return None
 
     def _lengthen(self, step: int) -> None:
-        """Faults still to strike at the run's last step: one more step (at most DRAIN_EXTRA_STEPS)."""
-        if step >= self.t.end - 1 and self.extra < DRAIN_EXTRA_STEPS:
+        """Faults still to strike at the run's last step: one more step (at most DRAIN_EXTRA_STEPS,
+        or RESIZE_STEPS more while a resize fault waits)."""
+        cap = DRAIN_EXTRA_STEPS + (2 * RESIZE_STEPS if self.growing is not None else 0)
+        if step >= self.t.end - 1 and self.extra < cap:
             self.t.end += 1
             self.extra += 1
 
@@ -261,6 +270,17 @@ class _Trial:
                 self.later[step + 1] = replace(f, step=step + 1)  # keeps the later step's own fault after it
             self._lengthen(step)  # the run ends after the drain, not during it
             return
+        if self.growing is not None:  # one fault at a time: the others wait for the resize's
+            if fault is not None:
+                self.later[step + 1] = replace(fault, step=step + 1)
+            if step in self.later:
+                self.later[step + 1] = replace(self.later.pop(step), step=step + 1)
+            if self.pending is not None:
+                self.later.setdefault(step + 1, self.pending)
+                self.pending = None
+            self._lengthen(step)
+            self._resize_step(step)
+            fault = None
         if step in self.later:
             if fault is not None:  # two due at once: the deferred one waits one more step
                 self.later[step + 1] = replace(self.later.pop(step), step=step + 1)
@@ -300,12 +320,59 @@ class _Trial:
                 self._inject(Fault(FaultKind.DRAIN, fault.step, other), Moment.STEP, primer=True)
             self._inject(fault, Moment.DRAIN if self.drained is not None else Moment.STEP)
             return
+        if moment is Moment.RESIZE:
+            self._shrink_first(fault, step)
+            return
         if moment is Moment.RECOVERY:  # kill another stage first; strike the fault once the run recovers
             primer = Fault(FaultKind.STAGE, fault.step, (fault.stage + 1) % self.t.cfg.parallel.stages)
             self._inject(primer, Moment.STEP, primer=True)
             self.in_recovery = fault
             return
         self._inject(fault, moment)
+
+    def _shrink_first(self, fault: Fault, step: int) -> None:
+        """A resize fault's primer: remove (with no fresh node yet) the node of a stage of the
+        last replica that shares no node with the fault's stage, so the run has no room to
+        replace it and drops the replica; the fault then waits for the grow (:meth:`_resize_step`)."""
+        g = self.t.group
+        mine = g.nodes[ShardKey(fault.stage, 0)]
+        last = g.width - 1
+        victim = next((g.nodes[k] for k in g.keys() if k.replica == last and last > 0 and g.nodes[k] != mine), None)
+        if victim is None:  # one replica left (an earlier shrink not grown back yet): no primer
+            self.growing = _Grow(fault, step, len(self.t.resizes), shrunk=True)
+            return
+        self._settle(step)
+        say(f"trial {self.plan.trial}: resize primer: node {victim[:8]} of replica {last} removed, no fresh node yet")
+        self.soak.cluster.remove_node(next(n for n in self.soak.cluster.worker_nodes if n.node_id == victim), allow_graceful=False)
+        self.injections.append(Injection(Fault(FaultKind.NODE, step, next(k.stage for k in g.keys() if g.nodes[k] == victim)),
+                                         f"node {victim[:8]} (replica {last}) removed with no room left, so the run shrinks",
+                                         victim, moment=Moment.STEP, primer=True))
+        self.growing = _Grow(fault, step, len(self.t.resizes))
+
+    def _resize_step(self, step: int) -> None:
+        """After each step while a resize fault waits: once the run has shrunk, a fresh node
+        comes; once the run starts the spare replica that grows it back (or is joining it), the
+        fault strikes. Waited for RESIZE_STEPS steps each, then it strikes between steps."""
+        w, g = self.growing, self.t.group
+        assert w is not None
+        if not w.shrunk:
+            w.shrunk = any(r["to_dp"] < r["from_dp"] for r in self.t.resizes[w.resizes:])
+            if not w.shrunk and step < w.step + RESIZE_STEPS:
+                return
+            self.doing = "adding a fresh node so the run can grow back"
+            self.soak.top_up()
+            w.step, w.shrunk = step, True
+            return
+        hi = self.t.cfg.elastic.bounds(self.t.cfg.parallel.dp)[1]
+        if g.spares or isinstance(self.t.state, Resizing):
+            moment = Moment.RESIZE
+        elif g.width >= hi or step >= w.step + RESIZE_STEPS:
+            moment = Moment.STEP
+        else:
+            return
+        self.growing = None
+        self._settle(step)
+        self._inject(w.fault, moment)
 
     def _settle(self, step: int) -> None:
         if self.t.snapshots is not None:
@@ -363,6 +430,24 @@ class _Trial:
         self.managers.append((len(self.injections), node, handle, f.step))
         return pid, handle
 
+    def _stage_pid(self, key: ShardKey) -> int:
+        """The process of stage ``key``'s actor now: asked of the actor itself, else the recorded
+        pid if that process is still a stage actor's. A recorded pid can be stale (its actor died
+        and the number went to another process: once a raylet, whose SIGKILL took a whole node)."""
+        import ray
+
+        try:
+            return int(ray.get(self.t.group.actor(key).__ray_call__.remote(_pid), timeout=PID_S))
+        except Exception:  # noqa: BLE001 - busy or gone: the recorded pid, if it still is a stage actor's
+            pid = self.t.group.pids[key]
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            title = b""
+        if not title.startswith(b"ray::StageWorker"):
+            raise RuntimeError(f"stage {key.stage}'s actor did not answer and its recorded pid {pid} is no longer a stage actor's process ({title[:40]!r})")
+        return pid
+
     def _strike(self, f: Fault) -> Injection:
         import ray
 
@@ -371,11 +456,11 @@ class _Trial:
         key = ShardKey(f.stage, 0)
         node = self.t.group.nodes[key]
         if f.kind is FaultKind.STAGE:
-            pid = self.t.group.pids[key]
+            pid = self._stage_pid(key)
             os.kill(pid, signal.SIGKILL)
             return Injection(f, f"stage {f.stage} (pid {pid}, node {node[:8]})", node)
         if f.kind is FaultKind.PAUSE:
-            pid = self.t.group.pids[key]
+            pid = self._stage_pid(key)
             os.kill(pid, signal.SIGSTOP)
             self.paused[pid] = time.monotonic() + self.soak.options.pause_s
             return Injection(f, f"stage {f.stage} (pid {pid}, node {node[:8]}) stopped for {self.soak.options.pause_s:g} s", node)
@@ -430,6 +515,17 @@ class _Trial:
             self.injections[i] = replace(self.injections[i], manager_replaced=replaced)
 
 
+@dataclass
+class _Grow:
+    """A resize fault waiting: first for the run to shrink (after ``step``; ``resizes`` resize
+    lines were written before its primer), then for the grow that follows a fresh node."""
+
+    fault: Fault
+    step: int
+    resizes: int
+    shrunk: bool = False
+
+
 class SoakAborted(RuntimeError):
     """A hung run that could not be ended: the soak stops with the trials run so far."""
 
@@ -460,9 +556,20 @@ class Soak:
         """Back to ``workers`` live worker nodes."""
         from elastic_llm.controller.session import add_loopback_node
 
+        self._forget_dead_nodes()
         while len(self.cluster.worker_nodes) < self.options.workers:
             add_loopback_node(self.cluster, self.options.cpus_per_node)
         self.cluster.wait_for_nodes(timeout=JOIN_S)
+
+    def _forget_dead_nodes(self) -> None:
+        """Worker nodes Ray knows are dead that the cluster still lists (one the run's node watch
+        declared dead, say) are removed from it: its count of nodes must match Ray's."""
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        for node in [n for n in self.cluster.worker_nodes if n.node_id not in alive]:
+            say(f"node {node.node_id[:8]} died outside the harness: removed from the cluster's list")
+            self.cluster.remove_node(node, allow_graceful=False)
 
     def replace_node(self, node_id: str) -> None:
         """Remove ``node_id`` at once (no grace) and add a fresh node in its place."""
@@ -492,7 +599,8 @@ class Soak:
             cfg = self.load([])
             say(f"reference run: {self.plans[0].steps if self.plans else 0}+ steps of {cfg.name}")
             drains = any(f.kind is FaultKind.DRAIN for p in self.plans for f in p.faults)
-            self.steps = max(p.steps for p in self.plans) + (DRAIN_EXTRA_STEPS if drains else 0)
+            resizes = any(f.moment is Moment.RESIZE for p in self.plans for f in p.faults)
+            self.steps = max(p.steps for p in self.plans) + (DRAIN_EXTRA_STEPS if drains else 0) + (2 * RESIZE_STEPS if resizes else 0)
             if any(f.kind is FaultKind.DRIVER for p in self.plans for f in p.faults):
                 # driver trials train `--max-steps` steps, which sets train.max_steps (the LR schedule's length): so does the reference
                 cfg = self.load([f"train.max_steps={self.steps}"])
@@ -635,6 +743,9 @@ class Soak:
         except Exception as e:  # the harness itself failed: judged as a run that did not finish
             trial.error = trial.error or f"harness: {type(e).__name__}: {e}"
             trial.judge_managers()
+            if thread is not None and thread.is_alive():  # its actors are not ended under a running run
+                t.request_stop()
+                thread.join(STOP_S)
         finally:
             trial._resume(0.0, every=True)
             if hung is None:
