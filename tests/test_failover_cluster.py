@@ -83,6 +83,8 @@ def test_a_killed_driver_is_resumed_from_memory_bit_for_bit(cluster, corpus_dir,
     assert done.returncode == 0, done.stderr[-3000:]
     out = lines(tmp_path / "b.jsonl")
     (back,) = [x for x in out if x.get("event") == "reattach"]
+    (start,) = [x for x in out if x.get("event") == "start"]
+    assert {"ray", "retire", "managers", "stages", "reattach"} <= set(start["setup_s"])  # where the new driver's start went
     assert back["step"] == committed and 1 <= committed <= trained  # the newest committed snapshot: no committed step lost
     resumed = {x["step"]: x["loss"] for x in out if "loss" in x}
     assert sorted(resumed) == list(range(committed + 1, STEPS + 1))

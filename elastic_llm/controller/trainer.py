@@ -232,25 +232,30 @@ class Trainer:
         :class:`CapacityUnavailable` when the actors cannot be placed now."""
         if self.executor is not None:
             return
+        t0 = time.perf_counter()
+        spans = self._own_spans
         if self.parts is None:
             self._start_ray_parts()
         assert self.group is not None
-        self.group.place()
-        missing = [k for k in self.group.keys() if k not in self.group.ready]
-        if missing:
-            if not self.group.actors:
-                self.group.spawn_all()
-            else:
-                self.group.replace(missing)
+        with spans.span("stages"):
+            self.group.place()
+            missing = [k for k in self.group.keys() if k not in self.group.ready]
+            if missing:
+                if not self.group.actors:
+                    self.group.spawn_all()
+                else:
+                    self.group.replace(missing)
         c = self.cfg
         min_width = c.elastic.bounds(c.parallel.dp)[0]
         if c.recovery.mode == "checkpoint" and self.checkpoints is None:
             self.checkpoints = CheckpointExecutor(self.group, c.recovery.checkpoint_every, c.recovery.checkpoint_dir)
             self._checkpoint(0)  # a failure before the first periodic checkpoint rolls back to the start
         if self.reattach is not None:
-            self._reattach()
+            with spans.span("reattach"):
+                self._reattach()
         if self.resume_from is not None:
-            self._resume(self.resume_from)
+            with spans.span("resume"):
+                self._resume(self.resume_from)
         if self.parts is not None:
             self.recovery, self.elastic = self.parts.recovery, self.parts.elastic
         else:
@@ -269,6 +274,7 @@ class Trainer:
                 for k in self.group.keys()
             ],
             data_dir=str(self.data_dir),
+            setup_s={k.removesuffix("_s"): round(v, 3) for k, v in spans.totals(t0).items()},  # where the start went: ray, retire, managers, stages, ...
         )
 
     def _start_ray_parts(self) -> None:
@@ -276,14 +282,17 @@ class Trainer:
         durable tier), and the stage actors' group."""
         import ray
 
-        self.owns_ray = start_ray(self.cfg, self.address, self.dashboard) or self.owns_ray
+        spans = self._own_spans
+        with spans.span("ray"):
+            self.owns_ray = start_ray(self.cfg, self.address, self.dashboard) or self.owns_ray
         rc = self.cfg.recovery
         if rc.node_probe_s > 0 and self.watch is None:  # before any actor: a node that dies from now on is noticed
             self.watch = NodeWatch(RayNodeTable(), rc.node_probe_s, rc.node_probe_failures)
             self.watch.start()
         if self.reattach is not None and self.publisher is None:  # before this driver's actors take the run's names
             check_same_model(self.run_id, self.cfg.to_dict())
-            retire_old_driver(NAMESPACE, self.run_id)
+            with spans.span("retire"):
+                retire_old_driver(NAMESPACE, self.run_id)
         if self.publisher is None:  # the run-<id> actor: status and Ray metrics of the run
             self.publisher = Publisher(self, NAMESPACE)
             self.metrics.observers.append(self.publisher.on_record)
@@ -291,9 +300,10 @@ class Trainer:
             from elastic_llm.snapshot.coordinator import SnapshotCoordinator, check_parity_fits
 
             self.snapshots = SnapshotCoordinator(self.cfg, NAMESPACE, self.run_id)
-            if self.reattach is not None:
-                self._find_old_run()
-            self.snapshots.ensure_managers()  # one per node with CPUs
+            with spans.span("managers"):
+                if self.reattach is not None:
+                    self._find_old_run()
+                self.snapshots.ensure_managers()  # one per node with CPUs
             check_parity_fits(len(self.snapshots.managers), self.cfg.snapshot.parity, self.cfg.snapshot.group_size)
             for warning in store_warnings(self.cfg, ray.nodes()):
                 log(f"warning: {warning}")
