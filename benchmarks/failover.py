@@ -9,7 +9,8 @@ every 2 committed snapshots into a temporary directory) trains until ``kill_at``
 and is SIGKILLed; then one of the two resumes runs as a new process (alternating which goes first
 between rounds) until ``kill_at + 2`` steps, and the other from a fresh killed run. Timed from
 outside (``perf_counter`` around the process): until the resumed driver's metrics file shows its
-first step; also the product's own ``reattach`` / ``resume`` line (``seconds``: the restore), and
+first step; also the product's own ``reattach`` / ``resume`` line (``seconds``: the restore), its
+start line (when it came, and its ``setup_s``: where the setup went: Ray, managers, stages), and
 the step each resumed from (memory: the newest committed snapshot; durable: an older one).
 Must never reach anything but 127.0.0.1, or judge its result (BENCHMARKS.md does).
 """
@@ -80,13 +81,19 @@ def _killed_run(config: str, address: str, work: Path, kill_at: int, sets: list[
 
 def _resume(config: str, address: str, work: Path, name: str, target: str, steps: int, sets: list[str]) -> dict[str, Any]:
     out = work / f"{name}.jsonl"
-    t = time.perf_counter()
+    t, wall = time.perf_counter(), time.time()
     p = subprocess.Popen([*_command(config, address, out, steps, sets), "--resume", target], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _wait(lambda: bool(_steps(out)), p, "a first step after the resume")
     first_step_s = time.perf_counter() - t
     p.wait(timeout=STEP_S)
-    (line,) = [x for x in _lines(out) if x.get("event") in ("reattach", "resume")]
-    return {"first_step_s": first_step_s, "restore_s": line["seconds"], "resumed_at": line["step"], "how": line["event"]}
+    lines = _lines(out)
+    (line,) = [x for x in lines if x.get("event") in ("reattach", "resume")]
+    (start,) = [x for x in lines if x.get("event") == "start"]
+    return {
+        "first_step_s": first_step_s, "restore_s": line["seconds"], "resumed_at": line["step"], "how": line["event"],
+        "to_start_line_s": round(start["time"] - wall, 3),  # process start to its start line (Python, imports, setup)
+        "setup_s": start.get("setup_s", {}),  # the product's own spans of that setup
+    }
 
 
 def run_failover_bench(config: str = "jobs/tiny.yaml", rounds: int = 2, kill_at: int = 6) -> dict[str, Any]:

@@ -14,7 +14,9 @@ corrupt: true`` plus a kill of that stage in the next step), which reaches the m
 store, and so does a stage kill aimed at an op (``kill: stage, op: forward | backward | update``
 in the next step). The moment a fault is aimed at from outside: between steps (the snapshots in
 flight waited for first), while a snapshot version is still being worked on by a manager or a
-durable flush is in flight (waited for up to :data:`MOMENT_STEPS` steps, else between steps), or
+durable flush is in flight (waited for up to :data:`MOMENT_STEPS` steps, else between steps; a
+manager fault whose manager an earlier fault killed first waits, as long, for the run to replace
+it), or
 during a recovery (another stage is killed first, the run released, and the fault struck once
 the run is recovering), or while a drain is pending (another stage's node is drained first and
 the fault struck before the run has seen the drain: it meets both at once), or during a resize
@@ -303,6 +305,10 @@ class _Trial:
         if fault is None:
             return
         moment = fault.moment
+        if fault.kind in (FaultKind.MANAGER, FaultKind.FLUSH) and not self._manager_alive(fault) and self.waited < MOMENT_STEPS:
+            self.waited += 1  # its manager died of an earlier fault and the run has not replaced it yet:
+            self.pending = fault  # the run does so at its next snapshot; ask again after the next step
+            return
         if moment in (Moment.SNAPSHOT, Moment.FLUSH) and not self._busy(moment):
             if self.waited < MOMENT_STEPS:  # not now: ask again after the next step
                 self.waited += 1
@@ -420,6 +426,20 @@ class _Trial:
             if spares and all(g.stage_spare_ready(sp) for sp in spares.values()):
                 return
             time.sleep(POLL_S)
+
+    def _manager_alive(self, f: Fault) -> bool:
+        """Whether the run's manager on fault ``f``'s stage's node answers (a dead one is a
+        killed manager the run has not replaced yet: there is nothing to strike)."""
+        import ray
+
+        handle = self.t.snapshots.managers.get(self.t.group.nodes[ShardKey(f.stage, 0)]) if self.t.snapshots is not None else None
+        if handle is None:
+            return False
+        try:
+            ray.get(handle.__ray_call__.remote(_pid), timeout=STRIKE_S)
+        except ray.exceptions.RayActorError:
+            return False
+        return True
 
     def _kill_manager(self, f: Fault, node: str) -> tuple[int, Any]:
         import ray
