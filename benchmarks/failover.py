@@ -6,8 +6,8 @@ peer: what a restart without failover does at best), side by side on one loopbac
 
 Per round: a driver process (``elastic-llm train --address``: the config, a durable checkpoint
 every 2 committed snapshots into a temporary directory) trains until ``kill_at`` steps are done
-and is SIGKILLed; then one of the two resumes runs as a new process (alternating which goes first
-between rounds) until ``kill_at + 2`` steps, and the other from a fresh killed run. Timed from
+and its first durable checkpoint is committed (the peer needs one), and is SIGKILLed; then one of the two resumes runs as a new process (alternating which goes first
+between rounds) until 2 steps past the kill, and the other from a fresh killed run. Timed from
 outside (``perf_counter`` around the process): until the resumed driver's metrics file shows its
 first step; also the product's own ``reattach`` / ``resume`` line (``seconds``: the restore), its
 start line (when it came, and its ``setup_s``: where the setup went: Ray, managers, stages), and
@@ -69,14 +69,15 @@ def _wait(pred: Any, proc: subprocess.Popen[str], what: str) -> None:
         time.sleep(0.05)
 
 
-def _killed_run(config: str, address: str, work: Path, kill_at: int, sets: list[str]) -> tuple[str, Path]:
+def _killed_run(config: str, address: str, work: Path, kill_at: int, sets: list[str]) -> tuple[str, int]:
     out = work / "killed.jsonl"
     p = subprocess.Popen(_command(config, address, out, kill_at + 50, sets), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _wait(lambda: kill_at in _steps(out), p, f"step {kill_at}")
+    flushed = lambda: any(x.get("event") == "durable" for x in _lines(out))  # noqa: E731 - the peer needs a committed checkpoint
+    _wait(lambda: max(_steps(out), default=0) >= kill_at and flushed(), p, f"step {kill_at} and a durable checkpoint")
     p.send_signal(signal.SIGKILL)
     p.wait()
     (start,) = [x for x in _lines(out) if x.get("event") == "start"]
-    return start["run_id"], out
+    return start["run_id"], max(_steps(out))
 
 
 def _resume(config: str, address: str, work: Path, name: str, target: str, steps: int, sets: list[str]) -> dict[str, Any]:
@@ -114,11 +115,11 @@ def run_failover_bench(config: str = "jobs/tiny.yaml", rounds: int = 2, kill_at:
                 with tempfile.TemporaryDirectory(prefix="elastic-llm-failover-") as tmp:
                     work = Path(tmp)
                     sets = [*SMALL, f"durable.storage_path={work / 'store'}", "durable.every=2", "durable.run_name=bench"]
-                    run_id, _ = _killed_run(str(REPO / config), cluster.address, work, kill_at, sets)
+                    run_id, killed = _killed_run(str(REPO / config), cluster.address, work, kill_at, sets)
                     target = run_id if how == "memory" else str(work / "store" / "bench")
                     if how == "durable":  # no managers to find: the peer restarts from storage only
                         sets = [*sets, "recovery.driver_grace_s=0"]
-                    runs[how].append(_resume(str(REPO / config), cluster.address, work, how, target, kill_at + 2, sets))
+                    runs[how].append({"killed_at": killed, **_resume(str(REPO / config), cluster.address, work, how, target, killed + 2, sets)})
                     for e in ray.util.list_named_actors(all_namespaces=True):  # the memory round's managers, if any were left
                         if e["name"].startswith(f"smp-{run_id}-"):
                             ray.kill(ray.get_actor(e["name"], namespace=e["namespace"]))
@@ -129,7 +130,7 @@ def run_failover_bench(config: str = "jobs/tiny.yaml", rounds: int = 2, kill_at:
         result[how] = {
             "first_step_s_median": round(statistics.median(x["first_step_s"] for x in rs), 2),
             "restore_s_median": round(statistics.median(x["restore_s"] for x in rs), 3),
-            "steps_redone_median": statistics.median(kill_at - x["resumed_at"] for x in rs),
+            "steps_redone_median": statistics.median(x["killed_at"] - x["resumed_at"] for x in rs),
             "runs": rs,
         }
     result["speedup"] = round(result["durable"]["first_step_s_median"] / result["memory"]["first_step_s_median"], 2)

@@ -261,6 +261,7 @@ def test_soak_of_faults_at_their_worst_moments_holds_every_invariant(cluster, co
     assert "a byte flipped in a copy of it was detected" in trial["durable"]
 
 
+@pytest.mark.slow  # 2 driver processes started and killed, ~70 s; one killed driver resumed bit for bit stays in the suite (test_failover_cluster)
 def test_soak_of_driver_kills_resumes_each_new_driver_from_memory_bit_for_bit(cluster, corpus_dir, tmp_path):
     """Two SIGKILLed driver processes in a row, each replaced by `elastic-llm train --resume RUN_ID`."""
     plans = [TrialPlan(0, (Fault(FaultKind.DRIVER, 3, 0), Fault(FaultKind.DRIVER, 8, 0)), 11)]
