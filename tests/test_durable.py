@@ -322,3 +322,38 @@ def test_the_soaks_flipped_byte_check_catches_a_verifier_that_misses_it(trained,
     fmt.Checkpoint(run, name).verify()  # the original is untouched
     monkeypatch.setattr(fmt.Checkpoint, "verify", lambda self: {"ok": True})  # a verifier blind to the flip
     assert "was not detected" in flip_is_missed(run, name)
+
+
+def test_a_piece_that_changes_in_memory_while_it_is_flushed_is_not_flushed(trained, tmp_path, monkeypatch):
+    """The flush streams views of object-store memory: a byte flipped there after the piece's
+    checksum was checked, but before its bytes reached the file, must fail the part (the soak's
+    silent corruption once struck in that window: the checkpoint's own checksums, taken as it
+    was written, vouched for the flipped byte)."""
+    from elastic_llm.durable import flush
+    from elastic_llm.snapshot.erasure import checksum
+    from elastic_llm.snapshot.records import Piece
+
+    cfg, workers = trained
+    buf, manifest = workers[0].capture_state({"epoch": 0, "index": 7})
+    buf = buf.copy()
+    tensors = tuple(stage_tensors(manifest, list(stage_layer_range(cfg.model.n_layers, cfg.parallel.stages, 0))))
+    src = flush.SliceSource(ShardKey(0, 0), 0, (Piece(0, len(buf), checksum(buf)),), None, "node")
+
+    def plan(step):
+        return flush.FlushPlan(step, str(tmp_path), 0, 0, f"{fmt.checkpoint_dir(step)}/{fmt.shard_file(0, 0)}", tensors, (src,), nice=0)
+
+    assert flush.write_part(plan(3), lambda key: [buf]).nbytes > len(buf) // 2  # untouched: written
+
+    last = max(tensors, key=lambda t: t.src)
+    real = flush.write_shard
+
+    def flip_after_the_first_tensor(storage, rel, specs, read, meta, max_mb_s=0.0):
+        def reading(lo, hi):
+            yield from read(lo, hi)
+            if lo == specs[0].src:
+                buf[last.src + last.nbytes // 2] ^= 0xFF  # silent: after the check, before the last tensor goes out
+        return real(storage, rel, specs, reading, meta, max_mb_s)
+
+    monkeypatch.setattr(flush, "write_shard", flip_after_the_first_tensor)
+    with pytest.raises(RuntimeError, match=r"changed in memory while it was written .*not flushed"):
+        flush.write_part(plan(4), lambda key: [buf])

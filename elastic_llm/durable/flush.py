@@ -82,7 +82,10 @@ def plan_parts(
 
 class PieceReader:
     """Byte ranges of a stage's state from the pieces of its slices, fetched on first use and
-    each checked against its recorded CRC-32 once."""
+    checked against their recorded CRC-32s then, and again by :meth:`recheck` once written: the
+    bytes are views of object-store memory (no copy), so a change between the first check and
+    the write would otherwise reach the file, and the file's own checksums (taken as it is
+    written) would vouch for it."""
 
     def __init__(self, plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | None]) -> None:
         self.pieces = sorted(((p, s) for s in plan.slices for p in s.pieces if p.length), key=lambda ps: ps[0].offset)
@@ -105,6 +108,14 @@ class PieceReader:
                     raise RuntimeError(f"a piece of {src.key}, step {self.version} fails its checksum: not flushed")
             self._arrays[src.key] = arrays
         return self._arrays[src.key]
+
+    def recheck(self) -> None:
+        """Every piece fetched so far still has its recorded CRC-32 (after the write)."""
+        for key, arrays in self._arrays.items():
+            src = next(s for _, s in self.pieces if s.key == key)
+            for arr, piece in zip(arrays, src.pieces):
+                if checksum(arr) != piece.crc:
+                    raise RuntimeError(f"a piece of {key}, step {self.version} changed in memory while it was written (it fails its checksum now): not flushed")
 
     def read(self, lo: int, hi: int) -> Iterator[np.ndarray]:
         for piece, src in self.pieces:
@@ -148,4 +159,5 @@ def _write_part(plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | 
     reader = PieceReader(plan, local)
     meta = {"format": "pt", "elastic_llm": "checkpoint shard", "stage": str(plan.stage), "part": str(plan.part), "step": str(plan.version)}
     nbytes, records = write_shard(storage, plan.file, list(plan.tensors), reader.read, meta, plan.max_mb_s)
+    reader.recheck()  # the file is never committed if a piece changed under the write
     return PartResult(plan.stage, plan.part, plan.file.rsplit("/", 1)[1], nbytes, time.perf_counter() - t0, records)
