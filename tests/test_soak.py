@@ -204,6 +204,30 @@ def test_a_run_lengthened_by_a_drain_is_checked_on_every_step_it_trained():
     assert [f["invariant"] for f in judge_trial(run, REF)[1]] == ["bit_identical"]
 
 
+def test_a_run_waiting_on_a_harness_that_failed_is_let_go():
+    """The harness stopped serving the run's asks (it failed mid-trial): the step the run waits
+    on is answered at once and later steps do not wait, so its stop takes effect (trial 9 of a
+    long soak waited 60 s per step on a harness that had given up, and the soak stopped)."""
+    import threading
+    import time
+
+    from elastic_llm.soak.runner import _Trial
+
+    trial = _Trial(None, TrialPlan(0, (), 5), None)
+    waiting = threading.Thread(target=trial.on_step, args=({"step": 1},))
+    waiting.start()
+    deadline = time.monotonic() + 5
+    while trial.asks.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not trial.asks.empty() and waiting.is_alive()  # waits for the harness
+    trial.close()
+    waiting.join(5)
+    assert not waiting.is_alive()
+    t = time.monotonic()
+    trial.on_step({"step": 2})
+    assert time.monotonic() - t < 1 and trial.asks.empty()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--faults", "stage,disk"], "unknown fault kind 'disk'"),
     (["--trials", "0"], "--trials=0 must be >= 1"),

@@ -202,6 +202,7 @@ class _Trial:
     def __init__(self, soak: "Soak", plan: TrialPlan, trainer: Any) -> None:
         self.soak, self.plan, self.t = soak, plan, trainer
         self.asks: queue.Queue[tuple[int, threading.Event]] = queue.Queue()
+        self.closed = threading.Event()
         self.injections: list[Injection] = []
         self.history: list[dict[str, Any]] = []
         self.error: str | None = None
@@ -224,9 +225,21 @@ class _Trial:
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
     def on_step(self, record: dict[str, Any]) -> None:
+        if self.closed.is_set():  # the harness stopped serving (it failed): the run goes on to its stop
+            return
         done = threading.Event()
         self.asks.put((record["step"], done))
         done.wait(STRIKE_S)
+
+    def close(self) -> None:
+        """Stop serving the run's asks: the one it may be waiting on is answered, later ones are not made."""
+        self.closed.set()
+        while True:
+            try:
+                _, done = self.asks.get_nowait()
+            except queue.Empty:
+                return
+            done.set()
 
     # --------------------------------------------------------------- the main thread
     def drive(self, thread: threading.Thread, deadline: float) -> str | None:
@@ -573,22 +586,31 @@ class Soak:
         self.cluster = loopback_cluster(self.options.workers, self.options.cpus_per_node)
 
     def top_up(self) -> None:
-        """Back to ``workers`` live worker nodes."""
+        """Back to ``workers`` live worker nodes. A fresh node that has not joined within
+        :data:`JOIN_S` is given up and another one started in its place, once."""
         from elastic_llm.controller.session import add_loopback_node
 
-        self._forget_dead_nodes()
-        while len(self.cluster.worker_nodes) < self.options.workers:
-            add_loopback_node(self.cluster, self.options.cpus_per_node)
-        self.cluster.wait_for_nodes(timeout=JOIN_S)
+        for attempt in range(2):
+            self._forget_dead_nodes()  # also those that never joined: Ray does not list them alive
+            while len(self.cluster.worker_nodes) < self.options.workers:
+                add_loopback_node(self.cluster, self.options.cpus_per_node)
+            try:
+                self.cluster.wait_for_nodes(timeout=JOIN_S)
+                return
+            except TimeoutError:
+                if attempt:
+                    raise
+                say(f"a fresh node did not join within {JOIN_S:.0f} s: started another in its place")
 
     def _forget_dead_nodes(self) -> None:
-        """Worker nodes Ray knows are dead that the cluster still lists (one the run's node watch
-        declared dead, say) are removed from it: its count of nodes must match Ray's."""
+        """Worker nodes the cluster lists that Ray does not know alive (one the run's node watch
+        declared dead, say, or one that never joined) are removed from it: its count of nodes must
+        match Ray's."""
         import ray
 
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         for node in [n for n in self.cluster.worker_nodes if n.node_id not in alive]:
-            say(f"node {node.node_id[:8]} died outside the harness: removed from the cluster's list")
+            say(f"node {node.node_id[:8]} is not alive in Ray (died outside the harness, or never joined): removed from the cluster's list")
             self.cluster.remove_node(node, allow_graceful=False)
 
     def replace_node(self, node_id: str) -> None:
@@ -754,6 +776,7 @@ class Soak:
             hung = trial.drive(thread, t0 + self.options.trial_timeout_s)
             if hung is not None:
                 say(f"trial {plan.trial} hung: {hung}")
+                trial.close()
                 t.request_stop()
                 thread.join(STOP_S)
                 if thread.is_alive():  # stuck inside Ray: ending the run's actors fails what it waits on
@@ -763,6 +786,7 @@ class Soak:
         except Exception as e:  # the harness itself failed: judged as a run that did not finish
             trial.error = trial.error or f"harness: {type(e).__name__}: {e}"
             trial.judge_managers()
+            trial.close()
             if thread is not None and thread.is_alive():  # its actors are not ended under a running run
                 t.request_stop()
                 thread.join(STOP_S)
