@@ -132,7 +132,7 @@ class StandbyPool:
         import ray
 
         now = time.monotonic()
-        for node, sbs in self.standbys.items():
+        for sbs in self.standbys.values():
             keep = []
             for sb in sbs:
                 if sb in self._ready:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -771,9 +771,6 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ teardown
-    def snapshot_stats(self) -> dict[str, Any]:
-        return asdict(self.snapshots.stats) if self.snapshots is not None else {}
-
     def shutdown(self) -> None:
         import ray
 

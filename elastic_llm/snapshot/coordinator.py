@@ -101,7 +101,6 @@ class SnapshotCoordinator:
         self.inflight: list[_Inflight] = []  # oldest first, at most MAX_INFLIGHT
         self.committed: VersionRecord | None = None
         self.stats = SnapshotStats()
-        self.events: list[dict[str, Any]] = []
         self.refresh_managers = False
         self.avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
@@ -377,7 +376,6 @@ class SnapshotCoordinator:
             return
         self.stats.discarded += 1
         self.refresh_managers = True  # a manager may have died: re-create before the next version
-        self.events.append({"event": "snapshot_discarded", "version": p.version, "reason": why})
         (log.info if expected else log.warning)("snapshot of step %d discarded: %s", p.version, why)
 
     def _drain_dropped(self) -> None:
