@@ -23,7 +23,7 @@ from typing import Any
 
 from elastic_llm.cadence import Ema, snapshot_every
 from elastic_llm.config import RunConfig
-from elastic_llm.recovery.policy import SourceLost, UnrecoverableError
+from elastic_llm.recovery.policy import Source, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.manager import SnapshotManager
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
@@ -420,7 +420,7 @@ class SnapshotCoordinator:
             raise UnrecoverableError("no snapshot has been committed yet")
         offsets: list[int] = []
         refs: list[Any] = []
-        sources: list[str] = []
+        sources: list[Source] = []
         slices = [info for info in rec.shards if info.key.stage == stage]
         for info in slices:
             node = info.node_id
@@ -434,7 +434,7 @@ class SnapshotCoordinator:
             if got is not None:
                 offsets += [p.offset for p in info.pieces]
                 refs += got
-                sources.append("local_smp")
+                sources.append(Source.LOCAL_SMP)
             else:
                 offsets.append(info.lo)
                 try:
@@ -443,7 +443,7 @@ class SnapshotCoordinator:
                     if self.unloadable.get(node) == rec.version:  # learnt just now: the plan did not know it
                         raise SourceLost(f"{e}; {info.key}'s shard failed to load on its node while restoring") from None
                     raise
-                sources.append("parity")
+                sources.append(Source.PARITY)
         manifest = slices[min(replica, len(slices) - 1)].manifest
         return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources))
 
