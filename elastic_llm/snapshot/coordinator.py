@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from elastic_llm.cadence import Ema, snapshot_every
 from elastic_llm.config import RunConfig
@@ -92,6 +92,18 @@ def check_parity_fits(nodes: int, parity: int, group_size: int) -> None:
         )
 
 
+class Flusher(Protocol):
+    """What the coordinator needs of the durable tier (it never imports it): at each commit,
+    whether that version is flushed, the flush in flight (its version stays pinned), and
+    starting a flush."""
+
+    inflight: Any  # the flush in flight (``.record``: its VersionRecord), or None
+
+    def wants(self, record: VersionRecord) -> bool: ...
+
+    def start(self, record: VersionRecord) -> None: ...
+
+
 class SnapshotCoordinator:
     def __init__(self, cfg: RunConfig, namespace: str, run_id: str) -> None:
         self.cfg = cfg
@@ -105,7 +117,7 @@ class SnapshotCoordinator:
         self.avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
-        self.durable: Any = None  # the durable tier (DurableTier): decides at each commit whether to flush it
+        self.durable: Flusher | None = None  # the durable tier: decides at each commit whether to flush it
         self.on_commit: Any = None  # called with each committed VersionRecord (driver failover publishes it)
         self.grace_s = cfg.recovery.driver_grace_s  # > 0: detached managers that outlive their driver this long
         self.name_tag = ""  # a resuming driver's managers get names of their own (the old ones may still hold theirs)
