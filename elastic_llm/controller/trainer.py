@@ -566,7 +566,7 @@ class Trainer:
             return
         why = ""
         if isinstance(new, Recovering):
-            why = f"{new.failure} (attempt {new.attempt}; {self.failure_policy.decide(new.failure, self.budget).reason})"
+            why = f"{new.failure} (attempt {new.attempt}; {new.reason})"
         elif isinstance(new, WaitingForCapacity):
             why = f"{new.capacity}; giving up in {new.deadline - new.since:.0f} s"
         elif isinstance(new, Failed):
