@@ -328,7 +328,7 @@ class ActorGroup:
             num_gpus=par.gpus_per_actor,
             max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=key.stage if bundle is None else bundle),
-        ).remote(self.cfg.to_dict(), key.stage, key.replica, self.width, self.run_id)
+        ).remote(self.cfg, key.stage, key.replica, self.width, self.run_id)
 
     def describe(self, keys: list[ShardKey], calls: dict[ShardKey, Any] | None = None) -> list[Any]:
         """Wait (with deadlines) until ``keys`` answer (their ``info``, or the given ``calls``
