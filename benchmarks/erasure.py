@@ -19,6 +19,7 @@ import datetime
 import os
 import platform
 import time
+from functools import partial
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -76,7 +77,7 @@ def run_erasure_bench(size_mib: int = 64, seed: int = 0, *, repeats: int = 5) ->
 
     dst = np.empty_like(data)
     np.copyto(dst, data)
-    memcpy = _mbps(size, _best(lambda: np.copyto(dst, data), repeats))
+    memcpy = _mbps(size, _best(partial(np.copyto, dst, data), repeats))
     del dst
 
     backends = ["isal", "numpy"] if isal_available() else ["numpy"]
@@ -92,7 +93,7 @@ def run_erasure_bench(size_mib: int = 64, seed: int = 0, *, repeats: int = 5) ->
         for backend in backends:
             rs = ReedSolomon(k, m, backend=backend)
             parity = [np.zeros(length, dtype=np.uint8) for _ in range(m)]
-            t_enc = _best(lambda: rs.encode(shards, out=parity), repeats)
+            t_enc = _best(partial(rs.encode, shards, out=parity), repeats)
             if reference is None:
                 reference = [p.copy() for p in parity]
             elif not all(np.array_equal(a, b) for a, b in zip(reference, parity)):
@@ -101,7 +102,7 @@ def run_erasure_bench(size_mib: int = 64, seed: int = 0, *, repeats: int = 5) ->
             lost = list(range(m))
             received = [None if i in lost else s for i, s in enumerate(shards)] + parity
             out = [np.zeros(length, dtype=np.uint8) if i in lost else shards[i] for i in range(k)]
-            t_dec = _best(lambda: rs.decode(received, out=out), repeats)
+            t_dec = _best(partial(rs.decode, received, out=out), repeats)
             if not all(np.array_equal(out[i], shards[i]) for i in lost):
                 raise AssertionError(f"backend {backend} decoded wrong data for ({k},{m})")
             codecs.append({

@@ -82,7 +82,7 @@ def _build_single_process(cfg_dict: dict[str, Any], batches_path: str) -> tuple[
     import torch
 
     from elastic_llm.model import build_stage, lm_loss
-    from elastic_llm.pipeline.stage import build_optimizer
+    from elastic_llm.pipeline.optim import build_optimizer
 
     cfg = config_from_dict(cfg_dict)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -126,7 +126,7 @@ def _build_torch_pp(rank: int, world: int, port: int, cfg_dict: dict[str, Any], 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from elastic_llm.model import build_stage, lm_loss
-    from elastic_llm.pipeline.stage import build_optimizer
+    from elastic_llm.pipeline.optim import build_optimizer
 
     cfg = config_from_dict(cfg_dict)
     par = cfg.parallel

@@ -355,7 +355,10 @@ def run_pipeline_sweep(
             row = measure(p, data_dir, n, warmup, store)
             rows.append(row)
             if progress is not None:
-                done = f"cpu {row['driver_cpu_s_per_step']:.4f} s/step (main thread {row['driver_main_thread_cpu_s_per_step']:.4f}), wall {row['wall_s_per_step']:.3f} s/step" if "error" not in row else f"FAILED: {row['error']}"
+                done = (
+                    f"cpu {row['driver_cpu_s_per_step']:.4f} s/step (main thread {row['driver_main_thread_cpu_s_per_step']:.4f}), "
+                    f"wall {row['wall_s_per_step']:.3f} s/step" if "error" not in row else f"FAILED: {row['error']}"
+                )
                 progress(f"[{i + 1}/{len(points)}] {p.label()}: {done} ({time.perf_counter() - started:.0f} s so far)")
         busy1, tree1 = machine_busy_s(), tree_cpu_s(os.getpid())
         outside = None
@@ -424,7 +427,8 @@ def _bytes(n: float | None) -> str:
 def markdown_table(result: dict[str, Any]) -> str:
     """The rows as a markdown table, then the CPU ratios, for BENCHMARKS.md."""
     lines = [
-        "| model | S | M | DP | batch | driver CPU s/step | main thread | wall s/step | tokens/s | executor calls/step | + mirror calls/step | old runner calls/step | object store / step | all-reduce / grad bytes |",
+        "| model | S | M | DP | batch | driver CPU s/step | main thread | wall s/step | tokens/s | executor calls/step "
+        "| + mirror calls/step | old runner calls/step | object store / step | all-reduce / grad bytes |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:

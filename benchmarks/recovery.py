@@ -750,7 +750,7 @@ def _bench_config(config_path: str, overrides: Sequence[str], warmup: int, after
             if cluster is not None:
                 cluster.shutdown()
     paths = {p: path_result(details[p], details[p]["adopted"]) for p in RUN_ORDER if p in details}
-    for p, r in paths.items():
+    for r in paths.values():
         r["speedup_lost"] = ratio(full["lost_s"], r["lost_s"], 2) if r["lost_s"] and r["lost_s"] > 0 else None
     result.update(
         parameters=params,

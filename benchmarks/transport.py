@@ -212,7 +212,8 @@ def run_transport_bench(rounds: int = 200, sizes: tuple[int, ...] = SIZES) -> di
     finally:
         if ours:
             ray.shutdown()
-    return {"bench": "transport", "machine": machine_info(), "rows": rows, "kill_mid_step": kill, "note": "per one-way message; CPU counts both actors (actor_call: also Ray's threads in them, not the raylet)"}
+    note = "per one-way message; CPU counts both actors (actor_call: also Ray's threads in them, not the raylet)"
+    return {"bench": "transport", "machine": machine_info(), "rows": rows, "kill_mid_step": kill, "note": note}
 
 
 if __name__ == "__main__":

@@ -355,7 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, e.g. --set train.lr=3e-4")
     t.add_argument("--dashboard", action="store_true", help="start the Ray dashboard on 127.0.0.1:8265 (embedded Ray)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--resume", metavar="URI_OR_RUN_DIR_OR_RUN_ID", help="start from a durable checkpoint (a checkpoint_* directory, or a run directory: its newest committed one), or go on with run RUN_ID (six hex digits, as `elastic-llm status` shows it) whose driver died: from its newest committed in-memory snapshot, else its newest durable checkpoint")
+    t.add_argument("--resume", metavar="URI_OR_RUN_DIR_OR_RUN_ID", help=(
+        "start from a durable checkpoint (a checkpoint_* directory, or a run directory: its newest committed one), or go on with "
+        "run RUN_ID (six hex digits, as `elastic-llm status` shows it) whose driver died: from its newest committed in-memory "
+        "snapshot, else its newest durable checkpoint"))
     t.set_defaults(func=cmd_train)
 
     sb = sub.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
@@ -407,7 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     ch = sub.add_parser("chaos", help="soak runs on a loopback Ray cluster with seeded faults; check them against an undisturbed run")
     ch.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
     ch.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
-    ch.add_argument("--faults", default="stage,manager,node,drain,pause,corrupt,flush", help="fault kinds, comma-separated (default: stage,manager,node,drain,pause,corrupt,flush; driver runs in soaks of its own: --faults driver)")
+    ch.add_argument("--faults", default="stage,manager,node,drain,pause,corrupt,flush", help=(
+        "fault kinds, comma-separated (default: stage,manager,node,drain,pause,corrupt,flush; driver runs in soaks of its own: "
+        "--faults driver)"))
     ch.add_argument("--trials", type=int, default=1, help="soaked runs, each with its own faults (default 1)")
     ch.add_argument("--first-trial", type=int, default=0, help="number of the first trial (default 0): re-run trial i alone with --first-trial i --trials 1")
     ch.add_argument("--faults-per-trial", type=int, default=3, help="faults in each soaked run, one at a time (default 3)")
@@ -452,7 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
-    b.add_argument("--steps", type=int, default=None, help="timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips for transport, 200; node removals per setting for detect, 3; driver kills per resume kind for failover, 2)")
+    b.add_argument("--steps", type=int, default=None, help=(
+        "timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips "
+        "for transport, 200; node removals per setting for detect, 3; driver kills per resume kind for failover, 2)"))
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
     b.add_argument("--sweep", action="store_true", help="pipeline: driver cost over stages x microbatches x replicas (micro and tiny models) instead of the peer comparison")

@@ -128,7 +128,7 @@ def test_parity_beyond_the_nodes_of_a_cluster_is_named_and_one_node_or_a_wide_gr
     from elastic_llm.snapshot.coordinator import check_parity_fits, make_groups
     from elastic_llm.snapshot.layout import LayoutError
 
-    with pytest.raises(LayoutError, match=r"snapshot.parity=2 needs erasure groups of at least parity \+ 1 = 3 nodes .*snapshot.group_size=4.* the cluster has 2: .*set snapshot.parity to at most 1, or add nodes"):
+    with pytest.raises(LayoutError, match=r"snapshot.parity=2 needs erasure groups of at least parity \+ 1 = 3 nodes .*snapshot.group_size=4.* the cluster has 2: .*set snapshot.parity to at most 1, or add nodes"):  # noqa: E501 - the whole message, as the user reads it
         check_parity_fits(2, 2, 4)
     check_parity_fits(1, 3, 4)  # one node: no parity whatever the setting (embedded Ray)
     check_parity_fits(3, 2, 8)  # group_size beyond the nodes: one group of all of them

@@ -24,7 +24,7 @@ from elastic_llm.controller.recovery import RecoveryOutcome
 from elastic_llm.controller.states import Capacity
 from elastic_llm.controller.trainer import RunFailed, RunUnrecoverable, Trainer
 from elastic_llm.pipeline.executor import StepFailed, StepResult
-from elastic_llm.recovery.policy import Action, Member, Observation, RecoveryPlan, UnrecoverableError
+from elastic_llm.recovery.policy import Member, Observation, UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
 
 from .conftest import REPO

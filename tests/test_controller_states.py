@@ -214,3 +214,10 @@ def test_a_replica_is_dropped_for_a_drain_only_above_the_floor():
     from elastic_llm.controller.elastic import shrink_instead
 
     assert shrink_instead(2, 1) and not shrink_instead(1, 1) and not shrink_instead(2, 2) and not shrink_instead(1, 0)
+
+
+def test_a_recovering_state_carries_the_policys_reason_so_it_is_decided_once():
+    policy = FailurePolicy(100, 3)
+    budget = budget_after(5)
+    state = after_failure(failure(), budget, policy)
+    assert isinstance(state, Recovering) and state.reason == policy.decide(failure(), budget).reason != ""

@@ -66,7 +66,7 @@ def write_checkpoint(run, cfg, workers, step, position=None):
         tensors = stage_tensors(manifest, layers)
         rel = f"{fmt.checkpoint_dir(step)}/{fmt.shard_file(w.stage, 0)}"
         run.makedirs(fmt.checkpoint_dir(step))
-        nbytes, records = fmt.write_shard(run, rel, tensors, lambda lo, hi: iter([buf[lo:hi]]), {"format": "pt"})
+        nbytes, records = fmt.write_shard(run, rel, tensors, lambda lo, hi, buf=buf: iter([buf[lo:hi]]), {"format": "pt"})
         parts.append(fmt.PartResult(w.stage, 0, fmt.shard_file(w.stage, 0), nbytes, 0.0, records))
         states.append((w.stage, 0, manifest))
     fmt.commit(run, fmt.checkpoint_dir(step), fmt.make_manifest(cfg, step, "run", states, parts, None))

@@ -171,7 +171,6 @@ def test_drain_with_room_for_its_stages_only_moves_just_them(nodes, clean, corpu
 def test_a_removed_node_is_declared_dead_by_the_run_itself(nodes, clean, corpus_dir, tmp_path):
     # the run's node watch (recovery.node_probe_s, default 0.25 s) finds the raylet gone and tells
     # Ray, before Ray's own health checks (here 4 x 0.5 s) would: the death carries its reason
-    import ray
 
     t = make_trainer(nodes, corpus_dir, tmp_path, f"chaos.events=[{{step: {KILL_AT}, kill: node, stage: 1}}]")
     try:

@@ -1,8 +1,14 @@
 """The training controller: Ray session, states, executors and the Trainer that runs them.
 
-Modules: ``session`` (Ray on loopback, placement check), ``states`` (states and pure
-transitions), ``actor_group`` (placement group and stage actors), ``recovery`` (observe and carry
-out a recovery plan), ``metrics`` (JSON lines), ``trainer`` (the state machine over a run).
+Modules: ``session`` (Ray on loopback, token authentication, placement check), ``states``
+(states and pure transitions), ``parts`` (the executors as small protocols, so the controller runs
+on fakes), ``actor_group`` (placement groups and stage actors), ``standby`` (warm standby stage
+processes), ``recovery`` (observe and carry out a recovery plan) with ``neighbours`` (the sources
+that take state from other stages), ``elastic`` (grow, shrink, move off draining nodes) with
+``drains`` (Ray's view of draining nodes), ``liveness`` (dead nodes noticed and told to Ray),
+``checkpoints`` (the checkpointing baseline), ``failover`` (what lets a new driver resume a run),
+``metrics`` (JSON lines), ``progress`` (the live progress line), ``trainer`` (the state machine
+over a run).
 
 The names below are imported on first use, so ``elastic_llm.controller.session`` (what the light
 commands ``status`` and ``spot-watcher`` need) loads without torch.

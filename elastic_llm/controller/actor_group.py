@@ -110,10 +110,6 @@ class ActorGroup:
         self.patches: dict[ShardKey, tuple[Any, int]] = {}
         self._cls: Any = None
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.width, self.stages)
-
     # ------------------------------------------------------------------ placement
     @property
     def bundle(self) -> dict[str, float]:
@@ -235,7 +231,6 @@ class ActorGroup:
         once: bundles still pending when the free room of the live nodes (not in ``avoid``) cannot
         hold them are unplaceable now; when the room is there, Ray is placing them and they get up
         to ``wait_s`` (a strict placement strategy may still refuse)."""
-        from ray.util.placement_group import placement_group_table
 
         pending = self.unplaced_replicas(replicas, 0)
         if not pending:
@@ -333,7 +328,7 @@ class ActorGroup:
             num_gpus=par.gpus_per_actor,
             max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=key.stage if bundle is None else bundle),
-        ).remote(self.cfg.to_dict(), key.stage, key.replica, self.width, self.run_id)
+        ).remote(self.cfg, key.stage, key.replica, self.width, self.run_id)
 
     def describe(self, keys: list[ShardKey], calls: dict[ShardKey, Any] | None = None) -> list[Any]:
         """Wait (with deadlines) until ``keys`` answer (their ``info``, or the given ``calls``

@@ -14,7 +14,7 @@ from typing import Any
 
 from elastic_llm.controller.actor_group import COPY_S, ActorGroup
 from elastic_llm.recovery.checkfree import weights
-from elastic_llm.recovery.policy import Action
+from elastic_llm.recovery.policy import Action, Source
 from elastic_llm.snapshot.records import ShardKey
 
 
@@ -27,7 +27,7 @@ def rebuild_from_neighbours(group: ActorGroup, actions: list[Action], step: int,
     for a in actions:
         key = ShardKey(a.stage, a.replica)
         new = group.actor(key)
-        if a.source == "checkfree":
+        if a.source is Source.CHECKFREE:
             nxt, prev = (group.actor(k) for k in a.donors)
             norm_next, norm_prev = ray.get([nxt.grad_norm.remote(), prev.grad_norm.remote()], timeout=COPY_S)
             w_next, w_prev = weights(norm_next, norm_prev)

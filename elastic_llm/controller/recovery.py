@@ -22,7 +22,7 @@ from elastic_llm.controller.liveness import NodeWatch
 from elastic_llm.controller.neighbours import promote_copies, rebuild_from_neighbours
 from elastic_llm.controller.session import log
 from elastic_llm.recovery.failure import StepFailure
-from elastic_llm.recovery.policy import LOSSY, Member, Observation, RecoveryPlan
+from elastic_llm.recovery.policy import LOSSY, Member, Observation, RecoveryPlan, RollbackFrom, Source
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.records import ShardKey
 
@@ -165,9 +165,9 @@ class RecoveryExecutor:
             if plan.drop_replicas:
                 self.group.set_width()
             with self.group.spans.span("state"):
-                if plan.rollback_to is not None and plan.rollback_from == "checkpoint":
+                if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.CHECKPOINT:
                     return self._from_checkpoint(plan, step)
-                if plan.rollback_to is not None and plan.rollback_from == "durable":
+                if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.DURABLE:
                     return self._from_durable(plan, step)
                 if plan.rollback_to is not None:
                     sources, own = self._roll_back(plan, lost, obs)
@@ -178,7 +178,7 @@ class RecoveryExecutor:
                 at = max(done) if done else step
                 self._copy_from_peers(plan)
                 details = rebuild_from_neighbours(self.group, [a for a in plan.actions if a.source in LOSSY], at, self.options.lr_scale)
-                promote_copies(self.group, [a for a in plan.actions if a.source == "redundant"])
+                promote_copies(self.group, [a for a in plan.actions if a.source is Source.REDUNDANT])
         except BaseException:
             for key in lost:
                 self.group.kill(key)
@@ -247,7 +247,7 @@ class RecoveryExecutor:
     def _copy_from_peers(self, plan: RecoveryPlan) -> None:
         """Lost replicas copy the whole state of a live data-parallel peer."""
         pairs = []
-        for a in (a for a in plan.actions if a.source == "dp_peer"):
+        for a in (a for a in plan.actions if a.source is Source.DP_PEER):
             assert a.peer is not None, f"{a}: a dp_peer action names its peer"
             pairs.append((ShardKey(a.stage, a.peer), ShardKey(a.stage, a.replica)))
         self.group.copy_stages(pairs)

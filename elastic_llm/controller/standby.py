@@ -124,7 +124,7 @@ class StandbyPool:
             num_gpus=gpus,
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(self.cfg.to_dict(), None, run_id=self.run_id)
+        ).remote(self.cfg, None, run_id=self.run_id)
         return Standby(actor, node, name, actor.info.remote(), time.monotonic())
 
     def _forget_dead(self) -> None:
@@ -132,7 +132,7 @@ class StandbyPool:
         import ray
 
         now = time.monotonic()
-        for node, sbs in self.standbys.items():
+        for sbs in self.standbys.values():
             keep = []
             for sb in sbs:
                 if sb in self._ready:

@@ -13,7 +13,7 @@ trainer calls them with what its executors observed and carries out the state th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 from elastic_llm.controller.drains import Drain
@@ -49,6 +49,7 @@ class Running:
 class Recovering:
     failure: StepFailure
     attempt: int = 1  # recoveries tried for this failure (a failure during recovery re-plans)
+    reason: str = field(default="", compare=False)  # why the failure policy let the run recover (the budget left)
     name = "recovering"
 
 
@@ -147,7 +148,7 @@ def after_failure(
     """A step (or a recovery) failed; ``budget`` already counts it."""
     decision = policy.decide(failure, budget)
     if decision.recover:
-        return Recovering(failure, attempt)
+        return Recovering(failure, attempt, decision.reason)
     return Failed(f"{decision.reason}\nlast failure: {failure}", EXIT_FAILED, failure)
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -566,7 +566,7 @@ class Trainer:
             return
         why = ""
         if isinstance(new, Recovering):
-            why = f"{new.failure} (attempt {new.attempt}; {self.failure_policy.decide(new.failure, self.budget).reason})"
+            why = f"{new.failure} (attempt {new.attempt}; {new.reason})"
         elif isinstance(new, WaitingForCapacity):
             why = f"{new.capacity}; giving up in {new.deadline - new.since:.0f} s"
         elif isinstance(new, Failed):
@@ -771,9 +771,6 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ teardown
-    def snapshot_stats(self) -> dict[str, Any]:
-        return asdict(self.snapshots.stats) if self.snapshots is not None else {}
-
     def shutdown(self) -> None:
         import ray
 

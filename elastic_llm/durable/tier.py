@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from elastic_llm import cadence
 from elastic_llm.config import RunConfig
@@ -38,6 +38,15 @@ class DurableStats:
     seconds: float = 0.0  # wall time of the flushes (in the background)
     last_gbps: float = 0.0
     pruned: list[str] = field(default_factory=list)
+
+
+class Snapshots(Protocol):
+    """What the tier needs of the snapshot coordinator (it never imports it): the managers that
+    write the parts, the newest committed version, and the snapshot interval (for ``auto``)."""
+
+    managers: dict[str, Any]  # node -> SnapshotManager handle
+    committed: VersionRecord | None
+    every: int
 
 
 @dataclass
@@ -69,7 +78,7 @@ def run_storage(cfg: RunConfig) -> Storage:
 
 
 class DurableTier:
-    def __init__(self, cfg: RunConfig, coordinator: Any, data_dir: str | None = None, metrics: Any = None) -> None:
+    def __init__(self, cfg: RunConfig, coordinator: Snapshots, data_dir: str | None = None, metrics: Any = None) -> None:
         du = cfg.durable
         self.cfg = cfg
         self.coordinator = coordinator
@@ -102,7 +111,7 @@ class DurableTier:
             return
         mtbf = cadence.mtbf_s(self.elapsed_s, self.failures, self.cfg.durable.mtbf_h * 3600)
         interval = cadence.young_daly_s(self.cost.value, mtbf)
-        snap_every = getattr(self.coordinator, "every", 1)
+        snap_every = self.coordinator.every
         every = cadence.flush_every(interval, snap_every, self.step_s.value)
         seen = f"{self.failures} failures in {self.elapsed_s:.0f} s" if self.failures else f"no failure yet, durable.mtbf_h={self.cfg.durable.mtbf_h}"
         self.why = f"auto: sqrt(2 x {self.cost.value:.2f} s flush x {mtbf:.0f} s MTBF ({seen})) = {interval:.0f} s = {every} snapshots"

@@ -253,7 +253,7 @@ class RayStepExecutor:
                     failed = True
             if failed and not aborted:
                 aborted = True
-                for ref, key in remaining.items():
+                for key in remaining.values():
                     self.actor(key).abort_step.options(concurrency_group="control").remote(pending.generation)
                     self.calls += 1
                 deadline = time.monotonic() + SETTLE_S
@@ -297,7 +297,7 @@ class RayStepExecutor:
         if p is None:
             return
         if len(p.reports) + len(p.lost) < len(p.refs):
-            for k, ref in p.refs.items():
+            for k in p.refs:
                 if k not in p.reports and k not in p.lost:
                     try:
                         self.actor(k).abort_step.options(concurrency_group="control").remote(p.generation)

@@ -21,7 +21,7 @@ class Shadow:
     bit-identical to it and replaces it when it is lost. The compute it costs is real."""
 
     def __init__(self, cfg: RunConfig, stage: int, device: torch.device) -> None:
-        from elastic_llm.pipeline.stage import build_optimizer  # stage.py imports this module
+        from elastic_llm.pipeline.optim import build_optimizer
         from elastic_llm.snapshot.state import StateArena
 
         self.cfg, self.stage, self.device = cfg, stage, device

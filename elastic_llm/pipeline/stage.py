@@ -1,6 +1,6 @@
 """One pipeline stage of one data-parallel replica: the body of a Ray actor.
 
-Owns: the stage's layers, its AdamW optimizer, LR schedule (warm-up + cosine), per-microbatch
+Owns: the stage's layers, its AdamW optimizer and LR schedule (built by :mod:`.optim`), per-microbatch
 forward/backward with the activations kept between them, its flat gradient (what the replicas'
 all-reduce sums), clipping at ``grad_clip`` and the L2 norm of the last clipped gradient
 (CheckFree weights rebuilt stages by it), and the actor's links to its step peers. A whole step
@@ -26,7 +26,6 @@ The class is plain Python so tests can drive it in-process; the controller wraps
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 import warnings
@@ -35,9 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from elastic_llm.config import RunConfig, TrainConfig, config_from_dict
+from elastic_llm.config import RunConfig, config_from_dict
 from elastic_llm.model import build_stage, lm_loss
 from elastic_llm.pipeline.copies import BackgroundCopies
+from elastic_llm.pipeline.optim import build_optimizer
 from elastic_llm.pipeline.plan import InjectedFault, StepPlan, StepReport
 from elastic_llm.pipeline.redundant import Shadow
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
@@ -74,31 +74,6 @@ class StageInfo:
     layers: tuple[int, ...]
     parameters: int
     gpu_ids: tuple[int, ...] = ()  # the devices Ray gave this process (a standby adopted in its place takes them)
-
-
-def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
-    """Multiplier of the peak LR at ``step``: linear warm-up, then cosine down to ``min_ratio``."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(module: torch.nn.Module, train: TrainConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """A stage's AdamW (weight decay on matrices only) and its LR schedule (:func:`lr_factor`)."""
-    decay = [p for p in module.parameters() if p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=train.lr,
-        betas=(train.beta1, train.beta2),
-        foreach=True,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_factor(s, train.warmup_steps, train.max_steps, train.min_lr / train.lr),
-    )
-    return optimizer, scheduler
 
 
 def warm_up(cfg: RunConfig) -> None:

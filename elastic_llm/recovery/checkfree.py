@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from elastic_llm.recovery.sources import Source
 from elastic_llm.snapshot.records import ShardKey
 
 EPS = 1e-4  # added to both gradient norms: two neighbours that never stepped average evenly
@@ -44,7 +45,7 @@ class Rebuild:
 
     stage: int
     replica: int
-    source: str  # checkfree (average of two neighbours) | checkfree_plus (copy of one neighbour)
+    source: Source  # CHECKFREE (average of two neighbours) | CHECKFREE_PLUS (copy of one neighbour)
     donors: tuple[ShardKey, ...]  # checkfree: (next, prev); checkfree_plus: (the neighbour copied)
     mirror: ShardKey | None  # stage holding the lost stage's embedding / head mirror (None: keep fresh init)
     note: str  # what was approximated, for the log
@@ -70,7 +71,7 @@ def plan_rebuild(stage: int, replica: int, n_stages: int, alive: frozenset[Shard
         if nxt is None or prev is None:
             gone = [s for s, k in ((stage - 1, prev), (stage + 1, nxt)) if k is None]
             return f"stage {stage}: its neighbour stage(s) {gone} are lost too (CheckFree needs both neighbours)"
-        return Rebuild(stage, replica, "checkfree", (nxt, prev), None, f"stage {stage} = gradient-norm-weighted average of stages {stage + 1} and {stage - 1}")
+        return Rebuild(stage, replica, Source.CHECKFREE, (nxt, prev), None, f"stage {stage} = gradient-norm-weighted average of stages {stage + 1} and {stage - 1}")
     neighbour = 1 if stage == 0 else n_stages - 2
     donor = live(neighbour)
     if donor is None:
@@ -80,4 +81,4 @@ def plan_rebuild(stage: int, replica: int, n_stages: int, alive: frozenset[Shard
         return f"stage {stage}: its {part} has no mirror (checkfree.mirror_every=0)"
     mirror = donor if mirrors else None
     how = f"{part} from the mirror on stage {neighbour}" if mirrors else f"{part} re-initialised (no mirror)"
-    return Rebuild(stage, replica, "checkfree_plus", (donor,), mirror, f"stage {stage} = copy of stage {neighbour}'s layers, {how}")
+    return Rebuild(stage, replica, Source.CHECKFREE_PLUS, (donor,), mirror, f"stage {stage} = copy of stage {neighbour}'s layers, {how}")

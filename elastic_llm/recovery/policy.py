@@ -29,9 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from elastic_llm.recovery.checkfree import Rebuild, plan_rebuild
+from elastic_llm.recovery.sources import LOSSY, RollbackFrom, Source
 from elastic_llm.snapshot.records import ShardKey
 
-LOSSY = ("checkfree", "checkfree_plus")
+__all__ = ["LOSSY", "Action", "Member", "Observation", "RecoveryPlan", "RecoveryPolicy", "RollbackFrom", "Source", "SourceLost", "UnrecoverableError"]
 
 
 class UnrecoverableError(RuntimeError):
@@ -83,7 +84,7 @@ class Observation:
 class Action:
     stage: int
     replica: int
-    source: str  # local_smp | dp_peer | parity | checkfree | checkfree_plus | redundant | checkpoint | durable
+    source: Source
     peer: int | None = None  # replica to copy from, for dp_peer
     donors: tuple[ShardKey, ...] = ()  # checkfree: (next, prev); checkfree_plus: (neighbour,); redundant: (holder of the copy, successor)
     mirror: ShardKey | None = None  # checkfree_plus: the stage holding the embedding / head mirror
@@ -91,7 +92,7 @@ class Action:
 
     @property
     def lossless(self) -> bool:
-        return self.source not in LOSSY
+        return Source(self.source).lossless
 
     def __str__(self) -> str:
         extra = f" from replica {self.peer}" if self.peer is not None else ""
@@ -109,7 +110,7 @@ class RecoveryPlan:
     lost_shards: tuple[ShardKey, ...] = field(default=())  # shards that must be rebuilt from parity
     drop_replicas: tuple[int, ...] = ()  # replicas (numbered as observed) dropped first; actions use the new numbers
     width: tuple[int, int] | None = None  # (from, to) when replicas are dropped
-    rollback_from: str = "snapshot"  # where everyone's state of rollback_to comes from: snapshot | checkpoint | durable
+    rollback_from: RollbackFrom = RollbackFrom.SNAPSHOT  # where everyone's state of rollback_to comes from
 
     def __str__(self) -> str:
         rb = f"roll back to step {self.rollback_to}" if self.rollback_to is not None else "no rollback"
@@ -217,12 +218,12 @@ class RecoveryPolicy:
             peers = [p for p in alive if p.stage == m.stage]
             key = ShardKey(m.stage, m.replica)
             if peers and consistent:
-                actions.append(Action(m.stage, m.replica, "dp_peer", peer=peers[0].replica))
+                actions.append(Action(m.stage, m.replica, Source.DP_PEER, peer=peers[0].replica))
                 continue
             if snap_problem is not None:
                 return self._durable(obs, snap_problem) if obs.durable is not None else self._last_rung(obs, snap_problem)
             need_snapshot = True
-            source = "parity" if key in lost_shards or shard_node.get(key) in obs.dead_managers else "local_smp"
+            source = Source.PARITY if key in lost_shards or shard_node.get(key) in obs.dead_managers else Source.LOCAL_SMP
             actions.append(Action(m.stage, m.replica, source))
         if need_snapshot:
             reason = f"restored stages come from the snapshot of step {obs.committed}"
@@ -243,9 +244,9 @@ class RecoveryPolicy:
         """Everyone rolls back to the newest durable checkpoint (lost stages come from it too)."""
         assert obs.durable is not None
         current = max((m.step or 0 for m in obs.members if m.alive), default=0)
-        actions = tuple(Action(m.stage, m.replica, "durable") for m in obs.members if not m.alive)
+        actions = tuple(Action(m.stage, m.replica, Source.DURABLE) for m in obs.members if not m.alive)
         reason = f"no in-memory copy survives ({why}): everyone rolls back from step {current} to the durable checkpoint of step {obs.durable}"
-        return RecoveryPlan(actions, obs.durable, reason, rollback_from="durable")
+        return RecoveryPlan(actions, obs.durable, reason, rollback_from=RollbackFrom.DURABLE)
 
     def _rebuilds(self, obs: Observation, why: str) -> tuple[Action, ...]:
         """CheckFree actions for every lost member without a data-parallel peer at one step
@@ -258,7 +259,7 @@ class RecoveryPolicy:
         for m in (m for m in obs.members if not m.alive):
             peers = [p for p in alive if p.stage == m.stage]
             if peers:
-                actions.append(Action(m.stage, m.replica, "dp_peer", peer=peers[0].replica))
+                actions.append(Action(m.stage, m.replica, Source.DP_PEER, peer=peers[0].replica))
                 continue
             rb = plan_rebuild(m.stage, m.replica, obs.n_stages, alive_keys, obs.mirrors, reinit=obs.mode != "lossless")
             if not isinstance(rb, Rebuild):
@@ -299,13 +300,13 @@ class RecoveryPolicy:
                     f"stage {m.stage} replica {m.replica} is lost and so are stage(s) {gone}, which hold its redundant copy "
                     "or the copy it held: recovery.mode=redundant covers one lost stage of every two neighbours"
                 )
-            actions.append(Action(m.stage, m.replica, "redundant", donors=(holder, successor)))
+            actions.append(Action(m.stage, m.replica, Source.REDUNDANT, donors=(holder, successor)))
         return RecoveryPlan(tuple(actions), None, "the predecessor's redundant copy is promoted" if actions else "no stage lost")
 
     def _checkpoint(self, obs: Observation) -> RecoveryPlan:
         lost = [m for m in obs.members if not m.alive]
         to = obs.checkpoint if obs.checkpoint is not None else 0
         current = max((m.step or 0 for m in obs.members if m.alive), default=0)
-        actions = tuple(Action(m.stage, m.replica, "checkpoint") for m in lost)
+        actions = tuple(Action(m.stage, m.replica, Source.CHECKPOINT) for m in lost)
         where = f"the checkpoint of step {to}" if to else "the initial state (no checkpoint yet)"
-        return RecoveryPlan(actions, to, f"everyone rolls back from step {current} to {where}", rollback_from="checkpoint")
+        return RecoveryPlan(actions, to, f"everyone rolls back from step {current} to {where}", rollback_from=RollbackFrom.CHECKPOINT)

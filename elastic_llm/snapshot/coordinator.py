@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from elastic_llm.cadence import Ema, snapshot_every
 from elastic_llm.config import RunConfig
-from elastic_llm.recovery.policy import SourceLost, UnrecoverableError
+from elastic_llm.recovery.policy import Source, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.manager import SnapshotManager
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
@@ -92,6 +92,18 @@ def check_parity_fits(nodes: int, parity: int, group_size: int) -> None:
         )
 
 
+class Flusher(Protocol):
+    """What the coordinator needs of the durable tier (it never imports it): at each commit,
+    whether that version is flushed, the flush in flight (its version stays pinned), and
+    starting a flush."""
+
+    inflight: Any  # the flush in flight (``.record``: its VersionRecord), or None
+
+    def wants(self, record: VersionRecord) -> bool: ...
+
+    def start(self, record: VersionRecord) -> None: ...
+
+
 class SnapshotCoordinator:
     def __init__(self, cfg: RunConfig, namespace: str, run_id: str) -> None:
         self.cfg = cfg
@@ -101,12 +113,11 @@ class SnapshotCoordinator:
         self.inflight: list[_Inflight] = []  # oldest first, at most MAX_INFLIGHT
         self.committed: VersionRecord | None = None
         self.stats = SnapshotStats()
-        self.events: list[dict[str, Any]] = []
         self.refresh_managers = False
         self.avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
-        self.durable: Any = None  # the durable tier (DurableTier): decides at each commit whether to flush it
+        self.durable: Flusher | None = None  # the durable tier: decides at each commit whether to flush it
         self.on_commit: Any = None  # called with each committed VersionRecord (driver failover publishes it)
         self.grace_s = cfg.recovery.driver_grace_s  # > 0: detached managers that outlive their driver this long
         self.name_tag = ""  # a resuming driver's managers get names of their own (the old ones may still hold theirs)
@@ -377,7 +388,6 @@ class SnapshotCoordinator:
             return
         self.stats.discarded += 1
         self.refresh_managers = True  # a manager may have died: re-create before the next version
-        self.events.append({"event": "snapshot_discarded", "version": p.version, "reason": why})
         (log.info if expected else log.warning)("snapshot of step %d discarded: %s", p.version, why)
 
     def _drain_dropped(self) -> None:
@@ -422,7 +432,7 @@ class SnapshotCoordinator:
             raise UnrecoverableError("no snapshot has been committed yet")
         offsets: list[int] = []
         refs: list[Any] = []
-        sources: list[str] = []
+        sources: list[Source] = []
         slices = [info for info in rec.shards if info.key.stage == stage]
         for info in slices:
             node = info.node_id
@@ -436,7 +446,7 @@ class SnapshotCoordinator:
             if got is not None:
                 offsets += [p.offset for p in info.pieces]
                 refs += got
-                sources.append("local_smp")
+                sources.append(Source.LOCAL_SMP)
             else:
                 offsets.append(info.lo)
                 try:
@@ -445,7 +455,7 @@ class SnapshotCoordinator:
                     if self.unloadable.get(node) == rec.version:  # learnt just now: the plan did not know it
                         raise SourceLost(f"{e}; {info.key}'s shard failed to load on its node while restoring") from None
                     raise
-                sources.append("parity")
+                sources.append(Source.PARITY)
         manifest = slices[min(replica, len(slices) - 1)].manifest
         return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources))
 

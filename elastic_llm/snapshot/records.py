@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from elastic_llm.recovery.sources import Source
+
 
 @dataclass(frozen=True, order=True)
 class ShardKey:
@@ -128,11 +130,11 @@ class StageSource:
     offsets: tuple[int, ...]
     refs: tuple[Any, ...]
     manifest: str
-    sources: tuple[str, ...]
+    sources: tuple[Source, ...]
 
     @property
-    def source(self) -> str:
-        return "parity" if "parity" in self.sources else "local_smp"
+    def source(self) -> Source:
+        return Source.PARITY if Source.PARITY in self.sources else Source.LOCAL_SMP
 
 
 @dataclass(frozen=True)

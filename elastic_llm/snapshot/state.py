@@ -177,7 +177,7 @@ class StateArena:
         for offset, data in parts:
             src = torch.from_numpy(np.asarray(data))
             end = offset + src.numel()
-            for device, a0, b0, block in self.blocks:
+            for _device, a0, b0, block in self.blocks:
                 a, b = max(offset, a0), min(end, b0)
                 if a < b:
                     block[a - a0 : b - a0].copy_(src[a - offset : b - offset])

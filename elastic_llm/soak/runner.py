@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from elastic_llm.config import RunConfig, load_config
+from elastic_llm.config import RunConfig
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.controller.states import Recovering, Resizing
 from elastic_llm.soak.plan import Fault, FaultKind, Moment, TrialPlan, hooked

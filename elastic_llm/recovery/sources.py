@@ -1,0 +1,50 @@
+"""Where a recovered stage's state comes from, and where a rollback's comes from: two enums.
+
+Owns :class:`Source` (what the policy writes into each action of a plan, the executor follows and
+the metrics line reports) and :class:`RollbackFrom`. Their values are the words the metrics file,
+logs and reports have always used, so a value written out reads back the same. Pure: imports
+nothing of the project.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # Python 3.10: a str enum that formats as its value, as 3.11's StrEnum does
+    class StrEnum(str, enum.Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return format(str(self.value), spec)
+
+
+class Source(StrEnum):
+    """Where a lost stage's state comes from."""
+
+    LOCAL_SMP = "local_smp"  # its node's snapshot manager (the stage process died, its node lives)
+    DP_PEER = "dp_peer"  # a data-parallel peer holding the same state
+    PARITY = "parity"  # rebuilt from its erasure group's parity
+    CHECKFREE = "checkfree"  # averaged from its two neighbours (lossy)
+    CHECKFREE_PLUS = "checkfree_plus"  # copied from one neighbour (+ the mirrored embedding or head; lossy)
+    REDUNDANT = "redundant"  # its copy held by the predecessor stage, promoted
+    CHECKPOINT = "checkpoint"  # the checkpointing baseline's newest checkpoint
+    DURABLE = "durable"  # the run's newest durable checkpoint
+
+    @property
+    def lossless(self) -> bool:
+        return self not in LOSSY
+
+
+LOSSY = (Source.CHECKFREE, Source.CHECKFREE_PLUS)  # a tuple: `in` compares by value, so a plain "checkfree" is found too
+
+
+class RollbackFrom(StrEnum):
+    """Where everyone's state of a rollback comes from."""
+
+    SNAPSHOT = "snapshot"  # the committed in-memory snapshot version
+    CHECKPOINT = "checkpoint"
+    DURABLE = "durable"

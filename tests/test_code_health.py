@@ -1,0 +1,24 @@
+"""Code health as part of the suite: the linter (ruff, rules in pyproject.toml) finds nothing.
+
+So `python3 -m pytest -q`, the README's test command that CI runs, fails on a lint finding as
+on a failing test, and nobody needs a second command to keep the code clean.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_ruff_finds_nothing():
+    if shutil.which("ruff") is None and subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode != 0:
+        pytest.fail("ruff is not installed: pip install -e '.[test]'")
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
