@@ -88,7 +88,7 @@ from elastic_llm.durable.tier import DurableTier, run_storage
 from elastic_llm.model import count_parameters
 from elastic_llm.pipeline.executor import PendingStep, RayStepExecutor, StepExecutor, StepFailed, StepResult
 from elastic_llm.pipeline.shares import replica_shares
-from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
+from elastic_llm.recovery.failure import During, FailureBudget, FailurePolicy, StepFailure
 from elastic_llm.recovery.policy import RecoveryPolicy, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.spans import Spans
@@ -662,7 +662,7 @@ class Trainer:
         except UnrecoverableError as e:
             return after_unrecoverable(failure, str(e))
         except (ray.exceptions.RayError, TimeoutError, StepFailed, PlanNotFollowed, SourceLost) as err:  # observed again and re-planned
-            again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during="recovery")
+            again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during=During.RECOVERY)
             self.budget = self.budget.record(again.step)
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)
         self._apply(outcome, failure, time.perf_counter() - t0, spans.totals(t0))
@@ -697,7 +697,7 @@ class Trainer:
             self.metrics.write(rec)
         self._refresh_mirrors(force=True)
 
-    def _failed_between_steps(self, err: BaseException, during: str) -> State:
+    def _failed_between_steps(self, err: BaseException, during: During) -> State:
         """A resize or a drain failed (an actor died meanwhile): recover as for a failed step."""
         failure = StepFailure.from_exception(self.step + 1, err.cause if isinstance(err, StepFailed) else err, during=during)
         self.budget = self.budget.record(failure.step)
@@ -714,7 +714,7 @@ class Trainer:
             log(f"no room for replica {state.to_dp} after all ({e.capacity}); staying at {state.from_dp}")
             return after_step(self.step, self.end, self.stop_requested)
         except (ray.exceptions.RayError, TimeoutError, PlanNotFollowed) as err:
-            return self._failed_between_steps(err, "resize")
+            return self._failed_between_steps(err, During.RESIZE)
         self._new_executor()
         self._resized(out.from_dp, out.to_dp, out.reason, out.seconds, self._spans().totals(t0))
         return self._next()
@@ -730,7 +730,7 @@ class Trainer:
             deadlines = [d.deadline for d in state.drains if d.deadline is not None]
             ev = self.elastic.evacuate(nodes, min(deadlines) if deadlines else None)
         except (ray.exceptions.RayError, TimeoutError, PlanNotFollowed) as err:
-            return self._failed_between_steps(err, "drain")
+            return self._failed_between_steps(err, During.DRAIN)
         spans = self._spans().totals(t0)
         self.drains_seen |= nodes
         self._new_executor()

@@ -14,8 +14,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from elastic_llm.recovery.sources import StrEnum
+
 TRACE_LINES = 8
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class During(StrEnum):
+    """What the run was doing when the failure struck."""
+
+    STEP = "step"
+    RECOVERY = "recovery"  # recovering from an earlier failure
+    RESIZE = "resize"  # growing into new room
+    DRAIN = "drain"  # moving stages off a draining node
 
 
 @dataclass(frozen=True)
@@ -27,11 +38,11 @@ class StepFailure:
     replica: int | None
     error: str  # exception type and its first line
     trace: str = ""  # the first lines of the (remote) traceback
-    during: str = "step"  # step | recovery
+    during: During = During.STEP
     op: str = ""  # the op the failing actor was running ("F3", "B0.1", "allreduce", "update"), when known
 
     @staticmethod
-    def from_exception(step: int, err: BaseException, stage: int | None = None, replica: int | None = None, during: str = "step", op: str = "") -> "StepFailure":
+    def from_exception(step: int, err: BaseException, stage: int | None = None, replica: int | None = None, during: During = During.STEP, op: str = "") -> "StepFailure":
         cause = getattr(err, "cause", None)  # a RayTaskError wraps the exception the actor raised
         what = cause if isinstance(cause, BaseException) else err
         first = next((ln.strip() for ln in _ANSI.sub("", str(what)).splitlines() if ln.strip()), "")
@@ -46,7 +57,7 @@ class StepFailure:
         return f"step {self.step}, stage {self.stage} replica {self.replica}"
 
     def __str__(self) -> str:
-        what = "recovery of " if self.during == "recovery" else ""
+        what = "recovery of " if self.during == During.RECOVERY else ""  # == : a plain "recovery" too
         return f"{what}{self.where} failed: {self.error}" + (f" (in {self.op})" if self.op else "")
 
 
