@@ -167,7 +167,7 @@ def write_hf(
     tmp = out.parent / f".{out.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        if tok_config is not None:
+        if tok_config is not None and tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
             _write_json(tmp / "tokenizer_config.json", tok_config)
         _write_json(tmp / "config.json", hf_config(shape, eos_id))

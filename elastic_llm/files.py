@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 
-def write_atomic(path: Path, mode: str, write: Callable[[IO[Any]], None], fsync: bool = False) -> None:
+def write_atomic(path: Path, mode: str, write: Callable[[IO[Any]], object], fsync: bool = False) -> None:
     """Write ``path`` through ``write(f)`` on a temporary file beside it, then rename it into place.
     ``fsync``: force the bytes to disk before the rename (checkpoint files)."""
     path = Path(path)

@@ -24,6 +24,7 @@ replicas, spare stages, adopted standbys) share that bookkeeping and would leak 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -408,7 +409,7 @@ class ActorGroup:
         return sorted({k.replica for k in self.keys() if self.nodes.get(k) in nodes})
 
     # ------------------------------------------------------------------ width
-    def drop_replicas(self, replicas: list[int] | set[int]) -> dict[int, int]:
+    def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]:
         """Kill the actors of ``replicas``, release their placement groups and renumber the rest
         (keeping their order). Returns old replica index -> new one, for the survivors. The
         survivors learn their new place with :meth:`set_width`."""
@@ -432,7 +433,8 @@ class ActorGroup:
         del self.pgs[r]
         del self.actors[r]
         self.width -= 1
-        for table in (self.nodes, self.pids, self.gpus, self.patches):
+        tables: tuple[dict[ShardKey, Any], ...] = (self.nodes, self.pids, self.gpus, self.patches)
+        for table in tables:
             moved = {(ShardKey(k.stage, k.replica - 1) if k.replica > r else k): v for k, v in table.items() if k.replica != r}
             table.clear()
             table.update(moved)
@@ -612,8 +614,8 @@ class ActorGroup:
             self.cancel(spare)
         if self.pool is not None:
             self.pool.shutdown()
-        for spare in list(self.stage_spares.values()):
-            self.cancel_stage_spare(spare)
+        for stage_spare in list(self.stage_spares.values()):
+            self.cancel_stage_spare(stage_spare)
         for key in self.keys() if self.actors else []:
             self.kill(key)
         for pg in {id(p): p for p in [*self.pgs, *(pg for pg, _ in self.patches.values())]}.values():

@@ -30,8 +30,11 @@ class CheckpointExecutor:
     def __init__(self, group: ActorGroup, every: int, root: str | None) -> None:
         self.group = group
         self.every = every
-        self._tmp = None if root else tempfile.TemporaryDirectory(prefix="elastic-llm-ckpt-")
-        self.root = root or self._tmp.name
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if not root:
+            self._tmp = tempfile.TemporaryDirectory(prefix="elastic-llm-ckpt-")
+            root = self._tmp.name
+        self.root = root
         self.stats = CheckpointStats()
         self._latest = files.latest(self.root)  # this executor writes every checkpoint: kept in memory, not re-read each step
 

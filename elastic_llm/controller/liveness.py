@@ -127,6 +127,7 @@ class RayNodeTable:
             channel = create_gcs_channel(ray.get_runtime_context().gcs_address)
             self._stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
         info = common_pb2.NodeDeathInfo(reason=common_pb2.NodeDeathInfo.UNEXPECTED_TERMINATION, reason_message=death.reason())
+        assert self._stub is not None
         self._stub.UnregisterNode(gcs_service_pb2.UnregisterNodeRequest(node_id=bytes.fromhex(death.node), node_death_info=info), timeout=10)
 
 

@@ -174,7 +174,7 @@ class RecoveryExecutor:
                     rec = self.snapshots.committed if self.snapshots else None
                     position = rec.shard(ShardKey(0, 0)).data_position() if rec else None
                     return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, own, position)
-                done = {m.step for m in obs.members if m.alive}  # one step (else the plan rolls back)
+                done = {m.step for m in obs.members if m.alive and m.step is not None}  # one step (else the plan rolls back)
                 at = max(done) if done else step
                 self._copy_from_peers(plan)
                 details = rebuild_from_neighbours(self.group, [a for a in plan.actions if a.source in LOSSY], at, self.options.lr_scale)

@@ -49,7 +49,7 @@ def loopback_env() -> None:
     if "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
         if "ray" in sys.modules:  # Ray read its config when imported: make it see token mode too
-            from ray._raylet import Config
+            from ray._raylet import Config  # type: ignore[attr-defined]  # a compiled module: no stubs
 
             Config.initialize("")
     ensure_auth_token()
@@ -122,6 +122,8 @@ def unreachable(address: str, timeout_s: float = PROBE_S) -> str | None:
             return str(e)
         if target is None:
             return "found none: RAY_ADDRESS is unset and `ray start` recorded no cluster on this machine"
+    if target is None:
+        return None
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit():
         return f"{target!r} is not HOST:PORT"

@@ -248,7 +248,7 @@ class Trainer:
         c = self.cfg
         min_width = c.elastic.bounds(c.parallel.dp)[0]
         if c.recovery.mode == "checkpoint" and self.checkpoints is None:
-            self.checkpoints = CheckpointExecutor(self.group, c.recovery.checkpoint_every, c.recovery.checkpoint_dir)
+            self.checkpoints = CheckpointExecutor(self.ray_group, c.recovery.checkpoint_every, c.recovery.checkpoint_dir)
             self._checkpoint(0)  # a failure before the first periodic checkpoint rolls back to the start
         if self.reattach is not None:
             with spans.span("reattach"):
@@ -260,8 +260,8 @@ class Trainer:
             self.recovery, self.elastic = self.parts.recovery, self.parts.elastic
         else:
             options = ModeOptions(c.recovery.mode, c.mirrors, c.checkfree.lr_scale, self.checkpoints, self.durable)
-            self.recovery = RecoveryExecutor(self.group, self.snapshots, c.snapshot.parity, min_width, options, self.watch)
-            self.elastic = ElasticExecutor(self.group, self.snapshots, min_width, c)
+            self.recovery = RecoveryExecutor(self.ray_group, self.snapshots, c.snapshot.parity, min_width, options, self.watch)
+            self.elastic = ElasticExecutor(self.ray_group, self.snapshots, min_width, c)
         self._new_executor()
         self._refresh_mirrors(force=True)
         self.metrics.event(
@@ -357,7 +357,7 @@ class Trainer:
             calls = []
             for k in self.group.keys():
                 src = sn.fetch_stage_state(k.stage, k.replica, dead)
-                calls.append(self.group.actor(k).load_parts.remote(src.manifest, list(src.offsets), *src.refs))
+                calls.append(self.ray_group.actor(k).load_parts.remote(src.manifest, list(src.offsets), *src.refs))
             ray.get(calls, timeout=RESUME_S)
         except (UnrecoverableError, ray.exceptions.RayError) as e:
             self.reattach = None
@@ -387,7 +387,7 @@ class Trainer:
 
         assert self.group is not None
         t = time.perf_counter()
-        calls = [self.group.actor(k).load_durable.remote(ck.storage.uri, ck.name) for k in self.group.keys()]
+        calls = [self.ray_group.actor(k).load_durable.remote(ck.storage.uri, ck.name) for k in self.ray_group.keys()]
         try:
             ray.get(calls, timeout=RESUME_S)
         except ray.exceptions.RayTaskError as e:
@@ -404,6 +404,13 @@ class Trainer:
         log(f"resumed from {ck.uri} at step {ck.step} ({ck.manifest.get('width')} replica(s) x {ck.manifest.get('stages')} stages then) in {seconds:.1f} s")
         self.metrics.event("resume", step=ck.step, path=ck.uri, seconds=seconds, width_then=ck.manifest.get("width"), stages_then=ck.manifest.get("stages"))
 
+    @property
+    def ray_group(self) -> ActorGroup:
+        """The group as the Ray-backed executors, restores and mirrors need it: they are used only
+        when no parts were injected, and then the group is an :class:`ActorGroup`."""
+        assert isinstance(self.group, ActorGroup), "a Ray-backed path ran on injected parts"
+        return self.group
+
     def _new_executor(self) -> None:
         """A step executor over the current membership (its links are set up before its first step)."""
         assert self.group is not None
@@ -414,7 +421,7 @@ class Trainer:
         ``checkfree.mirror_every`` steps; ``force`` after start and after every recovery)."""
         every = self.cfg.checkfree.mirror_every
         if self.cfg.mirrors and self.group is not None and (force or self.step % every == 0):
-            refresh_mirrors(self.group, self.step)
+            refresh_mirrors(self.ray_group, self.step)
 
     def _checkpoint(self, step: int) -> None:
         """Write checkpoint ``step`` (training waits: the baseline's cost), one metrics line."""
@@ -476,6 +483,7 @@ class Trainer:
         self.committed_high = max(self.committed_high, self.committed_step)
         self.tokens_seen = step * self.cfg.tokens_per_step()
         now = time.perf_counter()
+        assert self.group is not None and self._t0 is not None  # set when the run started and its first step began
         prob = self.chaos.observe_step(step, now - ts, self.group.width)
         if prob is not None:
             log(f"chaos.failure_rate_per_hour={self.cfg.chaos.failure_rate_per_hour} at {now - ts:.2f} s per step: each stage fails with probability {prob:.2e} per step")
@@ -514,7 +522,7 @@ class Trainer:
         return rec.version if rec is not None else 0
 
     def evaluate(self) -> float:
-        assert self.executor is not None
+        assert self.executor is not None and self.group is not None
         stream = TokenStream(self.val_tokens, self.cfg.model.seq_len, seed=0, shuffle=False)
         share = replica_shares(self.cfg.train.batch_size, self.group.width)[0]  # replica 0's share of a step's batch
         losses = [self.executor.eval_loss(*stream.next_batch(share)) for _ in range(self.cfg.train.eval_batches)]

@@ -77,7 +77,7 @@ def submit(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)  # ConfigError: refused here, before the cluster sees it
     if args.working_dir is not None:
         working_dir: Path | None = Path(args.working_dir)
-        if not working_dir.is_dir():
+        if working_dir is None or not working_dir.is_dir():
             print(f"error: --working-dir {args.working_dir} is not a directory", file=sys.stderr)
             return 2
     else:

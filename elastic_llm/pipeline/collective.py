@@ -13,12 +13,22 @@ replica's gradient is already weighted by its share of the global batch
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import numpy as np
 import torch
 
 from elastic_llm.pipeline.shares import even_sizes
-from elastic_llm.pipeline.transport import Msg, Transport
+from elastic_llm.pipeline.transport import Msg
 from elastic_llm.snapshot.records import ShardKey
+
+
+class Links(Protocol):
+    """What the all-reduce needs of the step's links: send to and receive from a peer."""
+
+    def send(self, peer: ShardKey, kind: Msg, mb: int, hop: int, array: Any) -> None: ...
+
+    def recv(self, peer: ShardKey, kind: Msg, mb: int, hop: int) -> np.ndarray: ...
 
 
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -30,7 +40,7 @@ def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def allreduce_sum(transport: Transport, flat: np.ndarray, replicas: list[ShardKey], me: int) -> np.ndarray:
+def allreduce_sum(transport: Links, flat: np.ndarray, replicas: list[ShardKey], me: int) -> np.ndarray:
     """The sum of ``flat`` over ``replicas`` (this stage's actors in replica order; this actor is
     ``replicas[me]``), added in that order. Returns a new array; ``flat`` is not modified."""
     dp = len(replicas)
@@ -45,9 +55,8 @@ def allreduce_sum(transport: Transport, flat: np.ndarray, replicas: list[ShardKe
     total = torch.from_numpy(np.array(parts[0]))  # torch's in-place adds
     for part in parts[1:]:  # fixed replica order: identical bits on every replica
         total += torch.from_numpy(part)
-    total = total.numpy()
     out = np.empty_like(flat)
-    out[lo:hi] = total
+    out[lo:hi] = total.numpy()
     for j in range(dp):  # all-gather: my summed chunk to every other replica
         if j != me:
             transport.send(replicas[j], Msg.GATHER, 0, me, total)

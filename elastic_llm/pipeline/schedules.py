@@ -139,7 +139,7 @@ def _one_f_one_b_played(rts: list[Route], n_stages: int) -> Schedule:
     todo = {s: [op for mb in range(n_micro) for op in _forwards(rts, s, mb) + _backwards(rts, s, mb)] for s in range(n_stages)}
     done: set[tuple[int, Op]] = set()
     schedule: Schedule = [[] for _ in range(n_stages)]
-    held = [set() for _ in range(n_stages)]  # microbatches with activations alive on each stage
+    held: list[set[int]] = [set() for _ in range(n_stages)]  # microbatches with activations alive on each stage
 
     def ready(s: int, kind: str) -> list[Op]:
         ops = [op for op in todo[s] if op.kind == kind and _ready(s, op, done, rts[op.mb])]

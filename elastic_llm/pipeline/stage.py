@@ -504,7 +504,7 @@ class StageWorker:
                         value.zero_()
         self._resume_schedule(step, lr_scale)
         self.reset_step()
-        return zlib.crc32(np.ascontiguousarray(torch.cat([p.detach().reshape(-1) for p in self.module.parameters()]).numpy()).view(np.uint8))
+        return zlib.crc32(np.ascontiguousarray(torch.cat([p.detach().reshape(-1) for p in self.module.parameters()]).numpy()).view(np.uint8).data)
 
     @staticmethod
     def _load_flat(params: list[torch.nn.Parameter], flat: np.ndarray) -> None:

@@ -274,7 +274,7 @@ class SocketTransport:
                     raise ProtocolError(f"{self.me} got a message of step {step} (generation {gen}) from {peer} in step {self.step} (generation {self.generation})")
                 out = np.empty(tuple(dims[:ndim]) if ndim >= 0 else 0, np.float32)
                 if ndim >= 0:
-                    _read_into(sock, memoryview(out).cast("B"))
+                    _read_into(sock, out.data.cast("B"))
             except EOFError as e:
                 raise PeerLost(peer, str(e)) from None
             except OSError as e:

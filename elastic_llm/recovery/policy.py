@@ -155,7 +155,7 @@ def assign_standbys(plan: RecoveryPlan, obs: Observation) -> RecoveryPlan:
         key = ShardKey(a.stage, a.replica)
         node = where.get(key)
         ok = node is not None and left.get(node, 0) > 0 and (obs.standby_anywhere or (node == old_node.get(key) and node not in obs.dead_nodes))
-        if ok:
+        if ok and node is not None:
             left[node] -= 1
         actions.append(replace(a, adopt=node if ok else None))
     return replace(plan, actions=tuple(actions))
@@ -187,7 +187,7 @@ class RecoveryPolicy:
     def _lossless(self, obs: Observation) -> RecoveryPlan:
         lost = [m for m in obs.members if not m.alive]
         alive = [m for m in obs.members if m.alive]
-        steps = {m.step for m in alive}
+        steps = {m.step for m in alive if m.step is not None}  # alive members always know their step
         consistent = len(steps) <= 1
         current = max(steps) if steps else None
         shard_node = dict(obs.shard_nodes)
@@ -252,8 +252,9 @@ class RecoveryPolicy:
         """CheckFree actions for every lost member without a data-parallel peer at one step
         (a peer copy for the others); raises :class:`UnrecoverableError` if any cannot be done."""
         alive = [m for m in obs.members if m.alive]
-        if len({m.step for m in alive}) > 1:
-            raise UnrecoverableError(f"stages disagree on their step ({sorted({m.step for m in alive})}) and {why}")
+        steps = {m.step for m in alive if m.step is not None}
+        if len(steps) > 1:
+            raise UnrecoverableError(f"stages disagree on their step ({sorted(steps)}) and {why}")
         alive_keys = frozenset(ShardKey(m.stage, m.replica) for m in alive)
         actions = []
         for m in (m for m in obs.members if not m.alive):
@@ -287,7 +288,7 @@ class RecoveryPolicy:
         """Promote the copy the predecessor trains (ring: the last stage holds stage 0's); the new
         actor's own copy of its successor comes from that successor."""
         alive = {ShardKey(m.stage, m.replica): m for m in obs.members if m.alive}
-        steps = {m.step for m in alive.values()}
+        steps = {m.step for m in alive.values() if m.step is not None}
         if len(steps) > 1:
             raise UnrecoverableError(f"stages disagree on their step ({sorted(steps)}): redundant copies cannot line up")
         n = obs.n_stages

@@ -286,7 +286,7 @@ class SnapshotCoordinator:
         self._drain_dropped()
         while self.inflight:
             waiting = {ref: (p, node) for p in self.inflight for node, ref in p.refs.items() if node not in p.results}
-            ready = []
+            ready: list[Any] = []
             if waiting:
                 left = max(0.0, deadline - time.monotonic()) if block else 0
                 ready, _ = ray.wait(list(waiting), num_returns=1 if block else len(waiting), timeout=left)
@@ -329,7 +329,7 @@ class SnapshotCoordinator:
         self.inflight.remove(p)
         self.stats.committed += 1
         self._choose(p)
-        if flush:
+        if flush and self.durable is not None:
             self.durable.start(record)
 
     def observe_step(self, seconds: float, began: bool = False) -> None:

@@ -68,11 +68,11 @@ def _segments(symbols: list[list[np.ndarray]], length: int) -> list[tuple[int, i
     bounds = {0, length}
     for parts in symbols:
         pos = 0
-        for a in parts:
-            pos += len(a)
+        for arr in parts:
+            pos += len(arr)
             bounds.add(min(pos, length))
     edges = sorted(bounds)
-    out = []
+    out: list[tuple[int, int, list[np.ndarray | None]]] = []
     for a, b in zip(edges, edges[1:]):
         row: list[np.ndarray | None] = []
         for parts in symbols:
@@ -447,15 +447,16 @@ class SnapshotManager:
             length = max(lengths, default=0)
             shards: list[np.ndarray | None] = []
             for sym in word:
-                if sym.node in lost_set:
+                peer = peers[sym.node]
+                if sym.node in lost_set or peer is None:
                     shards.append(None)
                     continue
                 try:
                     if sym.chunk is None:
-                        shards.append(np.asarray(ray.get(peers[sym.node].get_parity.remote(version, region), timeout=WAIT_S)))
+                        shards.append(np.asarray(ray.get(peer.get_parity.remote(version, region), timeout=WAIT_S)))
                         continue
                     meta = chunk_pieces(infos[sym.node], sym.chunk)
-                    refs = ray.get(peers[sym.node].chunk_parts.remote(version, sym.chunk), timeout=WAIT_S)
+                    refs = ray.get(peer.chunk_parts.remote(version, sym.chunk), timeout=WAIT_S)
                     sym_buf = np.zeros(length, dtype=np.uint8)
                     pos = 0
                     for piece, arr in zip(meta, ray.get(refs, timeout=WAIT_S)):
@@ -473,10 +474,10 @@ class SnapshotManager:
             for info in mine_infos:
                 want = info.pieces[c]
                 if info.key == key:
-                    piece = data[mine][pos : pos + want.length]
-                    if checksum(piece) != want.crc:
+                    rebuilt = data[mine][pos : pos + want.length]
+                    if checksum(rebuilt) != want.crc:
                         raise SnapshotMissingError(f"piece {c} of shard {key}, version {version} fails its checksum after decoding")
-                    pieces.append(piece)
+                    pieces.append(rebuilt)
                 pos += want.length
         shard = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint8)
         return [ray.put(shard)]

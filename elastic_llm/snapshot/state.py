@@ -190,7 +190,7 @@ def json_state(
     data_position: dict[str, int] | None,
     config_hash: str,
 ) -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()  # the legacy tuple form
     py_state = random.getstate()
     sched = scheduler.state_dict()  # lr_lambdas are plain functions: saved as None, rebuilt from config
     return {
@@ -258,8 +258,8 @@ def restore(
     try:
         entries = [Entry.from_json(e) for e in manifest["entries"]]
         nbytes = int(manifest["nbytes"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise SnapshotFormatError(f"snapshot manifest is malformed ({type(e).__name__}: {e}): the snapshot is corrupted") from None
+    except (KeyError, TypeError, ValueError) as err:
+        raise SnapshotFormatError(f"snapshot manifest is malformed ({type(err).__name__}: {err}): the snapshot is corrupted") from None
     if nbytes != arena.layout.nbytes:
         raise SnapshotFormatError(f"snapshot holds {nbytes} bytes of state, this stage has {arena.layout.nbytes}: it is not this stage's snapshot")
     live = {e.name: e for e in arena.layout.entries}

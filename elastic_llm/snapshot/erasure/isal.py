@@ -119,7 +119,7 @@ def checksum(arr: Any, start: int = 0) -> int:
             if nbytes == 0:
                 return start
             return int(lib.crc32_gzip_refl(start, addr(arr), nbytes))
-        return zlib.crc32(arr.reshape(-1).view(np.uint8), start) & 0xFFFFFFFF
+        return zlib.crc32(arr.reshape(-1).view(np.uint8).data, start) & 0xFFFFFFFF
     return zlib.crc32(arr, start) & 0xFFFFFFFF
 
 

@@ -29,7 +29,7 @@ from elastic_llm.snapshot.erasure.base import CodeParametersError, ErasureCodec
 from elastic_llm.snapshot.erasure.gf import _MUL
 
 
-_LANE_DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_LANE_DTYPES: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 def _lane_bytes(nlanes: int, lane_size: int) -> int:
@@ -78,7 +78,7 @@ def _build_groups(matrix: np.ndarray, wide: bool) -> list[_Group]:
                 continue
             if wide:
                 # index = byte0 | byte1 << 8  ->  2-D [byte1, byte0] flattened
-                t = np.zeros((256, 256), dtype=np.uint64)
+                t: np.ndarray = np.zeros((256, 256), dtype=np.uint64)
                 for lane_i, cf in enumerate(coefs):
                     if cf:
                         row = _MUL[cf].astype(np.uint64)
