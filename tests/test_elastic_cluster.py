@@ -137,6 +137,7 @@ def test_one_step_at_width_2_equals_width_1_within_1e_6(nodes, corpus_dir, tmp_p
         t.shutdown()
 
 
+@pytest.mark.slow  # 60-130 s; the suite's resize soak (test_soak.py) shrinks without room and grows back too
 def test_a_lost_node_without_room_shrinks_without_rollback_then_two_new_nodes_grow_it_back(nodes, corpus_dir, tmp_path):
     t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=2")
     run = Background(t, 1000)  # stopped below, once it has grown back
