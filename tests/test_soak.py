@@ -314,7 +314,8 @@ def test_soak_of_faults_during_a_resize_holds_every_invariant(cluster, corpus_di
             "parallel.microbatches=2", "parallel.cpus_per_actor=2", "parallel.placement_strategy=SPREAD", "train.batch_size=4",
             "train.eval_every=0", "snapshot.parity=1", "recovery.standby=0", "elastic.min_replicas=1", "elastic.max_replicas=2",
             "elastic.grow_check_s=0.5", f"data.dir={corpus_dir}"]
-    plans = [TrialPlan(0, (Fault(FaultKind.STAGE, 3, 0, Moment.RESIZE), Fault(FaultKind.MANAGER, 7, 1, Moment.RESIZE)), 14)]  # steps after the last fault: a snapshot replaces the killed manager before the end
+    # 14 steps: after the last fault a snapshot replaces the killed manager before the final flush
+    plans = [TrialPlan(0, (Fault(FaultKind.STAGE, 3, 0, Moment.RESIZE), Fault(FaultKind.MANAGER, 7, 1, Moment.RESIZE)), 14)]
 
     def load(extra):
         return load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*sets, *extra])
