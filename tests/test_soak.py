@@ -228,6 +228,26 @@ def test_a_run_waiting_on_a_harness_that_failed_is_let_go():
     assert time.monotonic() - t < 1 and trial.asks.empty()
 
 
+def test_a_fault_deferred_into_a_hooked_faults_step_waits_one_more_step():
+    """A pause deferred (behind a flush that waited for its moment) to the step whose next step
+    the chaos hook kills a stage in was struck in that same step in a full-suite run, and the
+    verdict, which matches recoveries with faults by step, took the killed stage's recovery for
+    the pause's. One fault per step: the deferred one waits; no deferred fault is dropped."""
+    from types import SimpleNamespace
+
+    from elastic_llm.snapshot.records import ShardKey
+    from elastic_llm.soak.runner import _Trial
+
+    hooked = Fault(FaultKind.STAGE, 15, 2, Moment.BACKWARD)
+    pause, stage = Fault(FaultKind.PAUSE, 12, 3), Fault(FaultKind.STAGE, 13, 1)
+    group = SimpleNamespace(nodes={ShardKey(s, 0): f"node{s}" for s in range(4)}, pids={ShardKey(s, 0): 100 + s for s in range(4)})
+    trial = _Trial(None, TrialPlan(0, (pause, hooked), 21), SimpleNamespace(snapshots=None, group=group, drains=[]))
+    trial.later = {15: pause, 16: stage}
+    trial._between_steps(15, None, hooked)
+    assert [i.fault for i in trial.injections] == [hooked]
+    assert trial.later == {16: stage, 17: Fault(FaultKind.PAUSE, 17, 3)}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--faults", "stage,disk"], "unknown fault kind 'disk'"),
     (["--trials", "0"], "--trials=0 must be >= 1"),

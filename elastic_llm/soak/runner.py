@@ -278,43 +278,36 @@ class _Trial:
         if self.drained is not None and any(d.get("node") == self.drained for d in self.t.drains):
             self.soak.replace_node(self.drained)  # the run left it: it goes, a fresh node comes
             self.drained = None
+        if inside is not None:  # struck by the run's chaos hook in the next step, whatever else waits
+            self._record_hooked(inside, step)
         if self.drained is not None:  # its stages still move (their new actors start): one fault at a time
             self.doing = f"waiting for the stage spares of the drain of node {self.drained[:8]}"
             self._wait_for_spares(time.monotonic() + self.soak.options.drain_deadline_s / 2)
-            for f in [x for x in (fault, self.later.pop(step, None)) if x is not None]:
-                self.later[step + 1] = replace(f, step=step + 1)  # keeps the later step's own fault after it
+            for f in [x for x in (self.later.pop(step, None), fault) if x is not None]:
+                self._defer(f, step)  # the one deferred before goes first
             self._lengthen(step)  # the run ends after the drain, not during it
             return
         if self.growing is not None:  # one fault at a time: the others wait for the resize's
-            if fault is not None:
-                self.later[step + 1] = replace(fault, step=step + 1)
-            if step in self.later:
-                self.later[step + 1] = replace(self.later.pop(step), step=step + 1)
+            for f in [x for x in (self.later.pop(step, None), fault) if x is not None]:
+                self._defer(f, step)
             if self.pending is not None:
-                self.later.setdefault(step + 1, self.pending)
+                self._defer(self.pending, step)
                 self.pending = None
             self._lengthen(step)
             self._resize_step(step)
             fault = None
         if step in self.later:
             if fault is not None:  # two due at once: the deferred one waits one more step
-                self.later[step + 1] = replace(self.later.pop(step), step=step + 1)
+                self._defer(self.later.pop(step), step)
             else:
                 fault = self.later.pop(step)
         if self.pending is not None:  # a fault waiting for its moment goes first
             if fault is not None:
-                self.later[step + 1] = replace(fault, step=step + 1)
+                self._defer(fault, step)
             fault, self.pending = self.pending, None
-        if inside is not None:  # struck by the run's chaos hook in the next step
-            self._settle(step)
-            key = ShardKey(inside.stage, 0)
-            node = self.t.group.nodes[key][:8]
-            if inside.kind is FaultKind.CORRUPT:
-                self.injections.append(Injection(inside, f"stage {inside.stage}'s shard on node {node} (chaos hook), then the stage killed"))
-            else:
-                say(f"trial {self.plan.trial}: {inside} (chaos hook)")
-                what = f"stage {inside.stage} (pid {self.t.group.pids[key]}, node {node}) SIGKILLed by the chaos hook at its first {inside.moment.value} op of step {step + 1}"
-                self.injections.append(Injection(inside, what, moment=inside.moment))
+        if inside is not None and fault is not None:  # the next step is the hooked fault's: one fault per step,
+            self._defer(fault, step)  # or the verdict could not tell whose recovery the step's is
+            fault = None
         if fault is None:
             return
         moment = fault.moment
@@ -348,6 +341,25 @@ class _Trial:
             self.in_recovery = fault
             return
         self._inject(fault, moment)
+
+    def _record_hooked(self, inside: Fault, step: int) -> None:
+        """Note a fault the run's chaos hook strikes in step ``step + 1`` (its config carries it)."""
+        self._settle(step)
+        key = ShardKey(inside.stage, 0)
+        node = self.t.group.nodes[key][:8]
+        if inside.kind is FaultKind.CORRUPT:
+            self.injections.append(Injection(inside, f"stage {inside.stage}'s shard on node {node} (chaos hook), then the stage killed"))
+            return
+        say(f"trial {self.plan.trial}: {inside} (chaos hook)")
+        what = f"stage {inside.stage} (pid {self.t.group.pids[key]}, node {node}) SIGKILLed by the chaos hook at its first {inside.moment.value} op of step {step + 1}"
+        self.injections.append(Injection(inside, what, moment=inside.moment))
+
+    def _defer(self, fault: Fault, step: int) -> None:
+        """Strike ``fault`` after a later step: the first one no other deferred fault waits for."""
+        at = step + 1
+        while at in self.later:
+            at += 1
+        self.later[at] = replace(fault, step=at)
 
     def _shrink_first(self, fault: Fault, step: int) -> None:
         """A resize fault's primer: remove (with no fresh node yet) the node of a stage of the
