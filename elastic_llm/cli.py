@@ -237,18 +237,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _import_benchmark(what: str) -> ModuleType | None:
-    """``benchmarks.<what>`` of the source checkout: the benchmarks are not installed with the
-    package. Looks in the current directory, then next to the ``elastic_llm`` package (an
-    editable install); None when neither holds ``benchmarks/``."""
+    """``benchmarks.<what>``: the benchmarks are a package installed with elastic-llm (its
+    ``bench`` extra brings their peers); None when this install left them out."""
     import importlib
 
-    package_parent = Path(__file__).resolve().parent.parent
-    for root in (Path.cwd().resolve(), package_parent):
-        if (root / "benchmarks" / "__init__.py").is_file():
-            if str(root) not in sys.path:
-                sys.path.insert(0, str(root))
-            return importlib.import_module(f"benchmarks.{what}")
-    return None
+    try:
+        importlib.import_module("benchmarks.common")
+    except ImportError:
+        return None
+    return importlib.import_module(f"benchmarks.{what}")
 
 
 def _sweep_problem(args: argparse.Namespace) -> str | None:
@@ -308,8 +305,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bench = _import_benchmark("pipeline_sweep" if args.sweep else args.what)
     if bench is None:
         print(
-            "error: the benchmarks ship with the source checkout of elastic-llm, not with the installed package: "
-            "run `elastic-llm bench` from the root of a checkout (the folder holding benchmarks/)",
+            "error: this install of elastic-llm has no `benchmarks` package: "
+            "install it from a source checkout (`pip install -e \".[bench]\"`) and run `elastic-llm bench` from the checkout's root",
             file=sys.stderr,
         )
         return EXIT_USAGE

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import Any
 
 from elastic_llm.snapshot.records import VersionRecord
@@ -155,20 +156,36 @@ class RunMonitor:
         m.set("erasure_groups_protected", s.erasure_groups_protected, run=s.run)
 
 
-class Publisher:
-    """The trainer's side: reads the trainer when a metrics line is written and sends the
-    monitor what changed. Attach :meth:`on_record` to the trainer's :class:`MetricsWriter`."""
+@dataclass(frozen=True)
+class RunFacts:
+    """What the publisher reads of the run when a metrics line is written (the trainer makes it:
+    the publisher never reaches into the trainer)."""
 
-    def __init__(self, trainer: Any, namespace: str) -> None:
+    run: str
+    config: str
+    state: str
+    step: int
+    max_steps: int
+    stages: int
+    width: int
+    committed: VersionRecord | None  # the newest committed in-memory snapshot version
+    managers: frozenset[str]  # nodes whose snapshot manager lives
+
+
+class Publisher:
+    """The trainer's side: reads the run's facts (``facts()``) when a metrics line is written and
+    sends the monitor what changed. Attach :meth:`on_record` to the trainer's :class:`MetricsWriter`."""
+
+    def __init__(self, facts: Callable[[], RunFacts], namespace: str) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.t = trainer
+        self.facts = facts
         self.last: RunStatus | None = None
         self.waiting_since: float | None = None  # monotonic time up to which the current wait for capacity is counted
         node = ray.get_runtime_context().get_node_id()
         self.actor = ray.remote(RunMonitor).options(
-            name=f"run-{trainer.run_id}",
+            name=f"run-{facts().run}",
             namespace=namespace,
             num_cpus=0,
             max_concurrency=4,  # state() answers while a publish is queued
@@ -176,13 +193,11 @@ class Publisher:
         ).remote(self.status())
 
     def status(self, **changes: Any) -> RunStatus:
-        t = self.t
-        snaps = t.snapshots
-        record = snaps.committed if snaps is not None else None
-        groups, protected = protected_groups(record, set(snaps.managers) if snaps is not None else set())
+        f = self.facts()
+        record = f.committed
+        groups, protected = protected_groups(record, set(f.managers))
         base = RunStatus(
-            run=t.run_id, config=t.cfg.name, state=t.state.name, step=t.step, max_steps=t.end,
-            stages=t.cfg.parallel.stages, width=t.group.width if t.group is not None else t.cfg.parallel.dp,
+            run=f.run, config=f.config, state=f.state, step=f.step, max_steps=f.max_steps, stages=f.stages, width=f.width,
             committed_version=record.version if record is not None else None,
             erasure_groups=groups, erasure_groups_protected=protected, time=time.time(),
         )

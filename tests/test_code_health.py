@@ -1,5 +1,6 @@
 """Code health as part of the suite: the linter (ruff) and the type checker (mypy) find nothing,
-with the rules and settings of pyproject.toml.
+with the rules and settings of pyproject.toml; the import graph of ``elastic_llm`` has no cycle
+and no upward edge (every import, lazy ones in functions included, goes down :data:`LAYERS`).
 
 So `python3 -m pytest -q`, the README's test command that CI runs, fails on a lint finding as
 on a failing test, and nobody needs a second command to keep the code clean.
@@ -7,6 +8,7 @@ on a failing test, and nobody needs a second command to keep the code clean.
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -30,3 +32,66 @@ def test_mypy_finds_nothing(tmp_path):
         pytest.fail("mypy is not installed: pip install -e '.[test]'")
     done = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+# Lowest first: a unit may import only units before it (and its own package's modules).
+LAYERS = (
+    "sources", "files", "spans", "telemetry", "cadence", "model", "config", "data", "checkpoint", "export",
+    "snapshot", "durable", "recovery", "monitor", "pipeline", "chaos", "controller",
+    "ops", "experiment", "replay", "soak", "cli",
+)
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Every module of elastic_llm -> the modules of elastic_llm it imports (anywhere in it)."""
+    root = REPO / "elastic_llm"
+    mods = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join([*base, node.module] if node.module else base)
+                named = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods]
+                out.update(named or ([target] if target in mods else []))
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name in mods)
+        graph[name] = out - {name}
+    return graph
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def test_no_import_goes_up_a_layer():
+    graph = _module_imports()
+    units = {_unit(m) for m in graph if m != "elastic_llm"}
+    assert units <= set(LAYERS), f"add {sorted(units - set(LAYERS))} to LAYERS"
+    rank = {u: i for i, u in enumerate(LAYERS)}
+    up = sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs
+                if a != "elastic_llm" and b != "elastic_llm" and _unit(a) != _unit(b) and rank[_unit(b)] > rank[_unit(a)])
+    assert up == [], "imports that go up a layer:\n" + "\n".join(up)
+
+
+def test_no_import_cycle():
+    graph = _module_imports()
+    cycles, seen = [], set()
+    for start in sorted(graph):  # a cycle through `start`: a path back to it
+        stack, visited = [(start, (start,))], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start and frozenset(path) not in seen:
+                    seen.add(frozenset(path))
+                    cycles.append(" -> ".join((*path, start)))
+                elif nxt not in visited and nxt != "elastic_llm":
+                    visited.add(nxt)
+                    stack.append((nxt, (*path, nxt)))
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)

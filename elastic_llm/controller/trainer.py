@@ -42,7 +42,7 @@ from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable, 
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.elastic import ElasticExecutor
 from elastic_llm.controller.metrics import MetricsWriter
-from elastic_llm.monitor import Publisher
+from elastic_llm.monitor import Publisher, RunFacts
 from elastic_llm.controller.neighbours import refresh_mirrors
 from elastic_llm.controller.parts import Elastic, Group, Parts, Recovery
 from elastic_llm.controller.progress import ProgressBar
@@ -221,6 +221,15 @@ class Trainer:
         """``actors[replica][stage]``: the stage actor handles."""
         return self.group.actors if self.group is not None else []
 
+    def run_facts(self) -> RunFacts:
+        """What the run's monitor publishes about it now."""
+        snaps = self.snapshots
+        return RunFacts(
+            self.run_id, self.cfg.name, self.state.name, self.step, self.end, self.cfg.parallel.stages,
+            self.group.width if self.group is not None else self.cfg.parallel.dp,
+            snaps.committed if snaps is not None else None, frozenset(snaps.managers) if snaps is not None else frozenset(),
+        )
+
     # ------------------------------------------------------------------ setup
     def _load_data(self) -> None:
         c = self.cfg
@@ -294,7 +303,7 @@ class Trainer:
             with spans.span("retire"):
                 retire_old_driver(NAMESPACE, self.run_id)
         if self.publisher is None:  # the run-<id> actor: status and Ray metrics of the run
-            self.publisher = Publisher(self, NAMESPACE)
+            self.publisher = Publisher(self.run_facts, NAMESPACE)
             self.metrics.observers.append(self.publisher.on_record)
         if self.cfg.snapshots_on and self.snapshots is None:  # managers first: they outlive any stage
             from elastic_llm.snapshot.coordinator import SnapshotCoordinator, check_parity_fits

@@ -53,6 +53,11 @@ class FlushPlan:
     max_mb_s: float = 0.0
     nice: int = 10  # the writing thread's niceness: training on the same cores goes first
 
+    def write(self, local: Callable[[ShardKey], list[np.ndarray] | None]) -> PartResult:
+        """Carried out by the snapshot manager holding the part's slice (see :func:`write_part`):
+        the manager is handed the plan and never imports this module."""
+        return write_part(self, local)
+
 
 def stage_tensors(manifest: str, layer_ids: list[int]) -> list[TensorSpec]:
     """The tensors of a stage's state (from a shard's manifest) under their global names."""

@@ -8,7 +8,8 @@ its weights: a failure before it leaves every survivor at the previous step), th
 :class:`StepReport`. A failure is caught here, classified (own error, lost peer, abort, deadline),
 and the actor's links are closed so that peers blocked on it wake at once; the report carries it.
 Never decides anything about the run: what to run comes from the plan, the model math from
-:class:`~elastic_llm.pipeline.stage.StageWorker`.
+the actor (:class:`StageMath`, the part of :class:`~elastic_llm.pipeline.stage.StageWorker` a
+step uses; the worker imports this module, not the other way round).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import os
 import signal
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,8 +30,38 @@ from elastic_llm.pipeline.shares import cut
 from elastic_llm.pipeline.transport import Aborted, DeadlineExceeded, Msg, PeerLost, Transport
 from elastic_llm.snapshot.records import ShardKey
 
-if TYPE_CHECKING:
-    from elastic_llm.pipeline.stage import StageWorker
+class StepStats(Protocol):
+    @property
+    def grad_norm(self) -> float: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def snapshot_wait_s(self) -> float: ...
+
+
+class StageMath(Protocol):
+    """What a step needs of its stage actor: where it sits, and its model math."""
+
+    stage: int
+    replica: int
+    dp: int
+    n_stages: int
+    micro_per_replica: int
+
+    @property
+    def routes(self) -> Sequence[Any]: ...  # per microbatch: its route of hops
+    shadow: Any  # the redundant copy of the successor stage (None without recovery.mode=redundant)
+    step_count: int
+    step_deadline_s: float
+
+    def set_microbatches(self, sizes: tuple[int, ...], batch: int) -> None: ...
+    def forward(self, mb: int, x: Any, targets: Any = None, visit: int = 0, shadow_x: Any = None, shadow_targets: Any = None) -> Any: ...
+    def backward(self, mb: int, grad: Any = None, visit: int = 0) -> Any: ...
+    def shadow_backward(self, *grads: np.ndarray) -> None: ...
+    def flat_grad(self) -> np.ndarray: ...
+    def set_flat_grad(self, flat: np.ndarray) -> None: ...
+    def step(self, snapshot: dict[str, int] | None = None) -> StepStats: ...
+
 
 TRACE_LINES = 6  # traceback lines a report carries
 HOLD_S = 120.0  # longest a planned fault keeps its actor waiting for its death
@@ -37,7 +69,7 @@ ROOT = ShardKey(0, 0)  # the barrier's root: stage 0 of replica 0 (replicas are 
 
 
 class _Run:
-    def __init__(self, worker: "StageWorker", plan: StepPlan, links: Transport) -> None:
+    def __init__(self, worker: StageMath, plan: StepPlan, links: Transport) -> None:
         self.w, self.plan, self.links = worker, plan, links
         self.me = ShardKey(worker.stage, worker.replica)
         self.op_seconds: list[float] = []  # forward/backward ops, in plan order
@@ -167,7 +199,7 @@ class _Run:
         )
 
 
-def execute(worker: "StageWorker", plan: StepPlan, links: Transport) -> StepReport:
+def execute(worker: StageMath, plan: StepPlan, links: Transport) -> StepReport:
     """Run ``plan`` on ``worker`` over ``links``; never raises for a failure of the step (the
     report carries it, and the links are closed so peers waiting on this actor wake)."""
     run = _Run(worker, plan, links)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic_llm.recovery.sources import Source
+from elastic_llm.sources import Source
 from elastic_llm.snapshot.records import ShardKey
 
 EPS = 1e-4  # added to both gradient norms: two neighbours that never stepped average evenly

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from elastic_llm.recovery.sources import StrEnum
+from elastic_llm.sources import StrEnum
 
 TRACE_LINES = 8
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -29,20 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from elastic_llm.recovery.checkfree import Rebuild, plan_rebuild
-from elastic_llm.recovery.sources import LOSSY, RollbackFrom, Source
+from elastic_llm.sources import LOSSY, RollbackFrom, Source, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
 
 __all__ = ["LOSSY", "Action", "Member", "Observation", "RecoveryPlan", "RecoveryPolicy", "RollbackFrom", "Source", "SourceLost", "UnrecoverableError"]
-
-
-class UnrecoverableError(RuntimeError):
-    """No lossless source survives; the message says what was lost and how to avoid it."""
-
-
-class SourceLost(RuntimeError):
-    """A source the plan named turned out to be gone while the plan was carried out (a shard
-    failed to load where the plan expected it): the controller observes again, which now sees it
-    gone, and re-plans."""
 
 
 @dataclass(frozen=True)

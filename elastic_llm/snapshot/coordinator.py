@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from elastic_llm.cadence import Ema, snapshot_every
 from elastic_llm.config import RunConfig
-from elastic_llm.recovery.policy import Source, SourceLost, UnrecoverableError
+from elastic_llm.sources import Source, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.manager import SnapshotManager
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord

@@ -6,7 +6,8 @@ node's object store owned by this actor and outlive the stage that produced them
 checksums, the parity this node holds for its erasure group (in reused, preallocated buffers),
 versions (in flight until the controller commits one; older ones freed then, unless pinned for a
 durable flush), rebuilding a lost node's shard from the surviving pieces and parity, and writing
-its part of a committed version to durable storage (:mod:`elastic_llm.durable.flush`).
+its part of a committed version to durable storage (the plan of :mod:`elastic_llm.durable.flush`,
+a layer up, writes; the manager hands it its pieces and does not import it).
 
 A version runs without the driver in the loop: the controller sends every manager one
 ``snapshot_version`` call; the manager collects its stages' pieces, offers the data chunks of each
@@ -24,8 +25,9 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,6 +39,16 @@ from elastic_llm.telemetry import Metrics
 log = logging.getLogger(__name__)
 WAIT_S = 600.0  # longest a version waits for a stage's copy or a peer's offer
 
+
+
+class PartWriter(Protocol):
+    """A durable flush's part as the manager sees it (the durable tier, a layer up, makes it)."""
+
+    version: int
+
+    def write(self, local: Callable[[ShardKey], list[np.ndarray] | None]) -> Any:
+        """Write the part; ``local(key)``: this manager's own pieces of ``key`` (None if not held)."""
+        ...
 
 class SnapshotMissingError(LookupError):
     """The requested snapshot version, shard or parity is not held here (or fails its checksum)."""
@@ -347,11 +359,9 @@ class SnapshotManager:
             self.lock.notify_all()
 
     # ------------------------------------------------------------------ durable flush
-    def flush_part(self, plan: Any) -> Any:
-        """Write this node's part of a committed version to durable storage
-        (:class:`~elastic_llm.durable.flush.FlushPlan` in, ``PartResult`` out)."""
-        from elastic_llm.durable.flush import write_part
-
+    def flush_part(self, plan: "PartWriter") -> Any:
+        """Write this node's part of a committed version to durable storage: the durable tier's
+        plan (:class:`~elastic_llm.durable.flush.FlushPlan`) writes, this hands it the pieces."""
         def local(key: ShardKey) -> list[np.ndarray] | None:
             with self.lock:
                 v = self.versions.get(plan.version)
@@ -359,7 +369,7 @@ class SnapshotManager:
                     return None
             return self._pieces(plan.version, key, verify=False)[1]  # the flush checks every piece itself
 
-        return write_part(plan, local)
+        return plan.write(local)
 
     def discard(self, version: int, attempt: int | None = None) -> None:
         """Forget ``version`` (only up to ``attempt``: a newer attempt's is kept)."""

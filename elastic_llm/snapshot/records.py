@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from elastic_llm.recovery.sources import Source
+from elastic_llm.sources import Source
 
 
 @dataclass(frozen=True, order=True)

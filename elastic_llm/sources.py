@@ -1,9 +1,13 @@
-"""Where a recovered stage's state comes from, and where a rollback's comes from: two enums.
+"""Where a recovered stage's state comes from, where a rollback's comes from, and the two ways a
+source can fail: the words the recovery policy, the snapshot layer and the controller share.
 
 Owns :class:`Source` (what the policy writes into each action of a plan, the executor follows and
-the metrics line reports) and :class:`RollbackFrom`. Their values are the words the metrics file,
-logs and reports have always used, so a value written out reads back the same. Pure: imports
-nothing of the project.
+the metrics line reports), :class:`RollbackFrom`, and the errors :class:`UnrecoverableError` (no
+lossless source survives) and :class:`SourceLost` (a source the plan named was gone when the
+plan was carried out). Their values are the words the metrics file, logs and reports have always
+used, so a value written out reads back the same. It sits below both ``snapshot`` and
+``recovery`` (each imports it, neither imports the other for it). Pure: imports nothing of the
+project.
 """
 
 from __future__ import annotations
@@ -48,3 +52,13 @@ class RollbackFrom(StrEnum):
     SNAPSHOT = "snapshot"  # the committed in-memory snapshot version
     CHECKPOINT = "checkpoint"
     DURABLE = "durable"
+
+
+class UnrecoverableError(RuntimeError):
+    """No lossless source survives; the message says what was lost and how to avoid it."""
+
+
+class SourceLost(RuntimeError):
+    """A source the plan named turned out to be gone while the plan was carried out (a shard
+    failed to load where the plan expected it): the controller observes again, which now sees it
+    gone, and re-plans."""
