@@ -161,13 +161,7 @@ class RunFacts:
     """What the publisher reads of the run when a metrics line is written (the trainer makes it:
     the publisher never reaches into the trainer)."""
 
-    run: str
-    config: str
-    state: str
-    step: int
-    max_steps: int
-    stages: int
-    width: int
+    status: RunStatus  # where the run is (the publisher adds the snapshot fields, loss and speed)
     committed: VersionRecord | None  # the newest committed in-memory snapshot version
     managers: frozenset[str]  # nodes whose snapshot manager lives
 
@@ -185,7 +179,7 @@ class Publisher:
         self.waiting_since: float | None = None  # monotonic time up to which the current wait for capacity is counted
         node = ray.get_runtime_context().get_node_id()
         self.actor = ray.remote(RunMonitor).options(
-            name=f"run-{facts().run}",
+            name=f"run-{facts().status.run}",
             namespace=namespace,
             num_cpus=0,
             max_concurrency=4,  # state() answers while a publish is queued
@@ -196,9 +190,8 @@ class Publisher:
         f = self.facts()
         record = f.committed
         groups, protected = protected_groups(record, set(f.managers))
-        base = RunStatus(
-            run=f.run, config=f.config, state=f.state, step=f.step, max_steps=f.max_steps, stages=f.stages, width=f.width,
-            committed_version=record.version if record is not None else None,
+        base = replace(
+            f.status, committed_version=record.version if record is not None else None,
             erasure_groups=groups, erasure_groups_protected=protected, time=time.time(),
         )
         if self.last is not None:  # keep the last step's loss and speed between steps

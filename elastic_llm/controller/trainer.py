@@ -42,7 +42,7 @@ from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable, 
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.elastic import ElasticExecutor
 from elastic_llm.controller.metrics import MetricsWriter
-from elastic_llm.monitor import Publisher, RunFacts
+from elastic_llm.monitor import Publisher, RunFacts, RunStatus
 from elastic_llm.controller.neighbours import refresh_mirrors
 from elastic_llm.controller.parts import Elastic, Group, Parts, Recovery
 from elastic_llm.controller.progress import ProgressBar
@@ -224,11 +224,9 @@ class Trainer:
     def run_facts(self) -> RunFacts:
         """What the run's monitor publishes about it now."""
         snaps = self.snapshots
-        return RunFacts(
-            self.run_id, self.cfg.name, self.state.name, self.step, self.end, self.cfg.parallel.stages,
-            self.group.width if self.group is not None else self.cfg.parallel.dp,
-            snaps.committed if snaps is not None else None, frozenset(snaps.managers) if snaps is not None else frozenset(),
-        )
+        where = RunStatus(self.run_id, self.cfg.name, self.state.name, self.step, self.end, self.cfg.parallel.stages,
+                          self.group.width if self.group is not None else self.cfg.parallel.dp)
+        return RunFacts(where, snaps.committed if snaps is not None else None, frozenset(snaps.managers) if snaps is not None else frozenset())
 
     # ------------------------------------------------------------------ setup
     def _load_data(self) -> None:
