@@ -151,7 +151,7 @@ class InProcess:
 def test_the_publisher_turns_metrics_lines_into_status_events_and_capacity_seconds(monkeypatch):
     from types import SimpleNamespace
 
-    from elastic_llm.monitor import Publisher
+    from elastic_llm.monitor import Publisher, RunFacts
 
     trainer = SimpleNamespace(run_id="3f2a9c", cfg=SimpleNamespace(name="tiny", parallel=SimpleNamespace(stages=2, dp=1)),
                               state=SimpleNamespace(name="running"), step=0, end=100, group=None, snapshots=None)
@@ -159,7 +159,10 @@ def test_the_publisher_turns_metrics_lines_into_status_events_and_capacity_secon
     counted = []
     monkeypatch.setattr(monitor.metrics, "inc", lambda name, value=1.0, **tags: counted.append((name, value, tags)))
     pub = Publisher.__new__(Publisher)
-    pub.t, pub.last, pub.waiting_since, pub.actor = trainer, None, None, InProcess(monitor)
+    def facts():  # what Trainer.run_facts makes of such a trainer
+        return RunFacts(RunStatus(trainer.run_id, trainer.cfg.name, trainer.state.name, trainer.step, trainer.end, 2, 1), None, frozenset())
+
+    pub.facts, pub.last, pub.waiting_since, pub.actor = facts, None, None, InProcess(monitor)
     clock = iter([100.0, 103.0, 110.5])
     monkeypatch.setattr("elastic_llm.monitor.time.monotonic", lambda: next(clock))
     trainer.step = 7
