@@ -487,7 +487,7 @@ def _run(args: argparse.Namespace) -> int:
     from elastic_llm.controller.metrics import MetricsError
     from elastic_llm.controller.failover import ResumeError
     from elastic_llm.controller.session import ClusterUnreachable
-    from elastic_llm.data import DataError
+    from elastic_llm.stream import DataError
     from elastic_llm.durable.format import DurableError
     from elastic_llm.durable.storage import StorageError
     from elastic_llm.export import ExportError

@@ -1,23 +1,20 @@
-"""Corpus preparation into Parquet token shards, and a resumable deterministic token stream.
+"""Corpus preparation into Parquet token shards, the built-in corpus, and opening a run's data.
 
 Owns: reading text/JSONL/Parquet sources (local paths or URIs through ``pyarrow.fs``),
 tokenisation (bytes, or a byte-level BPE that Hugging Face ``tokenizers`` trains on the training
 documents or loads from a ``tokenizer.json``), writing ``train-*.parquet`` / ``val-*.parquet``
-shards, the ``tokenizer.json`` and ``meta.json`` atomically, and :class:`TokenStream`, whose
-position (epoch, index) is plain state that can be saved and restored exactly. Never touches Ray
-or the model, and never implements BPE itself: ``tokenizers`` trains, encodes and decodes.
+shards, the ``tokenizer.json`` and ``meta.json`` atomically, the built-in corpus, and
+:func:`open_run_data` (a run's data: the built-in corpus prepared on first use, then read). The
+format and everything that reads it (the token stream included) live in :mod:`elastic_llm.stream`,
+whose names this module also offers to callers that prepare and read. Never touches Ray or the
+model, and never implements BPE itself: ``tokenizers`` trains, encodes and decodes.
 
 The built-in corpus is the source code of the Python standard library of the running
 interpreter: it exists on every machine, so nothing is ever downloaded.
-
-Why ~520 lines: preparing (sources, two tokenizers, shards, atomic output, remote upload) and
-reading (meta and tokenizer checks, splits, the resumable stream) share the shard format; keeping
-them in one module keeps that format in one place.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -26,7 +23,6 @@ import sysconfig
 import tempfile
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,22 +31,42 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from elastic_llm.stream import (
+    BYTE_VOCAB,
+    EOS,
+    EOS_TOKEN,
+    FORMAT_VERSION,
+    TOKENIZER_FILE,
+    DataError,
+    RunData,
+    StreamPosition,
+    TokenStream,
+    read_bytes,
+    resolve,
+    sha256,
+    load_split,
+    load_tokenizer,
+    load_tokenizer_file,
+    open_prepared,
+    read_meta,
+    token_dtype,
+    tokenizer_vocab_size,
+)
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-EOS = 0  # byte tokenizer: NUL separates documents (source text never contains it)
-BYTE_VOCAB = 256
-EOS_TOKEN = "<|endoftext|>"  # bpe: the special token that separates documents (id 0 when trained here)
-TOKENIZER_FILE = "tokenizer.json"
+__all__ = [  # this module's own names, and the read side's it offers (see the opening)
+    "BYTE_VOCAB", "DEFAULT_BPE_VOCAB", "EOS", "EOS_TOKEN", "FORMAT_VERSION", "SHARD_TOKENS", "TEXT_SUFFIXES", "TOKENIZER_FILE",
+    "DataError", "RunData", "StreamPosition", "TokenStream", "builtin_corpus_dir", "default_cache_dir", "ensure_builtin_corpus",
+    "load_split", "load_tokenizer", "load_tokenizer_file", "open_run_data", "prepare", "read_meta", "stdlib_sources",
+    "token_dtype", "tokenize_bytes", "tokenizer_vocab_size", "train_bpe",
+]
+
 DEFAULT_BPE_VOCAB = 8192
 ENCODE_BATCH = 256  # documents per tokenizers encode_batch call
-FORMAT_VERSION = 1
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".c", ".h", ".json")
 SHARD_TOKENS = 8_000_000
-
-
-class DataError(ValueError):
-    """Unusable data input; the message names the path and the fix."""
 
 
 def default_cache_dir() -> Path:
@@ -64,7 +80,7 @@ def builtin_corpus_dir(tokenizer: str = "byte", vocab_size: int | None = None, t
 
     name = f"corpus-python-stdlib-{sys.version_info.major}.{sys.version_info.minor}"
     if tokenizer == "bpe":
-        name += f"-bpe-{_sha256(_read_bytes(tokenizer_file))[:16]}" if tokenizer_file else f"-bpe{vocab_size or DEFAULT_BPE_VOCAB}"
+        name += f"-bpe-{sha256(read_bytes(tokenizer_file))[:16]}" if tokenizer_file else f"-bpe{vocab_size or DEFAULT_BPE_VOCAB}"
     return default_cache_dir() / name
 
 
@@ -82,15 +98,8 @@ def stdlib_sources() -> list[str]:
 # --------------------------------------------------------------------------- reading sources
 
 
-def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
-    try:
-        return pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, ValueError):
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
-
-
 def _expand(uri: str) -> list[tuple[pafs.FileSystem, str]]:
-    fs, path = _resolve(uri)
+    fs, path = resolve(uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
         raise DataError(f"data source {uri!r} does not exist: check the path or URI")
@@ -140,20 +149,6 @@ def _split_documents(files: list[tuple[pafs.FileSystem, str]], val_fraction: flo
             index += 1
 
 
-def _read_bytes(uri: str | Path) -> bytes:
-    """A tokenizer file's bytes (local path or URI)."""
-    fs, path = _resolve(str(uri))
-    try:
-        with fs.open_input_stream(path) as f:
-            return f.read()
-    except (FileNotFoundError, OSError):
-        raise DataError(f"tokenizer file {uri} cannot be read: check the path or URI") from None
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 # --------------------------------------------------------------------------- tokenizers
 
 
@@ -178,36 +173,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     tok.train_from_iterator(texts, trainer)
     return tok
-
-
-def _parse_tokenizer(raw: bytes, where: str) -> Tokenizer:
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_str(raw.decode("utf-8"))
-    except Exception as e:  # tokenizers raises a bare Exception for JSON it cannot read
-        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        raise DataError(f"{where} is not a Hugging Face tokenizers JSON file ({why}): pass a tokenizer.json written by tokenizers' Tokenizer.save") from None
-    if tok.token_to_id(EOS_TOKEN) is None:
-        raise DataError(
-            f"{where} has no {EOS_TOKEN} token, the end-of-document token elastic-llm separates documents with: "
-            f"add it (tokenizer.add_special_tokens([{EOS_TOKEN!r}])) and save the file again"
-        )
-    return tok
-
-
-def load_tokenizer_file(path: str | Path) -> Tokenizer:
-    """A ``tokenizer.json`` (local path or URI), refused unless ``tokenizers`` reads it and it has ``<|endoftext|>``."""
-    return _parse_tokenizer(_read_bytes(path), str(path))
-
-
-def tokenizer_vocab_size(tok: Tokenizer) -> int:
-    """One more than the largest token id (added tokens included): what model.vocab_size must cover."""
-    return max(tok.get_vocab(with_added_tokens=True).values()) + 1
-
-
-def token_dtype(vocab_size: int) -> type:
-    return np.uint16 if vocab_size <= 65536 else np.uint32
 
 
 def _encode(tok: Tokenizer, docs: Iterable[tuple[str, str]]) -> Iterator[tuple[str, np.ndarray]]:
@@ -261,7 +226,7 @@ def prepare(
     if not files:
         raise DataError(f"no readable text/JSONL/Parquet files in {sources}: pass files ending in {TEXT_SUFFIXES + ('.jsonl', '.parquet')}")
 
-    out_fs, out_path = _resolve(str(out_dir))
+    out_fs, out_path = resolve(str(out_dir))
     if not isinstance(out_fs, pafs.LocalFileSystem):
         with tempfile.TemporaryDirectory(prefix="elastic-llm-prepare-") as local:
             meta = prepare(sources, Path(local) / "shards", val_fraction, tokenizer, shard_tokens, vocab_size, tokenizer_file)
@@ -301,7 +266,7 @@ def prepare(
     if tok is not None:
         raw = tok.to_str(pretty=True).encode("utf-8")
         (tmp / TOKENIZER_FILE).write_bytes(raw)
-        meta.update(vocab_size=tokenizer_vocab_size(tok), eos=tok.token_to_id(EOS_TOKEN), tokenizer_sha256=_sha256(raw))
+        meta.update(vocab_size=tokenizer_vocab_size(tok), eos=tok.token_to_id(EOS_TOKEN), tokenizer_sha256=sha256(raw))
     meta |= {
         "documents": n_docs,
         "train_tokens": writers["train"].tokens,
@@ -369,133 +334,6 @@ def ensure_builtin_corpus(val_fraction: float = 0.02, tokenizer: str = "byte", v
     return d
 
 
-# --------------------------------------------------------------------------- reading shards
-
-
-def read_meta(data_dir: str | Path) -> dict:
-    fs, path = _resolve(str(data_dir))
-    try:
-        with fs.open_input_stream(f"{path}/meta.json") as f:
-            meta = json.loads(f.read())
-    except (FileNotFoundError, OSError):
-        raise DataError(f"{data_dir} has no meta.json: run `elastic-llm prepare SOURCES --out {data_dir}` first") from None
-    except json.JSONDecodeError:
-        raise DataError(f"{data_dir}/meta.json is not valid JSON: prepare the data again") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{data_dir} was prepared in format {meta.get('format_version')}, expected {FORMAT_VERSION}: prepare it again")
-    return meta
-
-
-def load_tokenizer(data_dir: str | Path) -> Tokenizer | None:
-    """The ``tokenizers`` tokenizer of prepared data (local path or URI), checked against the
-    sha256 in its meta.json; None for byte-tokenised data."""
-    meta = read_meta(data_dir)
-    if meta["tokenizer"] == "byte":
-        return None
-    fs, path = _resolve(str(data_dir))
-    try:
-        with fs.open_input_stream(f"{path}/{TOKENIZER_FILE}") as f:
-            raw = f.read()
-    except (FileNotFoundError, OSError):
-        raise DataError(f"{data_dir} has no {TOKENIZER_FILE} though its meta.json says tokenizer {meta['tokenizer']!r}: prepare the data again") from None
-    if _sha256(raw) != meta.get("tokenizer_sha256"):
-        raise DataError(
-            f"{data_dir}/{TOKENIZER_FILE} has sha256 {_sha256(raw)[:16]}..., meta.json records {str(meta.get('tokenizer_sha256'))[:16]}...: "
-            "it is not the tokenizer the shards were encoded with; prepare the data again"
-        )
-    return _parse_tokenizer(raw, f"{data_dir}/{TOKENIZER_FILE}")
-
-
-def load_split(data_dir: str | Path, split: str) -> np.ndarray:
-    """All documents of a split as one flat array (uint16, uint32 for vocabularies over 65536),
-    each document followed by the EOS id of meta.json."""
-    eos = read_meta(data_dir)["eos"]
-    fs, path = _resolve(str(data_dir))
-    infos = fs.get_file_info(pafs.FileSelector(path, recursive=False))
-    shards = sorted(i.path for i in infos if Path(i.path).name.startswith(f"{split}-") and i.path.endswith(".parquet"))
-    if not shards:
-        raise DataError(f"{data_dir} has no {split}-*.parquet shards: run `elastic-llm prepare` into it")
-    parts: list[np.ndarray] = []
-    for shard in shards:
-        with fs.open_input_file(shard) as f:
-            table = pq.read_table(f, columns=["tokens"])
-        for chunk in table.column("tokens").chunks:
-            offsets = chunk.offsets.to_numpy()
-            values = chunk.values.to_numpy(zero_copy_only=False)
-            values = values[offsets[0] : offsets[-1]]
-            parts.append(np.insert(values, offsets[1:] - offsets[0], eos))  # EOS after every document
-    return np.concatenate(parts)
-
-
-@dataclass
-class StreamPosition:
-    epoch: int = 0
-    index: int = 0  # sequences consumed in this epoch
-
-    def to_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
-
-
-class TokenStream:
-    """Deterministic stream of (input, target) batches of fixed-length windows.
-
-    The token array is cut into non-overlapping windows of ``seq_len + 1`` tokens; every epoch
-    visits all of them in a permutation drawn from ``(seed, epoch)``. The position is
-    ``(epoch, index)``: restoring it yields exactly the batches that would have followed.
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, shuffle: bool = True) -> None:
-        self.tokens = tokens
-        self.seq_len = seq_len
-        self.seed = seed
-        self.shuffle = shuffle
-        self.n_windows = (len(tokens) - 1) // seq_len
-        if self.n_windows < 1:
-            raise DataError(f"only {len(tokens)} tokens: fewer than one window of seq_len={seq_len} + 1; use more data or a shorter seq_len")
-        self.position = StreamPosition()
-        self._perm_epoch = -1
-        self._perm = np.arange(self.n_windows)
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return self._perm
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._perm_epoch = epoch
-        return self._perm
-
-    def next_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, targets), each int64 (batch_size, seq_len)."""
-        rows = np.empty((batch_size, self.seq_len + 1), dtype=np.int64)
-        for r in range(batch_size):
-            if self.position.index >= self.n_windows:
-                self.position = StreamPosition(self.position.epoch + 1, 0)
-            start = int(self._order(self.position.epoch)[self.position.index]) * self.seq_len
-            rows[r] = self.tokens[start : start + self.seq_len + 1]
-            self.position.index += 1
-        return rows[:, :-1], rows[:, 1:]
-
-    def state_dict(self) -> dict[str, int]:
-        return self.position.to_dict()
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        epoch, index = int(state["epoch"]), int(state["index"])
-        if epoch < 0 or not 0 <= index <= self.n_windows:
-            raise DataError(f"data position {state} does not fit this corpus of {self.n_windows} windows: was it saved for other data?")
-        self.position = StreamPosition(epoch, index)
-
-
-@dataclass
-class RunData:
-    """A run's data: where it lives, the training stream (seeded), the validation tokens and
-    the tokenizer (None for bytes)."""
-
-    dir: str
-    train: "TokenStream"
-    val: np.ndarray
-    tokenizer: Tokenizer | None = None
-
-
 def open_run_data(
     data_dir: str | None,
     seq_len: int,
@@ -507,8 +345,7 @@ def open_run_data(
 ) -> RunData:
     """The data a run trains on: ``data_dir`` (prepared shards), else the built-in corpus (for
     ``bpe``: encoded with ``tokenizer_file``, or with a BPE of ``vocab_size`` tokens trained on it
-    on first use); the training stream in the run's seeded order. Refuses data prepared with
-    another tokenizer than ``tokenizer``, or whose vocabulary the model lacks."""
+    on first use), opened by :func:`~elastic_llm.stream.open_prepared`."""
     if data_dir and tokenizer_file:
         raise DataError(f"data.tokenizer_file is for the built-in corpus; data.dir={data_dir} carries its own {TOKENIZER_FILE}: remove one of them")
     if data_dir:
@@ -516,13 +353,4 @@ def open_run_data(
     else:
         bpe_vocab = vocab_size if tokenizer == "bpe" and not tokenizer_file else None
         where = str(ensure_builtin_corpus(val_fraction, tokenizer, bpe_vocab, tokenizer_file))
-    meta = read_meta(where)
-    if meta["tokenizer"] != tokenizer:
-        raise DataError(
-            f"data in {where} was prepared with tokenizer {meta['tokenizer']!r}, not data.tokenizer={tokenizer!r}: "
-            f"set data.tokenizer={meta['tokenizer']} or prepare the data with --tokenizer {tokenizer}"
-        )
-    if meta["vocab_size"] > vocab_size:
-        raise DataError(f"data in {where} has vocab_size {meta['vocab_size']} > model.vocab_size={vocab_size}: raise model.vocab_size")
-    tok = load_tokenizer(where)
-    return RunData(where, TokenStream(load_split(where, "train"), seq_len, seed), load_split(where, "val"), tok)
+    return open_prepared(where, seq_len, seed, vocab_size, tokenizer)

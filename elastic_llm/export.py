@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_llm.data import EOS_TOKEN
+from elastic_llm.stream import EOS_TOKEN
 from elastic_llm.model import ModelShape
 
 

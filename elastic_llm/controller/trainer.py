@@ -81,7 +81,8 @@ from elastic_llm.controller.states import (
     start_waiting,
     while_waiting,
 )
-from elastic_llm.data import TokenStream, open_run_data
+from elastic_llm.data import open_run_data
+from elastic_llm.stream import TokenStream
 from elastic_llm.durable.format import Checkpoint, DurableError, open_checkpoint
 from elastic_llm.durable.restore import check_fits
 from elastic_llm.durable.tier import DurableTier, run_storage

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from elastic_llm.data import TOKENIZER_FILE
+from elastic_llm.stream import TOKENIZER_FILE
 from elastic_llm.durable.storage import Storage, StorageError
 from elastic_llm.snapshot.erasure import checksum
 
