@@ -16,11 +16,12 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from elastic_llm.model import ModelShape
+from elastic_llm.sources import Mode
 
 SCHEDULES = ("gpipe", "1f1b")
 TOKENIZERS = ("byte", "bpe")
@@ -28,7 +29,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # lossless: in-memory snapshots + parity (CheckFree+ only as the last rung); checkfree /
 # checkfree_plus: no snapshots, a lost stage is rebuilt from its neighbours; checkpoint: periodic
 # checkpoints on disk and rollback; redundant: every stage also trains a copy of its successor.
-RECOVERY_MODES = ("lossless", "checkfree", "checkfree_plus", "checkpoint", "redundant")
+RECOVERY_MODES = tuple(m.value for m in Mode)
 
 
 MAX_STANDBY = 8  # recovery.standby: most warm standby processes per node
@@ -163,23 +164,27 @@ class ElasticConfig:
         return lo, hi
 
 
-CHAOS_KINDS = ("stage", "node", "smp", "error", "standby")
-CHAOS_HOW = ("ray_kill", "sigkill")
-CHAOS_DURING = ("step", "recovery")
-CHAOS_OPS = ("forward", "backward", "allreduce", "update")
+ChaosKill = Literal["stage", "node", "smp", "error", "standby"]
+ChaosHow = Literal["ray_kill", "sigkill"]
+ChaosDuring = Literal["step", "recovery"]
+ChaosOp = Literal["forward", "backward", "allreduce", "update"]
+CHAOS_KINDS: tuple[str, ...] = typing.get_args(ChaosKill)  # the words a config may use (checked by validate)
+CHAOS_HOW: tuple[str, ...] = typing.get_args(ChaosHow)
+CHAOS_DURING: tuple[str, ...] = typing.get_args(ChaosDuring)
+CHAOS_OPS: tuple[str, ...] = typing.get_args(ChaosOp)
 
 
 @dataclass
 class ChaosEvent:
     step: int  # fire while this step runs (1-based), or (during: recovery) while the failure of this step is recovered
-    kill: str  # stage: the actor of (stage, replica); node / smp: the node / snapshot manager hosting it; error: the stage raises on every step from now on
+    kill: ChaosKill  # stage: the actor of (stage, replica); node / smp: the node / snapshot manager hosting it; error: the stage raises on every step from now on
     stage: int = 0
     replica: int = 0
-    how: str = "ray_kill"  # ray_kill | sigkill (stage)
+    how: ChaosHow = "ray_kill"  # ray_kill | sigkill (stage)
     corrupt: bool = False  # with kill=smp: flip a byte of its committed shard instead of killing it
     node: int | None = None  # kill=node / smp: the node-th live node with CPUs (by node id), not the one hosting stage/replica
-    during: str = "step"  # step | recovery: after the recovery plan of step `step`'s failure is made, before it is carried out
-    op: str = "forward"  # kill: stage: strike when the actor starts its first op of this kind in the step (forward | backward | allreduce | update)
+    during: ChaosDuring = "step"  # step | recovery: after the recovery plan of step `step`'s failure is made, before it is carried out
+    op: ChaosOp = "forward"  # kill: stage: strike when the actor starts its first op of this kind in the step (forward | backward | allreduce | update)
 
 
 @dataclass
@@ -188,7 +193,7 @@ class ChaosConfig:
     failure_prob_per_step: float = 0.0  # each stage actor fails in a step with this probability (seeded)
     failure_rate_per_hour: float = 0.0  # or: probability that a stage fails within an hour (0.1 = 10%), per step from the measured step time
     failure_seed: int = 0  # the failure schedule's seed: same seed, same (step, stage) failures in every run
-    failure_how: str = "ray_kill"  # ray_kill | sigkill
+    failure_how: ChaosHow = "ray_kill"  # ray_kill | sigkill
     snapshot_delay_s: float = 0.0  # every stage's snapshot copy takes this much longer (a snapshot of known cost, for snapshot.every: auto)
 
 
@@ -223,17 +228,17 @@ class RunConfig:
     @property
     def snapshots_on(self) -> bool:
         """Whether the run takes in-memory snapshots: only ``recovery.mode: lossless`` does."""
-        return self.snapshot.enabled and self.recovery.mode == "lossless"
+        return self.snapshot.enabled and self.recovery.mode == Mode.LOSSLESS
 
     @property
     def swapped(self) -> bool:
         """Whether odd microbatches run the first two and last two stages in swapped order (CheckFree+)."""
-        return self.recovery.mode == "checkfree_plus"
+        return self.recovery.mode == Mode.CHECKFREE_PLUS
 
     @property
     def mirrors(self) -> bool:
         """Whether the embedding / LM head are mirrored on the neighbouring stages."""
-        return self.recovery.mode in ("lossless", "checkfree_plus") and self.checkfree.mirror_every > 0 and self.parallel.stages >= 2
+        return self.recovery.mode in (Mode.LOSSLESS, Mode.CHECKFREE_PLUS) and self.checkfree.mirror_every > 0 and self.parallel.stages >= 2
 
     def tokens_per_step(self) -> int:
         return self.train.batch_size * self.model.seq_len

@@ -1,8 +1,8 @@
-"""Where a recovered stage's state comes from, where a rollback's comes from, and the two ways a
-source can fail: the words the recovery policy, the snapshot layer and the controller share.
+"""Where a recovered stage's state comes from, where a rollback's comes from, the recovery modes,
+and the two ways a source can fail: the words the recovery policy, the snapshot layer and the controller share.
 
 Owns :class:`Source` (what the policy writes into each action of a plan, the executor follows and
-the metrics line reports), :class:`RollbackFrom`, and the errors :class:`UnrecoverableError` (no
+the metrics line reports), :class:`Mode` (``recovery.mode``), :class:`RollbackFrom`, and the errors :class:`UnrecoverableError` (no
 lossless source survives) and :class:`SourceLost` (a source the plan named was gone when the
 plan was carried out). Their values are the words the metrics file, logs and reports have always
 used, so a value written out reads back the same. It sits below both ``snapshot`` and
@@ -44,6 +44,17 @@ class Source(StrEnum):
 
 
 LOSSY = (Source.CHECKFREE, Source.CHECKFREE_PLUS)  # a tuple: `in` compares by value, so a plain "checkfree" is found too
+
+
+class Mode(StrEnum):
+    """``recovery.mode``: how a run recovers (the config keeps the word; the policy and the
+    executors compare against these)."""
+
+    LOSSLESS = "lossless"  # snapshots (and the ladder below them); the only mode that takes snapshots
+    CHECKFREE = "checkfree"  # no copies: a lost stage is rebuilt from its neighbours
+    CHECKFREE_PLUS = "checkfree_plus"  # CheckFree plus mirrors of the embedding and head, for the first and last stage
+    CHECKPOINT = "checkpoint"  # the checkpointing baseline
+    REDUNDANT = "redundant"  # Bamboo-style redundant computation: each stage trains a copy of its successor
 
 
 class RollbackFrom(StrEnum):

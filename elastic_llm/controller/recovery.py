@@ -22,7 +22,7 @@ from elastic_llm.controller.liveness import NodeWatch
 from elastic_llm.controller.neighbours import promote_copies, rebuild_from_neighbours
 from elastic_llm.controller.session import log
 from elastic_llm.recovery.failure import StepFailure
-from elastic_llm.recovery.policy import LOSSY, Member, Observation, RecoveryPlan, RollbackFrom, Source
+from elastic_llm.recovery.policy import LOSSY, Member, Mode, Observation, RecoveryPlan, RollbackFrom, Source
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.records import ShardKey
 
@@ -50,7 +50,7 @@ def build_observation(
     parity: int,
     min_width: int = 1,
     unplaceable: frozenset[int] = frozenset(),
-    mode: str = "lossless",
+    mode: Mode = Mode.LOSSLESS,
     mirrors: bool = False,
     checkpoint: int | None = None,
     durable: int | None = None,
@@ -86,7 +86,7 @@ def build_observation(
 class ModeOptions:
     """What the executor needs of ``recovery.mode`` beyond the lossless ladder."""
 
-    mode: str = "lossless"
+    mode: Mode = Mode.LOSSLESS
     mirrors: bool = False
     lr_scale: float = 1.1
     checkpoints: CheckpointExecutor | None = None

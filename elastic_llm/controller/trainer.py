@@ -92,6 +92,7 @@ from elastic_llm.pipeline.shares import replica_shares
 from elastic_llm.recovery.failure import During, FailureBudget, FailurePolicy, StepFailure
 from elastic_llm.recovery.policy import RecoveryPolicy, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
+from elastic_llm.sources import Mode
 from elastic_llm.spans import Spans
 
 WAIT_POLL_S = 1.0  # how often the cluster is looked at while waiting for capacity
@@ -113,7 +114,7 @@ class InterruptedStep:
 
 def ray_executor(actors: list[list[Any]], cfg: RunConfig) -> StepExecutor:
     """The real step executor: one plan per stage actor per step."""
-    return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.recovery.mode == "redundant")
+    return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.recovery.mode == Mode.REDUNDANT)
 
 
 def checkpoint_refusal(error: Exception) -> DurableError | None:
@@ -255,7 +256,7 @@ class Trainer:
                     self.group.replace(missing)
         c = self.cfg
         min_width = c.elastic.bounds(c.parallel.dp)[0]
-        if c.recovery.mode == "checkpoint" and self.checkpoints is None:
+        if c.recovery.mode == Mode.CHECKPOINT and self.checkpoints is None:
             self.checkpoints = CheckpointExecutor(self.ray_group, c.recovery.checkpoint_every, c.recovery.checkpoint_dir)
             self._checkpoint(0)  # a failure before the first periodic checkpoint rolls back to the start
         if self.reattach is not None:
@@ -267,7 +268,7 @@ class Trainer:
         if self.parts is not None:
             self.recovery, self.elastic = self.parts.recovery, self.parts.elastic
         else:
-            options = ModeOptions(c.recovery.mode, c.mirrors, c.checkfree.lr_scale, self.checkpoints, self.durable)
+            options = ModeOptions(Mode(c.recovery.mode), c.mirrors, c.checkfree.lr_scale, self.checkpoints, self.durable)
             self.recovery = RecoveryExecutor(self.ray_group, self.snapshots, c.snapshot.parity, min_width, options, self.watch)
             self.elastic = ElasticExecutor(self.ray_group, self.snapshots, min_width, c)
         self._new_executor()

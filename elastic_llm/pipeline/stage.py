@@ -43,6 +43,7 @@ from elastic_llm.pipeline.redundant import Shadow
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.pipeline.shares import microbatch_sizes
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
+from elastic_llm.sources import Mode
 from elastic_llm.monitor import StageState
 from elastic_llm.telemetry import Metrics
 
@@ -160,7 +161,7 @@ class StageWorker:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.mirror: np.ndarray | None = None  # CheckFree+: the neighbour's embedding / head, flat
         self.mirror_step = -1
-        self.shadow: Shadow | None = Shadow(self.cfg, (stage + 1) % par.stages, self.device) if self.cfg.recovery.mode == "redundant" else None
+        self.shadow: Shadow | None = Shadow(self.cfg, (stage + 1) % par.stages, self.device) if self.cfg.recovery.mode == Mode.REDUNDANT else None
         self.last_grad_norm = 0.0
         self.step_count = 0
         # Lazy asynchronous snapshots: step(snapshot=...) starts copying the updated state into the

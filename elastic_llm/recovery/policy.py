@@ -29,10 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from elastic_llm.recovery.checkfree import Rebuild, plan_rebuild
-from elastic_llm.sources import LOSSY, RollbackFrom, Source, SourceLost, UnrecoverableError
+from elastic_llm.sources import LOSSY, Mode, RollbackFrom, Source, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
 
-__all__ = ["LOSSY", "Action", "Member", "Observation", "RecoveryPlan", "RecoveryPolicy", "RollbackFrom", "Source", "SourceLost", "UnrecoverableError"]
+__all__ = ["LOSSY", "Mode", "Action", "Member", "Observation", "RecoveryPlan", "RecoveryPolicy", "RollbackFrom", "Source", "SourceLost", "UnrecoverableError"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Observation:
     parity: int = 0
     min_width: int = 1  # elastic.min_replicas: never shrink below this many replicas
     unplaceable: frozenset[int] = frozenset()  # replicas whose lost stages cannot be placed now
-    mode: str = "lossless"  # recovery.mode
+    mode: Mode = Mode.LOSSLESS  # recovery.mode
     mirrors: bool = False  # embedding / LM head mirrored on the neighbouring stages
     checkpoint: int | None = None  # mode checkpoint: the newest checkpoint's step (0: the initial state)
     durable: int | None = None  # the newest committed durable checkpoint's step (None: none)
@@ -166,11 +166,11 @@ class RecoveryPolicy:
         return replace(plan, drop_replicas=drop, width=(width, width - len(drop)), reason=why + plan.reason)
 
     def _ladder(self, obs: Observation) -> RecoveryPlan:
-        if obs.mode in LOSSY:
+        if obs.mode in (Mode.CHECKFREE, Mode.CHECKFREE_PLUS):
             return self._checkfree_mode(obs)
-        if obs.mode == "redundant":
+        if obs.mode == Mode.REDUNDANT:
             return self._redundant(obs)
-        if obs.mode == "checkpoint":
+        if obs.mode == Mode.CHECKPOINT:
             return self._checkpoint(obs)
         return self._lossless(obs)
 
@@ -252,7 +252,7 @@ class RecoveryPolicy:
             if peers:
                 actions.append(Action(m.stage, m.replica, Source.DP_PEER, peer=peers[0].replica))
                 continue
-            rb = plan_rebuild(m.stage, m.replica, obs.n_stages, alive_keys, obs.mirrors, reinit=obs.mode != "lossless")
+            rb = plan_rebuild(m.stage, m.replica, obs.n_stages, alive_keys, obs.mirrors, reinit=obs.mode != Mode.LOSSLESS)
             if not isinstance(rb, Rebuild):
                 raise UnrecoverableError(f"stage {m.stage} replica {m.replica} is lost, {why}, and it cannot be rebuilt from its neighbours: {rb}")
             actions.append(Action(m.stage, m.replica, rb.source, donors=rb.donors, mirror=rb.mirror))
