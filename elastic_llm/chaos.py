@@ -1,9 +1,9 @@
 """Fault injection: the configured ``chaos.events``, fired at fixed points of a run.
 
 Owns: when each event fires and how it strikes (``ray.kill`` or SIGKILL of a stage, killing or
-corrupting a snapshot manager, removing a node of a test cluster, making a stage raise an
-application error on every step). The controller calls :meth:`Chaos.fire` at two points,
-``before_step`` (errors) and ``recovery`` (kills after a recovery plan was made, before it is
+corrupting a snapshot manager, corrupting a stage's own background copies, removing a node of a
+test cluster, making a stage raise an application error on every step). The controller calls
+:meth:`Chaos.fire` at two points, ``before_step`` (errors) and ``recovery`` (kills after a recovery plan was made, before it is
 carried out). Kills *during* a step come from :class:`ChaosExecutor`, which wraps the real step
 executor and keeps chaos out of its hot path: a stage kill rides in the victim's plan as a
 :class:`~elastic_llm.pipeline.plan.Fault` (the actor strikes itself when it starts its first op of
@@ -124,6 +124,8 @@ class Chaos:
         self.record(ev, step, t.metrics)
         if ev.kill == "error":
             ray.get(t.group.actor(key).inject_error.remote(f"chaos: injected error from step {step} on"), timeout=60)
+        elif ev.kill == "stage" and ev.corrupt:
+            ray.get(t.group.actor(key).corrupt_own_copies.remote(), timeout=60)
         elif ev.kill == "stage":
             if ev.how == "sigkill":
                 os.kill(t.group.pids[key], signal.SIGKILL)

@@ -181,7 +181,9 @@ class ChaosEvent:
     stage: int = 0
     replica: int = 0
     how: ChaosHow = "ray_kill"  # ray_kill | sigkill (stage)
-    corrupt: bool = False  # with kill=smp: flip a byte of its committed shard instead of killing it
+    # with kill=smp: flip a byte of its committed shard instead of killing it; with kill=stage,
+    # during=recovery: a byte of each of the stage's own background copies, after the plan that may name them
+    corrupt: bool = False
     node: int | None = None  # kill=node / smp: the node-th live node with CPUs (by node id), not the one hosting stage/replica
     during: ChaosDuring = "step"  # step | recovery: after the recovery plan of step `step`'s failure is made, before it is carried out
     op: ChaosOp = "forward"  # kill: stage: strike when the actor starts its first op of this kind in the step (forward | backward | allreduce | update)
@@ -361,6 +363,11 @@ def _validate(c: RunConfig) -> list[str]:
             p.append(f"{where}.step={ev.step} must be >= 1")
         if not (0 <= ev.stage < par.stages and 0 <= ev.replica < par.dp):
             p.append(f"{where} names stage {ev.stage} replica {ev.replica}, but the run has {par.stages} stages x {par.dp} replicas")
+        if ev.corrupt and ev.kill not in ("smp", "stage"):
+            p.append(f"{where}: corrupt: true goes with kill: smp (its committed shard) or kill: stage (its own copies), not kill: {ev.kill}")
+        if ev.corrupt and ev.kill == "stage" and ev.during != "recovery":
+            p.append(f"{where}: corrupt: true with kill: stage goes with during: recovery (its copies are flipped once the recovery's "
+                     "snapshot is committed; before a step the flip could reach a snapshot still being collected)")
         if ev.node is not None and (ev.kill not in ("node", "smp") or ev.node < 0):
             p.append(f"{where}.node={ev.node}: a node index (>= 0) only goes with kill: node or kill: smp")
     if not 0 < d.val_fraction < 1:

@@ -230,6 +230,31 @@ def test_an_unrecoverable_loss_fails_with_exit_3(corpus_dir, tmp_path):
     assert err.value.exit_code == 3 and "no copy of stage 1 survives" in str(err.value)
 
 
+def test_a_source_found_gone_while_a_plan_is_carried_out_re_plans_without_charging_the_budget(corpus_dir, tmp_path):
+    """The executor meets a source the plan named and finds it gone (a shard that fails its
+    checksums on its node): it raises instead of picking another source itself; the controller
+    observes again and plans anew. The run learnt something, it did not fail again: with no
+    retries allowed per step, a charge would have stopped it."""
+    from elastic_llm.sources import SourceLost
+
+    t, _, group, _, parts = make(corpus_dir, tmp_path, "recovery.max_retries_per_step=1", fails={3: (1, ShardKey(1, 1))})
+    carry_out = parts.recovery.execute
+    met = []
+
+    def execute(plan, obs, step):
+        if len(met) < 2:  # two sources found gone, one after the other
+            met.append(plan)
+            raise SourceLost(f"source {len(met)} failed to load on its node")
+        return carry_out(plan, obs, step)
+
+    parts.recovery.execute = execute
+    history = t.fit(5)
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5]
+    assert parts.recovery.observed == [3, 3, 3]  # observed again after each
+    assert t.budget.total == 1 and t.budget.of_step(3) == 1  # the step's failure alone
+    assert group.replaced == [[ShardKey(1, 1)]]
+
+
 def test_no_capacity_at_start_waits_then_runs(corpus_dir, tmp_path):
     t, _, group, _, _ = make(corpus_dir, tmp_path, refuse=3)
     history = t.fit(2)

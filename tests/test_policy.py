@@ -30,6 +30,17 @@ def test_healthy_stages_ahead_of_snapshot_roll_back():
     assert plan.rollback_to == 6 and "everyone rolls back" in plan.reason
 
 
+def test_a_rollback_names_the_survivors_that_restore_from_their_own_copy():
+    """Survivors observed to hold the committed version in their own copy restore from it; the
+    plan says which, the others (and the lost stage) come through the snapshot managers."""
+    held = frozenset({ShardKey(0, 0), ShardKey(2, 0), ShardKey(1, 0)})  # stage 1 is the lost one: its copy went with it
+    plan = RecoveryPolicy().decide(replace(obs(pipeline(step=7, dead={(1, 0)}), committed=6), own_copies=held))
+    assert plan.rollback_to == 6 and plan.own_copies == (ShardKey(0, 0), ShardKey(2, 0))
+    assert "2 survivor(s) from their own copy" in str(plan)
+    no_rollback = RecoveryPolicy().decide(replace(obs(pipeline(dead={(3, 1)}, dp=2)), own_copies=held))
+    assert no_rollback.rollback_to is None and no_rollback.own_copies == ()  # a peer copy, nobody rolls back
+
+
 def test_dp_peer_preferred_when_consistent_and_no_rollback():
     members = pipeline(dead={(3, 1)}, dp=2)
     plan = RecoveryPolicy().decide(obs(members))

@@ -116,6 +116,20 @@ def test_killed_stage_recovers_bit_identically(nodes, corpus_dir, clean, how):
     assert losses == clean(1)
 
 
+def test_a_survivors_own_copy_that_fails_its_checksums_is_left_out_of_the_next_plan(nodes, corpus_dir, clean):
+    """Stage 2 dies; the plan rolls everyone back, stages 0, 1 and 3 from their own copies; then
+    (chaos, after the plan is made) stage 0's copies are corrupted silently. Stage 0's fails its
+    checksums: the executor does not pick another source itself, it raises; the run observes
+    again, and the new plan leaves stage 0's copy out (its state comes through its snapshot
+    manager). Bit for bit."""
+    t = make_trainer(nodes, corpus_dir, "snapshot.max_lag=1",  # the committed version is one of the two copies a stage holds
+                     "chaos.events=[{step: 5, kill: stage, stage: 2, how: sigkill}, {step: 5, kill: stage, stage: 0, corrupt: true, during: recovery}]")
+    losses = run(t)
+    assert [(r["stage"], r["source"]) for r in t.recoveries] == [(2, "local_smp")]
+    assert t.recoveries[0]["survivors_restored_from_own_copy"] == 2  # stages 1 and 3
+    assert losses == clean(1)
+
+
 def test_lost_node_is_rebuilt_from_parity_bit_identically(nodes, corpus_dir, clean):
     t = make_trainer(nodes, corpus_dir, "snapshot.parity=1", "chaos.events=[{step: 5, kill: node, stage: 1}]")
     losses = run(t)

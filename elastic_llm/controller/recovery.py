@@ -24,9 +24,11 @@ from elastic_llm.controller.session import log
 from elastic_llm.recovery.failure import StepFailure
 from elastic_llm.recovery.policy import LOSSY, Member, Mode, Observation, RecoveryPlan, RollbackFrom, Source
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
-from elastic_llm.snapshot.records import ShardKey
+from elastic_llm.snapshot.records import ShardKey, StageSource
+from elastic_llm.sources import SourceLost
 
 RESTORE_S = 600.0  # longest a restore (copying state into the stages) may take
+OWN_COPY_S = 10.0  # longest the survivors get to say whether their own copy holds the committed version
 COMMIT_S = 60.0  # after a failure, how long versions in flight get to commit
 
 
@@ -57,6 +59,7 @@ def build_observation(
     standbys: dict[str, int] | None = None,
     bundle_nodes: dict[ShardKey, str | None] | None = None,
     standby_anywhere: bool = True,
+    own_copies: frozenset[ShardKey] = frozenset(),
 ) -> Observation:
     """Assemble the policy's input from what was seen (pure)."""
     members = tuple(Member(k.stage, k.replica, nodes.get(k, ""), steps[k] is not None, steps[k]) for k in sorted(steps))
@@ -79,6 +82,7 @@ def build_observation(
         standbys=tuple(sorted((n, c) for n, c in (standbys or {}).items() if c > 0 and n in alive_nodes)),
         bundle_nodes=tuple(sorted((k, n) for k, n in (bundle_nodes or {}).items() if n is not None and n in alive_nodes)),
         standby_anywhere=standby_anywhere,
+        own_copies=own_copies,
     )
 
 
@@ -101,6 +105,7 @@ class RecoveryExecutor:
         self.parity = parity
         self.min_width = min_width
         self.options = options or ModeOptions()
+        self.bad_own_copies: set[tuple[ShardKey, int]] = set()  # (survivor, version) whose own copy failed its checksums when a plan named it
 
     def observe(self, runner: Any, failed_step: int) -> Observation:
         import ray
@@ -138,8 +143,29 @@ class RecoveryExecutor:
         return build_observation(
             steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, unplaceable,
             o.mode, o.mirrors, ckpt[0] if ckpt else None, durable[0] if durable else None,
-            standbys, self.group.bundle_nodes(lost) if lost else {}, anywhere,
+            standbys, self.group.bundle_nodes(lost) if lost else {}, anywhere, self._own_copies(steps),
         )
+
+    def _own_copies(self, steps: dict[ShardKey, int | None]) -> frozenset[ShardKey]:
+        """Survivors whose own background copy holds the whole committed version (only a run of
+        one replica whose version was taken at width 1 has whole copies), less those whose copy
+        failed its checksums when an earlier plan named it."""
+        import ray
+
+        rec = self.snapshots.committed if self.snapshots is not None else None
+        if rec is None or rec.width != 1 or self.group.width != 1:
+            return frozenset()
+        survivors = [k for k, st in steps.items() if st is not None and (k, rec.version) not in self.bad_own_copies]
+        asks = {self.group.actor(k).holds_own_copy.remote(rec.version): k for k in survivors}
+        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=OWN_COPY_S)
+        held = set()
+        for ref in ready:
+            try:
+                if ray.get(ref, timeout=0):
+                    held.add(asks[ref])
+            except ray.exceptions.RayActorError:  # the survivor died since: the next observation sees it lost
+                pass
+        return frozenset(held)
 
     def _unplaceable(self, lost: list[ShardKey], alive_nodes: set[str]) -> frozenset[int]:
         """Replicas that lost actors with their node and whose bundles cannot be placed, decided
@@ -161,6 +187,10 @@ class RecoveryExecutor:
             self.snapshots.ensure_managers()
         self.group.place(at_once=True)
         try:
+            fetched = {}
+            if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.SNAPSHOT:
+                with self.group.spans.span("state"):  # before any new process starts: a source found gone re-plans at once
+                    fetched = self._fetch(plan, obs)
             self.group.replace(lost, {ShardKey(a.stage, a.replica): a.adopt for a in plan.actions if a.adopt is not None})
             if plan.drop_replicas:
                 self.group.set_width()
@@ -170,7 +200,7 @@ class RecoveryExecutor:
                 if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.DURABLE:
                     return self._from_durable(plan, step)
                 if plan.rollback_to is not None:
-                    sources, own = self._roll_back(plan, lost, obs)
+                    sources, own = self._roll_back(plan, fetched)
                     rec = self.snapshots.committed if self.snapshots else None
                     position = rec.shard(ShardKey(0, 0)).data_position() if rec else None
                     return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, own, position)
@@ -218,31 +248,35 @@ class RecoveryExecutor:
         sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
         return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, 0, ck.manifest.get("data_position"))
 
-    def _roll_back(self, plan: RecoveryPlan, lost: list[ShardKey], obs: Observation) -> tuple[tuple[tuple[ShardKey, str], ...], int]:
-        """Every actor restores the committed version: survivors whose own background copy is
-        that version (checked against the recorded checksums) from it, the rest through the
-        snapshot managers (rebuilding lost shards from parity)."""
+    def _fetch(self, plan: RecoveryPlan, obs: Observation) -> dict[ShardKey, StageSource]:
+        """The part of a snapshot rollback that needs no new process, done before any starts, so
+        that a source found gone re-plans at once: the survivors the plan names restore from their
+        own background copy (checked against the recorded checksums; one that fails is left out of
+        later observations), and where the committed state of every other actor is (its snapshot
+        managers' pieces; for the shards on nodes the plan counts lost, pieces rebuilt from
+        parity). Raises :class:`SourceLost` for a copy or piece that fails where the plan
+        expected it."""
         import ray
 
         sn = self.snapshots
         assert sn is not None and sn.committed is not None, "a rollback plan needs a committed snapshot"
         rec = sn.committed
-        whole = rec.width == 1 and self.group.width == 1  # with DP, a stage's own copy is only its 1/DP slice
-        survivors = [k for k in self.group.keys() if k not in lost]
-        own: set[ShardKey] = set()
-        if whole and survivors:
-            calls = [self.group.actor(k).restore_own_copy.remote(rec.version, rec.shard(k).pieces) for k in survivors]
-            own = {k for k, ok in zip(survivors, ray.get(calls, timeout=RESTORE_S)) if ok}
-        sources: list[tuple[ShardKey, str]] = []
-        loads = []
-        for key in self.group.keys():
-            if key in own:
-                continue
-            src = sn.fetch_stage_state(key.stage, key.replica, obs.dead_managers)
-            sources.append((key, src.source))
-            loads.append(self.group.actor(key).load_parts.remote(src.manifest, list(src.offsets), *src.refs))
+        if plan.own_copies:
+            calls = [self.group.actor(k).restore_own_copy.remote(rec.version, rec.shard(k).pieces) for k in plan.own_copies]
+            failed = [k for k, ok in zip(plan.own_copies, ray.get(calls, timeout=RESTORE_S)) if not ok]
+            if failed:
+                self.bad_own_copies.update((k, rec.version) for k in failed)
+                raise SourceLost(f"the own copy of step {rec.version} held by {', '.join(map(str, failed))} failed its checksums")
+        own = set(plan.own_copies)
+        return {k: sn.fetch_stage_state(k.stage, k.replica, obs.dead_managers) for k in self.group.keys() if k not in own}
+
+    def _roll_back(self, plan: RecoveryPlan, fetched: dict[ShardKey, StageSource]) -> tuple[tuple[tuple[ShardKey, str], ...], int]:
+        """Every actor not restored from its own copy by :meth:`_fetch` loads what it found."""
+        import ray
+
+        loads = [self.group.actor(k).load_parts.remote(src.manifest, list(src.offsets), *src.refs) for k, src in fetched.items()]
         ray.get(loads, timeout=RESTORE_S)
-        return tuple(sources), len(own)
+        return tuple((k, src.source) for k, src in fetched.items()), len(plan.own_copies)
 
     def _copy_from_peers(self, plan: RecoveryPlan) -> None:
         """Lost replicas copy the whole state of a live data-parallel peer."""

@@ -152,6 +152,13 @@ def after_failure(
     return Failed(f"{decision.reason}\nlast failure: {failure}", EXIT_FAILED, failure)
 
 
+def after_source_lost(state: Recovering) -> Recovering:
+    """A source the recovery plan named was found gone while the plan was carried out: observe
+    and plan again. Not a new failure (the failure budget is not charged); each time, the run has
+    learnt of one more lost part, so it ends."""
+    return Recovering(state.failure, state.attempt + 1, state.reason)
+
+
 def after_unrecoverable(failure: StepFailure, why: str) -> Failed:
     return Failed(f"{failure}; nothing lossless survives: {why}", EXIT_UNRECOVERABLE, failure)
 

@@ -74,6 +74,7 @@ from elastic_llm.controller.states import (
     State,
     WaitingForCapacity,
     after_failure,
+    after_source_lost,
     after_step,
     after_unrecoverable,
     check_transition,
@@ -361,12 +362,17 @@ class Trainer:
         try:
             if rec is None:
                 raise UnrecoverableError("its snapshot managers or its committed record are gone")
-            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            dead = sn.dead_managers(alive)
-            calls = []
-            for k in self.group.keys():
-                src = sn.fetch_stage_state(k.stage, k.replica, dead)
-                calls.append(self.ray_group.actor(k).load_parts.remote(src.manifest, list(src.offsets), *src.refs))
+            for _ in range(len(sn.managers) + 1):  # a shard that fails to load counts its node lost: look again
+                alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+                dead = sn.dead_managers(alive)
+                try:
+                    srcs = {k: sn.fetch_stage_state(k.stage, k.replica, dead) for k in self.group.keys()}
+                    break
+                except SourceLost as e:
+                    log(f"--resume {self.run_id}: {e}; looking again")
+            else:
+                raise UnrecoverableError("every snapshot part failed to load")
+            calls = [self.ray_group.actor(k).load_parts.remote(src.manifest, list(src.offsets), *src.refs) for k, src in srcs.items()]
             ray.get(calls, timeout=RESUME_S)
         except (UnrecoverableError, ray.exceptions.RayError) as e:
             self.reattach = None
@@ -678,7 +684,10 @@ class Trainer:
             return start_waiting(state, e.capacity, time.monotonic(), self.cfg.recovery.capacity_timeout_s)
         except UnrecoverableError as e:
             return after_unrecoverable(failure, str(e))
-        except (ray.exceptions.RayError, TimeoutError, StepFailed, PlanNotFollowed, SourceLost) as err:  # observed again and re-planned
+        except SourceLost as e:  # a source the plan named was found gone: not a new failure, the run knows more now
+            log(f"recovery of {failure.where}: {e}; observing again")
+            return after_source_lost(state)
+        except (ray.exceptions.RayError, TimeoutError, StepFailed, PlanNotFollowed) as err:  # observed again and re-planned
             again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during=During.RECOVERY)
             self.budget = self.budget.record(again.step)
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)

@@ -133,6 +133,11 @@ class BackgroundCopies:
             meta.append(Piece(a, b - a, checksum(views[-1])))
         return meta, views
 
+    def holds(self, version: int, nbytes: int) -> bool:
+        """Whether a copy of all ``nbytes`` of ``version`` is held (not checked: :meth:`whole` checks)."""
+        job = self.held.get(version)
+        return job is not None and (job.lo, job.hi) == (0, nbytes)
+
     def whole(self, version: int, nbytes: int, pieces: tuple[Piece, ...]) -> Copy | None:
         """The finished copy of all ``nbytes`` of ``version`` if it is held and every byte range
         in ``pieces`` (a committed snapshot's record) has the recorded checksum; else None."""
@@ -145,6 +150,17 @@ class BackgroundCopies:
         if any(checksum(job.buffer[p.offset : p.offset + p.length]) != p.crc for p in pieces):
             return None
         return job
+
+    def corrupt(self) -> list[int]:
+        """Fault injection: flip one byte in the middle of every finished copy, in place (silent
+        corruption: a restore from it finds its checksums wrong). Returns the versions hit."""
+        self.wait()
+        hit = []
+        for version, job in sorted(self.held.items()):
+            if job.hi > job.lo:
+                job.buffer[job.lo + (job.hi - job.lo) // 2] ^= 0xFF
+                hit.append(version)
+        return hit
 
     def forget_after(self, step: int) -> None:
         """Drop copies of steps after ``step`` and wake whoever waits for one (a reset or a

@@ -446,11 +446,21 @@ class StageWorker:
         self.copies.forget_after(self.step_count)
         return self.step_count
 
+    def holds_own_copy(self, version: int) -> bool:
+        """Whether one of this stage's background copy buffers holds all of step ``version``
+        (what a recovery observes before its plan names the copies a rollback restores from)."""
+        return self.copies.holds(version, self.arena.layout.nbytes)
+
+    def corrupt_own_copies(self) -> list[int]:
+        """Fault injection (``chaos: kill: stage, corrupt: true``): flip a byte of each of this
+        stage's background copies. Returns the versions hit."""
+        return self.copies.corrupt()
+
     def restore_own_copy(self, version: int, pieces: tuple[Piece, ...]) -> bool:
         """Roll back to step ``version`` from this stage's own background copy, if one of its
         buffers still holds it and every byte range in ``pieces`` (the committed snapshot's
         record) has the recorded checksum. Returns False (nothing changed)
-        otherwise: the caller then restores through the snapshot managers."""
+        otherwise: the plan that named this copy cannot be followed."""
         job = self.copies.whole(version, self.arena.layout.nbytes, pieces)
         if job is None:
             return False

@@ -64,6 +64,7 @@ class Observation:
     standbys: tuple[tuple[str, int], ...] = ()  # (node, warm standbys ready on it)
     bundle_nodes: tuple[tuple[ShardKey, str], ...] = ()  # lost actors whose reservation is placed: (actor, node it is on now)
     standby_anywhere: bool = True  # a standby may take a stage on any node (CPU runs, or standbys holding a GPU); else only where the dead actor's device is
+    own_copies: frozenset[ShardKey] = frozenset()  # survivors whose own background copy holds the whole committed version (a run of one replica)
 
     @property
     def n_stages(self) -> int:
@@ -101,11 +102,13 @@ class RecoveryPlan:
     drop_replicas: tuple[int, ...] = ()  # replicas (numbered as observed) dropped first; actions use the new numbers
     width: tuple[int, int] | None = None  # (from, to) when replicas are dropped
     rollback_from: RollbackFrom = RollbackFrom.SNAPSHOT  # where everyone's state of rollback_to comes from
+    own_copies: tuple[ShardKey, ...] = ()  # a snapshot rollback: survivors that restore from their own background copy (the others: their snapshot managers, parity for lost_shards)
 
     def __str__(self) -> str:
         rb = f"roll back to step {self.rollback_to}" if self.rollback_to is not None else "no rollback"
         drop = f"drop replica(s) {list(self.drop_replicas)}; " if self.drop_replicas else ""
-        return f"RecoveryPlan({drop}{'; '.join(map(str, self.actions)) or 'nothing lost'}; {rb}; {self.reason})"
+        own = f" ({len(self.own_copies)} survivor(s) from their own copy)" if self.own_copies else ""
+        return f"RecoveryPlan({drop}{'; '.join(map(str, self.actions)) or 'nothing lost'}; {rb}{own}; {self.reason})"
 
 
 def replicas_to_drop(obs: Observation) -> tuple[int, ...]:
@@ -129,6 +132,13 @@ def without_replicas(obs: Observation, drop: tuple[int, ...]) -> Observation:
     members = tuple(replace(m, replica=new[m.replica]) for m in obs.members if m.replica in new)
     bundles = tuple((ShardKey(k.stage, new[k.replica]), n) for k, n in obs.bundle_nodes if k.replica in new)
     return replace(obs, members=members, unplaceable=frozenset(new[r] for r in obs.unplaceable if r in new), bundle_nodes=bundles)
+
+
+def own_copies(obs: Observation) -> tuple[ShardKey, ...]:
+    """The survivors a rollback to the committed snapshot restores from their own background
+    copy (observed to hold it); every other actor's state comes through the snapshot managers. Pure."""
+    alive = {ShardKey(m.stage, m.replica) for m in obs.members if m.alive}
+    return tuple(sorted(alive & obs.own_copies))
 
 
 def assign_standbys(plan: RecoveryPlan, obs: Observation) -> RecoveryPlan:
@@ -219,13 +229,14 @@ class RecoveryPolicy:
             reason = f"restored stages come from the snapshot of step {obs.committed}"
             if current is not None and current != obs.committed:
                 reason += f", older than the healthy stages (step {current}): everyone rolls back"
-            return RecoveryPlan(tuple(actions), obs.committed, reason, lost_shards)
+            return RecoveryPlan(tuple(actions), obs.committed, reason, lost_shards, own_copies=own_copies(obs))
         if not consistent:
             if snap_problem is not None and obs.durable is not None:
                 return self._durable(obs, f"stages disagree on their step ({sorted(steps)}) and {snap_problem}")
             if snap_problem is not None:
                 raise UnrecoverableError(f"stages disagree on their step ({sorted(steps)}) and {snap_problem}")
-            return RecoveryPlan(tuple(actions), obs.committed, f"stages disagree on their step ({sorted(steps)}): everyone rolls back", lost_shards)
+            return RecoveryPlan(tuple(actions), obs.committed, f"stages disagree on their step ({sorted(steps)}): everyone rolls back", lost_shards,
+                                own_copies=own_copies(obs))
         reason = "data-parallel peers hold the same state" if actions else "no stage lost"
         return RecoveryPlan(tuple(actions), None, reason + f"; step {current} is replayed", lost_shards)
 

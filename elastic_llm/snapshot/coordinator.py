@@ -419,12 +419,16 @@ class SnapshotCoordinator:
         self.committed = None
 
     # ------------------------------------------------------------------ restore
-    def fetch_stage_state(self, stage: int, replica: int, dead_nodes: set[str] | frozenset[str]) -> StageSource:
+    def fetch_stage_state(self, stage: int, replica: int, lost_nodes: set[str] | frozenset[str]) -> StageSource:
         """Where the committed state of ``stage`` is (all its data-parallel slices, as many as
         the run had replicas when the version was taken), with the manifest of ``replica`` (its
-        RNG; the last one recorded if the run was narrower then). Shards on dead nodes, dead
-        managers or failing their checksums are rebuilt from parity. The refs go straight to the
-        stage being restored: no bytes pass through the driver."""
+        RNG; the last one recorded if the run was narrower then), as the plan has it: shards on
+        ``lost_nodes`` (the plan's lost parts) rebuilt from parity, every other shard from its
+        node's manager, which checks its pieces. A shard that fails to load on its node is news
+        to the plan: it is recorded (:meth:`lost_parts` counts it from then on) and
+        :class:`SourceLost` raised, so the controller observes again and re-plans; this never
+        switches source on its own. The refs go straight to the stage being restored: no bytes
+        pass through the driver."""
         import ray
 
         rec = self.committed
@@ -436,26 +440,21 @@ class SnapshotCoordinator:
         slices = [info for info in rec.shards if info.key.stage == stage]
         for info in slices:
             node = info.node_id
-            got = None
-            if node not in dead_nodes and node in self.managers:
-                try:
-                    got = ray.get(self.managers[node].shard_parts.remote(rec.version, info.key), timeout=WAIT_S)
-                except Exception as e:
-                    log.warning("%s unavailable on its node (%s): rebuilding from parity", info.key, str(e).splitlines()[0])
-                    self.unloadable[node] = rec.version  # counted as lost when recovery observes again
-            if got is not None:
-                offsets += [p.offset for p in info.pieces]
-                refs += got
-                sources.append(Source.LOCAL_SMP)
-            else:
+            if node in lost_nodes or node not in self.managers:
                 offsets.append(info.lo)
-                try:
-                    refs.append(self._rebuild_shard(info.key, set(dead_nodes) | {node}))
-                except UnrecoverableError as e:
-                    if self.unloadable.get(node) == rec.version:  # learnt just now: the plan did not know it
-                        raise SourceLost(f"{e}; {info.key}'s shard failed to load on its node while restoring") from None
-                    raise
+                refs.append(self._rebuild_shard(info.key, set(lost_nodes) | {node}))
                 sources.append(Source.PARITY)
+                continue
+            try:
+                got = ray.get(self.managers[node].shard_parts.remote(rec.version, info.key), timeout=WAIT_S)
+            except Exception as e:
+                self.unloadable[node] = rec.version
+                why = getattr(e, "cause", None) or e  # a task's error: the manager's own exception
+                raise SourceLost(f"{info.key}'s shard of step {rec.version} failed to load on its node {node[:12]} "
+                                 f"({type(why).__name__}: {(str(why).splitlines() or [''])[0][:200]}): its part counts as lost from now on") from None
+            offsets += [p.offset for p in info.pieces]
+            refs += got
+            sources.append(Source.LOCAL_SMP)
         manifest = slices[min(replica, len(slices) - 1)].manifest
         return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources))
 
