@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
+from elastic_llm import events
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.durable.storage import fsync_path
 
@@ -129,13 +130,6 @@ def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps:
             t.shutdown()
 
 
-def _events(path: str, name: str) -> list[dict[str, Any]]:
-    import json
-
-    with open(path) as f:
-        return [r for r in map(json.loads, f) if r.get("event") == name]
-
-
 def _embedded(config_path: str, overrides: Sequence[str], workdir: str, steps: int) -> dict[str, Any]:
     import ray
 
@@ -145,12 +139,12 @@ def _embedded(config_path: str, overrides: Sequence[str], workdir: str, steps: i
         m = os.path.join(workdir, "durable.jsonl")
         cfgs = [load_config(config_path, base), load_config(config_path, [*base, f"durable.storage_path={workdir}/emb", "durable.every=1", "durable.keep_last=2"])]
         (off, ratio), _ = _alternate(cfgs, warmup=3, blocks=6, block_steps=max(1, steps // 6), metrics=[None, m])
-        flushes = _events(m, "durable")
+        flushes = [ev for ev in events.read_events(m) if isinstance(ev, events.Durable)]
         final = flushes[-1]  # the end flushes the newest version while nothing trains
-        during = [f for f in flushes[:-1] if f["gbps"] > 0]
+        during = [f for f in flushes[:-1] if f.gbps > 0]
         return {
-            "flush_GBps": final["bytes"] / final["seconds"] / 1e9,
-            "flush_GBps_during_training": statistics.median(f["gbps"] for f in during) if during else None,
+            "flush_GBps": final.bytes / final.seconds / 1e9,
+            "flush_GBps_during_training": statistics.median(f.gbps for f in during) if during else None,
             "flushes": len(flushes),
             "train_overhead_pct": 100.0 * (1 - ratio),
             "tokens_per_s_durable_off": off,

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine_info
+from elastic_llm import events
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [  # 4 one-CPU stages of a small model over 3 nodes of 2 CPUs
@@ -72,12 +73,12 @@ def _wait(pred: Any, proc: subprocess.Popen[str], what: str) -> None:
 def _killed_run(config: str, address: str, work: Path, kill_at: int, sets: list[str]) -> tuple[str, int]:
     out = work / "killed.jsonl"
     p = subprocess.Popen(_command(config, address, out, kill_at + 50, sets), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    flushed = lambda: any(x.get("event") == "durable" for x in _lines(out))  # noqa: E731 - the peer needs a committed checkpoint
+    flushed = lambda: any(isinstance(ev, events.Durable) for ev in map(events.parse, _lines(out)))  # noqa: E731 - the peer needs a committed checkpoint
     _wait(lambda: max(_steps(out), default=0) >= kill_at and flushed(), p, f"step {kill_at} and a durable checkpoint")
     p.send_signal(signal.SIGKILL)
     p.wait()
-    (start,) = [x for x in _lines(out) if x.get("event") == "start"]
-    return start["run_id"], max(_steps(out))
+    (start,) = [ev for ev in map(events.parse, _lines(out)) if isinstance(ev, events.Start)]
+    return start.run_id, max(_steps(out))
 
 
 def _resume(config: str, address: str, work: Path, name: str, target: str, steps: int, sets: list[str]) -> dict[str, Any]:
@@ -87,13 +88,13 @@ def _resume(config: str, address: str, work: Path, name: str, target: str, steps
     _wait(lambda: bool(_steps(out)), p, "a first step after the resume")
     first_step_s = time.perf_counter() - t
     p.wait(timeout=STEP_S)
-    lines = _lines(out)
-    (line,) = [x for x in lines if x.get("event") in ("reattach", "resume")]
-    (start,) = [x for x in lines if x.get("event") == "start"]
+    typed = [ev for ev in map(events.parse, _lines(out)) if ev is not None]
+    (line,) = [ev for ev in typed if isinstance(ev, (events.Reattach, events.Resume))]
+    (start,) = [ev for ev in typed if isinstance(ev, events.Start)]
     return {
-        "first_step_s": first_step_s, "restore_s": line["seconds"], "resumed_at": line["step"], "how": line["event"],
-        "to_start_line_s": round(start["time"] - wall, 3),  # process start to its start line (Python, imports, setup)
-        "setup_s": start.get("setup_s", {}),  # the product's own spans of that setup
+        "first_step_s": first_step_s, "restore_s": line.seconds, "resumed_at": line.step, "how": line.kind.value,
+        "to_start_line_s": round(start.time - wall, 3),  # process start to its start line (Python, imports, setup)
+        "setup_s": start.setup_s or {},  # the product's own spans of that setup
     }
 
 

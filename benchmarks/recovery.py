@@ -84,10 +84,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from benchmarks.common import load_at_end, machine_info, ratio
+from elastic_llm import events
 
 DEFAULT_CONFIGS = ("jobs/tiny.yaml", "jobs/llama-25m.yaml")
 PATHS = ("dp_peer", "local_smp", "parity", "drain", "shrink")
@@ -175,27 +176,29 @@ def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t
     ``next_step_s`` (until the next step completed), the product's ``seconds`` and spans
     (:func:`product_spans`) of its recovery / drain / resize lines, what those lines say, and the
     steady step time before the failure."""
+    typed = [events.parse(x) for x in lines]
+    states = [(i, ev) for i, ev in enumerate(typed) if isinstance(ev, events.StateChange)]
     if t0 is None:
-        chaos = [x for x in lines if x.get("event") == "chaos"]
+        chaos = [ev for ev in typed if isinstance(ev, events.Chaos)]
         if not chaos:
             raise ValueError("no chaos line in the metrics and no t0 given: nothing to time from")
-        t0 = float(chaos[0]["time"])
-    enter = next((i for i, x in enumerate(lines) if x.get("event") == "state" and x["time"] >= t0 and x["new"] in HANDLING), None)
+        t0 = float(chaos[0].time)
+    enter = next((i for i, ev in states if ev.time >= t0 and ev.new in HANDLING), None)
     if enter is None:
         raise ValueError("the controller never left running after the failure")
-    back = next((i for i in range(enter + 1, len(lines)) if lines[i].get("event") == "state" and lines[i]["new"] == "running"), None)
+    back = next((i for i, ev in states if i > enter and ev.new == "running"), None)
     if back is None:
-        raise ValueError(f"the controller never came back to running (last state: {[x['new'] for x in lines if x.get('event') == 'state'][-1]})")
-    t_enter, t_back = float(lines[enter]["time"]), float(lines[back]["time"])
+        raise ValueError(f"the controller never came back to running (last state: {states[-1][1].new})")
+    t_enter, t_back = float(typed[enter].time), float(typed[back].time)
     after = [s for s in steps if s["t"] > t_back]
     if not after:
         raise ValueError("no step completed after the recovery")
     nxt = after[0]
-    window = lines[enter : back + 1]
-    recov = [x for x in window if x.get("event") == "recovery"]
-    drains = [x for x in window if x.get("event") == "drain"]
-    resizes = [x for x in window if x.get("event") == "resize"]
-    product = [float(x["seconds"]) for x in (*recov, *drains, *resizes) if x.get("seconds") is not None]
+    window = typed[enter : back + 1]
+    recov = [ev for ev in window if isinstance(ev, events.Recovery)]
+    drains = [ev for ev in window if isinstance(ev, events.Drain)]
+    resizes = [ev for ev in window if isinstance(ev, events.Resize)]
+    product = [float(ev.seconds) for ev in (*recov, *drains, *resizes) if ev.seconds is not None]
     steady = [s["step_s"] for s in steps if s["t"] < t0 and s["step"] > 1]
     steady_s = _median(steady)
     out: dict[str, Any] = {
@@ -210,29 +213,30 @@ def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t
         "steady_step_s": _r(steady_s),
         # wall time not spent training at the steady pace: the window minus its completed steps at steady_step_s
         "lost_vs_steady_s": _r(nxt["t"] - t0 - steady_s * (1 + sum(1 for s in steps if t0 < s["t"] < t_enter))) if steady_s else None,
-        **product_spans(window),
-        "states": [f"{x['old']}->{x['new']}" for x in lines if x.get("event") == "state" and x["time"] >= t0 and x["time"] <= t_back],
+        **product_spans([ev for ev in window if ev is not None]),
+        "states": [f"{ev.old}->{ev.new}" for _, ev in states if t0 <= ev.time <= t_back],
         "window": (t0, nxt["t"]),
     }
     if recov:
-        out["sources"] = sorted({str(x.get("source")) for x in recov})
-        out["rollback_steps"] = max(int(x.get("rollback_steps") or 0) for x in recov)
-        out["restored"] = [(x.get("stage"), x.get("replica")) for x in recov if x.get("stage") is not None]
+        out["sources"] = sorted({str(ev.source) for ev in recov})
+        out["rollback_steps"] = max(int(ev.rollback_steps or 0) for ev in recov)
+        out["restored"] = [(ev.stage, ev.replica) for ev in recov if ev.stage is not None]
     if drains:
         out["drain"] = {k: drains[0].get(k) for k in ("moved", "dropped", "stayed", "deadline_s", "rollback_steps", "how")}
     if resizes:
-        out["resize"] = [(x["from_dp"], x["to_dp"], x.get("reason")) for x in resizes]
+        out["resize"] = [(ev.from_dp, ev.to_dp, ev.reason) for ev in resizes]
     return out
 
 
-def product_spans(lines: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+def product_spans(lines: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
     """The product's own timing spans of one recovery / drain / resize, from its metrics lines
     (``plan_s``: observe + decide, ``actor_s``: adopting a standby or starting actor processes
     until they answer, ``state_s``: restore, peer or drain copy): the max over the lines, which
     repeat the same spans once per restored actor. None where no line carries the span."""
     out: dict[str, float | None] = {}
     for key in ("plan_s", "actor_s", "state_s"):
-        vals = [float(x[key]) for x in lines if x.get("event") in ("recovery", "drain", "resize") and x.get(key) is not None]
+        vals = [float(ev.spans[key]) for ev in map(events.parse, lines)
+                if isinstance(ev, (events.Recovery, events.Drain, events.Resize)) and ev.spans.get(key) is not None]
         out[key] = _r(max(vals)) if vals else None
     return out
 

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_llm import events
 from elastic_llm.config import ChaosEvent, ConfigError, RunConfig
 from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
 from elastic_llm.snapshot.records import ShardKey
@@ -115,7 +116,7 @@ class Chaos:
 
     @staticmethod
     def record(ev: ChaosEvent, step: int, metrics: Any) -> None:
-        metrics.event("chaos", step=step, kill=ev.kill, stage=ev.stage, replica=ev.replica, how=ev.how, corrupt=ev.corrupt, during=ev.during, op=ev.op)
+        metrics.emit(events.Chaos(step=step, kill=ev.kill, stage=ev.stage, replica=ev.replica, how=ev.how, corrupt=ev.corrupt, during=ev.during, op=ev.op))
 
     def strike(self, ev: ChaosEvent, step: int, t: ChaosTargets) -> None:
         import ray

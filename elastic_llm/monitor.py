@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from elastic_llm import events
 from elastic_llm.snapshot.records import VersionRecord
 from elastic_llm.telemetry import Metrics
 
@@ -86,24 +87,27 @@ def protected_groups(record: VersionRecord | None, alive: set[str] | frozenset[s
     return len(record.groups), sum(1 for g in record.groups if all(n in alive for n in g))
 
 
-def event_of(record: dict[str, Any]) -> RunEvent | None:
+def event_of(record: Mapping[str, Any]) -> RunEvent | None:
     """The event a metrics line reports (None: a step line, or nothing ``status`` shows). Pure."""
-    kind, step, t = record.get("event"), int(record.get("step") or 0), float(record.get("time", 0.0))
-    if kind == "recovery":
-        where = "nothing lost" if record.get("stage") is None else f"stage {record['stage']} replica {record['replica']}"
-        text = f"{where} from {record['source']}, rolled back {record.get('rollback_steps', 0)} steps"
-        return RunEvent("recovery", step, t, text, record["source"], float(record.get("seconds", 0.0)))
-    if kind == "resize":
-        return RunEvent("resize", step, t, f"width {record['from_dp']} -> {record['to_dp']} ({record['reason']})", seconds=float(record["seconds"]))
-    if kind == "drain":
-        left = record.get("deadline_s")
-        text = f"node {str(record['node'])[:12]} draining ({'no deadline' if left is None else f'{left:.0f} s left'}): {record['moved']} actors moved"
-        return RunEvent("drain", step, t, text, seconds=float(record["seconds"]))
-    if kind == "state":
-        return RunEvent("state", step, t, f"{record['old']} -> {record['new']}" + (f": {record['reason']}" if record.get("reason") else ""))
-    if kind == "failed":
-        return RunEvent("failed", step, t, str(record.get("reason", "")).splitlines()[0] if record.get("reason") else "failed")
-    if kind == "end":
+    ev = events.parse(record)
+    if ev is None:
+        return None
+    step, t = int(getattr(ev, "step", None) or 0), float(ev.time or 0.0)
+    if isinstance(ev, events.Recovery):
+        where = "nothing lost" if ev.stage is None else f"stage {ev.stage} replica {ev.replica}"
+        text = f"{where} from {ev.source}, rolled back {ev.rollback_steps or 0} steps"
+        return RunEvent("recovery", step, t, text, str(ev.source), float(ev.seconds or 0.0))
+    if isinstance(ev, events.Resize):
+        return RunEvent("resize", step, t, f"width {ev.from_dp} -> {ev.to_dp} ({ev.reason})", seconds=float(ev.seconds or 0.0))
+    if isinstance(ev, events.Drain):
+        left = ev.deadline_s
+        text = f"node {str(ev.node)[:12]} draining ({'no deadline' if left is None else f'{left:.0f} s left'}): {ev.moved} actors moved"
+        return RunEvent("drain", step, t, text, seconds=float(ev.seconds or 0.0))
+    if isinstance(ev, events.StateChange):
+        return RunEvent("state", step, t, f"{ev.old} -> {ev.new}" + (f": {ev.reason}" if ev.reason else ""))
+    if isinstance(ev, events.Failed):
+        return RunEvent("failed", step, t, str(ev.reason).splitlines()[0] if ev.reason else "failed")
+    if isinstance(ev, events.End):
         return RunEvent("end", step, t, f"finished at step {step}")
     return None
 
@@ -198,17 +202,19 @@ class Publisher:
             base = replace(base, loss=self.last.loss, tokens_per_s=self.last.tokens_per_s)
         return replace(base, **changes)
 
-    def on_record(self, record: dict[str, Any]) -> None:
+    def on_record(self, record: Mapping[str, Any]) -> None:
         try:
-            if "event" not in record:
-                self._send(self.status(loss=record.get("loss"), tokens_per_s=record.get("tokens_per_s")))
+            typed = events.parse(record)
+            if typed is None:
+                if "event" not in record:  # a step line
+                    self._send(self.status(loss=record.get("loss"), tokens_per_s=record.get("tokens_per_s")))
                 return
-            if record["event"] in ("waiting_for_capacity", "state") and self.waiting_since is not None:
+            if isinstance(typed, (events.WaitingForCapacity, events.StateChange)) and self.waiting_since is not None:
                 now = time.monotonic()  # count the seconds waited as they pass, and when the wait ends
-                self.actor.record.remote(RunEvent("capacity", int(record.get("step") or 0), time.time(), "", seconds=now - self.waiting_since))
+                self.actor.record.remote(RunEvent("capacity", int(typed.step or 0), time.time(), "", seconds=now - self.waiting_since))
                 self.waiting_since = now
-            if record["event"] == "state":
-                self.waiting_since = time.monotonic() if record.get("new") == "waiting_for_capacity" else None
+            if isinstance(typed, events.StateChange):
+                self.waiting_since = time.monotonic() if typed.new == "waiting_for_capacity" else None
             ev = event_of(record)
             if ev is not None:
                 self.actor.record.remote(ev)

@@ -41,10 +41,12 @@ def test_metrics_out_under_a_file_or_onto_a_directory_is_refused(corpus_dir, tmp
 
 
 def test_metrics_out_creates_missing_directories(tmp_path):
+    from elastic_llm.events import StateChange
+
     writer = MetricsWriter(tmp_path / "new" / "dirs" / "m.jsonl")
-    writer.event("start")
+    writer.emit(StateChange(step=0, old="starting", new="running"))
     writer.close()
-    assert (tmp_path / "new" / "dirs" / "m.jsonl").read_text().startswith('{"event": "start"')
+    assert (tmp_path / "new" / "dirs" / "m.jsonl").read_text().startswith('{"event": "state"')
 
 
 def test_an_existing_metrics_file_is_untouched_when_another_input_is_refused(corpus_dir, tmp_path, capsys):

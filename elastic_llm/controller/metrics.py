@@ -2,16 +2,21 @@
 
 Owns: the metrics file (its missing parent directories are created; a place that cannot be
 written is refused with :class:`MetricsError` when the writer is made, before any line), and
-handing every line to its observers (the run's monitor actor).
+handing every line to its observers (the run's monitor actor). Event lines come from the typed
+events of :mod:`elastic_llm.events` (:meth:`MetricsWriter.emit`), step lines as dicts.
 Never decides anything; flushed per line so a crash loses nothing.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
-from typing import IO, Any, Callable
+from collections.abc import Callable, Mapping
+from typing import IO, Any, TypeVar
+
+from elastic_llm.events import Event
+
+E = TypeVar("E", bound=Event)
 
 
 class MetricsError(OSError):
@@ -21,7 +26,7 @@ class MetricsError(OSError):
 class MetricsWriter:
     def __init__(self, path: str | Path | None) -> None:
         self.file: IO[str] | None = None
-        self.observers: list[Callable[[dict[str, Any]], None]] = []
+        self.observers: list[Callable[[Mapping[str, Any]], None]] = []
         if path:
             try:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -30,16 +35,21 @@ class MetricsWriter:
                 raise MetricsError(f"cannot write the metrics file {path} ({why_unwritable(Path(path), e)}): give a path in a directory you can write") from None
 
     def write(self, record: dict[str, Any]) -> None:
+        """A step line."""
+        self._line(record, record)
+
+    def emit(self, event: E) -> E:
+        """Write ``event``'s line (:meth:`~elastic_llm.events.Event.record`); the observers get
+        the event itself (it reads as its line). Returns the event."""
+        self._line(event, event.record())
+        return event
+
+    def _line(self, seen: Mapping[str, Any], record: dict[str, Any]) -> None:
         for observe in self.observers:
-            observe(record)
+            observe(seen)
         if self.file:
             self.file.write(json.dumps(record, default=str) + "\n")
             self.file.flush()
-
-    def event(self, name: str, **fields: Any) -> dict[str, Any]:
-        record = {"event": name, "time": time.time(), **fields}
-        self.write(record)
-        return record
 
     def close(self) -> None:
         if self.file:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_llm import events
 from elastic_llm.controller.actor_group import ActorGroup
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.liveness import NodeWatch
@@ -287,30 +288,24 @@ class RecoveryExecutor:
         self.group.copy_stages(pairs)
 
 
-def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: float, committed_lost: int = 0) -> list[dict[str, Any]]:
+def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: float, committed_lost: int = 0,
+                     spans: dict[str, float] | None = None) -> list[events.Recovery]:
     """The metrics lines of a finished recovery: one per restored actor (one with source
     ``none`` when nothing was lost). ``committed_lost``: committed steps the rollback undid
-    (0 when it went back to the newest committed snapshot). Pure."""
+    (0 when it went back to the newest committed snapshot); ``spans``: where its time went. Pure."""
     plan = outcome.plan
-    common = {
-        "step": failure.step, "rollback_steps": outcome.rollback_steps, "committed_steps_lost": committed_lost,
-        "seconds": seconds, "reason": plan.reason, "failure": str(failure), "failed_op": failure.op,
-    }
+    common: dict[str, Any] = dict(
+        step=failure.step, rollback_steps=outcome.rollback_steps, committed_steps_lost=committed_lost,
+        seconds=seconds, reason=plan.reason, failure=str(failure), failed_op=failure.op, spans=dict(spans or {}),
+    )
     if not plan.actions:
-        return [{"event": "recovery", "stage": None, "replica": None, "source": "none", "lossless": True, **common}]
+        return [events.Recovery(stage=None, replica=None, source="none", lossless=True, **common)]
     restored = dict(outcome.sources)
     details = dict(outcome.details)
-    out = []
-    for a in plan.actions:
-        key = ShardKey(a.stage, a.replica)
-        out.append({
-            "event": "recovery",
-            "stage": a.stage,
-            "replica": a.replica,
-            "source": restored.get(key, a.source),
-            "lossless": a.lossless,
-            "survivors_restored_from_own_copy": outcome.survivors_from_own_copy,
-            **details.get(key, {}),
-            **common,
-        })
-    return out
+    return [
+        events.Recovery(
+            stage=a.stage, replica=a.replica, source=restored.get(ShardKey(a.stage, a.replica), a.source), lossless=a.lossless,
+            survivors_restored_from_own_copy=outcome.survivors_from_own_copy, **details.get(ShardKey(a.stage, a.replica), {}), **common,
+        )
+        for a in plan.actions
+    ]

@@ -38,6 +38,7 @@ import numpy as np
 
 from elastic_llm.chaos import Chaos, ChaosExecutor, ChaosTargets
 from elastic_llm.config import ConfigError, RunConfig
+from elastic_llm import events
 from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable, PlanNotFollowed
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.elastic import ElasticExecutor
@@ -193,11 +194,11 @@ class Trainer:
         self.end = cfg.train.max_steps  # fit(max_steps) may change it
         self.tokens_seen = 0
         self.history: list[dict[str, Any]] = []
-        self.recoveries: list[dict[str, Any]] = []
+        self.recoveries: list[events.Recovery] = []
         self.committed_high = 0  # newest step a committed snapshot ever held (every step, without snapshots)
         self.committed_steps_lost = 0  # committed steps that rollbacks undid (beyond the newest committed snapshot)
-        self.resizes: list[dict[str, Any]] = []
-        self.drains: list[dict[str, Any]] = []
+        self.resizes: list[events.Resize] = []
+        self.drains: list[events.Drain] = []
         self._t0: float | None = None
         self._standby_look = float("-inf")
         self._own_spans = Spans()
@@ -274,8 +275,7 @@ class Trainer:
             self.elastic = ElasticExecutor(self.ray_group, self.snapshots, min_width, c)
         self._new_executor()
         self._refresh_mirrors(force=True)
-        self.metrics.event(
-            "start",
+        self.metrics.emit(events.Start(
             run_id=self.run_id,
             config=self.cfg.to_dict(),
             parameters=count_parameters(self.cfg.model.shape()),
@@ -285,7 +285,7 @@ class Trainer:
             ],
             data_dir=str(self.data_dir),
             setup_s={k.removesuffix("_s"): round(v, 3) for k, v in spans.totals(t0).items()},  # where the start went: ray, retire, managers, stages, ...
-        )
+        ))
 
     def _start_ray_parts(self) -> None:
         """Ray (started or joined), the run's monitor actor, the snapshot managers (and the
@@ -317,7 +317,7 @@ class Trainer:
             check_parity_fits(len(self.snapshots.managers), self.cfg.snapshot.parity, self.cfg.snapshot.group_size)
             for warning in store_warnings(self.cfg, ray.nodes()):
                 log(f"warning: {warning}")
-                self.metrics.event("warning", step=self.step, what="object_store", message=warning)
+                self.metrics.emit(events.RunWarning(step=self.step, what="object_store", message=warning))
             self._publish_run()
             if self.cfg.durable.storage_path:
                 self.durable = DurableTier(self.cfg, self.snapshots, str(self.data_dir), self.metrics)
@@ -393,7 +393,7 @@ class Trainer:
             self.stream.load_state_dict(position)
         seconds = time.perf_counter() - t
         log(f"resumed run {self.run_id} from its committed in-memory snapshot of step {rec.version} in {seconds:.1f} s")
-        self.metrics.event("reattach", step=rec.version, run_id=self.run_id, seconds=seconds, managers=len(sn.managers))
+        self.metrics.emit(events.Reattach(step=rec.version, run_id=self.run_id, seconds=seconds, managers=len(sn.managers)))
 
     def _resume(self, ck: Checkpoint) -> None:
         """Every stage loads its layers from the durable checkpoint ``ck`` (whatever width or stage
@@ -417,7 +417,7 @@ class Trainer:
             self.stream.load_state_dict(ck.manifest["data_position"])
         seconds = time.perf_counter() - t
         log(f"resumed from {ck.uri} at step {ck.step} ({ck.manifest.get('width')} replica(s) x {ck.manifest.get('stages')} stages then) in {seconds:.1f} s")
-        self.metrics.event("resume", step=ck.step, path=ck.uri, seconds=seconds, width_then=ck.manifest.get("width"), stages_then=ck.manifest.get("stages"))
+        self.metrics.emit(events.Resume(step=ck.step, path=ck.uri, seconds=seconds, width_then=ck.manifest.get("width"), stages_then=ck.manifest.get("stages")))
 
     @property
     def ray_group(self) -> ActorGroup:
@@ -442,7 +442,7 @@ class Trainer:
         """Write checkpoint ``step`` (training waits: the baseline's cost), one metrics line."""
         assert self.checkpoints is not None
         seconds = self.checkpoints.save(step, self.stream.state_dict())
-        self.metrics.event("checkpoint", step=step, seconds=seconds, path=self.checkpoints.root)
+        self.metrics.emit(events.Checkpoint(step=step, seconds=seconds, path=str(self.checkpoints.root)))
 
     def _targets(self) -> ChaosTargets:
         return ChaosTargets(self.group, self.snapshots, self.metrics)
@@ -486,7 +486,7 @@ class Trainer:
             self.snapshots.observe_step(now - ts, began=self.snapshots.last_begin == step)
             self.snapshots.poll()
             for change in self.snapshots.changes:
-                self.metrics.event("snapshot_every", step=step, **change)
+                self.metrics.emit(events.SnapshotEvery(step=step, **change))
             self.snapshots.changes.clear()
         if self.durable is not None:
             self.durable.observe(now - ts, now - (self._t0 or now), self.failures)
@@ -502,7 +502,7 @@ class Trainer:
         prob = self.chaos.observe_step(step, now - ts, self.group.width)
         if prob is not None:
             log(f"chaos.failure_rate_per_hour={self.cfg.chaos.failure_rate_per_hour} at {now - ts:.2f} s per step: each stage fails with probability {prob:.2e} per step")
-            self.metrics.event("chaos_rate", step=step, rate_per_hour=self.cfg.chaos.failure_rate_per_hour, prob_per_step=prob)
+            self.metrics.emit(events.ChaosRate(step=step, rate_per_hour=self.cfg.chaos.failure_rate_per_hour, prob_per_step=prob))
         record: dict[str, Any] = {
             "step": step,
             "loss": result.loss,
@@ -569,14 +569,14 @@ class Trainer:
         finally:
             self.bar.close()
         if isinstance(self.state, Failed):
-            self.metrics.event("failed", step=self.step, reason=self.state.reason, exit_code=self.state.exit_code)
+            self.metrics.emit(events.Failed(step=self.step, reason=self.state.reason, exit_code=self.state.exit_code))
             raise (RunUnrecoverable if self.state.exit_code == 3 else RunFailed)(self.state)
         if self.snapshots is not None:
             self.snapshots.poll(block=True)
         if self.durable is not None:
             self.durable.finish()
         elapsed = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
-        self.metrics.event("end", step=self.step, tokens=self.tokens_seen, elapsed_s=elapsed, seconds_by_state=self.seconds_by_state)
+        self.metrics.emit(events.End(step=self.step, tokens=self.tokens_seen, elapsed_s=elapsed, seconds_by_state=dict(self.seconds_by_state)))
         return self.history
 
     def _enter(self, new: State) -> None:
@@ -597,7 +597,7 @@ class Trainer:
         routine = (isinstance(old, Starting) and isinstance(new, Running)) or (isinstance(old, Running) and isinstance(new, Finished))
         if not routine:
             log(f"{old.name} -> {new.name}" + (f": {why}" if why else f" at step {self.step}"))
-        self.metrics.event("state", step=self.step, old=old.name, new=new.name, reason=why)
+        self.metrics.emit(events.StateChange(step=self.step, old=old.name, new=new.name, reason=why))
         if isinstance(new, WaitingForCapacity):
             self._report_capacity(new, force=True)
         self.bar.state(self.state.name, self.step, self.group.width if self.group else 0)
@@ -613,7 +613,7 @@ class Trainer:
             return
         lost = pool.check()
         if lost:
-            self.metrics.event("standby", step=self.step, lost=lost, ready=pool.count()[0])
+            self.metrics.emit(events.Standby(step=self.step, lost=lost, ready=pool.count()[0]))
         if now - self._standby_look < STANDBY_LOOK_S and not lost and pool.adopted == self._adopted_seen:
             return  # nothing used or lost since the last look
         self._standby_look, self._adopted_seen = now, pool.adopted
@@ -626,12 +626,13 @@ class Trainer:
         started = pool.ensure(nodes)
         if started:
             ready, starting = pool.count()
-            self.metrics.event("standby", step=self.step, started=started, ready=ready, starting=starting, per_node=pool.per_node)
+            self.metrics.emit(events.Standby(step=self.step, started=started, ready=ready, starting=starting, per_node=pool.per_node))
 
     def _report_deaths(self) -> None:
         """One ``node_dead`` line per node the watch declared dead since the last look."""
         for d in self.watch.take() if self.watch is not None else []:
-            self.metrics.event("node_dead", step=self.step, node=d.node, address=d.address, outcome=d.outcome.value, failures=d.failures, suspect_s=round(d.suspect_s, 3))
+            self.metrics.emit(events.NodeDead(step=self.step, node=d.node, address=d.address, outcome=d.outcome.value, failures=d.failures,
+                                              suspect_s=round(d.suspect_s, 3)))
 
     def request_stop(self) -> None:
         """Finish the run at the next step boundary (from another thread: a replay, a signal)."""
@@ -717,10 +718,8 @@ class Trainer:
                 self.stream.load_state_dict(outcome.data_position)
         if outcome.plan.width is not None:
             self._resized(*outcome.plan.width, "lost stages could not be placed", seconds, spans)
-        for rec in recovery_records(outcome, failure, seconds, lost):
-            rec.update({"plan_s": 0.0, "actor_s": 0.0, "state_s": 0.0, **(spans or {})})
-            self.recoveries.append(rec)
-            self.metrics.write(rec)
+        for rec in recovery_records(outcome, failure, seconds, lost, {"plan_s": 0.0, "actor_s": 0.0, "state_s": 0.0, **(spans or {})}):
+            self.recoveries.append(self.metrics.emit(rec))
         self._refresh_mirrors(force=True)
 
     def _failed_between_steps(self, err: BaseException, during: During) -> State:
@@ -764,17 +763,17 @@ class Trainer:
             left = d.seconds_left(now)
             log(f"node {d.node_id[:12]} is draining ({'no deadline' if left is None else f'{left:.0f} s left'}): "
                 f"{ev.moved} stage actors moved, {ev.dropped} replicas dropped, {ev.stayed} left in place, {ev.seconds:.1f} s")
-            self.drains.append(self.metrics.event(
-                "drain", step=self.step, node=d.node_id, deadline_s=left, moved=ev.moved, dropped=ev.dropped,
-                stayed=ev.stayed, seconds=ev.seconds, rollback_steps=0, how=ev.how, **spans,
-            ))
+            self.drains.append(self.metrics.emit(events.Drain(
+                step=self.step, node=d.node_id, deadline_s=left, moved=ev.moved, dropped=ev.dropped,
+                stayed=ev.stayed, seconds=ev.seconds, rollback_steps=0, how=ev.how, spans=spans,
+            )))
         if ev.to_dp != ev.from_dp:
             self._resized(ev.from_dp, ev.to_dp, "drain: no room to move", ev.seconds, spans)
         return self._next()
 
     def _resized(self, from_dp: int, to_dp: int, reason: str, seconds: float, spans: dict[str, float] | None = None) -> None:
         log(f"width {from_dp} -> {to_dp} replicas ({reason}, {seconds:.1f} s)")
-        self.resizes.append(self.metrics.event("resize", step=self.step, from_dp=from_dp, to_dp=to_dp, reason=reason, seconds=seconds, **(spans or {})))
+        self.resizes.append(self.metrics.emit(events.Resize(step=self.step, from_dp=from_dp, to_dp=to_dp, reason=reason, seconds=seconds, spans=dict(spans or {}))))
 
     def _wait(self, state: WaitingForCapacity) -> State:
         assert self.group is not None
@@ -791,10 +790,9 @@ class Trainer:
         self._last_report = now
         left = state.deadline - now
         log(f"waiting for capacity: {state.capacity}: waiting for nodes ({now - state.since:.0f} s so far, {left:.0f} s left)")
-        self.metrics.event(
-            "waiting_for_capacity", step=self.step, need=state.capacity.need, have=state.capacity.have,
-            waited_s=now - state.since, deadline_s=left,
-        )
+        self.metrics.emit(events.WaitingForCapacity(
+            step=self.step, need=state.capacity.need, have=state.capacity.have, waited_s=now - state.since, deadline_s=left,
+        ))
 
     # ------------------------------------------------------------------ teardown
     def shutdown(self) -> None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from elastic_llm import cadence
+from elastic_llm import cadence, events
 from elastic_llm.config import RunConfig
 from elastic_llm.durable import format as fmt
 from elastic_llm.durable.flush import plan_parts
@@ -116,10 +116,10 @@ class DurableTier:
         seen = f"{self.failures} failures in {self.elapsed_s:.0f} s" if self.failures else f"no failure yet, durable.mtbf_h={self.cfg.durable.mtbf_h}"
         self.why = f"auto: sqrt(2 x {self.cost.value:.2f} s flush x {mtbf:.0f} s MTBF ({seen})) = {interval:.0f} s = {every} snapshots"
         if self.metrics is not None:  # once per flush: flushes are rare
-            self.metrics.event(
-                "durable_every", every=every, previous=self.every, interval_s=interval, flush_cost_s=self.cost.value, mtbf_s=mtbf,
+            self.metrics.emit(events.DurableEvery(
+                every=every, previous=self.every, interval_s=interval, flush_cost_s=self.cost.value, mtbf_s=mtbf,
                 snapshot_every=snap_every, step_s=self.step_s.value, why=self.why,
-            )
+            ))
         self.every = every
 
     # ------------------------------------------------------------------ at every commit
@@ -196,10 +196,10 @@ class DurableTier:
         st.pruned += pruned
         self._choose()
         if self.metrics is not None:
-            self.metrics.event(
-                "durable", step=rec.version, path=self.run.display(ckpt), seconds=seconds, bytes=nbytes, gbps=st.last_gbps,
+            self.metrics.emit(events.Durable(
+                step=rec.version, path=self.run.display(ckpt), seconds=seconds, bytes=nbytes, gbps=st.last_gbps,
                 every=self.every, why=self.why, pruned=pruned,
-            )
+            ))
         log.info("durable checkpoint of step %d: %s (%.1f MB in %.2f s)", rec.version, self.run.display(ckpt), nbytes / 1e6, seconds)
 
     def _copy_tokenizer(self, ckpt: str) -> str | None:
@@ -222,7 +222,7 @@ class DurableTier:
         self._unpin(record.version)
         log.warning("durable flush of step %d abandoned: %s (the previous checkpoint stays; the partial one is deleted later)", record.version, why)
         if self.metrics is not None:
-            self.metrics.event("durable_failed", step=record.version, reason=why)
+            self.metrics.emit(events.DurableFailed(step=record.version, reason=why))
 
     def _unpin(self, version: int) -> None:
         for m in self.coordinator.managers.values():

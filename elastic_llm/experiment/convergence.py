@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from elastic_llm import events
+
 BASELINE = "none"
 STRATEGIES = ("none", "checkpoint", "redundant", "checkfree", "checkfree_plus", "snapshot")
 # strategy -> the config overrides that make it (besides the failure schedule and run length)
@@ -420,18 +422,19 @@ def time_breakdown(lines: Sequence[dict[str, Any]]) -> dict[str, float] | None:
     counted), ``replayed_s`` (steps a rollback undid), ``recovery_s`` (the recovering state),
     ``checkpoint_s`` (checkpoint writes), ``other_s`` (validation, failed step attempts, the
     driver) and ``total_s`` (seconds from the first step to the end). None without an end line."""
-    end = next((x for x in lines if x.get("event") == "end"), None)
+    typed = [events.parse(x) for x in lines]
+    end = next((ev for ev in typed if isinstance(ev, events.End)), None)
     if end is None:
         return None
     steps = [x for x in lines if "event" not in x and "tokens_per_s" in x]
     durations = [x["tokens"] / x["step"] / x["tokens_per_s"] if x["step"] else 0.0 for x in steps]
     undone = [any(later["step"] <= x["step"] for later in steps[i + 1 :]) for i, x in enumerate(steps)]
-    by_state = end.get("seconds_by_state") or {}
-    checkpoint_s = sum(float(x.get("seconds") or 0.0) for x in lines if x.get("event") == "checkpoint" and x.get("step"))
+    by_state = end.seconds_by_state or {}
+    checkpoint_s = sum(float(ev.seconds or 0.0) for ev in typed if isinstance(ev, events.Checkpoint) and ev.step)
     steps_s = sum(d for d, u in zip(durations, undone) if not u)
     replayed_s = sum(d for d, u in zip(durations, undone) if u)
     recovery_s = float(by_state.get("recovering", 0.0))
-    total = float(end.get("elapsed_s") or 0.0)
+    total = float(end.elapsed_s or 0.0)
     return {
         "total_s": total, "steps_s": steps_s, "replayed_s": replayed_s, "recovery_s": recovery_s, "checkpoint_s": checkpoint_s,
         "other_s": max(0.0, total - steps_s - replayed_s - recovery_s - checkpoint_s),

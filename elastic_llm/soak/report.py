@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,9 +44,9 @@ class TrialRun:
     plan: TrialPlan
     injections: list[Injection]
     losses: dict[int, float]
-    recoveries: list[dict[str, Any]] = field(default_factory=list)
-    drains: list[dict[str, Any]] = field(default_factory=list)
-    resizes: list[dict[str, Any]] = field(default_factory=list)
+    recoveries: Sequence[Mapping[str, Any]] = field(default_factory=list)  # the run's events (events.Recovery), or their lines
+    drains: Sequence[Mapping[str, Any]] = field(default_factory=list)
+    resizes: Sequence[Mapping[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None  # the run stopped with this error
     hung: str | None = None  # the trial's deadline passed: what the run was doing
@@ -65,14 +66,14 @@ class Outcome:
     committed_steps_lost: int = 0
 
 
-def _window(fault: Fault, nxt: Fault | None, lines: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
+def _window(fault: Fault, nxt: Fault | None, lines: Sequence[Mapping[str, Any]], first: int) -> list[Mapping[str, Any]]:
     """Lines whose step falls between ``fault`` and the next fault: recoveries name the failed
     step (``first`` = 1: after the fault's step), drains the step they followed (``first`` = 0)."""
     hi = nxt.step + first - 1 if nxt is not None else float("inf")
     return [x for x in lines if fault.step + first <= x["step"] <= hi]
 
 
-def _per_recovery_seconds(recs: list[dict[str, Any]]) -> tuple[float, ...]:
+def _per_recovery_seconds(recs: Sequence[Mapping[str, Any]]) -> tuple[float, ...]:
     """One duration per recovery (its lines, one per restored actor, share ``seconds``)."""
     by_step: dict[int, float] = {}
     for r in recs:
@@ -160,7 +161,7 @@ def after_width_change(got: dict[int, float], want: dict[int, float], since: int
 FALLBACKS = ("durable", "checkfree", "checkfree_plus")  # what serves beyond the parity budget
 
 
-def fallback(recovery: dict[str, Any]) -> bool:
+def fallback(recovery: Mapping[str, Any]) -> bool:
     """Whether a recovery line is a fall-back beyond the parity budget (the durable tier or a
     CheckFree rebuild: no in-memory copy survived, the line says why); the committed steps it
     undoes are counted apart from the budget's. Pure."""

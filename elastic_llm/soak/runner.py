@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from elastic_llm import events
 from elastic_llm.config import RunConfig
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.controller.states import Recovering, Resizing
@@ -732,7 +733,7 @@ class Soak:
                     if steps and first is None:
                         first = time.monotonic() - started
                     if run_id is None:
-                        run_id = next((x["run_id"] for x in lines if x.get("event") == "start"), None)
+                        run_id = next((ev.run_id for ev in map(events.parse, lines) if isinstance(ev, events.Start)), None)
                     # struck once past its step with a snapshot committed (before the first one a
                     # driver's death is beyond what memory can bring back: the durable tier's case)
                     if fault is not None and steps and max(steps) >= fault.step and run_id and published_committed(run_id) is not None:
@@ -744,8 +745,8 @@ class Soak:
                     proc.wait()
                     break
                 if k > 0:
-                    back = [x for x in _jsonl(seg) if x.get("event") == "reattach"]
-                    failovers[-1].update(source="memory" if back else "durable", step=back[0]["step"] if back else None,
+                    back = [ev for ev in map(events.parse, _jsonl(seg)) if isinstance(ev, events.Reattach)]
+                    failovers[-1].update(source="memory" if back else "durable", step=back[0].step if back else None,
                                          seconds=round(first, 3) if first is not None else None)
                 if fault is None or proc.poll() is not None:  # the last driver, or one that ended before its fault
                     code = proc.wait()
