@@ -438,7 +438,7 @@ def _full_restart(cluster: Any, cfg: Any, warmup: int, rounds: int, workdir: str
             drv = torch.load(driver_file, weights_only=True)
             got = ray.get(refs, timeout=600)
             t3 = time.perf_counter()
-            new.step = int(drv["step"])
+            new.progress = new.progress.resumed(int(drv["step"]))
             new.stream.load_state_dict(drv["data_position"])
             rec = new.run_step()
             t4 = time.perf_counter()

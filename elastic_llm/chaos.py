@@ -29,6 +29,7 @@ from elastic_llm import events
 from elastic_llm.config import ChaosEvent, ConfigError, RunConfig
 from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
 from elastic_llm.snapshot.records import ShardKey
+from elastic_llm.stream import StreamPosition
 
 POINTS = ("before_step", "recovery")
 NODE_GONE_S = 60.0  # how long a node removal waits for Ray to see the node dead
@@ -180,7 +181,7 @@ class ChaosExecutor:
     def __init__(self, inner: Any, chaos: Chaos, targets: Any) -> None:
         self.inner, self.chaos, self.targets = inner, chaos, targets  # targets: () -> ChaosTargets
 
-    def start(self, step: int, x: Any, y: Any, snapshot: dict[str, int] | None = None, faults: Any = None) -> Any:
+    def start(self, step: int, x: Any, y: Any, snapshot: StreamPosition | None = None, faults: Any = None) -> Any:
         events = self.chaos.due("in_step", step)
         if not events:
             return self.inner.start(step, x, y, snapshot, faults)

@@ -16,7 +16,8 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -145,13 +146,26 @@ def load_split(data_dir: str | Path, split: str) -> np.ndarray:
     return np.concatenate(parts)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamPosition:
+    """Where a token stream is: what crosses actor boundaries and goes into snapshots (as
+    :meth:`to_dict` in their JSON) and comes back from them (:meth:`of`)."""
+
     epoch: int = 0
     index: int = 0  # sequences consumed in this epoch
 
     def to_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
+
+    @classmethod
+    def of(cls, value: "StreamPosition | Mapping[str, Any]") -> "StreamPosition":
+        """A position from itself or from its JSON form; :class:`DataError` if it is not one."""
+        if isinstance(value, StreamPosition):
+            return value
+        try:
+            return cls(int(value["epoch"]), int(value["index"]))
+        except (KeyError, TypeError, ValueError):
+            raise DataError(f"data position {value!r} is not {{epoch, index}}: was it saved by elastic-llm?") from None
 
 
 class TokenStream:
@@ -186,21 +200,30 @@ class TokenStream:
         """(inputs, targets), each int64 (batch_size, seq_len)."""
         rows = np.empty((batch_size, self.seq_len + 1), dtype=np.int64)
         for r in range(batch_size):
-            if self.position.index >= self.n_windows:
-                self.position = StreamPosition(self.position.epoch + 1, 0)
-            start = int(self._order(self.position.epoch)[self.position.index]) * self.seq_len
+            epoch, index = self.position.epoch, self.position.index
+            if index >= self.n_windows:
+                epoch, index = epoch + 1, 0
+            start = int(self._order(epoch)[index]) * self.seq_len
             rows[r] = self.tokens[start : start + self.seq_len + 1]
-            self.position.index += 1
+            self.position = StreamPosition(epoch, index + 1)
         return rows[:, :-1], rows[:, 1:]
+
+    def at(self) -> StreamPosition:
+        """Where the stream is now."""
+        return self.position
+
+    def seek(self, position: StreamPosition | Mapping[str, Any]) -> None:
+        """Go to ``position`` (a saved one, or its JSON form): the batches that followed it follow."""
+        pos = StreamPosition.of(position)
+        if pos.epoch < 0 or not 0 <= pos.index <= self.n_windows:
+            raise DataError(f"data position {pos.to_dict()} does not fit this corpus of {self.n_windows} windows: was it saved for other data?")
+        self.position = pos
 
     def state_dict(self) -> dict[str, int]:
         return self.position.to_dict()
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        epoch, index = int(state["epoch"]), int(state["index"])
-        if epoch < 0 or not 0 <= index <= self.n_windows:
-            raise DataError(f"data position {state} does not fit this corpus of {self.n_windows} windows: was it saved for other data?")
-        self.position = StreamPosition(epoch, index)
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.seek(state)
 
 
 @dataclass

@@ -221,3 +221,17 @@ def test_a_recovering_state_carries_the_policys_reason_so_it_is_decided_once():
     budget = budget_after(5)
     state = after_failure(failure(), budget, policy)
     assert isinstance(state, Recovering) and state.reason == policy.decide(failure(), budget).reason != ""
+
+
+def test_progress_is_replaced_by_pure_steps_never_changed_in_place():
+    from elastic_llm.controller.states import Progress
+
+    p0 = Progress()
+    p = p0.stepped(1).committed(1).stepped(2).step_failed(3).charged(3)
+    assert p0 == Progress()  # the record it came from is unchanged
+    assert (p.step, p.committed_high, p.failures, p.budget.total, p.budget.of_step(3)) == (2, 1, 1, 2, 2)
+    back = p.rolled_back(1)
+    assert back.step == 1 and back.committed_high == 1 and back.budget == p.budget
+    assert p.committed(0).committed_high == 1  # never lower
+    assert p.resumed(7).step == 7 and p.resumed(7).committed_high == 7
+    assert p.drained(frozenset({"a"})).drained(frozenset({"b"})).drains_seen == {"a", "b"}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from elastic_llm import checkpoint as files
 from elastic_llm.controller.actor_group import COPY_S, ActorGroup
+from elastic_llm.stream import StreamPosition
 
 
 @dataclass
@@ -36,27 +37,28 @@ class CheckpointExecutor:
             root = self._tmp.name
         self.root = root
         self.stats = CheckpointStats()
-        self._latest = files.latest(self.root)  # this executor writes every checkpoint: kept in memory, not re-read each step
+        found = files.latest(self.root)  # this executor writes every checkpoint: kept in memory, not re-read each step
+        self._latest = (found[0], StreamPosition.of(found[1]) if found[1] else StreamPosition()) if found else None
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def save(self, step: int, data_position: dict[str, int]) -> float:
+    def save(self, step: int, data_position: StreamPosition) -> float:
         """Every stage writes checkpoint ``step``, then the commit marker; returns the seconds."""
         import ray
 
         t0 = time.perf_counter()
         calls = [self.group.actor(k).save_checkpoint.remote(self.root, step) for k in self.group.keys()]
         self.stats.nbytes += sum(ray.get(calls, timeout=COPY_S))
-        files.commit(self.root, step, data_position)
-        self._latest = (step, dict(data_position))
+        files.commit(self.root, step, data_position.to_dict())
+        self._latest = (step, data_position)
         seconds = time.perf_counter() - t0
         self.stats.saved += 1
         self.stats.seconds += seconds
         self.stats.steps.append(step)
         return seconds
 
-    def latest(self) -> tuple[int, dict[str, int]] | None:
+    def latest(self) -> tuple[int, StreamPosition] | None:
         """(step, data position) of the newest committed checkpoint."""
         return self._latest
 

@@ -10,8 +10,10 @@ on draining nodes (a spare placed elsewhere takes the state of an unaffected pee
 replica itself while its node still lives, then the old one goes), and dropping replicas.
 Nothing rolls back: the state moves actor to actor. Before the membership changes, the snapshot
 versions in flight get to commit.
-Never decides *whether* to resize or move (the controller's pure transitions do, and
-:func:`shrink_instead` when there is no room) and never touches the data stream.
+Each look is observe (:meth:`ElasticExecutor.observe`, a frozen :class:`ElasticView`), decide (the
+pure :func:`decide`: which spares to start or give up, which drains are due, whether to grow) and
+act (:meth:`ElasticExecutor.act`). Never decides *whether* to resize or move outside that policy
+(the controller's pure transitions act on what a look returns) and never touches the data stream.
 """
 
 from __future__ import annotations
@@ -103,6 +105,87 @@ def drain_due(spares_ready: int, needed: int, started_any: bool, seconds_left: f
     return seconds_left is not None and seconds_left <= margin_s
 
 
+@dataclass(frozen=True)
+class SpareView:
+    """A spare replica (``key`` None) or stage spare as one look saw it."""
+
+    handle: Any  # the group's Spare / StageSpare (opaque to the policy)
+    key: ShardKey | None
+    nodes: frozenset[str]  # where its bundles are placed (empty while unplaced)
+    age_s: float  # since it was started
+    ready: bool  # every actor of it has started
+
+
+@dataclass(frozen=True)
+class ElasticView:
+    """What one look at the cluster saw after a step (:meth:`ElasticExecutor.observe`)."""
+
+    draining: tuple[Drain, ...]  # every draining node, by node id
+    nodes: tuple[tuple[ShardKey, str], ...]  # the run's actors and their nodes
+    width: int
+    stages: int
+    spares: tuple[SpareView, ...]
+    stage_spares: tuple[SpareView, ...]
+    free_slots: int | None = None  # free actor slots off the draining nodes (+ the orphan bundles of the replicas on them); None: not looked at
+    room_for_replica: bool | None = None  # None: not looked at (not time to, or no growing)
+    wall: float = 0.0  # time.time() of the look (drain deadlines are wall-clock)
+
+
+@dataclass(frozen=True)
+class ElasticPlan:
+    """What a look decided (:func:`decide`), for :meth:`ElasticExecutor.act` to carry out."""
+
+    avoid: frozenset[str] = frozenset()  # draining nodes: snapshots and new actors keep off them
+    cancel: tuple[SpareView, ...] = ()  # spares given up (on a draining node, never started, or no longer wanted)
+    start_stage_spares: tuple[ShardKey, ...] = ()
+    start_spare: bool = False
+    drains: tuple[Drain, ...] = ()  # drains to act on now
+    grow_to: int | None = None  # the width to grow to now
+    note: str | None = None  # what to log
+
+
+def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int, min_width: int) -> ElasticPlan:
+    """The elastic policy of one look (pure): give up spares on draining nodes or that never
+    started; for draining nodes that host the run's stages, not acted on yet (``seen``), start
+    the spares their moves need (:func:`drain_moves`) and act once they have started or the
+    deadline is near (:func:`drain_due`); otherwise grow by one replica once a spare has started,
+    or start one when the look found room."""
+    draining = {d.node_id for d in view.draining}
+    avoid = frozenset(draining)
+    nodes = dict(view.nodes)
+    cancel = [sp for sp in view.spares if sp.nodes & draining or (sp.age_s > SPARE_START_S and not sp.ready)]
+    cancel += [sp for sp in view.stage_spares
+               if sp.nodes & draining or sp.key is None or nodes.get(sp.key) not in draining or (sp.age_s > SPARE_START_S and not sp.ready)]
+    spares = [sp for sp in view.spares if sp not in cancel]
+    stage_spares = [sp for sp in view.stage_spares if sp not in cancel]
+    hosting = set(nodes.values())
+    drains = tuple(d for d in view.draining if d.node_id in hosting and d.node_id not in seen)
+    if drains:
+        on = {d.node_id for d in drains}
+        keys = [k for k, n in view.nodes if n in on]
+        on_drain = {r: sum(1 for k in keys if k.replica == r) for r in {k.replica for k in keys}}
+        start: list[ShardKey] = []
+        start_spare, note = False, None
+        if not stage_spares and not any(sp.ready for sp in spares):
+            moves = drain_moves(on_drain, view.stages, view.free_slots or 0, False, view.width, min_width)
+            start = [k for k in keys if moves[k.replica] is Move.STAGES]
+            start_spare = any(m is Move.REPLICA for m in moves.values()) and not spares
+            note = f"nodes {[n[:12] for n in sorted(on)]} are draining: {', '.join(f'replica {r}: {m.value}' for r, m in sorted(moves.items()))}"
+        wanted = [sp for sp in stage_spares if sp.key in keys]
+        ready = sum(1 for sp in wanted if sp.ready) + sum(1 for sp in spares if sp.ready)
+        needed = len(wanted) + len(start) + (1 if spares or start_spare else 0)
+        lefts = [x for x in (d.seconds_left(view.wall) for d in drains) if x is not None]
+        due = drain_due(ready, needed, needed > 0, min(lefts) if lefts else None, DRAIN_MARGIN_S)
+        return ElasticPlan(avoid, tuple(cancel), tuple(start), start_spare, drains if due else (), None, note)
+    if view.width >= max_width:  # spares started for a drain that needed fewer
+        return ElasticPlan(avoid, tuple(cancel) + tuple(spares))
+    if any(sp.ready for sp in spares):
+        return ElasticPlan(avoid, tuple(cancel), grow_to=view.width + 1)
+    if not spares and view.room_for_replica:
+        return ElasticPlan(avoid, tuple(cancel), start_spare=True, note=f"room for replica {view.width + 1}: starting it in the background")
+    return ElasticPlan(avoid, tuple(cancel))
+
+
 class ElasticExecutor:
     def __init__(self, group: ActorGroup, snapshots: Any, min_width: int, cfg: RunConfig | None = None) -> None:
         self.group = group
@@ -111,61 +194,56 @@ class ElasticExecutor:
         self.cfg = cfg
         self._last_grow_look = 0.0
 
-    def look(self, seen: set[str]) -> tuple[tuple[Drain, ...], int | None]:
-        """One cheap look at the cluster at a step boundary. Returns the draining nodes that
-        host this run's stages, not acted on yet (``seen``), once it is time to act on them (see
-        :func:`drain_due`), and the width to grow to once a spare has started (else None).
-        Starts spares where there is room (one per look), gives up spares on draining nodes or
-        that never started, and tells the snapshot coordinator to avoid draining nodes."""
+    def look(self, seen: set[str] | frozenset[str]) -> tuple[tuple[Drain, ...], int | None]:
+        """One cheap look at the cluster at a step boundary: :meth:`observe`, the pure
+        :func:`decide`, then :meth:`act`. Returns the draining nodes that host this run's stages,
+        not acted on yet (``seen``), once it is time to act on them, and the width to grow to
+        once a spare has started (else None)."""
         if self.cfg is None:
             return (), None
+        view = self.observe(seen)
+        plan = decide(view, seen, self.cfg.elastic.bounds(self.cfg.parallel.dp)[1], self.min_width)
+        self.act(plan)
+        return plan.drains, plan.grow_to
+
+    def observe(self, seen: set[str] | frozenset[str]) -> ElasticView:
+        """What the policy needs: draining nodes, the run's actors, its spares (a spare whose
+        bundles were placed since the last look gets its actors started: the start it was made
+        for), and, only when they matter, the free slots for a drain's moves and whether there is
+        room for one more replica (every ``elastic.grow_check_s``)."""
+        assert self.cfg is not None
         g, el = self.group, self.cfg.elastic
         draining = draining_nodes() if el.drains else {}
-        if self.snapshots is not None:
-            self.snapshots.avoid = frozenset(draining)
         now = time.monotonic()
-        for spare in list(g.spares):
-            if g.spare_nodes(spare) & set(draining) or (now - spare.started > SPARE_START_S and not g.spare_ready(spare)):
-                g.cancel(spare)
-        for key, sp in list(g.stage_spares.items()):  # their drain went, or their room did
-            if g.spare_nodes_of(sp) & set(draining) or g.nodes.get(key) not in draining or (now - sp.started > SPARE_START_S and not g.stage_spare_ready(sp)):
-                g.cancel_stage_spare(sp)
-        hosting = set(g.nodes.values())
-        drains = tuple(d for n, d in sorted(draining.items()) if n in hosting and n not in seen)
-        if drains:
-            nodes = {d.node_id for d in drains}
-            keys = [k for k in g.keys() if g.nodes.get(k) in nodes]
-            on_drain = {r: sum(1 for k in keys if k.replica == r) for r in {k.replica for k in keys}}
-            if not g.stage_spares and not any(g.spare_ready(sp) for sp in g.spares):
-                avoid = frozenset(draining)
-                # free CPUs, plus bundles the affected replicas hold that no actor uses any more
-                free = g.free_slots(avoid) + sum(g.placed_orphans(r, avoid) for r in on_drain)
-                moves = drain_moves(on_drain, g.stages, free, False, g.width, self.min_width)
-                for k in keys:
-                    if moves[k.replica] is Move.STAGES:
-                        g.start_stage_spare(k, avoid)
-                if any(m is Move.REPLICA for m in moves.values()) and not g.spares:
-                    g.start_spare()
-                log(f"nodes {[n[:12] for n in sorted(nodes)]} are draining: {', '.join(f'replica {r}: {m.value}' for r, m in sorted(moves.items()))}")
-            wanted = [sp for k, sp in g.stage_spares.items() if k in keys]
-            ready = sum(1 for sp in wanted if g.stage_spare_ready(sp)) + sum(1 for sp in g.spares if g.spare_ready(sp))
-            needed = len(wanted) + (1 if g.spares else 0)
-            lefts = [x for x in (d.seconds_left(time.time()) for d in drains) if x is not None]
-            if drain_due(ready, needed, needed > 0, min(lefts) if lefts else None, DRAIN_MARGIN_S):
-                return drains, None
-            return (), None
-        if g.width >= el.bounds(self.cfg.parallel.dp)[1]:
-            for spare in list(g.spares):  # spares started for a drain that needed fewer
-                g.cancel(spare)
-            return (), None
-        if any(g.spare_ready(sp) for sp in g.spares):
-            return (), g.width + 1
-        if not g.spares and now - self._last_grow_look >= el.grow_check_s:
+        spares = tuple(SpareView(sp, None, frozenset(g.spare_nodes(sp)), now - sp.started, g.spare_ready(sp)) for sp in g.spares)
+        stage_spares = tuple(SpareView(sp, k, frozenset(g.spare_nodes_of(sp)), now - sp.started, g.stage_spare_ready(sp)) for k, sp in g.stage_spares.items())
+        avoid = frozenset(draining)
+        affected = {k.replica for k in g.keys() if g.nodes.get(k) in draining and g.nodes[k] not in seen}
+        free = g.free_slots(avoid) + sum(g.placed_orphans(r, avoid) for r in affected) if affected else None
+        room = None
+        if not affected and not g.spares and g.width < el.bounds(self.cfg.parallel.dp)[1] and now - self._last_grow_look >= el.grow_check_s:
             self._last_grow_look = now
-            if g.room_for_replica(avoid=frozenset(draining)):
-                g.start_spare()
-                log(f"room for replica {g.width + 1}: starting it in the background")
-        return (), None
+            room = g.room_for_replica(avoid=avoid)
+        return ElasticView(tuple(d for _, d in sorted(draining.items())), tuple((k, g.nodes[k]) for k in g.keys() if k in g.nodes),
+                           g.width, g.stages, spares, stage_spares, free, room, time.time())
+
+    def act(self, plan: ElasticPlan) -> None:
+        """Carry out a look's plan: snapshots avoid the draining nodes, spares are given up and
+        started as it says."""
+        g = self.group
+        if self.snapshots is not None:
+            self.snapshots.avoid = plan.avoid
+        for sp in plan.cancel:
+            if sp.key is None:
+                g.cancel(sp.handle)
+            else:
+                g.cancel_stage_spare(sp.handle)
+        for key in plan.start_stage_spares:
+            g.start_stage_spare(key, plan.avoid)
+        if plan.start_spare:
+            g.start_spare()
+        if plan.note:
+            log(plan.note)
 
     def _settle_snapshots(self) -> None:
         if self.snapshots is not None:

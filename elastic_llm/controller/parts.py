@@ -55,7 +55,7 @@ class Recovery(Protocol):
 
 
 class Elastic(Protocol):
-    def look(self, seen: set[str]) -> tuple[tuple[Drain, ...], int | None]: ...
+    def look(self, seen: set[str] | frozenset[str]) -> tuple[tuple[Drain, ...], int | None]: ...
 
     def grow(self) -> Any: ...  # ResizeOutcome; raises CapacityUnavailable
 

@@ -27,6 +27,7 @@ from elastic_llm.recovery.policy import LOSSY, Member, Mode, Observation, Recove
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.records import ShardKey, StageSource
 from elastic_llm.sources import SourceLost
+from elastic_llm.stream import StreamPosition
 
 RESTORE_S = 600.0  # longest a restore (copying state into the stages) may take
 OWN_COPY_S = 10.0  # longest the survivors get to say whether their own copy holds the committed version
@@ -40,7 +41,7 @@ class RecoveryOutcome:
     rollback_steps: int
     sources: tuple[tuple[ShardKey, str], ...]  # restored actor -> where its state came from
     survivors_from_own_copy: int
-    data_position: dict[str, int] | None  # where the data stream resumes (None: unchanged)
+    data_position: StreamPosition | None  # where the data stream resumes (None: unchanged)
     details: tuple[tuple[ShardKey, dict[str, Any]], ...] = ()  # per rebuilt actor: CheckFree weights, CRC-32 of its parameters
 
 
@@ -203,7 +204,8 @@ class RecoveryExecutor:
                 if plan.rollback_to is not None:
                     sources, own = self._roll_back(plan, fetched)
                     rec = self.snapshots.committed if self.snapshots else None
-                    position = rec.shard(ShardKey(0, 0)).data_position() if rec else None
+                    raw = rec.shard(ShardKey(0, 0)).data_position() if rec else None
+                    position = StreamPosition.of(raw) if raw else None
                     return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, own, position)
                 done = {m.step for m in obs.members if m.alive and m.step is not None}  # one step (else the plan rolls back)
                 at = max(done) if done else step
@@ -247,7 +249,8 @@ class RecoveryExecutor:
         calls = [self.group.actor(k).load_durable.remote(tier.run.uri, latest[1]) for k in self.group.keys()]
         ray.get(calls, timeout=RESTORE_S)
         sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
-        return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, 0, ck.manifest.get("data_position"))
+        raw = ck.manifest.get("data_position")
+        return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, 0, StreamPosition.of(raw) if raw else None)
 
     def _fetch(self, plan: RecoveryPlan, obs: Observation) -> dict[ShardKey, StageSource]:
         """The part of a snapshot rollback that needs no new process, done before any starts, so

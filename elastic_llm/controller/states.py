@@ -1,8 +1,8 @@
 """The controller's states and the pure functions that move between them.
 
 Owns: the state classes (each carries its payload: the failure being recovered, what capacity is
-missing and until when, why the run failed), the table of allowed transitions, and the
-transition functions. Pure: no Ray, no clock (``now`` comes in as an argument), no I/O; the
+missing and until when, why the run failed), :class:`Progress` (how far the run is, replaced by
+its pure methods), the table of allowed transitions, and the transition functions. Pure: no Ray, no clock (``now`` comes in as an argument), no I/O; the
 trainer calls them with what its executors observed and carries out the state they return.
 
     starting -> running <-> recovering
@@ -13,7 +13,7 @@ trainer calls them with what its executors observed and carries out the state th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Union
 
 from elastic_llm.controller.drains import Drain
@@ -32,6 +32,44 @@ class Capacity:
 
     def __str__(self) -> str:
         return f"need {self.need}; the cluster has {self.have}"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the run is: what every handler reads and replaces (never changes in place)."""
+
+    step: int = 0  # optimizer steps completed
+    committed_high: int = 0  # newest step a committed snapshot ever held (every step, without snapshots)
+    failures: int = 0  # failed steps (each one recovered, or the run stopped)
+    budget: FailureBudget = field(default_factory=FailureBudget)  # failures the failure policy counts
+    drains_seen: frozenset[str] = frozenset()  # draining nodes already acted on
+
+    def stepped(self, step: int) -> "Progress":
+        """Step ``step`` completed."""
+        return replace(self, step=step)
+
+    def committed(self, step: int) -> "Progress":
+        """A committed snapshot (or checkpoint) holds step ``step`` now."""
+        return replace(self, committed_high=max(self.committed_high, step))
+
+    def step_failed(self, step: int) -> "Progress":
+        """Step ``step`` failed: one more failed step, charged to the budget."""
+        return replace(self, failures=self.failures + 1, budget=self.budget.record(step))
+
+    def charged(self, step: int) -> "Progress":
+        """A recovery, drain or resize of step ``step`` failed: charged to the budget."""
+        return replace(self, budget=self.budget.record(step))
+
+    def rolled_back(self, step: int) -> "Progress":
+        """A recovery left every stage at step ``step``."""
+        return replace(self, step=step)
+
+    def resumed(self, step: int) -> "Progress":
+        """The run went on from a snapshot or checkpoint of step ``step``."""
+        return replace(self, step=step, committed_high=step)
+
+    def drained(self, nodes: frozenset[str]) -> "Progress":
+        return replace(self, drains_seen=self.drains_seen | nodes)
 
 
 @dataclass(frozen=True)

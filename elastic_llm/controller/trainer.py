@@ -68,6 +68,7 @@ from elastic_llm.controller.states import (
     Draining,
     Failed,
     Finished,
+    Progress,
     Recovering,
     Resizing,
     Running,
@@ -84,7 +85,7 @@ from elastic_llm.controller.states import (
     while_waiting,
 )
 from elastic_llm.data import open_run_data
-from elastic_llm.stream import TokenStream
+from elastic_llm.stream import StreamPosition, TokenStream
 from elastic_llm.durable.format import Checkpoint, DurableError, open_checkpoint
 from elastic_llm.durable.restore import check_fits
 from elastic_llm.durable.tier import DurableTier, run_storage
@@ -110,7 +111,7 @@ class InterruptedStep:
 
     step: int
     pending: PendingStep
-    position_after: dict[str, int]  # the data position after the step's batch
+    position_after: StreamPosition  # the data position after the step's batch
     started: float
 
 
@@ -174,7 +175,7 @@ class Trainer:
         self.chaos = Chaos(cfg, cluster)
         self.failure_policy = FailurePolicy(cfg.recovery.max_failures, cfg.recovery.max_retries_per_step)
         self.recovery_policy = RecoveryPolicy()
-        self.budget = FailureBudget()
+        self.progress = Progress()  # step, failures, budget, ...: replaced, never changed in place
         self.state: State = Starting()
         self.seconds_by_state: dict[str, float] = {}
         self.owns_ray = False
@@ -185,17 +186,12 @@ class Trainer:
         self.checkpoints: CheckpointExecutor | None = None  # recovery.mode: checkpoint
         self.durable: DurableTier | None = None  # durable.storage_path
         self.publisher: Publisher | None = None  # feeds the run's monitor actor (elastic-llm status, Ray metrics)
-        self.failures = 0  # failed steps (each one recovered, or the run stopped)
         self.stop_requested = False
-        self.drains_seen: set[str] = set()  # draining nodes already acted on
         self.executor: StepExecutor | None = None  # runs steps on the current membership (chaos-wrapped)
         self.interrupted: InterruptedStep | None = None  # the step in progress once its updates were submitted
-        self.step = 0
         self.end = cfg.train.max_steps  # fit(max_steps) may change it
-        self.tokens_seen = 0
         self.history: list[dict[str, Any]] = []
         self.recoveries: list[events.Recovery] = []
-        self.committed_high = 0  # newest step a committed snapshot ever held (every step, without snapshots)
         self.committed_steps_lost = 0  # committed steps that rollbacks undid (beyond the newest committed snapshot)
         self.resizes: list[events.Resize] = []
         self.drains: list[events.Drain] = []
@@ -386,11 +382,10 @@ class Trainer:
             self.resume_from = open_checkpoint(run_storage(self.cfg).uri)
             return
         self.reattach = None
-        self.step = self.committed_high = rec.version
-        self.tokens_seen = self.step * self.cfg.tokens_per_step()
+        self.progress = self.progress.resumed(rec.version)
         position = rec.shard(ShardKey(0, 0)).data_position()
         if position:
-            self.stream.load_state_dict(position)
+            self.stream.seek(position)
         seconds = time.perf_counter() - t
         log(f"resumed run {self.run_id} from its committed in-memory snapshot of step {rec.version} in {seconds:.1f} s")
         self.metrics.emit(events.Reattach(step=rec.version, run_id=self.run_id, seconds=seconds, managers=len(sn.managers)))
@@ -411,10 +406,9 @@ class Trainer:
                 raise
             raise refusal from None
         self.resume_from = None
-        self.step = self.committed_high = ck.step
-        self.tokens_seen = self.step * self.cfg.tokens_per_step()
+        self.progress = self.progress.resumed(ck.step)
         if ck.manifest.get("data_position"):
-            self.stream.load_state_dict(ck.manifest["data_position"])
+            self.stream.seek(ck.manifest["data_position"])
         seconds = time.perf_counter() - t
         log(f"resumed from {ck.uri} at step {ck.step} ({ck.manifest.get('width')} replica(s) x {ck.manifest.get('stages')} stages then) in {seconds:.1f} s")
         self.metrics.emit(events.Resume(step=ck.step, path=ck.uri, seconds=seconds, width_then=ck.manifest.get("width"), stages_then=ck.manifest.get("stages")))
@@ -441,7 +435,7 @@ class Trainer:
     def _checkpoint(self, step: int) -> None:
         """Write checkpoint ``step`` (training waits: the baseline's cost), one metrics line."""
         assert self.checkpoints is not None
-        seconds = self.checkpoints.save(step, self.stream.state_dict())
+        seconds = self.checkpoints.save(step, self.stream.at())
         self.metrics.emit(events.Checkpoint(step=step, seconds=seconds, path=str(self.checkpoints.root)))
 
     def _targets(self) -> ChaosTargets:
@@ -459,23 +453,23 @@ class Trainer:
         if self._t0 is None:
             self._t0 = time.perf_counter()
         step = self.step + 1
-        position = self.stream.state_dict()
+        position = self.stream.at()
         ts = time.perf_counter()
         self.interrupted = None
         try:
             x, y = self.stream.next_batch(self.cfg.train.batch_size)
             self.chaos.fire("before_step", step, self._targets())
             snap = self.snapshots is not None and self.snapshots.due(step)
-            pending = self.executor.start(step, x, y, snapshot=self.stream.state_dict() if snap else None)
-            self.interrupted = InterruptedStep(step, pending, self.stream.state_dict(), ts)
+            pending = self.executor.start(step, x, y, snapshot=self.stream.at() if snap else None)
+            self.interrupted = InterruptedStep(step, pending, self.stream.at(), ts)
             if snap:
                 self.snapshots.begin(step, self.group.members())
             result = self.executor.finish(pending)
         except StepFailed:
-            self.stream.load_state_dict(position)
+            self.stream.seek(position)
             raise
         except (ray.exceptions.RayError, TimeoutError) as err:
-            self.stream.load_state_dict(position)
+            self.stream.seek(position)
             raise StepFailed(err, None, None) from err
         return self._finish_step(step, result, ts)
 
@@ -491,12 +485,11 @@ class Trainer:
         if self.durable is not None:
             self.durable.observe(now - ts, now - (self._t0 or now), self.failures)
             self.durable.poll()
-        self.step = step
+        self.progress = self.progress.stepped(step)
         self._refresh_mirrors()
         if self.checkpoints is not None and self.checkpoints.due(step):
             self._checkpoint(step)
-        self.committed_high = max(self.committed_high, self.committed_step)
-        self.tokens_seen = step * self.cfg.tokens_per_step()
+        self.progress = self.progress.committed(self.committed_step)
         now = time.perf_counter()
         assert self.group is not None and self._t0 is not None  # set when the run started and its first step began
         prob = self.chaos.observe_step(step, now - ts, self.group.width)
@@ -523,6 +516,31 @@ class Trainer:
         self.history.append(record)
         self.metrics.write(record)
         return record
+
+    # the run's progress, read-only: handlers replace self.progress through its pure methods
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def failures(self) -> int:
+        return self.progress.failures
+
+    @property
+    def budget(self) -> FailureBudget:
+        return self.progress.budget
+
+    @property
+    def committed_high(self) -> int:
+        return self.progress.committed_high
+
+    @property
+    def drains_seen(self) -> frozenset[str]:
+        return self.progress.drains_seen
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.progress.step * self.cfg.tokens_per_step()
 
     @property
     def committed_step(self) -> int:
@@ -657,9 +675,8 @@ class Trainer:
         try:
             record = self.run_step()
         except StepFailed as e:
-            self.failures += 1
             failure = StepFailure.from_exception(self.step + 1, e.cause, e.stage, e.replica, op=e.op)
-            self.budget = self.budget.record(failure.step)
+            self.progress = self.progress.step_failed(failure.step)
             return after_failure(failure, self.budget, self.failure_policy)
         if self.on_step:
             self.on_step(record)
@@ -690,7 +707,7 @@ class Trainer:
             return after_source_lost(state)
         except (ray.exceptions.RayError, TimeoutError, StepFailed, PlanNotFollowed) as err:  # observed again and re-planned
             again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during=During.RECOVERY)
-            self.budget = self.budget.record(again.step)
+            self.progress = self.progress.charged(again.step)
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)
         self._apply(outcome, failure, time.perf_counter() - t0, spans.totals(t0))
         return self._next()
@@ -709,13 +726,12 @@ class Trainer:
         if outcome.step == failure.step and done is not None and done.step == failure.step:
             # every survivor had finished the failed step (a stage died after the gradient
             # exchange) and the replaced ones took a peer's state of that step: it counts as done
-            self.stream.load_state_dict(done.position_after)
+            self.stream.seek(done.position_after)
             self._finish_step(done.step, done.pending.result(), done.started)
         else:
-            self.step = outcome.step
-            self.tokens_seen = self.step * self.cfg.tokens_per_step()
+            self.progress = self.progress.rolled_back(outcome.step)
             if outcome.data_position is not None:
-                self.stream.load_state_dict(outcome.data_position)
+                self.stream.seek(outcome.data_position)
         if outcome.plan.width is not None:
             self._resized(*outcome.plan.width, "lost stages could not be placed", seconds, spans)
         for rec in recovery_records(outcome, failure, seconds, lost, {"plan_s": 0.0, "actor_s": 0.0, "state_s": 0.0, **(spans or {})}):
@@ -725,7 +741,7 @@ class Trainer:
     def _failed_between_steps(self, err: BaseException, during: During) -> State:
         """A resize or a drain failed (an actor died meanwhile): recover as for a failed step."""
         failure = StepFailure.from_exception(self.step + 1, err.cause if isinstance(err, StepFailed) else err, during=during)
-        self.budget = self.budget.record(failure.step)
+        self.progress = self.progress.charged(failure.step)
         return after_failure(failure, self.budget, self.failure_policy)
 
     def _resize(self, state: Resizing) -> State:
@@ -757,7 +773,7 @@ class Trainer:
         except (ray.exceptions.RayError, TimeoutError, PlanNotFollowed) as err:
             return self._failed_between_steps(err, During.DRAIN)
         spans = self._spans().totals(t0)
-        self.drains_seen |= nodes
+        self.progress = self.progress.drained(nodes)
         self._new_executor()
         for d in state.drains:
             left = d.seconds_left(now)

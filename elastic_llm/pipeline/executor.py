@@ -25,6 +25,7 @@ from elastic_llm.pipeline.plan import FailureKind, Fault, StepPlan, StepReport, 
 from elastic_llm.pipeline.schedules import Route, build_schedule, routes, submission_order
 from elastic_llm.pipeline.shares import cut, microbatch_sizes, replica_microbatches, weighted_mean
 from elastic_llm.snapshot.records import ShardKey
+from elastic_llm.stream import StreamPosition
 
 STEP_TIMEOUT_S = 900.0  # a step that takes longer is treated as a failure (a hung stage)
 SETTLE_S = 120.0  # after a failure, how long the step's other calls get to finish or fail
@@ -100,7 +101,7 @@ class PendingStep:
 class StepExecutor(Protocol):
     """How the controller runs steps (Ray actors, or a fake in tests)."""
 
-    def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: dict[str, int] | None = None, faults: Mapping[ShardKey, Fault] | None = None) -> PendingStep: ...
+    def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: StreamPosition | None = None, faults: Mapping[ShardKey, Fault] | None = None) -> PendingStep: ...
 
     def finish(self, pending: PendingStep) -> StepResult: ...
 
@@ -192,7 +193,7 @@ class RayStepExecutor:
                 raise StepFailed(err, k.stage, k.replica, "links") from err
         return out
 
-    def plans(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: dict[str, int] | None, faults: Mapping[ShardKey, Fault] | None = None) -> dict[ShardKey, StepPlan]:
+    def plans(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: StreamPosition | None, faults: Mapping[ShardKey, Fault] | None = None) -> dict[ShardKey, StepPlan]:
         """Each actor's plan: replica r's share of the rows of ``x`` / ``y`` and its microbatch
         sizes (:func:`~elastic_llm.pipeline.shares.replica_microbatches`), the ops of its
         microbatch count; stage 0 gets the replica's tokens, the LM head's stage the targets (and
@@ -209,7 +210,7 @@ class RayStepExecutor:
             out[k] = StepPlan(step, self.generation, ops, sizes[k.replica], len(x), tokens, targets, snapshot, faults.get(k))
         return out
 
-    def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: dict[str, int] | None = None, faults: Mapping[ShardKey, Fault] | None = None) -> PendingStep:
+    def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: StreamPosition | None = None, faults: Mapping[ShardKey, Fault] | None = None) -> PendingStep:
         if not self.linked:
             self.connect()
         plans = self.plans(step, x, y, snapshot, faults)

@@ -24,6 +24,7 @@ import numpy as np
 
 from elastic_llm.pipeline.schedules import Op
 from elastic_llm.snapshot.records import ShardKey
+from elastic_llm.stream import StreamPosition
 
 
 class Phase(enum.Enum):
@@ -90,7 +91,7 @@ class StepPlan:
     batch: int  # sequences in the global batch: a microbatch's loss counts with weight size / batch
     tokens: np.ndarray | None = None  # this replica's token batch (stage 0; the last stage's redundant copy of stage 0)
     targets: np.ndarray | None = None  # this replica's targets (the LM head; the redundant copy of the last stage)
-    snapshot: dict[str, int] | None = None  # data position after the step: copy the updated state for a snapshot
+    snapshot: StreamPosition | None = None  # data position after the step: copy the updated state for a snapshot
     fault: Fault | None = None
 
     def op_list(self) -> list[Op]:

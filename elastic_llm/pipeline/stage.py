@@ -27,8 +27,9 @@ The class is plain Python so tests can drive it in-process; the controller wraps
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.pipeline.shares import microbatch_sizes
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
 from elastic_llm.sources import Mode
+from elastic_llm.stream import StreamPosition
 from elastic_llm.monitor import StageState
 from elastic_llm.telemetry import Metrics
 
@@ -320,7 +322,7 @@ class StageWorker:
             p.grad = total[offset : offset + n].view_as(p).to(self.device)
             offset += n
 
-    def step(self, snapshot: dict[str, int] | None = None) -> StepStats:
+    def step(self, snapshot: StreamPosition | Mapping[str, Any] | None = None) -> StepStats:
         """Clip the (already summed over replicas) gradients, remember the clipped norm, update, advance the
         LR schedule.
 
@@ -342,7 +344,7 @@ class StageWorker:
         if self.shadow is not None:
             self.shadow.step(clip)
         if snapshot is not None:
-            self._start_copy(snapshot)
+            self._start_copy(StreamPosition.of(snapshot))
         tags = {"run": self.run_id, "stage": self.stage, "replica": self.replica}
         self.metrics.set("stage_step", self.step_count, **tags)
         if snapshot is not None:
@@ -354,21 +356,21 @@ class StageWorker:
         """Total seconds this actor's optimizer steps waited for an unfinished snapshot copy."""
         return self.copies.wait_s
 
-    def _start_copy(self, data_position: dict[str, int]) -> None:
+    def _start_copy(self, data_position: StreamPosition | None) -> None:
         """Take the small JSON part now (RNG states move on with the next forward) and copy the
         bytes (this replica's 1/DP slice) in the background."""
         from elastic_llm.snapshot import state as st
 
         lo, hi = self.arena.layout.slice_bounds(self.replica, self.dp)
-        extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position, self.cfg.config_hash())
+        extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position.to_dict() if data_position else {}, self.cfg.config_hash())
         extra["slice"] = [lo, hi]
         self.copies.start(self.step_count, lo, hi, st.make_manifest(self.arena.layout, extra, self.stage))
 
-    def snapshot_now(self, data_position: dict[str, int] | None = None) -> int:
+    def snapshot_now(self, data_position: StreamPosition | Mapping[str, Any] | None = None) -> int:
         """Start a background copy of the current state outside a step (a final snapshot, or
         before a planned stop); returns its version (the current step) for :meth:`snapshot_pieces`."""
         self.copies.wait()
-        self._start_copy(data_position or {})
+        self._start_copy(StreamPosition.of(data_position) if data_position else None)
         return self.step_count
 
     def snapshot_pieces(self, version: int, k: int) -> list[Any]:
@@ -393,7 +395,7 @@ class StageWorker:
         return out.cpu().numpy()
 
     # ------------------------------------------------------------------ state capture / restore
-    def capture_state(self, data_position: dict[str, int] | None = None, replica_slice: bool = False) -> tuple[np.ndarray, str]:
+    def capture_state(self, data_position: StreamPosition | Mapping[str, Any] | None = None, replica_slice: bool = False) -> tuple[np.ndarray, str]:
         """Copy the whole state (or this replica's 1/DP slice) into the stage's reused buffer now.
 
         Returns (buffer, manifest JSON). The buffer is overwritten by the next capture: callers
@@ -405,7 +407,8 @@ class StageWorker:
         lo, hi = self.arena.layout.slice_bounds(self.replica, self.dp) if replica_slice else (0, self.arena.layout.nbytes)
         buf = self.copies.buffer(2)  # its own buffer: never one a snapshot in flight uses
         self.arena.capture(buf, lo, hi)
-        extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position, self.cfg.config_hash())
+        position = StreamPosition.of(data_position).to_dict() if data_position is not None else None
+        extra = st.json_state(self.optimizer, self.scheduler, self.step_count, position, self.cfg.config_hash())
         extra["slice"] = [lo, hi]
         return buf, st.make_manifest(self.arena.layout, extra, self.stage)
 

@@ -55,7 +55,9 @@ class ShardInfo:
     def on_node(self, node_id: str) -> "ShardInfo":
         return replace(self, node_id=node_id)
 
-    def data_position(self) -> dict[str, int] | None:
+    def data_position(self) -> dict[str, Any] | None:
+        """The data position recorded with this shard, in its JSON form (None: none was;
+        :meth:`~elastic_llm.stream.StreamPosition.of` reads it)."""
         return json.loads(self.manifest).get("data_position")
 
 

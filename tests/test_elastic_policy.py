@@ -1,0 +1,59 @@
+"""The elastic policy of one look at the cluster (``controller.elastic.decide``): which spares to
+start or give up, when a drain is acted on, when the run grows. Pure: views are built by hand."""
+
+from elastic_llm.controller.drains import Drain
+from elastic_llm.controller.elastic import SPARE_START_S, ElasticView, SpareView, decide
+from elastic_llm.snapshot.records import ShardKey
+
+NODES = tuple((ShardKey(s, r), f"n{s + 2 * r}") for r in range(2) for s in range(2))  # 2 stages x 2 replicas on n0..n3
+
+
+def view(draining=(), spares=(), stage_spares=(), free=None, room=None, width=2, wall=1000.0):
+    return ElasticView(tuple(draining), NODES, width, 2, tuple(spares), tuple(stage_spares), free, room, wall)
+
+
+def spare(ready=False, nodes=(), age=1.0, key=None):
+    return SpareView(object(), key, frozenset(nodes), age, ready)
+
+
+def test_a_drain_starts_the_stage_spare_its_move_needs_and_waits_for_it():
+    drain = Drain("n1", 1060.0)  # stage 1 of replica 0, a minute left
+    first = decide(view([drain], free=1), set(), max_width=2, min_width=1)
+    assert first.start_stage_spares == (ShardKey(1, 0),) and not first.start_spare
+    assert first.drains == () and first.avoid == {"n1"} and "replica 0: stages" in first.note
+    started = spare(ready=False, nodes={"n4"}, key=ShardKey(1, 0))
+    waiting = decide(view([drain], stage_spares=[started], free=0), set(), 2, 1)
+    assert waiting.drains == () and waiting.start_stage_spares == () and waiting.cancel == ()  # it is starting: train on
+    ready = decide(view([drain], stage_spares=[spare(ready=True, nodes={"n4"}, key=ShardKey(1, 0))], free=0), set(), 2, 1)
+    assert ready.drains == (drain,)  # its spare has started: act now
+    near = decide(view([drain], stage_spares=[started], free=0, wall=1057.0), set(), 2, 1)
+    assert near.drains == (drain,)  # 3 s left: act with what there is
+    assert decide(view([drain], free=1), {"n1"}, 2, 1).drains == ()  # acted on before: not again
+
+
+def test_no_room_to_move_acts_at_once_and_a_whole_replica_needs_a_spare():
+    drain = Drain("n1", None)
+    shrink = decide(view([drain], free=0), set(), 2, 1)
+    assert shrink.drains == (drain,) and shrink.start_stage_spares == () and "replica 0: drop" in shrink.note
+    both = decide(view([Drain("n0", None), Drain("n1", None)], free=2), set(), 2, 1)  # every stage of replica 0
+    assert both.start_spare and both.start_stage_spares == () and both.drains == ()
+
+
+def test_spares_on_draining_nodes_or_that_never_started_are_given_up():
+    on_drain = spare(ready=True, nodes={"n3"})
+    stale = spare(ready=False, nodes=(), age=SPARE_START_S + 1)
+    plan = decide(view([Drain("n3", None)], spares=[on_drain, stale], free=0), {"n3"}, 3, 1)
+    assert set(plan.cancel) == {on_drain, stale} and plan.grow_to is None
+    orphaned = spare(ready=False, nodes={"n5"}, key=ShardKey(0, 1))  # its drain went away
+    assert decide(view(stage_spares=[orphaned]), set(), 3, 1).cancel == (orphaned,)
+
+
+def test_the_run_grows_once_a_spare_has_started_and_starts_one_where_there_is_room():
+    assert decide(view(spares=[spare(ready=True, nodes={"n4", "n5"})]), set(), 3, 1).grow_to == 3
+    assert decide(view(spares=[spare(ready=False, nodes={"n4"})]), set(), 3, 1).grow_to is None
+    room = decide(view(room=True), set(), 3, 1)
+    assert room.start_spare and "room for replica 3" in room.note
+    assert not decide(view(room=False), set(), 3, 1).start_spare and not decide(view(room=None), set(), 3, 1).start_spare
+    extra = spare(ready=True, nodes={"n4"})
+    full = decide(view(spares=[extra]), set(), 2, 1)  # already at elastic.max_replicas
+    assert full.cancel == (extra,) and full.grow_to is None
