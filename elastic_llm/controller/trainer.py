@@ -17,7 +17,7 @@ and, every ``elastic.grow_check_s``, for room for another replica.
 Never computes model math (stage actors do, each running its part of a step from its plan),
 never decides a recovery inline, and never waits without a deadline.
 
-Why ~660 lines: one small handler per state (eight of them) plus the step, the setup (on Ray or
+Why ~840 lines: one small handler per state (eight of them) plus the step, the setup (on Ray or
 on injected :class:`~elastic_llm.controller.parts.Parts`, and a resume), counting a step that every
 survivor finished after a failure, and the per-step hooks of the recovery modes and tiers (mirror
 refresh, checkpoint writes, snapshot and flush cadence, calibrating failure rates); each handler

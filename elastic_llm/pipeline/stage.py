@@ -22,6 +22,11 @@ live in :mod:`elastic_llm.pipeline.redundant`), checkpoint files (:mod:`elastic_
 inspection (``info``, and ``state`` for ``elastic-llm status``; its display name is ``__repr__``).
 The class is plain Python so tests can drive it in-process; the controller wraps it in
 ``ray.remote``.
+
+Why ~660 lines: Ray exposes only the methods of the actor's class, so every call the controller,
+the managers and the peers make on a stage lives here; the work behind them is kept elsewhere
+(the step's order in :mod:`~elastic_llm.pipeline.step`, the copies in
+:mod:`~elastic_llm.pipeline.copies`, state packing in :mod:`elastic_llm.snapshot.state`).
 """
 
 from __future__ import annotations

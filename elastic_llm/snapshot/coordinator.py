@@ -12,6 +12,11 @@ starts (:func:`check_parity_fits`).
 Never blocks a training step except when the committed version trails by more than ``max_lag``
 (and then with a deadline); never decides recovery: it answers where state is, the controller
 decides what to do with it.
+
+Why ~480 lines: the two-phase commit, the cadence it is driven by (the cost model itself is in
+:mod:`elastic_llm.cadence`), the lost-part census a recovery observes and the restore that follows
+a plan all read and change the same in-flight and committed records; split apart, each would need
+the others' bookkeeping.
 """
 
 from __future__ import annotations
