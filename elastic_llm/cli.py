@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 EXIT_USAGE = 2
 
@@ -341,13 +342,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # pure and light: no Ray, no matplotlib
-    from elastic_llm.experiment.convergence import STRATEGIES
-
-    p = argparse.ArgumentParser(prog="elastic-llm", description="Elastic pipeline-parallel LLM pretraining on Ray")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _train_command(sub: Any) -> None:
     t = sub.add_parser("train", help="train a model (embedded Ray, or --address to join a cluster)")
     t.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
     t.add_argument("--max-steps", type=int, help="override train.max_steps")
@@ -362,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
         "snapshot, else its newest durable checkpoint"))
     t.set_defaults(func=cmd_train)
 
+
+def _submit_command(sub: Any) -> None:
     sb = sub.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
     sb.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
     sb.add_argument("--address", default="http://127.0.0.1:8265", help="the cluster's dashboard (job server) address (default: http://127.0.0.1:8265, e.g. through `ray dashboard cluster.yaml`)")
@@ -372,12 +369,16 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--wait", action="store_true", help="follow the job's logs until it ends; exit with its outcome")
     sb.set_defaults(func=cmd_submit)
 
+
+def _status_command(sub: Any) -> None:
     st = sub.add_parser("status", help="stages, replicas, nodes, states, snapshot versions and recoveries of the runs on a cluster")
     st.add_argument("--address", default="auto", help="Ray cluster address (default: auto, the cluster this machine belongs to)")
     st.add_argument("--run", help="only this run id (default: every run on the cluster)")
     st.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     st.set_defaults(func=cmd_status)
 
+
+def _spot_watcher_command(sub: Any) -> None:
     sw = sub.add_parser("spot-watcher", help="drain this Ray node when EC2 schedules a spot interruption (run on every spot worker)")
     sw.add_argument("--address", default="auto", help="Ray cluster (GCS) address (default: auto)")
     sw.add_argument("--node-id", help="the Ray node to drain (default: the Ray node on this machine)")
@@ -385,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--interval-s", type=float, default=5.0, help="seconds between polls (default 5)")
     sw.set_defaults(func=cmd_spot_watcher)
 
+
+def _prepare_command(sub: Any) -> None:
     pr = sub.add_parser("prepare", help="tokenize text into Parquet shards (default: the Python standard library)")
     pr.add_argument("sources", nargs="*", help="files, directories or URIs (text, .jsonl with 'text', .parquet with 'text')")
     pr.add_argument("--out", help="output directory or URI (default for the built-in corpus: the cache)")
@@ -394,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tokenizer-file", metavar="PATH", help="bpe: encode with this tokenizer.json instead of training one (needs an <|endoftext|> token)")
     pr.set_defaults(func=cmd_prepare)
 
+
+def _replay_command(sub: Any) -> None:
     rp = sub.add_parser("replay", help="replay a spot availability trace on a loopback Ray cluster while a run trains")
     rp.add_argument("--trace", required=True, help="CSV lines time_ms,add|remove,node_name")
     rp.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
@@ -408,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--no-progress", action="store_true", help="no progress bar")
     rp.set_defaults(func=cmd_replay)
 
+
+def _chaos_command(sub: Any) -> None:
     ch = sub.add_parser("chaos", help="soak runs on a loopback Ray cluster with seeded faults; check them against an undisturbed run")
     ch.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
     ch.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
@@ -423,6 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--trial-timeout-s", type=float, default=600.0, help="a trial not done by then fails as hung (default 600)")
     ch.add_argument("--out", required=True, help="directory for report.json, report.md and each run's metrics.jsonl")
     ch.set_defaults(func=cmd_chaos)
+
+
+def _experiment_command(sub: Any) -> None:
+    from elastic_llm.experiment.convergence import STRATEGIES  # pure and light: no Ray, no matplotlib
 
     ex = sub.add_parser("experiment", help="experiments that drive real training runs and compare them")
     ex_sub = ex.add_subparsers(dest="experiment", required=True)
@@ -443,18 +454,24 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--no-progress", action="store_true", help="no progress bars")
     cv.set_defaults(func=cmd_experiment)
 
+
+def _checkpoints_command(sub: Any) -> None:
     ck = sub.add_parser("checkpoints", help="list or verify durable checkpoints (local directory or URI)")
     ck.add_argument("action", choices=["list", "verify"], help="list: every checkpoint of a run directory; verify: read and check every tensor of one")
     ck.add_argument("uri", help="run directory (list), or checkpoint / run directory (verify: its newest committed checkpoint)")
     ck.set_defaults(func=cmd_checkpoints)
 
+
+def _export_command(sub: Any) -> None:
     exp = sub.add_parser("export", help="export a durable checkpoint to another format")
     exp.add_argument("checkpoint", help="checkpoint directory, or a run directory (its newest committed checkpoint)")
     exp.add_argument("--format", choices=["hf"], default="hf", help="hf: Hugging Face LlamaForCausalLM (config.json, model.safetensors, tokenizer)")
     exp.add_argument("--out", required=True, help="new directory to write (must not exist or be empty)")
     exp.set_defaults(func=cmd_export)
 
-    b = sub.add_parser("bench", help="benchmarks against real peers (from the root of a source checkout)")
+
+def _bench_command(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmarks against real peers (run from the root of a source checkout: they read jobs/*.yaml)")
     b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
@@ -469,6 +486,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--large-steps", type=int, help="--sweep: timed steps of the 64-microbatch configurations (default: 2, at most --steps; keeps the sweep near its time budget)")
     b.add_argument("--only", action="append", metavar="S,M,DP", help=argparse.SUPPRESS)  # --sweep: just these configurations (trying it out)
     b.set_defaults(func=cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-llm", description="Elastic pipeline-parallel LLM pretraining on Ray")
+    sub = p.add_subparsers(dest="command", required=True)
+    _train_command(sub)
+    _submit_command(sub)
+    _status_command(sub)
+    _spot_watcher_command(sub)
+    _prepare_command(sub)
+    _replay_command(sub)
+    _chaos_command(sub)
+    _experiment_command(sub)
+    _checkpoints_command(sub)
+    _export_command(sub)
+    _bench_command(sub)
     return p
 
 

@@ -256,24 +256,39 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _one_of(p: list[str], field_name: str, value: Any, options: tuple[str, ...]) -> None:
+    if value not in options:
+        p.append(f"{field_name}={value!r} is unknown: use one of {', '.join(options)}")
+
+
 def _validate(c: RunConfig) -> list[str]:
+    """Every rule a config breaks, one message each (in section order); the sizes first, since
+    the other rules divide by them."""
     p: list[str] = []
-    m, par, t, d = c.model, c.parallel, c.train, c.data
 
     def positive(section: str, obj: Any, *names: str) -> None:
         for n in names:
             if getattr(obj, n) <= 0:
                 p.append(f"{section}.{n}={getattr(obj, n)} must be > 0")
 
-    def one_of(field_name: str, value: Any, options: tuple[str, ...]) -> None:
-        if value not in options:
-            p.append(f"{field_name}={value!r} is unknown: use one of {', '.join(options)}")
-
-    positive("model", m, "vocab_size", "dim", "n_heads", "n_layers", "norm_eps", "rope_theta")
-    positive("parallel", par, "stages", "dp", "microbatches", "cpus_per_actor")
-    positive("train", t, "batch_size", "max_steps", "lr", "grad_clip", "eval_batches")
+    positive("model", c.model, "vocab_size", "dim", "n_heads", "n_layers", "norm_eps", "rope_theta")
+    positive("parallel", c.parallel, "stages", "dp", "microbatches", "cpus_per_actor")
+    positive("train", c.train, "batch_size", "max_steps", "lr", "grad_clip", "eval_batches")
     if p:
         return p
+    d = c.data
+    p += [*_validate_model(c), *_validate_parallel(c), *_validate_elastic(c), *_validate_train(c), *_validate_data(c),
+          *_validate_snapshot_cadence(c), *_validate_durable(c), *_validate_snapshot_parity(c), *_validate_recovery(c),
+          *_validate_recovery_mode(c), *_validate_chaos(c)]
+    if not 0 < d.val_fraction < 1:
+        p.append(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    return p
+
+
+def _validate_model(c: RunConfig) -> list[str]:
+    """The model's shape."""
+    p: list[str] = []
+    m, par = c.model, c.parallel
     if m.seq_len < 2:
         p.append(f"model.seq_len={m.seq_len} must be >= 2")
     if m.dim % m.n_heads:
@@ -287,13 +302,26 @@ def _validate(c: RunConfig) -> list[str]:
             f"parallel.stages={par.stages} does not divide model.n_layers={m.n_layers}: "
             f"choose parallel.stages in {{{_divisors(m.n_layers)}}} or change model.n_layers"
         )
-    one_of("parallel.schedule", par.schedule, SCHEDULES)
-    one_of("parallel.placement_strategy", par.placement_strategy, PLACEMENT_STRATEGIES)
+    return p
+
+
+def _validate_parallel(c: RunConfig) -> list[str]:
+    """Schedule, placement and devices."""
+    p: list[str] = []
+    par = c.parallel
+    _one_of(p, "parallel.schedule", par.schedule, SCHEDULES)
+    _one_of(p, "parallel.placement_strategy", par.placement_strategy, PLACEMENT_STRATEGIES)
     if par.gpus_per_actor < 0:
         p.append(f"parallel.gpus_per_actor={par.gpus_per_actor} must be >= 0 (fractions like 0.5 share a GPU)")
     if par.threads_per_actor is not None and par.threads_per_actor <= 0:
         p.append(f"parallel.threads_per_actor={par.threads_per_actor} must be > 0 (or null for cpus_per_actor)")
-    p += _validate_elastic(c)
+    return p
+
+
+def _validate_train(c: RunConfig) -> list[str]:
+    """The optimizer and its schedule."""
+    p: list[str] = []
+    t = c.train
     if t.min_lr < 0 or t.min_lr > t.lr:
         p.append(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     if t.warmup_steps < 0:
@@ -307,7 +335,14 @@ def _validate(c: RunConfig) -> list[str]:
             p.append(f"train.{n}={getattr(t, n)} must be in [0, 1)")
     if not 0 <= t.seed < 2**32:
         p.append(f"train.seed={t.seed} must be in [0, 2**32)")
-    one_of("data.tokenizer", d.tokenizer, TOKENIZERS)
+    return p
+
+
+def _validate_data(c: RunConfig) -> list[str]:
+    """The tokenizer and the model's vocabulary."""
+    p: list[str] = []
+    m, d = c.model, c.data
+    _one_of(p, "data.tokenizer", d.tokenizer, TOKENIZERS)
     if d.tokenizer == "byte" and m.vocab_size < 256:
         p.append(f"model.vocab_size={m.vocab_size} is too small for data.tokenizer='byte': use 256 or more")
     if d.tokenizer == "bpe" and m.vocab_size < 257:
@@ -316,12 +351,24 @@ def _validate(c: RunConfig) -> list[str]:
         p.append(f"data.tokenizer_file={d.tokenizer_file!r} needs data.tokenizer='bpe' (it is {d.tokenizer!r}): set data.tokenizer=bpe or remove data.tokenizer_file")
     if d.tokenizer_file is not None and d.dir is not None:
         p.append(f"data.tokenizer_file={d.tokenizer_file!r} is for the built-in corpus, but data.dir={d.dir!r} carries its own tokenizer.json: remove one of them")
+    return p
+
+
+def _validate_snapshot_cadence(c: RunConfig) -> list[str]:
+    """When snapshots are taken."""
+    p: list[str] = []
     sn = c.snapshot
     if sn.every != "auto" and (isinstance(sn.every, str) or sn.every < 1):
         p.append(f"snapshot.every={sn.every!r} must be an integer >= 1 or auto (or set snapshot.enabled=false)")
     if sn.max_overhead_pct <= 0:
         p.append(f"snapshot.max_overhead_pct={sn.max_overhead_pct} must be > 0 (percent of training time; default 2)")
-    p += _validate_durable(c)
+    return p
+
+
+def _validate_snapshot_parity(c: RunConfig) -> list[str]:
+    """Lag, parity and codec of the snapshots."""
+    p: list[str] = []
+    sn = c.snapshot
     if sn.max_lag < 1:
         p.append(f"snapshot.max_lag={sn.max_lag} must be >= 1")
     if sn.parity < 1:
@@ -330,7 +377,13 @@ def _validate(c: RunConfig) -> list[str]:
         p.append(f"snapshot.group_size={sn.group_size} must be at least snapshot.parity + 1 = {sn.parity + 1}")
     elif sn.group_size > 255:
         p.append(f"snapshot.group_size={sn.group_size} must be <= 255 (Reed-Solomon over GF(2^8))")
-    one_of("snapshot.codec", sn.codec, ("auto", "isal", "numpy"))
+    _one_of(p, "snapshot.codec", sn.codec, ("auto", "isal", "numpy"))
+    return p
+
+
+def _validate_recovery(c: RunConfig) -> list[str]:
+    """Failure budget, capacity wait and node probes."""
+    p: list[str] = []
     rc = c.recovery
     if rc.max_failures < 0:
         p.append(f"recovery.max_failures={rc.max_failures} must be >= 0 (0: stop at the first failure)")
@@ -346,13 +399,19 @@ def _validate(c: RunConfig) -> list[str]:
         p.append(f"recovery.node_probe_failures={rc.node_probe_failures} must be >= 1 (timed-out probes in a row before a node counts as dead; default 3)")
     if rc.capacity_report_s <= 0:
         p.append(f"recovery.capacity_report_s={rc.capacity_report_s} must be > 0 seconds (default 10)")
-    p += _validate_recovery_mode(c)
+    return p
+
+
+def _validate_chaos(c: RunConfig) -> list[str]:
+    """The chaos events."""
+    p: list[str] = []
+    par = c.parallel
     for i, ev in enumerate(c.chaos.events):
         where = f"chaos.events[{i}]"
-        one_of(f"{where}.kill", ev.kill, CHAOS_KINDS)
-        one_of(f"{where}.how", ev.how, CHAOS_HOW)
-        one_of(f"{where}.during", ev.during, CHAOS_DURING)
-        one_of(f"{where}.op", ev.op, CHAOS_OPS)
+        _one_of(p, f"{where}.kill", ev.kill, CHAOS_KINDS)
+        _one_of(p, f"{where}.how", ev.how, CHAOS_HOW)
+        _one_of(p, f"{where}.during", ev.during, CHAOS_DURING)
+        _one_of(p, f"{where}.op", ev.op, CHAOS_OPS)
         if ev.op == "allreduce" and par.dp < 2:
             p.append(f"{where}.op=allreduce needs parallel.dp >= 2 (one replica has no gradient all-reduce): use forward, backward or update")
         if ev.during == "recovery" and ev.kill not in ("stage", "node", "standby"):
@@ -370,8 +429,6 @@ def _validate(c: RunConfig) -> list[str]:
                      "snapshot is committed; before a step the flip could reach a snapshot still being collected)")
         if ev.node is not None and (ev.kill not in ("node", "smp") or ev.node < 0):
             p.append(f"{where}.node={ev.node}: a node index (>= 0) only goes with kill: node or kill: smp")
-    if not 0 < d.val_fraction < 1:
-        p.append(f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     return p
 
 
