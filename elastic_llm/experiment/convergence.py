@@ -18,7 +18,7 @@ import json
 import math
 import shlex
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -277,7 +277,7 @@ def val_curve(history: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"step": h["step"], "val_loss": h["val_loss"], "elapsed_s": h["elapsed_s"]} for h in history if "val_loss" in h]
 
 
-def recovery_events(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def recovery_events(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One ``{"step", "seconds"}`` per recovery: the trainer writes one record per restored
     actor, all of a recovery sharing its step and seconds."""
     seen: list[tuple[Any, Any]] = []
@@ -291,7 +291,7 @@ def recovery_events(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def cell_row(
     cell: Cell,
     history: Sequence[dict[str, Any]],
-    recoveries: Sequence[dict[str, Any]],
+    recoveries: Sequence[Mapping[str, Any]],
     failures: int,
     *,
     total_s: float,

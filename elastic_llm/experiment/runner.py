@@ -19,7 +19,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ class CellResult:
     records, the failed steps, seconds from start to shutdown, and the error if it stopped."""
 
     history: list[dict[str, Any]]
-    recoveries: list[dict[str, Any]]
+    recoveries: list[Mapping[str, Any]]  # the trainer's events.Recovery (or their lines)
     failures: int
     total_s: float
     failure_times_s: list[float] = field(default_factory=list)  # training seconds before each recovery

@@ -159,7 +159,7 @@ class Replay:
         t = self.trainer
         room_s = seconds_with_room(self.plan.replay_alive, self.plan.duration_s, nodes_per_replica(self.cfg, self.options.cpus_per_node))
         training_s = t.seconds_by_state.get("running", 0.0)
-        recoveries = [r for r in t.recoveries if r.get("source") != "none"]
+        recoveries = [r for r in t.recoveries if r.source != "none"]
         return {
             "title": f"replay of {self.cfg.name}: {len(self.plan.actions)} actions over {self.plan.duration_s:.0f} s",
             "config": self.cfg.name,
@@ -173,8 +173,8 @@ class Replay:
             "seconds_with_room": round(room_s, 3),
             "useful_fraction": useful_fraction(training_s, room_s),
             "events": {
-                "recoveries": dict(Counter(r["source"] for r in recoveries)),
-                "resizes": dict(Counter(f"{e['from_dp']}->{e['to_dp']}" for e in t.resizes)),
+                "recoveries": dict(Counter(str(r.source) for r in recoveries)),
+                "resizes": dict(Counter(f"{e.from_dp}->{e.to_dp}" for e in t.resizes)),
                 "drains": len(t.drains),
                 "replay_actions": dict(Counter(a.kind for a in self.plan.actions)),
             },
