@@ -53,8 +53,8 @@ def stage_states(trainer):
     return [np.array(buf, copy=True) for buf, _ in ray.get(calls, timeout=60)]
 
 
-def test_flush_then_resume_with_another_width_is_bit_identical(nodes, corpus_dir, tmp_path):
-    store = str(tmp_path / "ckpts")
+def _flushed_run(nodes, corpus_dir, store):
+    """A width-2 run of 8 steps flushing every commit: its losses, its final stage states, its run directory."""
     a = make_trainer(nodes, corpus_dir, "parallel.dp=2", f"durable.storage_path={store}", "durable.every=1", "durable.keep_last=20")
     try:
         losses_a = {h["step"]: h["loss"] for h in a.fit(8)}
@@ -62,7 +62,11 @@ def test_flush_then_resume_with_another_width_is_bit_identical(nodes, corpus_dir
         assert a.durable.stats.flushed >= 2 and a.durable.stats.failed == 0
     finally:
         a.shutdown()
-    run = Storage(store).child("tiny")
+    return losses_a, final, Storage(store).child("tiny")
+
+
+def test_flush_then_resume_with_another_width_is_bit_identical(nodes, corpus_dir, tmp_path):
+    _, final, run = _flushed_run(nodes, corpus_dir, str(tmp_path / "ckpts"))
     committed = [e.step for e in fmt.list_checkpoints(run) if e.committed]
     assert committed[-1] == 8  # the run's end is flushed
     ck = fmt.open_checkpoint(run.uri)
@@ -79,6 +83,11 @@ def test_flush_then_resume_with_another_width_is_bit_identical(nodes, corpus_dir
     finally:
         b.shutdown()
 
+
+@pytest.mark.slow  # a third run; the suite's rollback to the durable checkpoint is checked bit for bit below
+def test_a_resume_at_the_same_width_from_an_earlier_checkpoint_repeats_the_losses(nodes, corpus_dir, tmp_path):
+    losses_a, _, run = _flushed_run(nodes, corpus_dir, str(tmp_path / "ckpts"))
+    committed = [e.step for e in fmt.list_checkpoints(run) if e.committed]
     earlier = max(s for s in committed if s < 8)  # same width from an earlier checkpoint: the same losses
     c = make_trainer(nodes, corpus_dir, "parallel.dp=2", resume=run.uri + "/" + fmt.checkpoint_dir(earlier))
     try:

@@ -197,6 +197,7 @@ def test_adjacent_stages_lost_beyond_parity_is_a_clear_error_and_keeps_survivors
         t.shutdown()
 
 
+@pytest.mark.slow  # the suite keeps the same recovery struck at the backward, all-reduce and update ops (below)
 def test_lost_replica_is_copied_from_its_data_parallel_peer_without_rollback(nodes, corpus_dir, clean):
     dp = ("parallel.stages=2", "parallel.dp=2")
     t = make_trainer(nodes, corpus_dir, *dp, "chaos.events=[{step: 5, kill: stage, stage: 1, replica: 1, how: sigkill}]")

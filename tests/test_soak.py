@@ -299,8 +299,10 @@ def test_soak_of_faults_at_their_worst_moments_holds_every_invariant(cluster, co
     assert report["by_moment"]["drain"] == {"injected": 1, "survived": 1}  # a node removed while another node's drain was pending
     assert report["by_moment"]["flush"] == {"injected": 1, "survived": 1}  # every 2nd commit flushes: one comes within 5 steps
     (trial,) = report["trials"]
-    assert [(f["kind"], f["stage"]) for f in trial["faults"]] == [
-        ("stage", 2), ("stage", 1), ("manager", 2), ("flush", 0), ("pause", 3), ("stage", 2), ("drain", 1), ("node", 0)]
+    # in the order struck: a fault that waits for its moment (the flush) can push the pause past the hooked kill
+    assert sorted((f["kind"], f["stage"]) for f in trial["faults"]) == sorted([
+        ("stage", 2), ("stage", 1), ("manager", 2), ("flush", 0), ("pause", 3), ("stage", 2), ("drain", 1), ("node", 0)])
+    assert len({f["step"] for f in trial["faults"]}) == 6  # one step per fault (a primer strikes in its fault's step)
     assert trial["durable"] is not None and trial["durable_error"] is None  # the final checkpoint verified
     assert "a byte flipped in a copy of it was detected" in trial["durable"]
 
