@@ -248,6 +248,30 @@ def test_a_fault_deferred_into_a_hooked_faults_step_waits_one_more_step():
     assert trial.later == {16: stage, 17: Fault(FaultKind.PAUSE, 17, 3)}
 
 
+def test_a_resize_fault_whose_shrink_grew_back_before_its_turn_shrinks_the_run_again():
+    """A resize fault came due while an earlier shrink was still growing back (no primer of its
+    own); the run grew back before a spare was seen. It must not strike between steps: it
+    shrinks the run again (a suite run struck it at a step, and the soak missed the moment)."""
+    from types import SimpleNamespace
+
+    from elastic_llm.soak.runner import _Grow, _Trial
+
+    fault = Fault(FaultKind.MANAGER, 7, 1, Moment.RESIZE)
+    elastic = SimpleNamespace(bounds=lambda dp: (1, 2))
+    t = SimpleNamespace(group=SimpleNamespace(spares=[], width=2), cfg=SimpleNamespace(elastic=elastic, parallel=SimpleNamespace(dp=2)), state=None)
+    trial = _Trial(None, TrialPlan(0, (fault,), 14), t)
+    primed = []
+    trial._shrink_first = lambda f, step: primed.append((f, step))
+    trial.growing = _Grow(fault, 7, 0, shrunk=True, primed=False)
+    trial._resize_step(8)
+    assert primed == [(fault, 8)] and trial.growing is None and trial.injections == []
+    trial.growing = _Grow(fault, 7, 0, shrunk=True, primed=True)  # its own primer's shrink grew back: that was its moment, missed
+    trial._settle = lambda step: None
+    trial._inject = lambda f, moment: trial.injections.append((f, moment))
+    trial._resize_step(8)
+    assert trial.injections == [(fault, Moment.STEP)] and len(primed) == 1
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--faults", "stage,disk"], "unknown fault kind 'disk'"),
     (["--trials", "0"], "--trials=0 must be >= 1"),

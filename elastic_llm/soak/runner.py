@@ -3,7 +3,7 @@
 Owns: the loopback ``ray.cluster_utils.Cluster`` of a soak (a head without CPUs plus
 ``workers`` nodes), the reference run (undisturbed, same config and seed; trained once and
 shared by the trials, whose configs are the same), and each trial's soaked run (with a durable
-tier of its own, flushing every :data:`DURABLE_EVERY` committed snapshots, unless its config has
+tier of its own, flushing every :data:`DURABLE_EVERY` committed snapshots at :data:`FLUSH_MB_S`, unless its config has
 one): it trains in a thread while this (main) thread strikes each fault from outside the run
 once the fault's step finished: SIGKILL of a stage's or a snapshot manager's process (also while
 it writes a durable flush), removal of a node (a fresh node takes its place), a Ray drain (the
@@ -66,6 +66,9 @@ DRAIN_EXTRA_STEPS = 10  # most steps a run is lengthened while a drain's moves (
 RESIZE_STEPS = 15  # steps a resize fault waits for the run to shrink, then for its grow to start, before it strikes between steps
 DURABLE_EVERY = 2  # a trial flushes every 2nd committed snapshot (unless its config has a durable tier)
 MOMENT_STEPS = 5  # steps a fault waits for a snapshot or flush in flight before it strikes between steps
+# a trial's flush writes are throttled to this (MB/s per manager): a flush then spans several steps,
+# so a fault aimed at one finds one (unthrottled, a small model's flush can start and end within a step)
+FLUSH_MB_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -371,7 +374,7 @@ class _Trial:
         last = g.width - 1
         victim = next((g.nodes[k] for k in g.keys() if k.replica == last and last > 0 and g.nodes[k] != mine), None)
         if victim is None:  # one replica left (an earlier shrink not grown back yet): no primer
-            self.growing = _Grow(fault, step, len(self.t.resizes), shrunk=True)
+            self.growing = _Grow(fault, step, len(self.t.resizes), shrunk=True, primed=False)
             return
         self._settle(step)
         say(f"trial {self.plan.trial}: resize primer: node {victim[:8]} of replica {last} removed, no fresh node yet")
@@ -396,6 +399,10 @@ class _Trial:
             w.step, w.shrunk = step, True
             return
         hi = self.t.cfg.elastic.bounds(self.t.cfg.parallel.dp)[1]
+        if not w.primed and g.width >= hi and not g.spares and step < w.step + RESIZE_STEPS:
+            self.growing = None  # the earlier shrink grew back before this fault's turn: shrink the run again
+            self._shrink_first(w.fault, step)
+            return
         if g.spares or isinstance(self.t.state, Resizing):
             moment = Moment.RESIZE
         elif g.width >= hi or step >= w.step + RESIZE_STEPS:
@@ -453,25 +460,28 @@ class _Trial:
                 return
             time.sleep(POLL_S)
 
-    def _manager_alive(self, f: Fault) -> bool:
-        """Whether the run's manager on fault ``f``'s stage's node answers (a dead one is a
-        killed manager the run has not replaced yet: there is nothing to strike)."""
+    def _manager_pid(self, node: str) -> int | None:
+        """The process of the run's snapshot manager on ``node`` (None: there is none, or it is
+        dead: a killed manager the run has not replaced yet)."""
         import ray
 
-        handle = self.t.snapshots.managers.get(self.t.group.nodes[ShardKey(f.stage, 0)]) if self.t.snapshots is not None else None
+        handle = self.t.snapshots.managers.get(node) if self.t.snapshots is not None else None
         if handle is None:
-            return False
+            return None
         try:
-            ray.get(handle.__ray_call__.remote(_pid), timeout=STRIKE_S)
+            return int(ray.get(handle.__ray_call__.remote(_pid), timeout=STRIKE_S))
         except ray.exceptions.RayActorError:
-            return False
-        return True
+            return None
+
+    def _manager_alive(self, f: Fault) -> bool:
+        """Whether the run's manager on fault ``f``'s stage's node answers (there is nothing to strike otherwise)."""
+        return self._manager_pid(self.t.group.nodes[ShardKey(f.stage, 0)]) is not None
 
     def _kill_manager(self, f: Fault, node: str) -> tuple[int, Any]:
-        import ray
-
         handle = self.t.snapshots.managers[node]
-        pid = ray.get(handle.__ray_call__.remote(_pid), timeout=STRIKE_S)
+        pid = self._manager_pid(node)
+        if pid is None:
+            raise RuntimeError(f"the snapshot manager of node {node[:8]} is already dead: nothing to kill")
         os.kill(pid, signal.SIGKILL)
         self.managers.append((len(self.injections), node, handle, f.step))
         return pid, handle
@@ -570,6 +580,7 @@ class _Grow:
     step: int
     resizes: int
     shrunk: bool = False
+    primed: bool = True  # its primer removed a node (else it came while an earlier shrink was growing back)
 
 
 class SoakAborted(RuntimeError):
@@ -698,7 +709,7 @@ class Soak:
     def _durable_overrides(self, out: Path) -> list[str]:
         if self.load([]).durable.storage_path:
             return []
-        return [f"durable.storage_path={out / 'durable'}", f"durable.every={DURABLE_EVERY}"]
+        return [f"durable.storage_path={out / 'durable'}", f"durable.every={DURABLE_EVERY}", f"durable.max_write_mb_s={FLUSH_MB_S:g}"]
 
     def _driver_trial(self, plan: TrialPlan, out: Path) -> TrialRun:
         """A run whose driver is an ``elastic-llm train`` process: SIGKILLed once its metrics
