@@ -98,7 +98,10 @@ def stdlib_sources() -> list[str]:
 # --------------------------------------------------------------------------- reading sources
 
 
-def _expand(uri: str) -> list[tuple[pafs.FileSystem, str]]:
+def _expand(uri: str) -> list[tuple[pafs.FileSystem, str, str]]:
+    """(filesystem, path, split key) of every readable file under ``uri``. The split key is the
+    path relative to the directory given (the file's name for a file given), so a corpus gets
+    the same train / validation split wherever it lives."""
     fs, path = resolve(uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
@@ -110,8 +113,9 @@ def _expand(uri: str) -> list[tuple[pafs.FileSystem, str]]:
             for i in infos
             if i.type == pafs.FileType.File and i.path.endswith(TEXT_SUFFIXES + (".jsonl", ".parquet"))
         )
-        return [(fs, p) for p in paths]
-    return [(fs, path)]
+        root = path.rstrip("/") + "/"
+        return [(fs, p, p.removeprefix(root)) for p in paths]
+    return [(fs, path, path.rsplit("/", 1)[-1])]
 
 
 def _documents(fs: pafs.FileSystem, path: str) -> Iterator[str]:
@@ -140,12 +144,13 @@ def _documents(fs: pafs.FileSystem, path: str) -> Iterator[str]:
         yield text
 
 
-def _split_documents(files: list[tuple[pafs.FileSystem, str]], val_fraction: float) -> Iterator[tuple[str, str]]:
-    """(split, document) of every document, in order; the split depends only on path and index."""
+def _split_documents(files: list[tuple[pafs.FileSystem, str, str]], val_fraction: float) -> Iterator[tuple[str, str]]:
+    """(split, document) of every document, in order; the split depends only on the file's
+    split key (its path within its source) and the document's index."""
     index = 0
-    for fs, path in files:
+    for fs, path, key in files:
         for doc in _documents(fs, path):
-            yield ("val" if _is_val(path, index, val_fraction) else "train"), doc
+            yield ("val" if _is_val(key, index, val_fraction) else "train"), doc
             index += 1
 
 
@@ -220,7 +225,7 @@ def prepare(
     if not 0 < val_fraction < 1:
         raise DataError(f"val_fraction={val_fraction} must be in (0, 1)")
     builtin = not sources
-    files: list[tuple[pafs.FileSystem, str]] = []
+    files: list[tuple[pafs.FileSystem, str, str]] = []
     for uri in sources or stdlib_sources():
         files += _expand(uri)
     if not files:

@@ -28,6 +28,20 @@ def sources(tmp_path):
     return src
 
 
+def test_the_split_is_the_same_wherever_the_corpus_lives(sources, tmp_path):
+    """The train / validation split depends on a file's path within its source, not on where the
+    source directory is (a split keyed on absolute paths once left a 40-file corpus without a
+    validation document in one pytest temp directory out of ~70)."""
+    import shutil
+
+    moved = tmp_path / "elsewhere" / "deeper" / "corpus"
+    shutil.copytree(sources, moved)
+    a = prepare([str(sources)], tmp_path / "a", val_fraction=0.2)
+    b = prepare([str(moved)], tmp_path / "b", val_fraction=0.2)
+    assert (a["train_tokens"], a["val_tokens"]) == (b["train_tokens"], b["val_tokens"])
+    assert np.array_equal(load_split(tmp_path / "a", "val"), load_split(tmp_path / "b", "val"))
+
+
 def test_prepare_reads_text_jsonl_parquet_and_splits(sources, tmp_path):
     out = tmp_path / "shards"
     meta = prepare([str(sources)], out, val_fraction=0.2)
