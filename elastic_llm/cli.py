@@ -1,10 +1,10 @@
-"""Command line: ``elastic-llm train | submit | status | spot-watcher | prepare | replay | chaos |
-experiment | checkpoints | export | bench``.
+"""Command line: ``elastic-llm train | submit | status | spot-watcher | prepare | replay | simulate |
+chaos | experiment | checkpoints | export | bench``.
 
 Owns: argument parsing and turning user errors into one clear message and exit code 2.
 Everything else is delegated (controller, data, bench).
 
-Why ~520 lines: eleven subcommands, each with its options, help text and the checks that turn a
+Why ~580 lines: twelve subcommands, each with its options, help text and the checks that turn a
 bad argument into a message naming it; each command body is a few lines handing over to the
 module that does the work.
 """
@@ -106,6 +106,47 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     report = Replay(cfg, plan, ReplayOptions(args.cpus_per_node, args.seed, not args.no_progress)).run(args.out)
     keys = ("steps", "committed_steps_lost", "useful_fraction", "seconds_by_state", "events", "failed")
+    print(json.dumps({k: report[k] for k in keys}))
+    print(f"wrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.png'}", file=sys.stderr)
+    return int(report["exit_code"])
+
+
+def _simulate_problem(args: argparse.Namespace) -> str | None:
+    """The first bad ``simulate`` argument, named with its fix (pure)."""
+    for name in ("nodes", "stages", "replicas"):
+        if getattr(args, name) < 1:
+            return f"--{name}={getattr(args, name)} must be >= 1"
+    if args.trace is None and args.steps is None:
+        return "--steps: without --trace the simulation needs --steps K (how many steps to run)"
+    if args.trace is None and (args.window or args.notice_s):
+        return "--window and --notice-s go with --trace: pass a trace or drop them"
+    if args.slots_per_node is not None and args.slots_per_node < 1:
+        return f"--slots-per-node={args.slots_per_node} must be >= 1"
+    if args.process_failures_per_hour < 0:
+        return f"--process-failures-per-hour={args.process_failures_per_hour:g} must be >= 0"
+    return None
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from elastic_llm.config import load_config
+    from elastic_llm.replay.trace import parse_window
+    from elastic_llm.sim.costs import CostError, load_costs
+    from elastic_llm.sim.runner import SimOptions, simulate
+
+    problem = _simulate_problem(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    cfg = load_config(args.config, list(args.set or []))
+    try:
+        costs = load_costs(args.cost)
+        options = SimOptions(args.nodes, args.stages, args.replicas, args.trace, parse_window(args.window) if args.window else None,
+                             args.notice_s, args.time_scale, args.steps, args.slots_per_node, args.process_failures_per_hour, args.seed)
+        report = simulate(cfg, options, costs, args.out)
+    except (ValueError, CostError) as e:  # TraceError and ConfigError too: they name the line or the field and the fix
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    keys = ("steps", "committed_steps_lost", "useful_fraction", "seconds_by_state", "events", "controller_cpu", "failed", "real_s")
     print(json.dumps({k: report[k] for k in keys}))
     print(f"wrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.png'}", file=sys.stderr)
     return int(report["exit_code"])
@@ -414,6 +455,26 @@ def _replay_command(sub: Any) -> None:
     rp.set_defaults(func=cmd_replay)
 
 
+def _simulate_command(sub: Any) -> None:
+    sm = sub.add_parser("simulate", help="the real controller on a simulated fleet (no Ray): a trace or a fault schedule, in simulated time")
+    sm.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml; jobs/sim-fleet.yaml has 64 layers)")
+    sm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
+    sm.add_argument("--nodes", type=int, required=True, help="nodes of the fleet (with --trace: at the window's start; the trace is scaled to it)")
+    sm.add_argument("--stages", type=int, required=True, help="pipeline stages (must divide model.n_layers)")
+    sm.add_argument("--replicas", type=int, required=True, help="data-parallel replicas at the start")
+    sm.add_argument("--trace", help="CSV lines time_ms,add|remove,node_name (Parcae's format); without it the fleet is steady")
+    sm.add_argument("--window", help="START_S:END_S, the stretch of trace time to simulate (default: all of it)")
+    sm.add_argument("--time-scale", type=float, default=1.0, help="trace seconds per simulated second (default 1: real time)")
+    sm.add_argument("--notice-s", type=float, default=0.0, help="drain each removed node this many seconds before it goes (default 0: no notice)")
+    sm.add_argument("--steps", type=int, help="stop after this many steps (needed without --trace)")
+    sm.add_argument("--slots-per-node", type=int, help="stage actors a node holds (default: stages x replicas / nodes, rounded up)")
+    sm.add_argument("--process-failures-per-hour", type=float, default=0.0, help="stage processes dying on live nodes, per actor per hour (seeded)")
+    sm.add_argument("--cost", default="cpu-2core", help="cost model: a YAML file or a profile (cpu-2core: measured here; gpu-a100: published figures)")
+    sm.add_argument("--seed", type=int, default=0, help="seed of the trace's victims and of the fault schedule")
+    sm.add_argument("--out", required=True, help="directory for replay.json, replay.png and metrics.jsonl")
+    sm.set_defaults(func=cmd_simulate)
+
+
 def _chaos_command(sub: Any) -> None:
     ch = sub.add_parser("chaos", help="soak runs on a loopback Ray cluster with seeded faults; check them against an undisturbed run")
     ch.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
@@ -497,6 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     _spot_watcher_command(sub)
     _prepare_command(sub)
     _replay_command(sub)
+    _simulate_command(sub)
     _chaos_command(sub)
     _experiment_command(sub)
     _checkpoints_command(sub)

@@ -318,6 +318,7 @@ class End(Event):
     tokens: int
     elapsed_s: float
     seconds_by_state: dict[str, float] = field(default_factory=dict)
+    cpu_by_state: dict[str, float] = field(default_factory=dict)  # the driver's CPU seconds in each state
 
 
 KINDS: dict[str, type[Event]] = {cls.kind.value: cls for cls in Event.__subclasses__()}

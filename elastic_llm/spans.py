@@ -12,13 +12,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 KEEP = 4096  # spans kept (older ones are dropped)
 
 
 class Spans:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # a simulation passes its simulated perf_counter
         self.records: deque[tuple[str, float, float]] = deque(maxlen=KEEP)
         self._open: dict[str, int] = {}  # names of the spans in progress (a nested one of the same name is not recorded)
 
@@ -26,13 +27,13 @@ class Spans:
     def span(self, name: str) -> Iterator[None]:
         outer = self._open.get(name, 0) == 0
         self._open[name] = self._open.get(name, 0) + 1
-        t = time.perf_counter()
+        t = self.clock()
         try:
             yield
         finally:
             self._open[name] -= 1
             if outer:
-                self.records.append((name, t, time.perf_counter()))
+                self.records.append((name, t, self.clock()))
 
     def totals(self, since: float, until: float | None = None) -> dict[str, float]:
         """Seconds per span name (as ``<name>_s``) of the spans that started in [since, until]

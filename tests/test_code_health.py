@@ -36,9 +36,9 @@ def test_mypy_finds_nothing(tmp_path):
 
 # Lowest first: a unit may import only units before it (and its own package's modules).
 LAYERS = (
-    "sources", "events", "files", "spans", "telemetry", "cadence", "model", "config", "stream", "data", "checkpoint", "export",
+    "sources", "clock", "events", "files", "spans", "telemetry", "cadence", "model", "config", "stream", "data", "checkpoint", "export",
     "snapshot", "durable", "recovery", "monitor", "pipeline", "chaos", "controller",
-    "ops", "experiment", "replay", "soak", "cli",
+    "ops", "experiment", "replay", "sim", "soak", "cli",
 )
 
 

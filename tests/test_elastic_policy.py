@@ -8,8 +8,8 @@ from elastic_llm.snapshot.records import ShardKey
 NODES = tuple((ShardKey(s, r), f"n{s + 2 * r}") for r in range(2) for s in range(2))  # 2 stages x 2 replicas on n0..n3
 
 
-def view(draining=(), spares=(), stage_spares=(), free=None, room=None, width=2, wall=1000.0):
-    return ElasticView(tuple(draining), NODES, width, 2, tuple(spares), tuple(stage_spares), free, room, wall)
+def view(draining=(), spares=(), stage_spares=(), free=None, room=None, width=2, wall=1000.0, step_s=0.0):
+    return ElasticView(tuple(draining), NODES, width, 2, tuple(spares), tuple(stage_spares), free, room, wall, step_s)
 
 
 def spare(ready=False, nodes=(), age=1.0, key=None):
@@ -29,6 +29,19 @@ def test_a_drain_starts_the_stage_spare_its_move_needs_and_waits_for_it():
     near = decide(view([drain], stage_spares=[started], free=0, wall=1057.0), set(), 2, 1)
     assert near.drains == (drain,)  # 3 s left: act with what there is
     assert decide(view([drain], free=1), {"n1"}, 2, 1).drains == ()  # acted on before: not again
+
+
+def test_a_drain_due_before_the_next_look_is_acted_on_now():
+    """With 12 s steps (a large model) a drain 15 s from its deadline cannot wait one more step
+    for its spare: the simulated 256-node fleet lost nodes mid-step that way."""
+    from elastic_llm.controller.elastic import LookTimer
+
+    drain = Drain("n1", 1015.0)
+    started = spare(ready=False, nodes={"n4"}, key=ShardKey(1, 0))
+    assert decide(view([drain], stage_spares=[started], free=0, step_s=1.0), set(), 2, 1).drains == ()  # short steps: wait
+    assert decide(view([drain], stage_spares=[started], free=0, step_s=12.0), set(), 2, 1).drains == (drain,)
+    timer = LookTimer()
+    assert [timer.look(t) for t in (0.0, 12.0, 24.5, 80.0, 92.0)] == [0.0, 12.0, 12.0, 12.0, 12.0]  # a 55 s pause does not count
 
 
 def test_no_room_to_move_acts_at_once_and_a_whole_replica_needs_a_spare():

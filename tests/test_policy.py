@@ -107,6 +107,24 @@ def test_no_whole_replica_no_shrink():
     assert plan.drop_replicas == ()
 
 
+def test_with_every_replica_broken_unplaceable_ones_go_while_the_rest_hold_every_stage():
+    """A burst of losses across a large fleet leaves no replica whole (the simulated 256-node
+    fleet waited for capacity forever on this): replicas that cannot be placed are dropped as
+    long as the kept ones hold a live copy of every stage, which their lost actors copy."""
+    members = pipeline(dead={(1, 0), (2, 1), (3, 2)}, dp=3)
+    plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n2", "n3"}, unplaceable={2}))
+    assert plan.drop_replicas == (2,) and plan.width == (3, 2) and plan.rollback_to is None
+    assert [(a.stage, a.replica, a.source, a.peer) for a in plan.actions] == [(1, 0, "dp_peer", 1), (2, 1, "dp_peer", 0)]
+    # dropping both unplaceable replicas would leave stage 2 without a live copy: only one goes
+    both = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n2", "n3"}, unplaceable={1, 2}))
+    assert both.drop_replicas == (2,)
+    # survivors at different steps: nothing is dropped (peers do not hold the same state)
+    from elastic_llm.recovery.policy import replicas_to_drop
+
+    members[0] = Member(0, 0, "n0", True, 6)
+    assert replicas_to_drop(elastic_obs(members, dead_nodes={"n1", "n2", "n3"}, unplaceable={2})) == ()
+
+
 def test_dropping_renumbers_the_rest_and_repairs_them_from_a_peer():
     # width 3: replica 0 loses a stage it cannot place, replica 2 loses one it can place
     members = pipeline(dead={(1, 0), (3, 2)}, dp=3)

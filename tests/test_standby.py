@@ -84,6 +84,21 @@ def test_drain_moves_prefers_just_the_stages_when_there_is_room_for_them():
     assert drain_moves({0: 2, 1: 2}, 4, 3, False, 2, 1) == {0: Move.STAGES, 1: Move.DROP}
 
 
+def test_a_burst_of_notices_drops_only_the_replicas_that_free_room_for_the_rest():
+    """16 replicas of 64 stages, 12 of them with actors on draining nodes and no free slot: the
+    old rule dropped all 12 (the simulated fleet went 15 -> 1). Now the most affected go until
+    the slots they free hold what the others lose; those stay and copy a peer when their nodes go."""
+    from elastic_llm.controller.elastic import drops_for
+
+    on = {r: 4 + (r % 3) for r in range(12)}  # 4-6 actors each on the draining nodes
+    moves = drain_moves(on, 64, 0, False, 16, 1)
+    dropped = [r for r, m in moves.items() if m is Move.DROP]
+    assert len(dropped) == 1 and moves[dropped[0]] is Move.DROP and on[dropped[0]] == 6
+    assert sum(m is Move.STAY for m in moves.values()) == 11
+    assert drops_for({0: 4}, 4, 0, 2, 1) == {0}  # a whole replica's worth on the nodes: nothing stays behind it
+    assert drops_for({0: 2, 1: 2}, 4, 0, 2, 2) == set()  # min_replicas: nobody goes, both stay
+
+
 def test_spans_sum_per_name_and_count_a_nested_span_once():
     s = Spans()
     with s.span("state"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.drains import Drain
 from elastic_llm.controller.states import Capacity
@@ -64,10 +65,14 @@ class Elastic(Protocol):
 
 @dataclass
 class Parts:
-    """What a Trainer runs on instead of Ray (then it starts no Ray, no snapshot managers, no
-    monitor actor: ``snapshot.enabled`` must be false)."""
+    """What a Trainer runs on instead of Ray (then it starts no Ray and no monitor actor).
+    ``snapshots``: a :class:`~elastic_llm.snapshot.coordinator.SnapshotCoordinator` on injected
+    manager calls (a simulation); without one ``snapshot.enabled`` must be false. ``clock``: the
+    controller's clock (None: the machine's)."""
 
     group: Group
     recovery: Recovery
     elastic: Elastic
     make_executor: Callable[[list[list[Any]], RunConfig], StepExecutor]
+    snapshots: Any = None
+    clock: Clock | None = None

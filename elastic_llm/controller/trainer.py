@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from elastic_llm.chaos import Chaos, ChaosExecutor, ChaosTargets
+from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import ConfigError, RunConfig
 from elastic_llm import events
 from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable, PlanNotFollowed
@@ -164,11 +165,12 @@ class Trainer:
         parts: Parts | None = None,
     ) -> None:
         self.cfg = cfg
-        if parts is not None and cfg.snapshots_on:
-            raise ConfigError("a Trainer on injected parts (no Ray) runs without snapshots: set snapshot.enabled=false")
+        if parts is not None and parts.snapshots is None and cfg.snapshots_on:
+            raise ConfigError("a Trainer on injected parts (no Ray) and no injected snapshot coordinator runs without snapshots: set snapshot.enabled=false")
         self.parts = parts
         self.wait_poll_s = WAIT_POLL_S  # how often capacity is looked at while waiting
         self.make_executor = parts.make_executor if parts is not None else ray_executor
+        self.clock: Clock = parts.clock if parts is not None and parts.clock is not None else SYSTEM  # a simulation passes its own
         self.address = address
         self.dashboard = dashboard
         self.run_id = uuid.uuid4().hex[:6]
@@ -178,9 +180,10 @@ class Trainer:
         self.progress = Progress()  # step, failures, budget, ...: replaced, never changed in place
         self.state: State = Starting()
         self.seconds_by_state: dict[str, float] = {}
+        self.cpu_by_state: dict[str, float] = {}  # the driver process's CPU seconds (time.process_time) in each state's handler
         self.owns_ray = False
         self.group: Group | None = parts.group if parts is not None else None
-        self.snapshots: Any = None
+        self.snapshots: Any = parts.snapshots if parts is not None else None
         self.recovery: Recovery | None = None
         self.elastic: Elastic | None = None
         self.checkpoints: CheckpointExecutor | None = None  # recovery.mode: checkpoint
@@ -192,12 +195,13 @@ class Trainer:
         self.end = cfg.train.max_steps  # fit(max_steps) may change it
         self.history: list[dict[str, Any]] = []
         self.recoveries: list[events.Recovery] = []
+        self.plan_cpu_s: list[float] = []  # per recovery plan made: the driver's CPU seconds to observe and decide
         self.committed_steps_lost = 0  # committed steps that rollbacks undid (beyond the newest committed snapshot)
         self.resizes: list[events.Resize] = []
         self.drains: list[events.Drain] = []
         self._t0: float | None = None
         self._standby_look = float("-inf")
-        self._own_spans = Spans()
+        self._own_spans = Spans(self.clock.perf_counter)
         self.watch: NodeWatch | None = None  # the driver's node probes (recovery.node_probe_s)
         self._adopted_seen = 0  # standbys adopted when the pool was last topped up
         self.bar = ProgressBar(progress, cfg.name)
@@ -239,7 +243,7 @@ class Trainer:
         :class:`CapacityUnavailable` when the actors cannot be placed now."""
         if self.executor is not None:
             return
-        t0 = time.perf_counter()
+        t0 = self.clock.perf_counter()
         spans = self._own_spans
         if self.parts is None:
             self._start_ray_parts()
@@ -352,7 +356,7 @@ class Trainer:
         import ray
 
         assert self.group is not None and self.reattach is not None
-        t = time.perf_counter()
+        t = self.clock.perf_counter()
         sn = self.snapshots
         rec = sn.committed if sn is not None else None
         try:
@@ -386,7 +390,7 @@ class Trainer:
         position = rec.shard(ShardKey(0, 0)).data_position()
         if position:
             self.stream.seek(position)
-        seconds = time.perf_counter() - t
+        seconds = self.clock.perf_counter() - t
         log(f"resumed run {self.run_id} from its committed in-memory snapshot of step {rec.version} in {seconds:.1f} s")
         self.metrics.emit(events.Reattach(step=rec.version, run_id=self.run_id, seconds=seconds, managers=len(sn.managers)))
 
@@ -396,7 +400,7 @@ class Trainer:
         import ray
 
         assert self.group is not None
-        t = time.perf_counter()
+        t = self.clock.perf_counter()
         calls = [self.ray_group.actor(k).load_durable.remote(ck.storage.uri, ck.name) for k in self.ray_group.keys()]
         try:
             ray.get(calls, timeout=RESUME_S)
@@ -409,7 +413,7 @@ class Trainer:
         self.progress = self.progress.resumed(ck.step)
         if ck.manifest.get("data_position"):
             self.stream.seek(ck.manifest["data_position"])
-        seconds = time.perf_counter() - t
+        seconds = self.clock.perf_counter() - t
         log(f"resumed from {ck.uri} at step {ck.step} ({ck.manifest.get('width')} replica(s) x {ck.manifest.get('stages')} stages then) in {seconds:.1f} s")
         self.metrics.emit(events.Resume(step=ck.step, path=ck.uri, seconds=seconds, width_then=ck.manifest.get("width"), stages_then=ck.manifest.get("stages")))
 
@@ -429,6 +433,8 @@ class Trainer:
         """CheckFree+: copy the embedding / LM head onto the neighbouring stages (every
         ``checkfree.mirror_every`` steps; ``force`` after start and after every recovery)."""
         every = self.cfg.checkfree.mirror_every
+        if self.parts is not None:  # injected parts (a simulation) hold no layers to mirror
+            return
         if self.cfg.mirrors and self.group is not None and (force or self.step % every == 0):
             refresh_mirrors(self.ray_group, self.step)
 
@@ -451,10 +457,10 @@ class Trainer:
         self.setup()
         assert self.executor is not None and self.group is not None
         if self._t0 is None:
-            self._t0 = time.perf_counter()
+            self._t0 = self.clock.perf_counter()
         step = self.step + 1
         position = self.stream.at()
-        ts = time.perf_counter()
+        ts = self.clock.perf_counter()
         self.interrupted = None
         try:
             x, y = self.stream.next_batch(self.cfg.train.batch_size)
@@ -475,7 +481,7 @@ class Trainer:
 
     def _finish_step(self, step: int, result: StepResult, ts: float) -> dict[str, Any]:
         """Count ``step`` as done: step counter, validation, the step's record."""
-        now = time.perf_counter()
+        now = self.clock.perf_counter()
         if self.snapshots is not None:
             self.snapshots.observe_step(now - ts, began=self.snapshots.last_begin == step)
             self.snapshots.poll()
@@ -490,7 +496,7 @@ class Trainer:
         if self.checkpoints is not None and self.checkpoints.due(step):
             self._checkpoint(step)
         self.progress = self.progress.committed(self.committed_step)
-        now = time.perf_counter()
+        now = self.clock.perf_counter()
         assert self.group is not None and self._t0 is not None  # set when the run started and its first step began
         prob = self.chaos.observe_step(step, now - ts, self.group.width)
         if prob is not None:
@@ -580,9 +586,12 @@ class Trainer:
         }
         try:
             while not is_terminal(self.state):
-                t = time.perf_counter()
-                new = handlers[type(self.state)](self.state)
-                self.seconds_by_state[self.state.name] = self.seconds_by_state.get(self.state.name, 0.0) + time.perf_counter() - t
+                t, cpu, name = self.clock.perf_counter(), time.process_time(), self.state.name
+                try:
+                    new = handlers[type(self.state)](self.state)
+                finally:  # counted also when a handler is interrupted (a simulation's end, Ctrl-C)
+                    self.seconds_by_state[name] = self.seconds_by_state.get(name, 0.0) + self.clock.perf_counter() - t
+                    self.cpu_by_state[name] = self.cpu_by_state.get(name, 0.0) + time.process_time() - cpu
                 self._enter(new)
         finally:
             self.bar.close()
@@ -593,8 +602,9 @@ class Trainer:
             self.snapshots.poll(block=True)
         if self.durable is not None:
             self.durable.finish()
-        elapsed = time.perf_counter() - self._t0 if self._t0 is not None else 0.0
-        self.metrics.emit(events.End(step=self.step, tokens=self.tokens_seen, elapsed_s=elapsed, seconds_by_state=dict(self.seconds_by_state)))
+        elapsed = self.clock.perf_counter() - self._t0 if self._t0 is not None else 0.0
+        self.metrics.emit(events.End(step=self.step, tokens=self.tokens_seen, elapsed_s=elapsed, seconds_by_state=dict(self.seconds_by_state),
+                                   cpu_by_state={k: round(v, 4) for k, v in self.cpu_by_state.items()}))
         return self.history
 
     def _enter(self, new: State) -> None:
@@ -626,7 +636,7 @@ class Trainer:
         import ray
 
         pool = getattr(self.group, "pool", None)
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if pool is None or not pool.enabled:
             return
         lost = pool.check()
@@ -638,7 +648,7 @@ class Trainer:
         from elastic_llm.controller.drains import draining_nodes
 
         if self.cfg.recovery.standby == "auto":
-            pool.resize(self.failures, time.perf_counter() - (self._t0 or time.perf_counter()))
+            pool.resize(self.failures, self.clock.perf_counter() - (self._t0 or self.clock.perf_counter()))
         draining = draining_nodes()
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0 and n["NodeID"] not in draining]
         started = pool.ensure(nodes)
@@ -668,7 +678,7 @@ class Trainer:
         try:
             self.setup()
         except CapacityUnavailable as e:
-            return start_waiting(state, e.capacity, time.monotonic(), self.cfg.recovery.capacity_timeout_s)
+            return start_waiting(state, e.capacity, self.clock.monotonic(), self.cfg.recovery.capacity_timeout_s)
         return self._next()
 
     def _run(self, state: Running) -> State:
@@ -688,18 +698,20 @@ class Trainer:
 
         assert self.recovery is not None
         failure = state.failure
-        t0 = time.perf_counter()
+        t0 = self.clock.perf_counter()
         self._report_deaths()
         spans = self._spans()
         try:
             with spans.span("plan"):
+                cpu = time.process_time()
                 obs = self.recovery.observe(self.executor, failure.step)
                 plan = self.recovery_policy.decide(obs)
+                self.plan_cpu_s.append(time.process_time() - cpu)  # the driver's CPU to observe and decide (its Ray calls' waits excluded)
             log(f"recovery plan for {failure.where}: {plan}")
             self.chaos.fire("recovery", failure.step, self._targets())
             outcome = self.recovery.execute(plan, obs, self.step)
         except CapacityUnavailable as e:
-            return start_waiting(state, e.capacity, time.monotonic(), self.cfg.recovery.capacity_timeout_s)
+            return start_waiting(state, e.capacity, self.clock.monotonic(), self.cfg.recovery.capacity_timeout_s)
         except UnrecoverableError as e:
             return after_unrecoverable(failure, str(e))
         except SourceLost as e:  # a source the plan named was found gone: not a new failure, the run knows more now
@@ -709,7 +721,7 @@ class Trainer:
             again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during=During.RECOVERY)
             self.progress = self.progress.charged(again.step)
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)
-        self._apply(outcome, failure, time.perf_counter() - t0, spans.totals(t0))
+        self._apply(outcome, failure, self.clock.perf_counter() - t0, spans.totals(t0))
         return self._next()
 
     def _spans(self) -> Spans:
@@ -748,7 +760,7 @@ class Trainer:
         import ray
 
         assert self.elastic is not None
-        t0 = time.perf_counter()
+        t0 = self.clock.perf_counter()
         try:
             out = self.elastic.grow()
         except CapacityUnavailable as e:
@@ -765,8 +777,8 @@ class Trainer:
 
         assert self.elastic is not None
         nodes = frozenset(d.node_id for d in state.drains)
-        now = time.time()
-        t0 = time.perf_counter()
+        now = self.clock.time()
+        t0 = self.clock.perf_counter()
         try:
             deadlines = [d.deadline for d in state.drains if d.deadline is not None]
             ev = self.elastic.evacuate(nodes, min(deadlines) if deadlines else None)
@@ -793,14 +805,14 @@ class Trainer:
 
     def _wait(self, state: WaitingForCapacity) -> State:
         assert self.group is not None
-        time.sleep(self.wait_poll_s)
-        new = while_waiting(state, self.group.placed(), self.group.capacity(), time.monotonic())
+        self.clock.sleep(self.wait_poll_s)
+        new = while_waiting(state, self.group.placed(), self.group.capacity(), self.clock.monotonic())
         if isinstance(new, WaitingForCapacity):
             self._report_capacity(new)
         return new
 
     def _report_capacity(self, state: WaitingForCapacity, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if not force and now - self._last_report < self.cfg.recovery.capacity_report_s:
             return
         self._last_report = now

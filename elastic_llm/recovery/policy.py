@@ -112,17 +112,29 @@ class RecoveryPlan:
 
 
 def replicas_to_drop(obs: Observation) -> tuple[int, ...]:
-    """Broken replicas that cannot be placed now and may go: only while a whole replica
-    survives (every stage alive, all at one step), and never below ``min_width``."""
+    """Broken replicas that cannot be placed now and may go, never below ``min_width``: while a
+    whole replica survives (every stage alive, all at one step); or, when every replica is
+    broken (a burst of losses across a large fleet), while every survivor is at one step and
+    the replicas kept still hold a live copy of every stage between them, so each of their lost
+    actors copies a kept peer (as many of the candidates as keep that true, highest first)."""
     width = 1 + max((m.replica for m in obs.members), default=-1)
     broken = {m.replica for m in obs.members if not m.alive}
     whole = [r for r in range(width) if r not in broken]
-    whole_steps = {m.step for m in obs.members if m.replica in whole}
-    if not whole or len(whole_steps) != 1:
-        return ()
     candidates = sorted(broken & obs.unplaceable)
     room = max(0, width - obs.min_width)
-    return tuple(candidates[len(candidates) - room :]) if room < len(candidates) else tuple(candidates)
+    drop = candidates[len(candidates) - room :] if room < len(candidates) else candidates
+    if whole:
+        whole_steps = {m.step for m in obs.members if m.replica in whole}
+        return tuple(drop) if len(whole_steps) == 1 else ()
+    if len({m.step for m in obs.members if m.alive}) != 1:
+        return ()
+    stages = {m.stage for m in obs.members}
+    while drop:
+        gone = set(drop)
+        if {m.stage for m in obs.members if m.alive and m.replica not in gone} == stages:
+            return tuple(drop)
+        drop = drop[1:]  # keep the lowest candidate too
+    return ()
 
 
 def without_replicas(obs: Observation, drop: tuple[int, ...]) -> Observation:

@@ -1,0 +1,254 @@
+"""``elastic-llm simulate``: the real controller on a simulated fleet, in simulated time.
+
+Owns: turning a config, a fleet size, a trace (optional) and a cost model into one simulated run
+(:func:`simulate`): the world (:mod:`elastic_llm.sim.world`), the simulated executors
+(:mod:`elastic_llm.sim.parts`) injected into the real :class:`~elastic_llm.controller.Trainer`
+(its states, failure budget, recovery and elastic policies, snapshot coordinator, data stream),
+the stage-process fault schedule (seeded), the timeline, and the report in the replay's format
+(``replay.json``, ``replay.png``) plus what the controller's own code cost: process CPU seconds
+per step and per recovery plan, the run's handlers' CPU less the simulation's own bookkeeping.
+Never sleeps and never reads the machine's clock for anything simulated (only to say how long
+the simulation took); never starts Ray.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from elastic_llm.config import ConfigError, RunConfig, config_from_dict
+from elastic_llm.replay.report import seconds_with_room, useful_fraction, write_report
+from elastic_llm.replay.trace import ReplayPlan, load_trace, plan_replay
+from elastic_llm.sim.costs import CostModel
+from elastic_llm.sim.world import Charged, Fleet, SimCalls, SimClock, World
+from elastic_llm.snapshot.records import ShardKey
+from elastic_llm.sources import Mode
+
+SAMPLE_S = 1.0  # timeline resolution (simulated seconds)
+
+
+class SimulationOver(BaseException):
+    """The simulated clock reached the end of the trace: the run stops where it is (a
+    BaseException, so no handler of the controller takes it for a failure of the run)."""
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    nodes: int
+    stages: int
+    replicas: int
+    trace: str | None = None
+    window: tuple[float, float] | None = None
+    notice_s: float = 0.0
+    time_scale: float = 1.0
+    steps: int | None = None
+    slots_per_node: int | None = None  # stage actors a node holds (None: stages x replicas / nodes, rounded up)
+    process_failures_per_hour: float = 0.0  # per stage actor: stage processes that die on live nodes
+    seed: int = 0
+
+
+def say(line: str) -> None:
+    print(f"[simulate] {line}", file=sys.stderr, flush=True)
+
+
+def sim_config(cfg: RunConfig, o: SimOptions) -> RunConfig:
+    """``cfg`` at the simulated shape: ``--stages`` and ``--replicas``, no validation batches,
+    no chaos; refused (naming the field) where the simulation does not model a setting."""
+    if cfg.recovery.mode != Mode.LOSSLESS:
+        raise ConfigError(f"recovery.mode={cfg.recovery.mode}: simulate models the lossless mode only; set recovery.mode=lossless")
+    if cfg.durable.storage_path:
+        raise ConfigError("durable.storage_path is set: simulate does not model the durable tier; unset it (--set durable.storage_path=null)")
+    el = cfg.elastic
+    lo = min(el.min_replicas if el.min_replicas is not None else o.replicas, o.replicas)
+    hi = max(el.max_replicas if el.max_replicas is not None else o.replicas, o.replicas)
+    d = cfg.to_dict()
+    d["parallel"].update(stages=o.stages, dp=o.replicas)
+    d["train"].update(eval_every=0)
+    d["elastic"].update(min_replicas=lo, max_replicas=hi)
+    d["chaos"] = {}
+    if o.steps is not None:
+        d["train"]["max_steps"] = o.steps
+    return config_from_dict(d)
+
+
+def fleet_plan(o: SimOptions) -> ReplayPlan:
+    """The fleet over time: the trace scaled to ``--nodes`` nodes at its window's start, or a
+    steady fleet of ``--nodes`` (no actions; the run ends after ``--steps``)."""
+    if o.trace is None:
+        return ReplayPlan(tuple(f"n{i:04d}" for i in range(o.nodes)), (), math.inf, ((0.0, o.nodes),), ((0.0, o.nodes),))
+    events = load_trace(o.trace)
+    at_start = len(plan_replay(events, window=o.window, time_scale=o.time_scale).initial_nodes)
+    return plan_replay(events, window=o.window, time_scale=o.time_scale, node_scale=o.nodes / max(at_start, 1), notice_s=o.notice_s, seed=o.seed)
+
+
+class Simulation:
+    def __init__(self, cfg: RunConfig, options: SimOptions, costs: CostModel) -> None:
+        self.options, self.costs = options, costs
+        self.cfg = sim_config(cfg, options)
+        self.plan = fleet_plan(options)
+        n0 = max(1, len(self.plan.initial_nodes))
+        self.slots = options.slots_per_node or math.ceil(options.stages * options.replicas / n0)
+        self.clock = SimClock()
+        self.fleet = Fleet(self.clock, self.plan.initial_nodes, self.plan.actions, self.slots)
+        self.charged = Charged()
+        self.world = World(self.clock, self.fleet, costs, self.charged)
+        self.timeline: list[tuple[float, int, int]] = []
+        self.trainer: Any = None
+        self.error: BaseException | None = None
+        self.observe_charged: list[float] = []
+        self.t0 = 0.0  # simulated second the trace starts (after the run's start)
+        self._next_sample = 0.0
+        self._fault_schedule()
+
+    def _fault_schedule(self) -> None:
+        """Stage processes that die on live nodes: a seeded Poisson schedule over the run's
+        actors at their starting shape (an actor renumbered later inherits its slot's fate)."""
+        o = self.options
+        rate = o.process_failures_per_hour / 3600.0 * o.stages * o.replicas
+        if rate <= 0:
+            return
+        rng = random.Random(o.seed + 1)
+        end = self.plan.duration_s if math.isfinite(self.plan.duration_s) else (o.steps or 0) * 3600.0
+        t = rng.expovariate(rate)
+        while t < end:
+            self.fleet.process_deaths.append((t, ShardKey(rng.randrange(o.stages), rng.randrange(o.replicas))))
+            t += rng.expovariate(rate)
+
+    def _tick(self, now: float) -> None:
+        self.fleet.apply_until(now)
+        t = now - self.t0
+        while self._next_sample <= min(t, self.plan.duration_s):
+            self._sample(self._next_sample)
+            self._next_sample += SAMPLE_S
+        if t >= self.plan.duration_s:
+            raise SimulationOver()
+
+    def _sample(self, t: float) -> None:
+        self.timeline.append((round(t, 3), len(self.fleet.alive()), self.trainer.committed_step if self.trainer is not None else 0))
+
+    def build(self) -> Any:
+        from elastic_llm.controller.parts import Parts
+        from elastic_llm.controller.trainer import Trainer
+        from elastic_llm.sim.parts import SimElastic, SimGroup, SimRecovery, SimSnapshots, sim_executor
+
+        cfg = self.cfg
+        min_width = cfg.elastic.bounds(cfg.parallel.dp)[0]
+        group = SimGroup(cfg, self.world, self.charged)
+        sn = SimSnapshots(cfg, self.world, SimCalls(self.clock, self.charged)) if cfg.snapshots_on else None
+        if sn is not None:
+            sn.ensure_managers()
+        recovery = _CountingRecovery(SimRecovery(group, sn, min_width), self.charged, self.observe_charged)
+        parts = Parts(group=group, recovery=recovery, elastic=SimElastic(group, sn, cfg, min_width),
+                      make_executor=sim_executor(group), snapshots=sn, clock=self.clock)
+        self.trainer = Trainer(cfg, parts=parts, metrics_out=self.out / "metrics.jsonl")
+        self.charged.state_of = lambda: self.trainer.state.name
+        return self.trainer
+
+    def run(self, out_dir: str | Path) -> dict[str, Any]:
+        from elastic_llm.controller.trainer import UNTIL_STOPPED, RunFailed
+
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        real0 = time.perf_counter()  # only to say how long the simulation took
+        trainer = self.build()
+        trainer.setup()  # the run's start is not part of the trace (as in a replay)
+        self.t0 = self.clock.now
+        self.fleet.shift(self.t0)
+        self.clock.end = self.t0 + self.plan.duration_s
+        self.clock.on_advance = self._tick
+        try:
+            trainer.fit(self.options.steps if self.options.steps is not None else UNTIL_STOPPED)
+        except SimulationOver:
+            pass
+        except RunFailed as e:
+            self.error = e
+            say(f"the run stopped: {str(e).splitlines()[0]}")
+        finally:
+            trainer.metrics.close()
+        self.clock.on_advance = self.fleet.apply_until
+        self.clock.end = float("inf")
+        end = min(self.clock.now - self.t0, self.plan.duration_s)
+        self._sample(end)
+        report = self._report(end, time.perf_counter() - real0)
+        write_report(self.out, report, self.timeline)
+        return report
+
+    def _report(self, sim_s: float, real_s: float) -> dict[str, Any]:
+        t, o = self.trainer, self.options
+        per_replica = math.ceil(o.stages / self.slots)
+        duration = self.plan.duration_s if math.isfinite(self.plan.duration_s) else sim_s
+        alive = self.plan.replay_alive if math.isfinite(self.plan.duration_s) else ((0.0, o.nodes),)
+        room_s = seconds_with_room(alive, duration, per_replica)
+        training_s = t.seconds_by_state.get("running", 0.0)
+        recoveries = [r for r in t.recoveries if r.source != "none"]
+        steps_run = len(t.history)
+        running_cpu = t.cpu_by_state.get("running", 0.0) - self.charged.by_state.get("running", 0.0)
+        plans = [max(0.0, c - s) for c, s in zip(t.plan_cpu_s, self.observe_charged)]
+        return {
+            "title": f"simulation of {self.cfg.name}: {o.stages} stages x {o.replicas} replicas on {len(self.plan.initial_nodes)} nodes, "
+                     f"{len(self.plan.actions)} actions over {duration:.0f} s ({self.costs.name})",
+            "config": self.cfg.name,
+            "simulated": True,
+            "cost_model": {"name": self.costs.name, "provenance": self.costs.provenance},
+            "shape": {"stages": o.stages, "replicas": o.replicas, "nodes": len(self.plan.initial_nodes), "slots_per_node": self.slots,
+                      "actors": o.stages * o.replicas},
+            "steps": t.step,
+            "committed_steps": t.committed_step,
+            "committed_steps_lost": t.committed_step if getattr(self.error, "exit_code", None) == 3 else t.committed_steps_lost,
+            "seconds_by_state": {k: round(v, 3) for k, v in sorted(t.seconds_by_state.items())},
+            "wall_s": round(sim_s, 3),
+            "duration_s": duration,
+            "seconds_with_room": round(room_s, 3),
+            "useful_fraction": useful_fraction(training_s, room_s),
+            "events": {
+                "recoveries": dict(sorted(Counter(str(r.source) for r in recoveries).items())),
+                "resizes": dict(sorted(Counter(f"{e.from_dp}->{e.to_dp}" for e in t.resizes).items())),
+                "drains": len(t.drains),
+                "replay_actions": dict(sorted(Counter(a.kind for a in self.plan.actions).items())),
+                "process_failures": len(self.fleet.process_deaths),
+            },
+            "final_width": t.group.width if t.group is not None else 0,
+            "failed": None if self.error is None else str(self.error).splitlines()[0],
+            "exit_code": getattr(self.error, "exit_code", 1) if self.error is not None else 0,
+            "controller_cpu": {  # the machine's process CPU (not simulated): the real controller's code at this scale
+                "steps_measured": steps_run,
+                "per_step_ms": round(1e3 * running_cpu / steps_run, 3) if steps_run else None,
+                "plans": len(plans),
+                "per_plan_ms_median": round(1e3 * sorted(plans)[len(plans) // 2], 3) if plans else None,
+                "per_plan_ms_max": round(1e3 * max(plans), 3) if plans else None,
+                "simulation_own_s": round(self.charged.seconds, 3),
+            },
+            "real_s": round(real_s, 3),  # machine seconds the simulation took (not deterministic; every other field is)
+        }
+
+
+class _CountingRecovery:
+    """The simulated recovery, counting the simulation's own CPU in each observation (it is
+    subtracted from the controller's plan CPU)."""
+
+    def __init__(self, inner: Any, charged: Charged, out: list[float]) -> None:
+        self.inner, self.charged, self.out = inner, charged, out
+
+    def observe(self, executor: Any, failed_step: int) -> Any:
+        before = self.charged.seconds
+        obs = self.inner.observe(executor, failed_step)
+        self.out.append(self.charged.seconds - before)
+        return obs
+
+    def execute(self, plan: Any, obs: Any, step: int) -> Any:
+        return self.inner.execute(plan, obs, step)
+
+
+def simulate(cfg: RunConfig, options: SimOptions, costs: CostModel, out_dir: str | Path) -> dict[str, Any]:
+    """Run one simulation; writes ``replay.json``, ``replay.png`` and ``metrics.jsonl`` into ``out_dir``."""
+    if options.trace is None and options.steps is None:
+        raise ValueError("--steps: a simulation without --trace needs --steps K (how many steps to run)")
+    sim = Simulation(cfg, replace(options), costs)
+    say(f"{costs.describe()}; {len(sim.plan.initial_nodes)} nodes x {sim.slots} actor slots, {options.stages} stages x {options.replicas} replicas")
+    return sim.run(out_dir)

@@ -1,0 +1,292 @@
+"""The simulated world: a clock, a fleet of nodes, and the snapshot managers on them.
+
+Owns: :class:`SimClock` (simulated seconds; ``sleep`` advances them and plays the fleet's events
+that fall due), :class:`Fleet` (nodes with actor slots: added, draining with a deadline, removed,
+from a replay plan's actions; stage processes that die on a seeded schedule), the simulated
+snapshot managers (:class:`SimManager`: the calls the real
+:class:`~elastic_llm.snapshot.coordinator.SnapshotCoordinator` makes, each answered after the
+cost model's time, failed if its node dies first) and :class:`SimCalls` (``wait``/``get`` over
+their answers, advancing the clock when the coordinator blocks). Never reads the machine's
+clock, never sleeps, never decides anything about the run: the real controller does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from elastic_llm.replay.trace import ReplayAction
+from elastic_llm.sim.costs import CostModel
+from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardInfo, ShardKey
+
+EPOCH = 1.8e9  # what the simulated wall clock (``time()``) reads at simulated second 0
+
+
+class SimClock:
+    """Simulated seconds from 0. Every reading is the same simulated instant; ``sleep`` and
+    :meth:`advance` move it forward and let ``on_advance`` play what fell due."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.end = float("inf")  # the clock stops here (the end of the trace)
+        self.on_advance: Callable[[float], None] = lambda t: None
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return EPOCH + self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(self.now + max(0.0, seconds))
+
+    def advance(self, t: float) -> None:
+        if t > self.now:
+            self.now = min(t, self.end)
+        self.on_advance(self.now)
+
+
+@dataclass
+class SimNode:
+    node_id: str
+    slots: int  # stage actors it holds
+    added_s: float
+    removed_s: float | None = None
+    drain_deadline_s: float | None = None  # simulated second it goes (a notice was given)
+
+    @property
+    def alive(self) -> bool:
+        return self.removed_s is None
+
+
+class Fleet:
+    """The nodes, played from a replay plan's actions as simulated time passes."""
+
+    def __init__(self, clock: SimClock, initial: tuple[str, ...], actions: tuple[ReplayAction, ...], slots: int) -> None:
+        self.clock, self.slots = clock, slots
+        self.nodes: dict[str, SimNode] = {n: SimNode(n, slots, 0.0) for n in initial}
+        self.pending = list(actions)  # sorted by at_s
+        self.removals: list[tuple[float, str]] = sorted((a.at_s, a.node) for a in actions if a.kind == "remove")
+        self.process_deaths: list[tuple[float, ShardKey]] = []  # (second, actor) from the fault schedule
+        self.applied = 0
+        clock.on_advance = self.apply_until
+
+    def shift(self, t0: float) -> None:
+        """Play the plan from simulated second ``t0`` on (the run's start is not part of the trace)."""
+        self.pending = [replace(a, at_s=a.at_s + t0) for a in self.pending]
+        self.removals = [(s + t0, n) for s, n in self.removals]
+
+    def apply_until(self, t: float) -> None:
+        while self.applied < len(self.pending) and self.pending[self.applied].at_s <= t:
+            a = self.pending[self.applied]
+            self.applied += 1
+            if a.kind == "add":
+                self.nodes[a.node] = SimNode(a.node, self.slots, a.at_s)
+            elif a.kind == "drain":
+                self.nodes[a.node].drain_deadline_s = a.at_s + (a.deadline_s or 0.0)
+            else:
+                self.nodes[a.node].removed_s = a.at_s
+
+    def alive(self) -> list[str]:
+        return [n for n, x in self.nodes.items() if x.alive]
+
+    def draining(self) -> dict[str, float]:
+        """Alive nodes under notice: node -> simulated second it goes."""
+        return {n: x.drain_deadline_s for n, x in self.nodes.items() if x.alive and x.drain_deadline_s is not None}
+
+    def is_alive(self, node: str) -> bool:
+        x = self.nodes.get(node)
+        return x is not None and x.alive
+
+    def removed_by(self, node: str, t: float) -> bool:
+        """Whether ``node`` is gone at simulated second ``t`` (by the plan, even if not played yet)."""
+        x = self.nodes.get(node)
+        if x is None:
+            return True
+        if x.removed_s is not None:
+            return x.removed_s <= t
+        i = bisect.bisect_left(self.removals, (self.clock.now, ""))
+        return any(n == node for s, n in self.removals[i:] if s <= t)
+
+    def first_death(self, nodes: set[str], keys: set[ShardKey], until: float) -> tuple[float, str | None, ShardKey | None] | None:
+        """The first of ``nodes`` removed, or of ``keys`` whose process dies, in (now, until]
+        (a node already gone: now); None if none."""
+        now = self.clock.now
+        gone = sorted(n for n in nodes if not self.is_alive(n))
+        if gone:
+            return now, gone[0], None
+        i = bisect.bisect_right(self.removals, (now, "\uffff"))
+        for s, n in self.removals[i:]:
+            if s > until:
+                break
+            if n in nodes:
+                return s, n, None
+        j = bisect.bisect_right(self.process_deaths, (now, ShardKey(10**9, 10**9)))
+        for s, k in self.process_deaths[j:]:
+            if s > until:
+                break
+            if k in keys:
+                return s, None, k
+        return None
+
+
+@dataclass(eq=False)  # hashed by identity, as Ray's object refs are used as keys
+class SimRef:
+    """A simulated manager's answer: ready at ``ready_s``; an error if its node is gone by then."""
+
+    ready_s: float
+    node: str
+    value: Any = None
+    fleet: Fleet | None = None
+
+    def failed(self) -> bool:
+        return self.fleet is not None and self.fleet.removed_by(self.node, self.ready_s)
+
+
+class SimCalls:
+    """``wait`` / ``get`` over :class:`SimRef`: what is ready at the clock's now; blocking
+    advances the clock (the driver waits in simulated time)."""
+
+    def __init__(self, clock: SimClock, charged: "Charged") -> None:
+        self.clock, self.charged = clock, charged
+
+    def wait(self, refs: list[Any], num_returns: int, timeout: float | None) -> tuple[list[Any], list[Any]]:
+        with self.charged:
+            return self._wait(refs, num_returns, timeout)
+
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
+        with self.charged:
+            return self._get(ref, timeout)
+
+    def _wait(self, refs: list[Any], num_returns: int, timeout: float | None) -> tuple[list[Any], list[Any]]:
+        if num_returns > 0 and timeout:
+            times = sorted(r.ready_s for r in refs)
+            need = times[min(num_returns, len(times)) - 1] if times else self.clock.now
+            limit = self.clock.now + timeout if timeout is not None else need
+            if need > self.clock.now:
+                self.clock.advance(min(need, limit))
+        ready = [r for r in refs if r.ready_s <= self.clock.now]
+        return ready, [r for r in refs if r.ready_s > self.clock.now]
+
+    def _get(self, ref: Any, timeout: float | None = None) -> Any:
+        if isinstance(ref, list):
+            return [self._get(r, timeout) for r in ref]
+        if ref.ready_s > self.clock.now:
+            if timeout == 0:
+                raise TimeoutError("not ready")
+            self.clock.advance(ref.ready_s)
+        if ref.failed():
+            raise RuntimeError(f"the snapshot manager on {ref.node} died (its node was removed)")
+        return ref.value
+
+
+class _Call:
+    """``handle.method.remote(...)`` of a simulated manager; its CPU is the simulation's own."""
+
+    def __init__(self, fn: Callable[..., SimRef], charged: "Charged") -> None:
+        self.fn, self.charged = fn, charged
+
+    def remote(self, *args: Any) -> SimRef:
+        with self.charged:
+            return self.fn(*args)
+
+
+@dataclass
+class SimManager:
+    """One node's snapshot manager as the coordinator sees it: the calls it makes, answered after
+    the cost model's time. ``shard_mb``: megabytes of one stage shard now (set by the group)."""
+
+    node: str
+    world: "World"
+    versions: dict[int, int] = field(default_factory=dict)  # version held -> attempt
+
+    def __post_init__(self) -> None:
+        c = self.world.charged
+        self.held = _Call(self._held, c)
+        self.snapshot_version = _Call(self._snapshot_version, c)
+        self.commit = _Call(self._commit, c)
+        self.discard = _Call(self._discard, c)
+        self.discard_all = _Call(self._discard_all, c)
+
+    def _ref(self, delay: float, value: Any = None) -> SimRef:
+        return SimRef(self.world.clock.now + delay, self.node, value, self.world.fleet)
+
+    def _held(self) -> SimRef:
+        return self._ref(0.0, tuple(self.versions))
+
+    def _snapshot_version(self, plan: ManagerPlan) -> SimRef:
+        w = self.world
+        c = w.costs
+        mb = w.shard_mb * len(plan.stages)
+        group_mb = w.shard_mb * w.stages_on_group(plan.group)
+        seconds = mb / c.copy_mb_s + (group_mb / c.parity_mb_s if plan.group else 0.0)
+        manifest = w.manifest(plan.version)
+        shards = tuple(ShardInfo(key, plan.version, 0, int(w.shard_mb * 1e6), (), manifest, seconds, self.node) for key, _ in plan.stages)
+        self.versions[plan.version] = plan.attempt
+        return self._ref(seconds, ManagerPart(self.node, shards, (), 0.0))
+
+    def _commit(self, version: int, flush: bool, keep: tuple[int, ...]) -> SimRef:
+        self.versions = {v: a for v, a in self.versions.items() if v >= version or v in keep}
+        return self._ref(0.0)
+
+    def _discard(self, version: int, attempt: int) -> SimRef:
+        if self.versions.get(version) == attempt:
+            del self.versions[version]
+        return self._ref(0.0)
+
+    def _discard_all(self) -> SimRef:
+        self.versions.clear()
+        return self._ref(0.0)
+
+
+class World:
+    """What the simulated parts share: the clock, the fleet, the cost model, the data positions
+    the steps were given with a snapshot (the managers' manifests carry them) and the size of a
+    shard now."""
+
+    def __init__(self, clock: SimClock, fleet: Fleet, costs: CostModel, charged: "Charged") -> None:
+        self.clock, self.fleet, self.costs, self.charged = clock, fleet, costs, charged
+        self.positions: dict[int, Any] = {}  # step -> data position after its batch (steps that took a snapshot)
+        self.shard_mb = 0.0
+        self.host_counts: dict[str, int] = defaultdict(int)  # node -> stage actors on it (the group keeps it)
+        self._manifests: dict[int, str] = {}
+
+    def manifest(self, version: int) -> str:
+        if version not in self._manifests:
+            pos = self.positions.get(version)
+            self._manifests[version] = json.dumps({"step": version, "data_position": pos.to_dict() if pos is not None else None})
+        return self._manifests[version]
+
+    def stages_on_group(self, group: tuple[str, ...]) -> int:
+        return sum(self.host_counts.get(n, 0) for n in group)
+
+
+class Charged:
+    """Counts the process CPU seconds of the simulation's own code (``with charged:``), so the
+    controller's CPU is what the run's handlers took minus this."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.by_state: dict[str, float] = defaultdict(float)  # by the controller's state at the time
+        self.state_of: Callable[[], str] = lambda: ""
+        self._depth = 0
+        self._t = 0.0
+
+    def __enter__(self) -> None:
+        if self._depth == 0:
+            self._t = time.process_time()
+        self._depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            took = time.process_time() - self._t
+            self.seconds += took
+            self.by_state[self.state_of()] += took
