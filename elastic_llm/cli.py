@@ -374,6 +374,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.run_detect_bench(rounds=args.steps or 3)
     elif args.what == "failover":
         result = bench.run_failover_bench(config=args.config or "jobs/tiny.yaml", rounds=args.steps or 2)
+    elif args.what == "simulate":
+        result = bench.run_simulate_bench(loopback=args.loopback, out_dir=args.out)
     else:  # argparse restricts choices
         raise AssertionError(args.what)
     if args.json:
@@ -533,8 +535,10 @@ def _export_command(sub: Any) -> None:
 
 def _bench_command(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmarks against real peers (run from the root of a source checkout: they read jobs/*.yaml)")
-    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover"])
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report")
+    b.add_argument("--out", help="simulate: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
     b.add_argument("--steps", type=int, default=None, help=(
         "timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips "

@@ -146,6 +146,14 @@ def without_replicas(obs: Observation, drop: tuple[int, ...]) -> Observation:
     return replace(obs, members=members, unplaceable=frozenset(new[r] for r in obs.unplaceable if r in new), bundle_nodes=bundles)
 
 
+def _alive_by_stage(alive: list[Member]) -> dict[int, list[Member]]:
+    """The live members of each stage, in observation order (the first is the peer a copy uses)."""
+    out: dict[int, list[Member]] = {}
+    for m in alive:
+        out.setdefault(m.stage, []).append(m)
+    return out
+
+
 def own_copies(obs: Observation) -> tuple[ShardKey, ...]:
     """The survivors a rollback to the committed snapshot restores from their own background
     copy (observed to hold it); every other actor's state comes through the snapshot managers. Pure."""
@@ -219,15 +227,17 @@ class RecoveryPolicy:
                         f"their snapshots but parity covers "
                         f"{obs.parity}: raise snapshot.parity or add durable checkpoints"
                     )
-            if any(shard_node[k] in obs.dead_managers and not any(shard_node[k] in g for g in obs.groups) for k in lost_shards):
+            grouped = {n for g in obs.groups for n in g}
+            if any(shard_node[k] in obs.dead_managers and shard_node[k] not in grouped for k in lost_shards):
                 return "lost shards are not covered by any erasure group (one node, or fewer than snapshot.parity + 1: no parity)"
             return None
 
         snap_problem = snapshot_available()
         actions: list[Action] = []
         need_snapshot = False
+        peers_of = _alive_by_stage(alive)  # one pass: looking peers up per lost actor was quadratic at 2,000 actors
         for m in lost:
-            peers = [p for p in alive if p.stage == m.stage]
+            peers = peers_of.get(m.stage, [])
             key = ShardKey(m.stage, m.replica)
             if peers and consistent:
                 actions.append(Action(m.stage, m.replica, Source.DP_PEER, peer=peers[0].replica))
@@ -270,8 +280,9 @@ class RecoveryPolicy:
             raise UnrecoverableError(f"stages disagree on their step ({sorted(steps)}) and {why}")
         alive_keys = frozenset(ShardKey(m.stage, m.replica) for m in alive)
         actions = []
+        peers_of = _alive_by_stage(alive)
         for m in (m for m in obs.members if not m.alive):
-            peers = [p for p in alive if p.stage == m.stage]
+            peers = peers_of.get(m.stage, [])
             if peers:
                 actions.append(Action(m.stage, m.replica, Source.DP_PEER, peer=peers[0].replica))
                 continue

@@ -107,6 +107,8 @@ class SimGroup:
     def _take(self, count: int, avoid: frozenset[str] = frozenset()) -> list[str]:
         """``count`` slots packed onto the fewest nodes; CapacityUnavailable if there are fewer."""
         out: list[str] = []
+        if count <= 0:
+            return out
         for n, f in self._free(avoid):
             out += [n] * min(f, count - len(out))
             if len(out) == count:

@@ -88,10 +88,10 @@ def fleet_plan(o: SimOptions) -> ReplayPlan:
 
 
 class Simulation:
-    def __init__(self, cfg: RunConfig, options: SimOptions, costs: CostModel) -> None:
+    def __init__(self, cfg: RunConfig, options: SimOptions, costs: CostModel, plan: ReplayPlan | None = None) -> None:
         self.options, self.costs = options, costs
         self.cfg = sim_config(cfg, options)
-        self.plan = fleet_plan(options)
+        self.plan = plan if plan is not None else fleet_plan(options)  # a test may script the fleet itself
         n0 = max(1, len(self.plan.initial_nodes))
         self.slots = options.slots_per_node or math.ceil(options.stages * options.replicas / n0)
         self.clock = SimClock()

@@ -74,6 +74,8 @@ class Fleet:
         self.nodes: dict[str, SimNode] = {n: SimNode(n, slots, 0.0) for n in initial}
         self.pending = list(actions)  # sorted by at_s
         self.removals: list[tuple[float, str]] = sorted((a.at_s, a.node) for a in actions if a.kind == "remove")
+        self.removal_of = {n: s for s, n in self.removals}
+        self._alive: list[str] | None = None  # cached until the next action is played
         self.process_deaths: list[tuple[float, ShardKey]] = []  # (second, actor) from the fault schedule
         self.applied = 0
         clock.on_advance = self.apply_until
@@ -82,11 +84,13 @@ class Fleet:
         """Play the plan from simulated second ``t0`` on (the run's start is not part of the trace)."""
         self.pending = [replace(a, at_s=a.at_s + t0) for a in self.pending]
         self.removals = [(s + t0, n) for s, n in self.removals]
+        self.removal_of = {n: s for s, n in self.removals}
 
     def apply_until(self, t: float) -> None:
         while self.applied < len(self.pending) and self.pending[self.applied].at_s <= t:
             a = self.pending[self.applied]
             self.applied += 1
+            self._alive = None
             if a.kind == "add":
                 self.nodes[a.node] = SimNode(a.node, self.slots, a.at_s)
             elif a.kind == "drain":
@@ -95,7 +99,9 @@ class Fleet:
                 self.nodes[a.node].removed_s = a.at_s
 
     def alive(self) -> list[str]:
-        return [n for n, x in self.nodes.items() if x.alive]
+        if self._alive is None:
+            self._alive = [n for n, x in self.nodes.items() if x.alive]
+        return self._alive
 
     def draining(self) -> dict[str, float]:
         """Alive nodes under notice: node -> simulated second it goes."""
@@ -112,8 +118,8 @@ class Fleet:
             return True
         if x.removed_s is not None:
             return x.removed_s <= t
-        i = bisect.bisect_left(self.removals, (self.clock.now, ""))
-        return any(n == node for s, n in self.removals[i:] if s <= t)
+        at = self.removal_of.get(node)  # labels are never reused: a node is removed at most once
+        return at is not None and at <= t
 
     def first_death(self, nodes: set[str], keys: set[ShardKey], until: float) -> tuple[float, str | None, ShardKey | None] | None:
         """The first of ``nodes`` removed, or of ``keys`` whose process dies, in (now, until]

@@ -1,0 +1,123 @@
+"""``elastic-llm bench simulate``: the controller at cluster scale, by simulation.
+
+Four parts, each side by side in one run:
+- ``controller``: the controller's own CPU per step and per recovery plan (the ``controller_cpu``
+  of each simulation's report) as the fleet grows from 64 to 2,048 stage actors, steady and
+  under the test trace scaled up: how each grows with the number of actors;
+- ``long_trace``: a 3-hour synthetic trace on 256 nodes (64 x 16): machine seconds to simulate it;
+- ``policies``: useful fraction, steps and committed steps lost of fixed width, reactive
+  elastic, elastic with notices and elastic with notices and warm standbys, on full-size fleets
+  (the test trace scaled to 256 nodes; the synthetic 3-hour trace);
+- ``cross_check``: the loopback replay's scenario (tests/data/spot_trace.csv, time scale 30,
+  a quarter of the nodes, 1-CPU nodes, 10 s notice, spot-tiny) simulated with the cost model
+  calibrated on this machine, against the loopback replay's own report (``--loopback``: run
+  it now, about 5 minutes; else the recorded benchmarks/results/replay-spot-tiny-notice10.json).
+Never changes product code or reads its internals: it runs ``Simulation`` and reads reports.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import machine_info, ratio
+
+TRACE = "tests/data/spot_trace.csv"
+RECORDED_REPLAY = "benchmarks/results/replay-spot-tiny-notice10.json"
+KEEP = ("steps", "committed_steps", "committed_steps_lost", "useful_fraction", "seconds_by_state", "final_width", "failed", "controller_cpu", "real_s")
+
+
+def _sim(config: str, sets: list[str], out: Path, costs: str, **options: Any) -> dict[str, Any]:
+    from elastic_llm.config import load_config
+    from elastic_llm.sim.costs import load_costs
+    from elastic_llm.sim.runner import SimOptions, Simulation
+
+    report = Simulation(load_config(config, sets), SimOptions(**options), load_costs(costs)).run(out)
+    return {k: report[k] for k in KEEP} | {"events": report["events"]}
+
+
+def controller_sweep(out: Path) -> list[dict[str, Any]]:
+    """CPU per step (steady, 120 steps, a snapshot every step) and per plan (the test trace at
+    full node scale, no notice) as the actor count grows; nodes hold 4 actors each."""
+    rows = []
+    for stages, replicas in ((16, 4), (32, 8), (64, 16), (128, 16)):
+        nodes = stages * replicas // 4
+        sets = [f"model.n_layers={max(64, stages)}", f"train.batch_size={max(256, replicas * 16)}"]
+        steady = _sim("jobs/sim-fleet.yaml", sets, out / f"steady-{stages}x{replicas}", "gpu-a100",
+                      nodes=nodes, stages=stages, replicas=replicas, steps=120)
+        traced = _sim("jobs/sim-fleet.yaml", sets, out / f"trace-{stages}x{replicas}", "gpu-a100",
+                      nodes=nodes, stages=stages, replicas=replicas, trace=TRACE)
+        rows.append({
+            "stages": stages, "replicas": replicas, "actors": stages * replicas, "nodes": nodes,
+            "per_step_ms": steady["controller_cpu"]["per_step_ms"],
+            "per_step_ms_under_trace": traced["controller_cpu"]["per_step_ms"],
+            "plans": traced["controller_cpu"]["plans"],
+            "per_plan_ms_median": traced["controller_cpu"]["per_plan_ms_median"],
+            "per_plan_ms_max": traced["controller_cpu"]["per_plan_ms_max"],
+            "recoveries": traced["events"]["recoveries"],
+            "failed": traced["failed"],
+        })
+    return rows
+
+
+def policies(out: Path, trace_3h: Path) -> list[dict[str, Any]]:
+    """Each policy on each full-size trace (64 x 16 on 256 nodes, published GPU figures)."""
+    table = []
+    runs = (
+        ("fixed width 16", ["elastic.min_replicas=16", "elastic.max_replicas=16"], 0.0),
+        ("reactive elastic", [], 0.0),
+        ("elastic, 30 s notices", [], 30.0),
+        ("elastic, 30 s notices, warm standbys", ["recovery.standby=1"], 30.0),
+    )
+    for trace_name, trace, window in (("test trace x16 (2 h)", TRACE, None), ("synthetic 3 h", str(trace_3h), (0.0, 10800.0))):
+        for name, sets, notice in runs:
+            rep = _sim("jobs/sim-fleet.yaml", sets, out / f"{trace_name[:5]}-{name[:12]}".replace(" ", "_"), "gpu-a100",
+                       nodes=256, stages=64, replicas=16, trace=trace, window=window, notice_s=notice)
+            table.append({"trace": trace_name, "policy": name} | rep)
+    return table
+
+
+def cross_check(out: Path, loopback: bool) -> dict[str, Any]:
+    from elastic_llm.config import load_config
+
+    sim = _sim("jobs/spot-tiny.yaml", [], out / "cross-sim", "cpu-2core",
+               nodes=4, stages=4, replicas=2, trace=TRACE, time_scale=30.0, notice_s=10.0, slots_per_node=2)
+    if loopback:
+        from elastic_llm.replay.runner import Replay, ReplayOptions
+        from elastic_llm.replay.trace import load_trace, plan_replay
+
+        plan = plan_replay(load_trace(TRACE), time_scale=30.0, node_scale=0.25, notice_s=10.0, seed=0)
+        peer = Replay(load_config("jobs/spot-tiny.yaml"), plan, ReplayOptions(1.0, 0, False)).run(out / "cross-loopback")
+        source = "run now"
+    else:
+        peer = json.loads(Path(RECORDED_REPLAY).read_text())
+        source = RECORDED_REPLAY
+    return {
+        "loopback_source": source,
+        "loopback_useful_fraction": peer["useful_fraction"],
+        "simulated_useful_fraction": sim["useful_fraction"],
+        "difference": round(abs(sim["useful_fraction"] - peer["useful_fraction"]), 4),
+        "loopback_steps": peer["steps"], "simulated_steps": sim["steps"], "steps_ratio": ratio(sim["steps"], peer["steps"]),
+        "loopback_events": peer["events"], "simulated_events": sim["events"],
+        "simulated_real_s": sim["real_s"], "loopback_wall_s": peer.get("wall_s"),
+    }
+
+
+def run_simulate_bench(loopback: bool = False, out_dir: str | None = None) -> dict[str, Any]:
+    from elastic_llm.sim.traces import write_trace
+
+    with tempfile.TemporaryDirectory(prefix="bench-simulate-") as tmp:
+        out = Path(out_dir or tmp)
+        trace_3h = write_trace(out / "synthetic-256x3h.csv", 256, 3.0, seed=0)
+        long = _sim("jobs/sim-fleet.yaml", [], out / "long", "gpu-a100", nodes=256, stages=64, replicas=16,
+                    trace=str(trace_3h), window=(0.0, 10800.0), notice_s=30.0)
+        return {
+            "machine": machine_info(),
+            "controller": controller_sweep(out),
+            "long_trace": {"trace": "synthetic 3 h, 256 nodes (seed 0)", "simulated_s": 10800.0, "real_s": long["real_s"],
+                           "speedup": ratio(10800.0, long["real_s"], 1), "steps": long["steps"], "failed": long["failed"]},
+            "policies": policies(out, trace_3h),
+            "cross_check": cross_check(out, loopback),
+        }

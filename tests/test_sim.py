@@ -1,0 +1,178 @@
+"""``elastic-llm simulate``: the real controller on a simulated fleet (no Ray, seconds per test).
+
+The scenarios mirror loopback cluster tests (tests/test_elastic_cluster.py,
+tests/test_controller_cluster.py, tests/test_standby_cluster.py): the simulated run must reach
+the same states and recover from the same sources. The simulation's fleet is scripted with a
+:class:`~elastic_llm.replay.trace.ReplayPlan`, as a replay's is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from elastic_llm.cli import main
+from elastic_llm.config import load_config
+from elastic_llm.replay.trace import ReplayAction, ReplayPlan
+from elastic_llm.sim.costs import CostError, load_costs
+from elastic_llm.sim.runner import SimOptions, Simulation
+
+from .conftest import REPO, events
+
+pytestmark = pytest.mark.timeout(120)
+TRACE = os.path.join(REPO, "tests", "data", "spot_trace.csv")
+COSTS = load_costs("cpu-2core")
+
+
+def spot_tiny(corpus_dir, *sets):
+    return load_config(os.path.join(REPO, "jobs", "spot-tiny.yaml"), [f"data.dir={corpus_dir}", *sets])
+
+
+def scripted(nodes, actions, duration):
+    """A fleet of ``nodes`` at second 0 and ``actions`` after (alive curves are not needed here)."""
+    alive = ((0.0, len(nodes)),)
+    return ReplayPlan(tuple(nodes), tuple(actions), duration, alive, alive)
+
+
+def run(cfg, tmp_path, plan, replicas=2, slots=2, **kw):
+    options = SimOptions(nodes=len(plan.initial_nodes), stages=4, replicas=replicas, slots_per_node=slots, **kw)
+    sim = Simulation(cfg, options, COSTS, plan)
+    report = sim.run(tmp_path)
+    return sim.trainer, report
+
+
+def transitions(tmp_path):
+    return [(x["old"], x["new"]) for x in events(tmp_path, "state")]
+
+
+def test_a_lost_node_without_room_shrinks_without_rollback_then_two_new_nodes_grow_it_back(corpus_dir, tmp_path):
+    """As the loopback test of the same name: replica 1 loses stages it cannot place, is dropped
+    (no rollback), and grows back once two nodes join."""
+    plan = scripted(["r0", "r1", "r2", "r3"], [ReplayAction(5.0, "remove", "r2"), ReplayAction(30.0, "add", "r4"), ReplayAction(30.0, "add", "r5")], 60.0)
+    t, report = run(spot_tiny(corpus_dir), tmp_path, plan)
+    resizes = events(tmp_path, "resize")
+    assert [(e["from_dp"], e["to_dp"]) for e in resizes] == [(2, 1), (1, 2)]
+    assert [e["reason"] for e in resizes] == ["lost stages could not be placed", "capacity"]
+    assert all(r["rollback_steps"] == 0 for r in events(tmp_path, "recovery"))
+    assert [h["step"] for h in t.history] == list(range(1, len(t.history) + 1))  # no step replayed
+    assert ("running", "recovering") in transitions(tmp_path) and ("running", "resizing") in transitions(tmp_path)
+    assert report["committed_steps_lost"] == 0 and report["final_width"] == 2 and report["failed"] is None
+
+
+def test_a_lost_node_without_spare_capacity_waits_then_recovers_from_parity(corpus_dir, tmp_path):
+    """As tests/test_controller_cluster.py: one replica, its node with two stages goes, nothing
+    can be placed until a node joins; both stages come back from parity."""
+    cfg = spot_tiny(corpus_dir, "parallel.dp=1", "elastic.max_replicas=1", "recovery.capacity_report_s=1")
+    plan = scripted(["r0", "r1"], [ReplayAction(5.0, "remove", "r1"), ReplayAction(20.0, "add", "r2")], 40.0)
+    t, report = run(cfg, tmp_path, plan, replicas=1)
+    states = transitions(tmp_path)
+    assert ("recovering", "waiting_for_capacity") in states and ("waiting_for_capacity", "recovering") in states
+    assert t.seconds_by_state["waiting_for_capacity"] >= 3 and len(events(tmp_path, "waiting_for_capacity")) >= 2
+    assert sorted(r.source for r in t.recoveries) == ["parity", "parity"]  # two stages lived on the lost node
+    assert report["committed_steps_lost"] == 0 and report["failed"] is None
+
+
+def test_a_drain_with_room_for_its_stages_moves_just_them(corpus_dir, tmp_path):
+    """As tests/test_standby_cluster.py: a notice on the node of two stages, a free node: those two
+    actors move alone (stage spares started in the background), no recovery, no rollback."""
+    cfg = spot_tiny(corpus_dir, "parallel.dp=1", "elastic.max_replicas=1")
+    plan = scripted(["r0", "r1", "r2"], [ReplayAction(5.0, "drain", "r1", deadline_s=30.0), ReplayAction(35.0, "remove", "r1")], 60.0)
+    t, report = run(cfg, tmp_path, plan, replicas=1)
+    [drain] = events(tmp_path, "drain")
+    assert drain["moved"] == 2 and drain["dropped"] == 0 and drain["how"] == "stages" and drain["rollback_steps"] == 0
+    assert t.recoveries == [] and ("running", "draining") in transitions(tmp_path)
+    assert report["committed_steps_lost"] == 0 and report["failed"] is None and report["final_width"] == 1
+
+
+def test_a_stage_process_that_dies_on_a_live_node_comes_back_from_its_manager(corpus_dir, tmp_path):
+    """The fault schedule kills a stage process (its node lives): one replica, so the lost stage
+    restores the committed snapshot from its node's manager and everyone rolls back to it."""
+    cfg = spot_tiny(corpus_dir, "parallel.dp=1", "elastic.max_replicas=1")
+    plan = scripted(["r0", "r1"], [], 120.0)
+    t, report = run(cfg, tmp_path, plan, replicas=1, process_failures_per_hour=30.0, seed=3)
+    assert report["events"]["process_failures"] >= 1
+    assert {r.source for r in t.recoveries} == {"local_smp"}
+    assert report["committed_steps_lost"] == 0 and report["failed"] is None
+
+
+def test_the_same_seed_and_trace_give_the_same_replay_json(corpus_dir, tmp_path):
+    cfg = spot_tiny(corpus_dir)
+    reports = []
+    for i in range(2):
+        out = tmp_path / str(i)
+        options = SimOptions(4, 4, 2, trace=TRACE, time_scale=60.0, notice_s=10.0, slots_per_node=2, process_failures_per_hour=2.0, seed=1)
+        Simulation(cfg, options, COSTS).run(out)
+        saved = json.loads((out / "replay.json").read_text())
+        reports.append({k: v for k, v in saved.items() if k not in ("real_s", "controller_cpu")})
+    assert reports[0] == reports[1]
+    assert reports[0]["steps"] > 50 and reports[0]["timeline"] and reports[0]["events"]["replay_actions"]
+
+
+def test_a_1024_actor_fleet_with_losses_drains_and_grows_keeps_every_invariant(corpus_dir, tmp_path):
+    """64 stages x 16 replicas over 256 nodes, the test trace scaled up with 30 s notices and
+    stage processes dying too: the run ends, no committed step is lost, the width stays within
+    its bounds, the committed step never goes back, and the controller's decisions stay cheap."""
+    cfg = load_config(os.path.join(REPO, "jobs", "sim-fleet.yaml"), [f"data.dir={corpus_dir}"])
+    options = SimOptions(256, 64, 16, trace=TRACE, window=(0.0, 3000.0), notice_s=30.0, process_failures_per_hour=0.05, seed=0)
+    sim = Simulation(cfg, options, load_costs("gpu-a100"))
+    report = sim.run(tmp_path)
+    assert report["shape"]["actors"] == 1024 and report["failed"] is None and report["exit_code"] == 0
+    assert report["committed_steps_lost"] == 0
+    resizes = events(tmp_path, "resize")
+    assert all(1 <= e["to_dp"] <= 16 for e in resizes)
+    assert any(e["to_dp"] > e["from_dp"] for e in resizes) and any(e["to_dp"] < e["from_dp"] for e in resizes)
+    assert report["events"]["drains"] > 0 and report["events"]["recoveries"] and report["events"]["process_failures"] > 0
+    committed = [p["steps_committed"] for p in json.loads((tmp_path / "replay.json").read_text())["timeline"]]
+    assert committed == sorted(committed) and committed[-1] > 0
+    assert sim.trainer.history and [h["step"] for h in sim.trainer.history] == sorted({h["step"] for h in sim.trainer.history})
+
+
+def test_simulated_time_never_sleeps(corpus_dir, tmp_path, monkeypatch):
+    """Everything simulated reads the simulated clock: a run of 240 simulated seconds with waits,
+    recoveries and drains calls no sleep and takes exactly its simulated time."""
+
+    def no_sleep(seconds):
+        raise AssertionError(f"time.sleep({seconds}) in a simulation")
+
+    monkeypatch.setattr(time, "sleep", no_sleep)
+    options = SimOptions(4, 4, 2, trace=TRACE, time_scale=30.0, notice_s=10.0, slots_per_node=2)
+    report = Simulation(spot_tiny(corpus_dir), options, COSTS).run(tmp_path)
+    assert report["wall_s"] == report["duration_s"] == 240.0 and report["failed"] is None
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--nodes", "4", "--stages", "4", "--replicas", "1"], "--steps: without --trace"),
+        (["--nodes", "0", "--stages", "4", "--replicas", "1", "--steps", "5"], "--nodes=0 must be >= 1"),
+        (["--nodes", "4", "--stages", "4", "--replicas", "1", "--steps", "5", "--notice-s", "5"], "--window and --notice-s go with --trace"),
+        (["--nodes", "4", "--stages", "4", "--replicas", "1", "--steps", "5", "--cost", "tpu"], "cost model 'tpu' is neither a file nor a profile"),
+        (["--nodes", "4", "--stages", "3", "--replicas", "1", "--steps", "5"], "parallel.stages=3 does not divide model.n_layers=4"),
+        (["--nodes", "4", "--stages", "4", "--replicas", "1", "--trace", "/nonexistent.csv"], "/nonexistent.csv"),
+    ],
+)
+def test_simulate_cli_refuses_bad_arguments_with_exit_2(tmp_path, capsys, args, expected):
+    assert main(["simulate", "--config", os.path.join(REPO, "jobs", "spot-tiny.yaml"), "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_cost_profiles_load_and_bad_ones_name_the_field(tmp_path):
+    gpu = load_costs("gpu-a100")
+    assert "not measured" in gpu.provenance and "measured" in COSTS.provenance
+    assert COSTS.step_s(4, 4, 16, 2) == pytest.approx(7 * 2 * COSTS.seq_stage_s + COSTS.allreduce_s)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nprovenance: y\nseq_stage_s: -1\n")
+    with pytest.raises(CostError, match="missing field"):
+        load_costs(str(bad))
+    full = {k: 1.0 for k in ("seq_stage_s", "allreduce_s", "actor_start_s", "adopt_s", "detect_process_s", "detect_node_s",
+                             "network_mb_s", "restore_mb_s", "parity_mb_s", "copy_mb_s")}
+    bad.write_text("name: x\nprovenance: y\n" + "".join(f"{k}: {v}\n" for k, v in {**full, "network_mb_s": 0}.items()))
+    with pytest.raises(CostError, match="network_mb_s=0: a bandwidth must be > 0"):
+        load_costs(str(bad))
+    bad.write_text("name: x\nprovenance: y\nflops: 3\n" + "".join(f"{k}: {v}\n" for k, v in full.items()))
+    with pytest.raises(CostError, match=r"unknown field\(s\) \['flops'\]"):
+        load_costs(str(bad))
