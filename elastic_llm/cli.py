@@ -122,6 +122,8 @@ def _simulate_problem(args: argparse.Namespace) -> str | None:
         return "--window and --notice-s go with --trace: pass a trace or drop them"
     if args.slots_per_node is not None and args.slots_per_node < 1:
         return f"--slots-per-node={args.slots_per_node} must be >= 1"
+    if args.durable_every < 0:
+        return f"--durable-every={args.durable_every} must be >= 0 (0: no durable tier)"
     if args.process_failures_per_hour < 0:
         return f"--process-failures-per-hour={args.process_failures_per_hour:g} must be >= 0"
     return None
@@ -141,7 +143,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         costs = load_costs(args.cost)
         options = SimOptions(args.nodes, args.stages, args.replicas, args.trace, parse_window(args.window) if args.window else None,
-                             args.notice_s, args.time_scale, args.steps, args.slots_per_node, args.process_failures_per_hour, args.seed)
+                             args.notice_s, args.time_scale, args.steps, args.slots_per_node, args.process_failures_per_hour, args.seed,
+                             args.durable_every)
         report = simulate(cfg, options, costs, args.out)
     except (ValueError, CostError) as e:  # TraceError and ConfigError too: they name the line or the field and the fix
         print(f"error: {e}", file=sys.stderr)
@@ -464,13 +467,14 @@ def _simulate_command(sub: Any) -> None:
     sm.add_argument("--nodes", type=int, required=True, help="nodes of the fleet (with --trace: at the window's start; the trace is scaled to it)")
     sm.add_argument("--stages", type=int, required=True, help="pipeline stages (must divide model.n_layers)")
     sm.add_argument("--replicas", type=int, required=True, help="data-parallel replicas at the start")
-    sm.add_argument("--trace", help="CSV lines time_ms,add|remove,node_name (Parcae's format); without it the fleet is steady")
+    sm.add_argument("--trace", help="CSV lines time_ms,add|remove,node_name (the replay's format); without it the fleet is steady")
     sm.add_argument("--window", help="START_S:END_S, the stretch of trace time to simulate (default: all of it)")
     sm.add_argument("--time-scale", type=float, default=1.0, help="trace seconds per simulated second (default 1: real time)")
     sm.add_argument("--notice-s", type=float, default=0.0, help="drain each removed node this many seconds before it goes (default 0: no notice)")
     sm.add_argument("--steps", type=int, help="stop after this many steps (needed without --trace)")
     sm.add_argument("--slots-per-node", type=int, help="stage actors a node holds (default: stages x replicas / nodes, rounded up)")
     sm.add_argument("--process-failures-per-hour", type=float, default=0.0, help="stage processes dying on live nodes, per actor per hour (seeded)")
+    sm.add_argument("--durable-every", type=int, default=0, help="flush every N-th committed snapshot to a simulated durable tier (default 0: none)")
     sm.add_argument("--cost", default="cpu-2core", help="cost model: a YAML file or a profile (cpu-2core: measured here; gpu-a100: published figures)")
     sm.add_argument("--seed", type=int, default=0, help="seed of the trace's victims and of the fault schedule")
     sm.add_argument("--out", required=True, help="directory for replay.json, replay.png and metrics.jsonl")

@@ -124,6 +124,7 @@ def test_checkpoint_rolls_back_to_the_newest_checkpoint_bit_for_bit(ray_local, c
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{s:08d}" for s in (0, 3, 6, 9)]
 
 
+@pytest.mark.slow  # 27 s; CheckFree+ and redundant recoveries stay in the suite (tests above), this adds the failure-rate schedule under GPipe
 def test_failures_at_a_rate_hit_the_same_steps_and_stages_in_every_mode(ray_local, corpus_dir):
     seen, losses = {}, {}
     for mode, schedule in (("checkfree_plus", "gpipe"), ("redundant", "1f1b")):  # the swapped order under GPipe too

@@ -98,6 +98,21 @@ def test_a_stage_process_that_dies_on_a_live_node_comes_back_from_its_manager(co
     assert report["committed_steps_lost"] == 0 and report["failed"] is None
 
 
+def test_beyond_parity_a_simulated_durable_tier_is_the_rung_that_saves_the_run(corpus_dir, tmp_path):
+    """Two nodes of one erasure group (parity 1) go at once with neighbouring stages on them: with
+    a durable checkpoint every 2nd commit everyone rolls back to it; without one the run stops
+    (nothing lossless survives, and CheckFree cannot rebuild two neighbours)."""
+    cfg = spot_tiny(corpus_dir, "parallel.dp=1", "elastic.max_replicas=1")
+    nodes = ["r0", "r1", "r2", "r3", "r4", "r5"]  # one stage per node: r0-r3 hold the run, r4-r5 are free
+    plan = scripted(nodes, [ReplayAction(20.0, "remove", "r0"), ReplayAction(20.0, "remove", "r1")], 60.0)
+    t, report = run(cfg, tmp_path / "durable", plan, replicas=1, slots=1, durable_every=2)
+    assert report["failed"] is None and report["events"]["durable_flushes"] > 0
+    assert sorted(r.source for r in t.recoveries) == ["durable", "durable"]
+    assert all(r.rollback_steps >= 1 for r in t.recoveries)
+    t, report = run(cfg, tmp_path / "none", plan, replicas=1, slots=1)
+    assert report["exit_code"] == 3 and "parity covers 1" in report["failed"]
+
+
 def test_the_same_seed_and_trace_give_the_same_replay_json(corpus_dir, tmp_path):
     cfg = spot_tiny(corpus_dir)
     reports = []
@@ -107,7 +122,9 @@ def test_the_same_seed_and_trace_give_the_same_replay_json(corpus_dir, tmp_path)
         Simulation(cfg, options, COSTS).run(out)
         saved = json.loads((out / "replay.json").read_text())
         reports.append({k: v for k, v in saved.items() if k not in ("real_s", "controller_cpu")})
-    assert reports[0] == reports[1]
+        saved["metrics"] = [{k: v for k, v in json.loads(x).items() if k != "cpu_by_state"} for x in (out / "metrics.jsonl").read_text().splitlines()]
+        reports[-1]["metrics"] = saved["metrics"]
+    assert reports[0] == reports[1]  # the metrics lines too: times, spans and every event come from the simulated clock
     assert reports[0]["steps"] > 50 and reports[0]["timeline"] and reports[0]["events"]["replay_actions"]
 
 
@@ -152,6 +169,8 @@ def test_simulated_time_never_sleeps(corpus_dir, tmp_path, monkeypatch):
         (["--nodes", "4", "--stages", "4", "--replicas", "1", "--steps", "5", "--cost", "tpu"], "cost model 'tpu' is neither a file nor a profile"),
         (["--nodes", "4", "--stages", "3", "--replicas", "1", "--steps", "5"], "parallel.stages=3 does not divide model.n_layers=4"),
         (["--nodes", "4", "--stages", "4", "--replicas", "1", "--trace", "/nonexistent.csv"], "/nonexistent.csv"),
+        (["--nodes", "4", "--stages", "4", "--replicas", "1", "--steps", "5", "--durable-every", "-1"], "--durable-every=-1 must be >= 0"),
+        (["--nodes", "4", "--stages", "4", "--replicas", "1", "--steps", "5", "--set", "durable.storage_path=/tmp/x"], "pass --durable-every N"),
     ],
 )
 def test_simulate_cli_refuses_bad_arguments_with_exit_2(tmp_path, capsys, args, expected):
@@ -169,7 +188,7 @@ def test_cost_profiles_load_and_bad_ones_name_the_field(tmp_path):
     with pytest.raises(CostError, match="missing field"):
         load_costs(str(bad))
     full = {k: 1.0 for k in ("seq_stage_s", "allreduce_s", "actor_start_s", "adopt_s", "detect_process_s", "detect_node_s",
-                             "network_mb_s", "restore_mb_s", "parity_mb_s", "copy_mb_s")}
+                             "network_mb_s", "restore_mb_s", "parity_mb_s", "copy_mb_s", "flush_mb_s")}
     bad.write_text("name: x\nprovenance: y\n" + "".join(f"{k}: {v}\n" for k, v in {**full, "network_mb_s": 0}.items()))
     with pytest.raises(CostError, match="network_mb_s=0: a bandwidth must be > 0"):
         load_costs(str(bad))

@@ -26,6 +26,7 @@ def train(overrides, steps, corpus_dir, **kwargs):
         trainer.shutdown()
 
 
+@pytest.mark.slow  # 40 s; the suite checks determinism in every bit-identical recovery test (a recovered run against a clean one)
 def test_same_seed_same_losses_other_seed_different(ray_local, corpus_dir):
     off = ["train.eval_every=0"]
     a, _ = train(off, 5, corpus_dir)

@@ -9,11 +9,13 @@ Never decides anything; flushed per line so a crash loses nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from collections.abc import Callable, Mapping
 from typing import IO, Any, TypeVar
 
+from elastic_llm.clock import Clock
 from elastic_llm.events import Event
 
 E = TypeVar("E", bound=Event)
@@ -24,7 +26,8 @@ class MetricsError(OSError):
 
 
 class MetricsWriter:
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, clock: Clock | None = None) -> None:
+        self.clock = clock  # stamps each event's time (a simulation's clock); None: the time the event was made
         self.file: IO[str] | None = None
         self.observers: list[Callable[[Mapping[str, Any]], None]] = []
         if path:
@@ -40,7 +43,10 @@ class MetricsWriter:
 
     def emit(self, event: E) -> E:
         """Write ``event``'s line (:meth:`~elastic_llm.events.Event.record`); the observers get
-        the event itself (it reads as its line). Returns the event."""
+        the event itself (it reads as its line). Returns the event (stamped with the writer's
+        clock, if it has one)."""
+        if self.clock is not None:
+            event = dataclasses.replace(event, time=self.clock.time())
         self._line(event, event.record())
         return event
 

@@ -218,7 +218,7 @@ class Trainer:
                 log(f"warning: {warning}")
         if cfg.durable.storage_path:
             run_storage(cfg)  # refused now if it cannot be written, not at the first flush
-        self.metrics = MetricsWriter(metrics_out)  # opened (truncated) once the checks above passed
+        self.metrics = MetricsWriter(metrics_out, self.clock if parts is not None else None)  # opened (truncated) once the checks above passed
 
     @property
     def actors(self) -> list[list[Any]]:

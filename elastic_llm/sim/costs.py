@@ -1,8 +1,8 @@
 """The simulation's cost model: what each simulated operation takes, from a small YAML profile.
 
 Owns: :class:`CostModel` (the figures: compute per sequence and stage, gradient exchange, process
-start, warm standby adoption, failure detection, state transfer, snapshot copy and parity
-bandwidths), loading a profile by name (``cpu-2core``: measured by this project's benchmarks on
+start, warm standby adoption, failure detection, state transfer, snapshot copy, parity and
+durable flush bandwidths), loading a profile by name (``cpu-2core``: measured by this project's benchmarks on
 its 2-core VM; ``gpu-a100``: derived from published figures, marked as such in the file) or from
 a path, and the arithmetic of a step's and a transfer's simulated seconds. Never reads a clock,
 never runs anything: :mod:`elastic_llm.sim.parts` asks it how long things take.
@@ -38,6 +38,7 @@ class CostModel:
     restore_mb_s: float  # a stage loads its state from its node's snapshot manager
     parity_mb_s: float  # parity encode (per version) and decode (per rebuilt shard), per node
     copy_mb_s: float  # a stage's snapshot copy into its node's object store
+    flush_mb_s: float  # a node's manager writes (and a stage reads back) durable checkpoint shards
     state_bytes_per_param: float = 12.0  # fp32 weights + two Adam moments
 
     def step_s(self, stages: int, microbatches: int, batch: int, width: int) -> float:

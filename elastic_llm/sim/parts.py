@@ -12,8 +12,9 @@ runs the real elastic policy :func:`~elastic_llm.controller.elastic.decide` and
 decides (the plan's sources, whether to grow, drain or shrink come from the real policies); it
 only answers what the world looks like and how long each side effect takes.
 
-Why ~400 lines: one simulated counterpart for each of the four executor protocols the
-controller is built on (:mod:`elastic_llm.controller.parts`), and the placement they share.
+Why ~490 lines: one simulated counterpart for each of the four executor protocols the
+controller is built on (:mod:`elastic_llm.controller.parts`), and the placement they share (the
+snapshot tiers are in :mod:`elastic_llm.sim.snapshots`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from elastic_llm.controller.states import Capacity
 from elastic_llm.model import count_parameters
 from elastic_llm.pipeline.executor import StepFailed, StepResult
 from elastic_llm.recovery.policy import LOSSY, Observation, RecoveryPlan, RollbackFrom, Source
-from elastic_llm.sim.world import EPOCH, Charged, SimManager, SimRef, World, _Call
-from elastic_llm.snapshot.coordinator import SnapshotCoordinator, StageMember
+from elastic_llm.sim.snapshots import SimFlusher, SimSnapshots
+from elastic_llm.sim.world import EPOCH, Charged, SimRef, World
+from elastic_llm.snapshot.coordinator import StageMember
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.sources import Mode
 from elastic_llm.stream import StreamPosition
@@ -295,50 +297,9 @@ def sim_executor(group: SimGroup) -> Any:
     return lambda actors, cfg: SimExecutor(group, cfg)
 
 
-class SimSnapshots(SnapshotCoordinator):
-    """The real coordinator with simulated managers: one per live node with actor slots."""
-
-    def __init__(self, cfg: RunConfig, world: World, calls: Any) -> None:
-        super().__init__(cfg, "sim", "sim", calls=calls, clock=world.clock)
-        self.world = world
-        self.grace_s = 0.0
-
-    def ensure_managers(self) -> dict[str, Any]:
-        alive = set(self.world.fleet.alive())
-        for node in [n for n in self.managers if n not in alive]:
-            del self.managers[node]
-        for node in sorted(alive - set(self.managers)):
-            self.managers[node] = _RestoringManager(node, self.world)
-        return self.managers
-
-    def shutdown(self) -> None:
-        self.managers.clear()
-        self.inflight.clear()
-
-
-class _RestoringManager(SimManager):
-    """A simulated manager that also answers a restore's calls (its shards, a parity rebuild)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.shard_parts = _Call(self._shard_parts, self.world.charged)
-        self.rebuild_shard = _Call(self._rebuild_shard, self.world.charged)
-
-    def _shard_parts(self, version: int, key: ShardKey) -> SimRef:
-        c = self.world.costs
-        piece = SimRef(self.world.clock.now + self.world.shard_mb / c.restore_mb_s, self.node, None, self.world.fleet)
-        return self._ref(0.0, [piece])
-
-    def _rebuild_shard(self, version: int, key: ShardKey, n: int, parity: int, lost: list[int], index: int, peers: list[Any], infos: list[Any]) -> SimRef:
-        c = self.world.costs
-        seconds = self.world.shard_mb * (n - len(lost)) / c.network_mb_s + self.world.shard_mb * n / c.parity_mb_s
-        piece = SimRef(self.world.clock.now + seconds, self.node, None, self.world.fleet)
-        return self._ref(0.0, [piece])
-
-
 class SimRecovery:
-    def __init__(self, group: SimGroup, snapshots: SimSnapshots | None, min_width: int) -> None:
-        self.group, self.snapshots, self.min_width = group, snapshots, min_width
+    def __init__(self, group: SimGroup, snapshots: SimSnapshots | None, min_width: int, durable: SimFlusher | None = None) -> None:
+        self.group, self.snapshots, self.min_width, self.durable = group, snapshots, min_width, durable
         self.world = group.world
 
     def observe(self, executor: Any, failed_step: int) -> Observation:
@@ -353,11 +314,12 @@ class SimRecovery:
             sn.poll(block=True, timeout=COMMIT_S)
             sn.abandon_pending()
             dead_managers = frozenset(sn.lost_parts(alive))
+        latest = self.durable.latest() if self.durable is not None else None
         with g.charged:
             lost_keys = sorted(lost)
             unplaceable, standbys, bundles = g.unplaceable(lost_keys), g.standbys_ready(), g.bundle_nodes(lost_keys)
         return build_observation(steps, dict(g.nodes), alive, dead_managers, sn, self.group.cfg.snapshot.parity, self.min_width, unplaceable,
-                                 Mode.LOSSLESS, self.group.cfg.mirrors, None, None, standbys, bundles, True, frozenset())
+                                 Mode.LOSSLESS, self.group.cfg.mirrors, None, latest[0] if latest else None, standbys, bundles, True, frozenset())
 
     def execute(self, plan: RecoveryPlan, obs: Observation, step: int) -> RecoveryOutcome:
         g, sn, w = self.group, self.snapshots, self.world
@@ -379,6 +341,14 @@ class SimRecovery:
                 sources[k] = src.source
             fetched = w.clock.now
         g.replace(lost, {ShardKey(a.stage, a.replica): a.adopt for a in plan.actions if a.adopt is not None})
+        if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.DURABLE:  # everyone reads its part from storage
+            assert self.durable is not None and sn is not None
+            self.durable.reset()
+            sn.forget_all()
+            w.clock.sleep(w.shard_mb / c.flush_mb_s)
+            position = w.positions.get(plan.rollback_to)
+            restored = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
+            return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, restored, 0, position)
         if plan.rollback_to is not None:  # the pieces load once the new processes are up
             assert sn is not None and sn.committed is not None
             w.clock.sleep(max((p.ready_s for p in pieces), default=fetched) - fetched)

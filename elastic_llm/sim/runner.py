@@ -13,6 +13,7 @@ the simulation took); never starts Ray.
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import sys
@@ -51,6 +52,7 @@ class SimOptions:
     slots_per_node: int | None = None  # stage actors a node holds (None: stages x replicas / nodes, rounded up)
     process_failures_per_hour: float = 0.0  # per stage actor: stage processes that die on live nodes
     seed: int = 0
+    durable_every: int = 0  # flush every N-th committed snapshot to a simulated durable tier (0: none)
 
 
 def say(line: str) -> None:
@@ -63,7 +65,8 @@ def sim_config(cfg: RunConfig, o: SimOptions) -> RunConfig:
     if cfg.recovery.mode != Mode.LOSSLESS:
         raise ConfigError(f"recovery.mode={cfg.recovery.mode}: simulate models the lossless mode only; set recovery.mode=lossless")
     if cfg.durable.storage_path:
-        raise ConfigError("durable.storage_path is set: simulate does not model the durable tier; unset it (--set durable.storage_path=null)")
+        raise ConfigError("durable.storage_path is set: simulate writes nothing; unset it (--set durable.storage_path=null) and "
+                          "pass --durable-every N for a simulated durable tier")
     el = cfg.elastic
     lo = min(el.min_replicas if el.min_replicas is not None else o.replicas, o.replicas)
     hi = max(el.max_replicas if el.max_replicas is not None else o.replicas, o.replicas)
@@ -102,6 +105,7 @@ class Simulation:
         self.trainer: Any = None
         self.error: BaseException | None = None
         self.observe_charged: list[float] = []
+        self.durable: Any = None  # the simulated durable tier (--durable-every)
         self.t0 = 0.0  # simulated second the trace starts (after the run's start)
         self._next_sample = 0.0
         self._fault_schedule()
@@ -135,7 +139,8 @@ class Simulation:
     def build(self) -> Any:
         from elastic_llm.controller.parts import Parts
         from elastic_llm.controller.trainer import Trainer
-        from elastic_llm.sim.parts import SimElastic, SimGroup, SimRecovery, SimSnapshots, sim_executor
+        from elastic_llm.sim.parts import SimElastic, SimGroup, SimRecovery, sim_executor
+        from elastic_llm.sim.snapshots import SimFlusher, SimSnapshots
 
         cfg = self.cfg
         min_width = cfg.elastic.bounds(cfg.parallel.dp)[0]
@@ -143,10 +148,14 @@ class Simulation:
         sn = SimSnapshots(cfg, self.world, SimCalls(self.clock, self.charged)) if cfg.snapshots_on else None
         if sn is not None:
             sn.ensure_managers()
-        recovery = _CountingRecovery(SimRecovery(group, sn, min_width), self.charged, self.observe_charged)
+        self.durable = SimFlusher(self.world, self.options.durable_every) if sn is not None and self.options.durable_every > 0 else None
+        if sn is not None:
+            sn.durable = self.durable
+        recovery = _CountingRecovery(SimRecovery(group, sn, min_width, self.durable), self.charged, self.observe_charged)
         parts = Parts(group=group, recovery=recovery, elastic=SimElastic(group, sn, cfg, min_width),
                       make_executor=sim_executor(group), snapshots=sn, clock=self.clock)
         self.trainer = Trainer(cfg, parts=parts, metrics_out=self.out / "metrics.jsonl")
+        self.trainer.run_id = f"sim{self.options.seed}"  # the same in every simulation of a seed: metrics.jsonl repeats too
         self.charged.state_of = lambda: self.trainer.state.name
         return self.trainer
 
@@ -155,6 +164,7 @@ class Simulation:
 
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        gc.collect()  # garbage of earlier simulations in this process (a benchmark's) is not this controller's to collect
         real0 = time.perf_counter()  # only to say how long the simulation took
         trainer = self.build()
         trainer.setup()  # the run's start is not part of the trace (as in a replay)
@@ -212,6 +222,7 @@ class Simulation:
                 "drains": len(t.drains),
                 "replay_actions": dict(sorted(Counter(a.kind for a in self.plan.actions).items())),
                 "process_failures": len(self.fleet.process_deaths),
+                "durable_flushes": self.durable.flushes if self.durable is not None else 0,
             },
             "final_width": t.group.width if t.group is not None else 0,
             "failed": None if self.error is None else str(self.error).splitlines()[0],
@@ -223,6 +234,10 @@ class Simulation:
                 "per_plan_ms_median": round(1e3 * sorted(plans)[len(plans) // 2], 3) if plans else None,
                 "per_plan_ms_max": round(1e3 * max(plans), 3) if plans else None,
                 "simulation_own_s": round(self.charged.seconds, 3),
+                # actor calls a real run makes that the CPU above leaves out (Ray's own cost per call):
+                # one per stage actor per step, and the snapshot managers' (begin, commit, census, restore)
+                "stage_calls_per_step": round(sum(h["dp"] for h in t.history) * o.stages / steps_run, 1) if steps_run else None,
+                "manager_calls_per_step": round(self.charged.calls / steps_run, 1) if steps_run else None,
             },
             "real_s": round(real_s, 3),  # machine seconds the simulation took (not deterministic; every other field is)
         }

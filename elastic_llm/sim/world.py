@@ -201,6 +201,7 @@ class _Call:
 
     def remote(self, *args: Any) -> SimRef:
         with self.charged:
+            self.charged.calls += 1
             return self.fn(*args)
 
 
@@ -281,6 +282,7 @@ class Charged:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.by_state: dict[str, float] = defaultdict(float)  # by the controller's state at the time
+        self.calls = 0  # calls the controller made to simulated snapshot managers (each a Ray actor call for real)
         self.state_of: Callable[[], str] = lambda: ""
         self._depth = 0
         self._t = 0.0
