@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic_llm import events
+from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.snapshot.records import VersionRecord
 from elastic_llm.telemetry import Metrics
 
@@ -174,15 +175,22 @@ class Publisher:
     """The trainer's side: reads the run's facts (``facts()``) when a metrics line is written and
     sends the monitor what changed. Attach :meth:`on_record` to the trainer's :class:`MetricsWriter`."""
 
-    def __init__(self, facts: Callable[[], RunFacts], namespace: str) -> None:
+    def __init__(self, facts: Callable[[], RunFacts], namespace: str, actor: Any = None, clock: Clock = SYSTEM) -> None:
+        """``actor``: the monitor's handle (None: start the ``run-<id>`` actor on this node; a
+        simulation passes its own); ``clock``: where the feed's times come from."""
+        self.facts = facts
+        self.clock = clock
+        self.last: RunStatus | None = None
+        self.waiting_since: float | None = None  # monotonic time up to which the current wait for capacity is counted
+        self.actor = actor if actor is not None else self._start(namespace)
+
+    def _start(self, namespace: str) -> Any:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.facts = facts
-        self.last: RunStatus | None = None
-        self.waiting_since: float | None = None  # monotonic time up to which the current wait for capacity is counted
+        facts = self.facts
         node = ray.get_runtime_context().get_node_id()
-        self.actor = ray.remote(RunMonitor).options(
+        return ray.remote(RunMonitor).options(
             name=f"run-{facts().status.run}",
             namespace=namespace,
             num_cpus=0,
@@ -196,7 +204,7 @@ class Publisher:
         groups, protected = protected_groups(record, set(f.managers))
         base = replace(
             f.status, committed_version=record.version if record is not None else None,
-            erasure_groups=groups, erasure_groups_protected=protected, time=time.time(),
+            erasure_groups=groups, erasure_groups_protected=protected, time=self.clock.time(),
         )
         if self.last is not None:  # keep the last step's loss and speed between steps
             base = replace(base, loss=self.last.loss, tokens_per_s=self.last.tokens_per_s)
@@ -210,11 +218,11 @@ class Publisher:
                     self._send(self.status(loss=record.get("loss"), tokens_per_s=record.get("tokens_per_s")))
                 return
             if isinstance(typed, (events.WaitingForCapacity, events.StateChange)) and self.waiting_since is not None:
-                now = time.monotonic()  # count the seconds waited as they pass, and when the wait ends
-                self.actor.record.remote(RunEvent("capacity", int(typed.step or 0), time.time(), "", seconds=now - self.waiting_since))
+                now = self.clock.monotonic()  # count the seconds waited as they pass, and when the wait ends
+                self.actor.record.remote(RunEvent("capacity", int(typed.step or 0), self.clock.time(), "", seconds=now - self.waiting_since))
                 self.waiting_since = now
             if isinstance(typed, events.StateChange):
-                self.waiting_since = time.monotonic() if typed.new == "waiting_for_capacity" else None
+                self.waiting_since = self.clock.monotonic() if typed.new == "waiting_for_capacity" else None
             ev = event_of(record)
             if ev is not None:
                 self.actor.record.remote(ev)

@@ -158,13 +158,12 @@ def test_the_publisher_turns_metrics_lines_into_status_events_and_capacity_secon
     monitor = RunMonitor(RunStatus("3f2a9c", "tiny", "starting", 0, 100, 2, 1))
     counted = []
     monkeypatch.setattr(monitor.metrics, "inc", lambda name, value=1.0, **tags: counted.append((name, value, tags)))
-    pub = Publisher.__new__(Publisher)
     def facts():  # what Trainer.run_facts makes of such a trainer
         return RunFacts(RunStatus(trainer.run_id, trainer.cfg.name, trainer.state.name, trainer.step, trainer.end, 2, 1), None, frozenset())
 
-    pub.facts, pub.last, pub.waiting_since, pub.actor = facts, None, None, InProcess(monitor)
-    clock = iter([100.0, 103.0, 110.5])
-    monkeypatch.setattr("elastic_llm.monitor.time.monotonic", lambda: next(clock))
+    ticks = iter([100.0, 103.0, 110.5])
+    clock = SimpleNamespace(monotonic=lambda: next(ticks), time=lambda: 1.8e9)  # the feed reads its clock, not the machine's
+    pub = Publisher(facts, "test", actor=InProcess(monitor), clock=clock)
     trainer.step = 7
     pub.on_record({"step": 7, "loss": 2.5, "tokens_per_s": 800.0})
     assert monitor.state().status.step == 7 and monitor.state().status.loss == 2.5

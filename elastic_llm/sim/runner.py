@@ -27,7 +27,7 @@ from elastic_llm.config import ConfigError, RunConfig, config_from_dict
 from elastic_llm.replay.report import seconds_with_room, useful_fraction, write_report
 from elastic_llm.replay.trace import ReplayPlan, load_trace, plan_replay
 from elastic_llm.sim.costs import CostModel
-from elastic_llm.sim.world import Charged, Fleet, SimCalls, SimClock, World
+from elastic_llm.sim.world import Charged, Fleet, SimCalls, SimClock, SimMonitor, World
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.sources import Mode
 
@@ -156,6 +156,10 @@ class Simulation:
                       make_executor=sim_executor(group), snapshots=sn, clock=self.clock)
         self.trainer = Trainer(cfg, parts=parts, metrics_out=self.out / "metrics.jsonl")
         self.trainer.run_id = f"sim{self.options.seed}"  # the same in every simulation of a seed: metrics.jsonl repeats too
+        from elastic_llm.monitor import Publisher
+
+        publisher = self.trainer.publisher = Publisher(self.trainer.run_facts, "sim", actor=SimMonitor(self.charged), clock=self.clock)
+        self.trainer.metrics.observers.append(publisher.on_record)  # the monitor feed's cost is the controller's too
         self.charged.state_of = lambda: self.trainer.state.name
         return self.trainer
 
@@ -235,7 +239,7 @@ class Simulation:
                 "per_plan_ms_max": round(1e3 * max(plans), 3) if plans else None,
                 "simulation_own_s": round(self.charged.seconds, 3),
                 # actor calls a real run makes that the CPU above leaves out (Ray's own cost per call):
-                # one per stage actor per step, and the snapshot managers' (begin, commit, census, restore)
+                # one per stage actor per step, and the snapshot managers' (begin, commit, census, restore) and the monitor feed's
                 "stage_calls_per_step": round(sum(h["dp"] for h in t.history) * o.stages / steps_run, 1) if steps_run else None,
                 "manager_calls_per_step": round(self.charged.calls / steps_run, 1) if steps_run else None,
             },

@@ -5,7 +5,7 @@ that fall due), :class:`Fleet` (nodes with actor slots: added, draining with a d
 from a replay plan's actions; stage processes that die on a seeded schedule), the simulated
 snapshot managers (:class:`SimManager`: the calls the real
 :class:`~elastic_llm.snapshot.coordinator.SnapshotCoordinator` makes, each answered after the
-cost model's time, failed if its node dies first) and :class:`SimCalls` (``wait``/``get`` over
+cost model's time, failed if its node dies first), the run's monitor actor (:class:`SimMonitor`) and :class:`SimCalls` (``wait``/``get`` over
 their answers, advancing the clock when the coordinator blocks). Never reads the machine's
 clock, never sleeps, never decides anything about the run: the real controller does.
 """
@@ -196,10 +196,10 @@ class SimCalls:
 class _Call:
     """``handle.method.remote(...)`` of a simulated manager; its CPU is the simulation's own."""
 
-    def __init__(self, fn: Callable[..., SimRef], charged: "Charged") -> None:
+    def __init__(self, fn: Callable[..., Any], charged: "Charged") -> None:
         self.fn, self.charged = fn, charged
 
-    def remote(self, *args: Any) -> SimRef:
+    def remote(self, *args: Any) -> Any:
         with self.charged:
             self.charged.calls += 1
             return self.fn(*args)
@@ -251,6 +251,15 @@ class SimManager:
     def _discard_all(self) -> SimRef:
         self.versions.clear()
         return self._ref(0.0)
+
+
+class SimMonitor:
+    """The run's monitor actor as the controller's feed sees it (``publish``, ``record``): the
+    calls are made and counted, nothing is kept."""
+
+    def __init__(self, charged: "Charged") -> None:
+        self.publish = _Call(lambda status: None, charged)
+        self.record = _Call(lambda event: None, charged)
 
 
 class World:
