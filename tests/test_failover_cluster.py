@@ -93,6 +93,7 @@ def test_a_killed_driver_is_resumed_from_memory_bit_for_bit(cluster, corpus_dir,
     wait_until(lambda: not managers_of(run_id), 30, "the run's managers gone after its clean end")
 
 
+@pytest.mark.slow  # 27 s; the suite keeps the killed driver resumed from memory (above)
 def test_a_driver_nobody_resumes_is_reclaimed_after_its_grace(cluster, corpus_dir, tmp_path):
     a = driver(cluster, corpus_dir, tmp_path / "a.jsonl", "recovery.driver_grace_s=3")
     run_id = kill_at(a, tmp_path / "a.jsonl", 2)
