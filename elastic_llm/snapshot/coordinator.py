@@ -13,7 +13,10 @@ Never blocks a training step except when the committed version trails by more th
 (and then with a deadline); never decides recovery: it answers where state is, the controller
 decides what to do with it.
 
-Why ~480 lines: the two-phase commit, the cadence it is driven by (the cost model itself is in
+It talks to its managers through :class:`Calls` (Ray's ``wait``/``get``, or a simulation's) and
+reads time from a :class:`~elastic_llm.clock.Clock`: ``elastic-llm simulate`` runs it unchanged.
+
+Why ~500 lines: the two-phase commit, the cadence it is driven by (the cost model itself is in
 :mod:`elastic_llm.cadence`), the lost-part census a recovery observes and the restore that follows
 a plan all read and change the same in-flight and committed records; split apart, each would need
 the others' bookkeeping.
