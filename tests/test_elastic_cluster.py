@@ -167,6 +167,7 @@ def test_a_lost_node_without_room_shrinks_without_rollback_then_two_new_nodes_gr
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
 
 
+@pytest.mark.slow  # 23 s; the policy test of the same name and the simulated fleets keep it in the suite
 def test_two_nodes_lost_at_once_beyond_parity_with_a_whole_replica_left_shrinks(nodes, corpus_dir, tmp_path):
     t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=2")
     run = Background(t, 10)

@@ -207,7 +207,7 @@ def test_lost_replica_is_copied_from_its_data_parallel_peer_without_rollback(nod
     assert losses == clean(1, *dp)
 
 
-@pytest.mark.parametrize("op", [pytest.param("backward", marks=pytest.mark.slow), "allreduce", "update"])  # backward: 30 s, slow (the suite keeps all-reduce and update)
+@pytest.mark.parametrize("op", [pytest.param("backward", marks=pytest.mark.slow), pytest.param("allreduce", marks=pytest.mark.slow), "update"])  # ~30 s each: the suite keeps the update op
 def test_stage_sigkilled_at_each_op_kind_is_named_and_recovered_bit_identically(nodes, corpus_dir, clean, op):
     """The victim kills itself (SIGKILL) as it starts its first op of one kind (``forward``, the
     default, is the test above); its peers are blocked on it at that moment. No hang (the test's
