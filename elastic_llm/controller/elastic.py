@@ -24,7 +24,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable, Spare, StageSpare
@@ -110,6 +110,16 @@ def drops_for(no_room: dict[int, int], stages: int, free_slots: int, width: int,
         drop.append(r)
         w -= 1
     return frozenset(drop)
+
+
+def evacuation_drops(affected: Iterable[int], on_nodes: list[ShardKey], stage_spares: set[ShardKey], spares: int, stages: int,
+                     free_slots: int, width: int, min_width: int) -> tuple[list[int], frozenset[int]]:
+    """At an evacuation: the replicas with no room (neither stage spares for their actors on the
+    draining nodes nor one of the ``spares`` spare replicas, which the highest take), and which
+    of them :func:`drops_for` drops; the others stay until their nodes go. Pure."""
+    bare = sorted(r for r in affected if not any(k in stage_spares for k in on_nodes if k.replica == r))
+    no_room = bare[: max(0, len(bare) - spares)]
+    return no_room, drops_for({r: sum(1 for k in on_nodes if k.replica == r) for r in no_room}, stages, free_slots, width, min_width)
 
 
 def shrink_instead(width: int, min_width: int) -> bool:
@@ -338,11 +348,7 @@ class ElasticExecutor:
             self._settle_snapshots()
         moved = dropped = stayed = 0
         hows: set[str] = set()
-        # replicas with neither stage spares nor a spare replica (the highest take the spares, in
-        # the order below) have no room: drops_for says which go; the others stay until their nodes go
-        bare = sorted(r for r in affected if not any(k in g.stage_spares for k in on_nodes if k.replica == r))
-        no_room = bare[: max(0, len(bare) - len(g.spares))]
-        drop = drops_for({r: sum(1 for k in on_nodes if k.replica == r) for r in no_room}, g.stages, g.free_slots(nodes), g.width, self.min_width)
+        no_room, drop = evacuation_drops(affected, on_nodes, set(g.stage_spares), len(g.spares), g.stages, g.free_slots(nodes), g.width, self.min_width)
         for r in sorted(affected, reverse=True):
             keys = [k for k in g.keys() if k.replica == r and g.nodes.get(k) in nodes]
             spares = self._ready_stage_spares(keys, None if deadline is None else deadline - MOVE_S)

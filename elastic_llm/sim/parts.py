@@ -27,7 +27,7 @@ import numpy as np
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.actor_group import CapacityUnavailable
 from elastic_llm.controller.drains import Drain
-from elastic_llm.controller.elastic import MOVE_S, SETTLE_S, ElasticPlan, LookTimer, ElasticView, Evacuation, Move, ResizeOutcome, SpareView, decide, drops_for, shrink_instead
+from elastic_llm.controller.elastic import MOVE_S, SETTLE_S, ElasticPlan, LookTimer, ElasticView, Evacuation, Move, ResizeOutcome, SpareView, decide, evacuation_drops, shrink_instead
 from elastic_llm.controller.recovery import COMMIT_S, RecoveryOutcome, build_observation
 from elastic_llm.controller.states import Capacity
 from elastic_llm.model import count_parameters
@@ -457,9 +457,7 @@ class SimElastic:
             self._settle()
         moved = dropped = stayed = 0
         hows: set[str] = set()
-        bare = sorted(r for r in affected if not any(k in g.stage_spares for k in on_nodes if k.replica == r))
-        no_room = bare[: max(0, len(bare) - len(g.spares))]
-        drop = drops_for({r: sum(1 for k in on_nodes if k.replica == r) for r in no_room}, g.stages, g.free_slots(nodes), g.width, self.min_width)
+        no_room, drop = evacuation_drops(affected, on_nodes, set(g.stage_spares), len(g.spares), g.stages, g.free_slots(nodes), g.width, self.min_width)
         for r in affected:
             keys = [k for k, n in g.nodes.items() if k.replica == r and n in nodes]
             spares = [g.stage_spares[k] for k in keys if k in g.stage_spares]
