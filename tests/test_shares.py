@@ -112,6 +112,8 @@ def test_a_stage_weights_uneven_microbatches_into_the_gradient_of_the_global_mea
     from elastic_llm.model import build_full_model, lm_loss
     from elastic_llm.pipeline.stage import StageWorker
 
+    from .numerics import FIRST_K, U32
+
     cfg = config_from_dict(
         {
             "model": {"dim": 32, "n_heads": 2, "n_layers": 2, "seq_len": 8},
@@ -134,5 +136,6 @@ def test_a_stage_weights_uneven_microbatches_into_the_gradient_of_the_global_mea
         for name, g in worker.grads().items():
             summed[name] = g if name not in summed else summed[name] + g
     for name, p in model.named_parameters():
-        np.testing.assert_allclose(summed[name], p.grad.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+        g = p.grad.numpy()  # another summation order: within the float32 gradient bound of tests/numerics.py
+        np.testing.assert_allclose(summed[name], g, rtol=0, atol=FIRST_K * U32 * float(np.abs(g).max()), err_msg=name)
     assert StageWorker(cfg, 0, 2, 2).micro_per_replica == 2  # a spare's default: the whole batch in 2 microbatches
