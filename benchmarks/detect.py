@@ -2,7 +2,7 @@
 ``Cluster.remove_node(allow_graceful=False)``, so nothing tells the GCS) until Ray reports it dead,
 with Ray's default health checks (the peer), with the settings ``cluster.yaml`` passes to the
 head's ``ray start --system-config`` (read from the file), and with those settings plus the run's
-own node watch (:class:`~elastic_llm.controller.liveness.NodeWatch` at the config's default
+own node watch (:class:`~elastic_llm.runtime.liveness.NodeWatch` at the config's default
 ``recovery.node_probe_s`` / ``node_probe_failures``, as a Trainer runs it: it probes the raylet and
 declares the node dead to the GCS), side by side in one run on loopback
 ``ray.cluster_utils.Cluster``s (a head without CPUs, one 1-CPU node added and removed per round).
@@ -46,7 +46,7 @@ def _rounds(system_config: dict[str, Any], rounds: int, watch: bool = False) -> 
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastic_llm.controller.liveness import REFRESH_S, NodeWatch, RayNodeTable
+    from elastic_llm.runtime.liveness import REFRESH_S, NodeWatch, RayNodeTable
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": dict(system_config)})
     w = None
@@ -83,7 +83,7 @@ def _rounds(system_config: dict[str, Any], rounds: int, watch: bool = False) -> 
 def run_detect_bench(rounds: int = 3, cluster_yaml: str = "cluster.yaml") -> dict[str, Any]:
     if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
         raise RuntimeError("export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (and RAY_AUTH_MODE=token) first: the nodes must stay on 127.0.0.1")
-    from elastic_llm.controller.session import loopback_env
+    from elastic_llm.runtime.session import loopback_env
 
     loopback_env()
     ours = cluster_yaml_health(cluster_yaml)

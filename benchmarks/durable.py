@@ -102,9 +102,9 @@ def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps:
     each first, so e.g. ``snapshot.every: auto`` has settled): the median over rounds of each
     one's tokens/s relative to the first's, the first's median tokens/s, and the Trainers (shut
     down). Taking turns puts the machine's noise into every run alike."""
-    from elastic_llm.controller import Trainer
+    from elastic_llm.runtime.ray_runtime import ray_trainer
 
-    ts = [Trainer(c, cluster=cluster, metrics_out=(list(metrics) + [None] * len(cfgs))[i]) for i, c in enumerate(cfgs)]
+    ts = [ray_trainer(c, cluster=cluster, metrics_out=(list(metrics) + [None] * len(cfgs))[i]) for i, c in enumerate(cfgs)]
     try:
         for t in ts:
             t.setup()
@@ -157,7 +157,7 @@ def _embedded(config_path: str, overrides: Sequence[str], workdir: str, steps: i
 def _auto_on_cluster(config_path: str, overrides: Sequence[str], steps: int, settle: int = 30) -> dict[str, Any]:
     import ray
 
-    from elastic_llm.controller.session import loopback_cluster
+    from elastic_llm.runtime.session import loopback_cluster
 
     base = [*overrides, "train.eval_every=0", "snapshot.group_size=3", "snapshot.parity=1", "parallel.placement_strategy=SPREAD",
             "parallel.cpus_per_actor=0.5"]
@@ -191,7 +191,7 @@ def _fs_type(path: str) -> str | None:
 
 
 def run_durable_bench(config_path: str = "jobs/tiny.yaml", overrides: Sequence[str] = (), rounds: int = 5, steps: int = 36, cluster_steps: int = 48) -> dict[str, Any]:
-    from elastic_llm.controller import loopback_env
+    from elastic_llm.runtime.session import loopback_env
 
     loopback_env()
     load_config(config_path, list(overrides))  # a bad config fails here, before anything starts

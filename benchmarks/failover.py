@@ -103,7 +103,7 @@ def run_failover_bench(config: str = "jobs/tiny.yaml", rounds: int = 2, kill_at:
         raise RuntimeError("export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (and RAY_AUTH_MODE=token) first: the nodes must stay on 127.0.0.1")
     import ray
 
-    from elastic_llm.controller.session import loopback_cluster, loopback_env
+    from elastic_llm.runtime.session import loopback_cluster, loopback_env
 
     loopback_env()
     cluster = loopback_cluster(3, 2)

@@ -338,7 +338,8 @@ def run_pipeline_bench(
     """
     import ray
 
-    from elastic_llm.controller import Trainer, loopback_env
+    from elastic_llm.runtime.session import loopback_env
+    from elastic_llm.runtime.ray_runtime import ray_trainer
 
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
@@ -360,7 +361,7 @@ def run_pipeline_bench(
 
     batches = _train_batches(cfg, warmup + steps)  # what the Trainer's run_step reads, in order
     ray_is_ours = not ray.is_initialized()  # then the driver's process tree holds all of Ray
-    trainer = Trainer(cfg)
+    trainer = ray_trainer(cfg)
     records: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
     failed: dict[str, str] = {}
     children: dict[str, _ChildSystem] = {}

@@ -217,7 +217,7 @@ def _settle(trainer: Any) -> list[Any]:
 def measure(point: Point, data_dir: str, steps: int, warmup: int, store: StoreStats) -> dict[str, Any]:
     """Run one configuration on a fresh Trainer; the row of the sweep. The Trainer is shut down
     before this returns, also when a step fails (the row then carries the traceback)."""
-    from elastic_llm.controller import Trainer
+    from elastic_llm.runtime.ray_runtime import ray_trainer
 
     cfg = _config(point, data_dir)
     tokens_per_step = cfg.tokens_per_step()
@@ -234,7 +234,7 @@ def measure(point: Point, data_dir: str, steps: int, warmup: int, store: StoreSt
         "old_driver_calls_per_step": old_driver_calls(point.stages, point.microbatches, point.dp),
         "mirror_calls_per_step": mirror_calls(cfg),
     }
-    trainer = Trainer(cfg)
+    trainer = ray_trainer(cfg)
     t0 = time.perf_counter()
     try:
         trainer.setup()
@@ -322,7 +322,7 @@ def run_pipeline_sweep(
     down at the end if it started it."""
     import ray
 
-    from elastic_llm.controller.session import NAMESPACE, loopback_env
+    from elastic_llm.runtime.session import NAMESPACE, loopback_env
     from elastic_llm.data import ensure_builtin_corpus
 
     if steps < 1 or warmup < 0 or (large_steps is not None and large_steps < 1):

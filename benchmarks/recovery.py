@@ -44,7 +44,7 @@ The full restart (the peer): a Trainer of the same config (dp=1, ``recovery.stan
 restart starts no standbys) warms up, every stage actor writes its whole state (the product's
 state buffer + manifest: parameters, AdamW moments, LR schedule, RNG, step, data position) with
 ``torch.save`` (+ fsync) to a file, the driver its step and data position; the trainer shuts
-down. Then, timed with ``perf_counter`` around the public calls: a new Trainer (``Trainer(cfg)``:
+down. Then, timed with ``perf_counter`` around the public calls: a new Trainer (``ray_trainer(cfg)``:
 the driver opens the data), its ``setup()`` (new snapshot managers and stage actors on the running
 Ray), every stage actor ``torch.load(weights_only=True)``s its file and loads it into its state
 (``load_state``), the driver ``torch.load``s its own, and the first step completes (its loss is
@@ -346,7 +346,7 @@ def _set_workers(cluster: Any, n: int, node_args: dict[str, Any]) -> None:
     earlier run left): removes draining or surplus nodes, adds fresh ones."""
     import ray
 
-    from elastic_llm.controller.drains import draining_nodes
+    from elastic_llm.runtime.drains import draining_nodes
 
     draining = set(draining_nodes())
     for node in list(cluster.worker_nodes):
@@ -405,11 +405,11 @@ def _full_restart(cluster: Any, cfg: Any, warmup: int, rounds: int, workdir: str
     import ray
     import torch
 
-    from elastic_llm.controller import Trainer
+    from elastic_llm.runtime.ray_runtime import ray_trainer
 
     save, load = _actor_fns()
     _set_workers(cluster, workers, node_args)
-    old = Trainer(cfg, cluster=cluster)
+    old = ray_trainer(cfg, cluster=cluster)
     try:
         old.fit(warmup)
         step, position = old.step, dict(old.stream.state_dict())
@@ -428,7 +428,7 @@ def _full_restart(cluster: Any, cfg: Any, warmup: int, rounds: int, workdir: str
         time.sleep(1.0)  # let killed processes exit
         load0 = _loadavg()
         t0 = time.perf_counter()
-        new = Trainer(cfg, cluster=cluster)
+        new = ray_trainer(cfg, cluster=cluster)
         try:
             t1 = time.perf_counter()
             new.setup()
@@ -595,15 +595,15 @@ def _run_path(
     cluster: Any, path: str, config_path: str, overrides: Sequence[str], plan: dict[str, int], warmup: int, after: int, workdir: str, node_args: dict[str, Any]
 ) -> dict[str, Any]:
     from elastic_llm.config import load_config
-    from elastic_llm.controller import Trainer
-    from elastic_llm.controller.drains import request_drain
+    from elastic_llm.runtime.ray_runtime import ray_trainer
+    from elastic_llm.runtime.drains import request_drain
     from elastic_llm.snapshot.records import ShardKey
 
     _set_workers(cluster, plan[path], node_args)
     fail_step = warmup + 1
     cfg = load_config(config_path, [*overrides, *COMMON, *path_overrides(path, fail_step, plan)])
     metrics = os.path.join(workdir, f"metrics-{path}.jsonl")
-    trainer = Trainer(cfg, cluster=cluster, metrics_out=metrics)
+    trainer = ray_trainer(cfg, cluster=cluster, metrics_out=metrics)
     steps: list[dict[str, Any]] = []
     drain: dict[str, Any] = {}
     seen: dict[str, Any] = {"standby_pids": set()}
@@ -703,7 +703,7 @@ def _bench_config(config_path: str, overrides: Sequence[str], warmup: int, after
     from ray.cluster_utils import Cluster
 
     from elastic_llm.config import load_config
-    from elastic_llm.controller import NAMESPACE
+    from elastic_llm.runtime.session import NAMESPACE
     from elastic_llm.model import count_parameters
 
     started = time.perf_counter()
@@ -847,7 +847,7 @@ def run_recovery_bench(
     after it; ``restarts``: full restart rounds (median); ``probe_rounds``: rounds of actor start
     probes (0: skip). Returns one JSON-serializable dict per config; every Ray instance, cluster
     and file it started is gone when it returns."""
-    from elastic_llm.controller import loopback_env
+    from elastic_llm.runtime.session import loopback_env
 
     if warmup < 2 or after < 1 or restarts < 1:
         raise ValueError("warmup must be >= 2 (the first step is not steady), after >= 1, restarts >= 1")

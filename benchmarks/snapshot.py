@@ -51,7 +51,9 @@ import numpy as np
 
 from benchmarks.common import free_port, load_at_end, machine_busy_s, machine_info, outside_share, process_tree_cpu, ratio
 from elastic_llm.config import RunConfig, load_config
-from elastic_llm.controller import NAMESPACE, Trainer, loopback_env
+from elastic_llm.runtime.session import NAMESPACE, loopback_env
+from elastic_llm.controller.trainer import Trainer
+from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.model import count_parameters
 
 
@@ -481,7 +483,7 @@ def _compare_trainers(
     ``blocks_plan[r]`` steps each in round r (the order alternates every round). Returns the
     comparison and what ``then`` measured on the trainer with snapshots afterwards (before either
     shuts down, its last version committed)."""
-    on, off = Trainer(cfg_on, cluster=cluster), Trainer(cfg_off, cluster=cluster)
+    on, off = ray_trainer(cfg_on, cluster=cluster), ray_trainer(cfg_off, cluster=cluster)
     try:
         t0 = time.perf_counter()
         on.setup()

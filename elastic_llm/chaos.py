@@ -201,8 +201,8 @@ class ChaosExecutor:
             self.chaos.strike(ev, step, self.targets())
         return pending
 
-    def finish(self, pending: Any) -> Any:
-        return self.inner.finish(pending)
+    def finish(self, pending: Any, timeout: float | None = None) -> Any:
+        return self.inner.finish(pending) if timeout is None else self.inner.finish(pending, timeout)
 
     def settle(self) -> None:
         self.inner.settle()

@@ -27,13 +27,13 @@ def _default_config() -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from elastic_llm.config import load_config
-    from elastic_llm.controller import Trainer
+    from elastic_llm.runtime.ray_runtime import ray_trainer
 
     overrides = list(args.set or [])
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
     cfg = load_config(args.config, overrides)
-    trainer = Trainer(cfg, address=args.address, metrics_out=args.metrics_out, progress=not args.no_progress, dashboard=args.dashboard, resume=args.resume)
+    trainer = ray_trainer(cfg, address=args.address, metrics_out=args.metrics_out, progress=not args.no_progress, dashboard=args.dashboard, resume=args.resume)
     try:
         history = trainer.fit()
     finally:
@@ -579,7 +579,7 @@ LIGHT = ("status", "spot-watcher")  # commands that handle their own errors and 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from elastic_llm.controller.session import loopback_env
+    from elastic_llm.runtime.session import loopback_env
 
     loopback_env()
     args = build_parser().parse_args(argv)
@@ -590,10 +590,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from elastic_llm.config import ConfigError
-    from elastic_llm.controller import PlacementError, RunFailed
+    from elastic_llm.controller import RunFailed
+    from elastic_llm.runtime.session import PlacementError
     from elastic_llm.controller.metrics import MetricsError
-    from elastic_llm.controller.failover import ResumeError
-    from elastic_llm.controller.session import ClusterUnreachable
+    from elastic_llm.controller.ports import ResumeError
+    from elastic_llm.runtime.session import ClusterUnreachable
     from elastic_llm.stream import DataError
     from elastic_llm.durable.format import DurableError
     from elastic_llm.durable.storage import StorageError

@@ -128,8 +128,9 @@ class RecoveryConfig:
     checkpoint_dir: str | None = None  # mode checkpoint: where (None: a fresh temporary directory per run)
     standby: int | str = 1  # warm standby stage processes per node (0: none; auto: from the observed failure rate)
     standby_gpus: bool = False  # GPU runs: standbys hold a device each (adoptable on any node), else they take the dead actor's device
-    node_probe_s: float = 0.25  # the driver probes every worker node's raylet this often and declares dead ones to Ray (0: Ray's health checks alone)
-    node_probe_failures: int = 3  # probes in a row that time out before a node is dead (a refused connection is dead at once)
+    node_probe_s: float = 0.25  # the driver probes every worker node's raylet this often (0: no probes; Ray's health checks alone)
+    node_probe_failures: int = 3  # probes in a row that time out before a node is a suspect of this run (a refused connection is dead at once)
+    node_probe_declare: bool = True  # a node whose raylet refuses connections is declared dead to Ray (false: this run alone treats it as dead)
     driver_grace_s: float = 120.0  # snapshot managers outlive a dead driver this long for `train --resume RUN_ID` (0: they die with it)
 
 
@@ -396,7 +397,7 @@ def _validate_recovery(c: RunConfig) -> list[str]:
     if rc.driver_grace_s < 0:
         p.append(f"recovery.driver_grace_s={rc.driver_grace_s} must be >= 0 seconds (0: the run's snapshot managers end with its driver; default 120)")
     if rc.node_probe_failures < 1:
-        p.append(f"recovery.node_probe_failures={rc.node_probe_failures} must be >= 1 (timed-out probes in a row before a node counts as dead; default 3)")
+        p.append(f"recovery.node_probe_failures={rc.node_probe_failures} must be >= 1 (timed-out probes in a row before a node is a suspect; default 3)")
     if rc.capacity_report_s <= 0:
         p.append(f"recovery.capacity_report_s={rc.capacity_report_s} must be > 0 seconds (default 10)")
     return p

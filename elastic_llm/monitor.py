@@ -13,6 +13,7 @@ per event, and a monitor that died is simply no longer published to.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from collections.abc import Callable, Mapping
@@ -23,6 +24,7 @@ from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.snapshot.records import VersionRecord
 from elastic_llm.telemetry import Metrics
 
+log = logging.getLogger("elastic_llm.monitor")
 KEEP_EVENTS = 20  # recent events a monitor keeps
 
 
@@ -143,6 +145,12 @@ class RunMonitor:
         elif event.kind == "drain":
             self.metrics.inc("drains", run=run)
 
+    def stop(self) -> None:
+        """End this actor (the run ended: its driver calls this)."""
+        import ray
+
+        ray.actor.exit_actor()
+
     def state(self) -> RunView:
         return RunView(self.status, tuple(self.events), self.started)
 
@@ -175,28 +183,16 @@ class Publisher:
     """The trainer's side: reads the run's facts (``facts()``) when a metrics line is written and
     sends the monitor what changed. Attach :meth:`on_record` to the trainer's :class:`MetricsWriter`."""
 
-    def __init__(self, facts: Callable[[], RunFacts], namespace: str, actor: Any = None, clock: Clock = SYSTEM) -> None:
-        """``actor``: the monitor's handle (None: start the ``run-<id>`` actor on this node; a
-        simulation passes its own); ``clock``: where the feed's times come from."""
+    def __init__(self, facts: Callable[[], RunFacts], start: Callable[[RunStatus], Any], clock: Clock = SYSTEM) -> None:
+        """``start``: makes the monitor from the run's first status (the runtime's: a Ray actor
+        named ``run-<id>`` (:func:`start_monitor`), or a simulation's); ``clock``: where the
+        feed's times come from."""
         self.facts = facts
         self.clock = clock
         self.last: RunStatus | None = None
         self.waiting_since: float | None = None  # monotonic time up to which the current wait for capacity is counted
-        self.actor = actor if actor is not None else self._start(namespace)
-
-    def _start(self, namespace: str) -> Any:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        facts = self.facts
-        node = ray.get_runtime_context().get_node_id()
-        return ray.remote(RunMonitor).options(
-            name=f"run-{facts().status.run}",
-            namespace=namespace,
-            num_cpus=0,
-            max_concurrency=4,  # state() answers while a publish is queued
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
-        ).remote(self.status())
+        self.errors = 0  # lines the feed could not send (the monitor is a view: training goes on)
+        self.actor = start(self.status())
 
     def status(self, **changes: Any) -> RunStatus:
         f = self.facts()
@@ -212,32 +208,48 @@ class Publisher:
 
     def on_record(self, record: Mapping[str, Any]) -> None:
         try:
-            typed = events.parse(record)
-            if typed is None:
-                if "event" not in record:  # a step line
-                    self._send(self.status(loss=record.get("loss"), tokens_per_s=record.get("tokens_per_s")))
-                return
-            if isinstance(typed, (events.WaitingForCapacity, events.StateChange)) and self.waiting_since is not None:
-                now = self.clock.monotonic()  # count the seconds waited as they pass, and when the wait ends
-                self.actor.record.remote(RunEvent("capacity", int(typed.step or 0), self.clock.time(), "", seconds=now - self.waiting_since))
-                self.waiting_since = now
-            if isinstance(typed, events.StateChange):
-                self.waiting_since = self.clock.monotonic() if typed.new == "waiting_for_capacity" else None
-            ev = event_of(record)
-            if ev is not None:
-                self.actor.record.remote(ev)
-                self._send(self.status())
-        except Exception:  # the monitor is a view: never let it stop training
-            pass
+            self._feed(record)
+        except Exception as e:  # noqa: BLE001 - the monitor is a view: never let it stop training; the first failure is said
+            if self.errors == 0:
+                log.warning("the run's monitor feed failed (%s: %s); training goes on", type(e).__name__, e)
+            self.errors += 1
+
+    def _feed(self, record: Mapping[str, Any]) -> None:
+        typed = events.parse(record)
+        if typed is None:
+            if "event" not in record:  # a step line
+                self._send(self.status(loss=record.get("loss"), tokens_per_s=record.get("tokens_per_s")))
+            return
+        if isinstance(typed, (events.WaitingForCapacity, events.StateChange)) and self.waiting_since is not None:
+            now = self.clock.monotonic()  # count the seconds waited as they pass, and when the wait ends
+            self.actor.record.remote(RunEvent("capacity", int(typed.step or 0), self.clock.time(), "", seconds=now - self.waiting_since))
+            self.waiting_since = now
+        if isinstance(typed, events.StateChange):
+            self.waiting_since = self.clock.monotonic() if typed.new == "waiting_for_capacity" else None
+        ev = event_of(record)
+        if ev is not None:
+            self.actor.record.remote(ev)
+            self._send(self.status())
 
     def _send(self, status: RunStatus) -> None:
         self.last = status
         self.actor.publish.remote(status)
 
     def close(self) -> None:
-        import ray
+        """The monitor ends itself (its name is free again)."""
+        self.actor.stop.remote()
 
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception:
-            pass
+
+def start_monitor(namespace: str, status: RunStatus) -> Any:
+    """The ``run-<id>`` actor on this (the driver's) node, holding ``status`` first."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return ray.remote(RunMonitor).options(
+        name=f"run-{status.run}",
+        namespace=namespace,
+        num_cpus=0,
+        max_concurrency=4,  # state() answers while a publish is queued
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+    ).remote(status)

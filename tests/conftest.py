@@ -8,7 +8,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 import pytest  # noqa: E402
 
-from elastic_llm.controller.session import add_loopback_node, loopback_env  # noqa: E402
+from elastic_llm.runtime.session import add_loopback_node, loopback_env  # noqa: E402
 
 loopback_env()  # also creates the Ray auth token a test cluster's GCS needs
 
@@ -83,7 +83,7 @@ def loopback_cluster_fixture(workers, cpus_per_node):
     def cluster():
         import ray
 
-        from elastic_llm.controller.session import loopback_cluster
+        from elastic_llm.runtime.session import loopback_cluster
 
         c = loopback_cluster(workers, cpus_per_node)
         yield c

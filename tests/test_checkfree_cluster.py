@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from elastic_llm.config import load_config
-from elastic_llm.controller import Trainer
+from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.snapshot.records import ShardKey
 
 from .conftest import REPO
@@ -31,7 +31,7 @@ BASE = [
 
 def make(corpus_dir, *extra, metrics=None):
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
-    return Trainer(cfg, metrics_out=metrics)
+    return ray_trainer(cfg, metrics_out=metrics)
 
 
 def params(t):

@@ -11,7 +11,7 @@ import ray
 from elastic_llm.cli import main
 from elastic_llm.config import load_config
 from elastic_llm.controller.metrics import MetricsWriter
-from elastic_llm.controller.session import ClusterUnreachable, check_reachable, unreachable
+from elastic_llm.runtime.session import ClusterUnreachable, check_reachable, unreachable
 from elastic_llm.durable.storage import StorageError
 from elastic_llm.durable.tier import run_storage
 from tests.test_data_s3 import s3  # noqa: F401  (moto's S3 server on 127.0.0.1, module scope)
@@ -141,26 +141,23 @@ def test_parity_beyond_the_nodes_of_a_cluster_is_named_and_one_node_or_a_wide_gr
 class NoMonitor:
     """Stands in for the run's monitor actor (no Ray here)."""
 
-    def __init__(self, trainer, namespace):
-        pass
+    class _Call:
+        def remote(self, *args):
+            return None
 
-    def on_record(self, record):
-        pass
-
-    def close(self):
-        pass
+    publish = record = stop = _Call()
 
 
 def test_train_on_two_nodes_with_parity_two_is_refused_before_any_stage_starts(corpus_dir, monkeypatch, capsys):
-    """The trainer's start on a (pretend) two-node cluster: one snapshot manager per node, then
+    """The trainer's start on a (pretend) two-node Ray cluster: one snapshot manager per node, then
     the check; exit 2 naming the fields, and no stage actor was asked for."""
-    from elastic_llm.controller import trainer as trainer_module
+    from elastic_llm.runtime import ray_runtime
     from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 
-    monkeypatch.setattr(trainer_module, "start_ray", lambda cfg, address, dashboard: False)
-    monkeypatch.setattr(trainer_module, "Publisher", NoMonitor)
+    monkeypatch.setattr(ray_runtime.RayRuntime, "start", lambda self, cfg, run_id, spans: [])
+    monkeypatch.setattr(ray_runtime, "start_monitor", lambda namespace, status: NoMonitor())
     monkeypatch.setattr(SnapshotCoordinator, "ensure_managers", lambda self: self.managers.update(node0=None, node1=None) or self.managers)
-    monkeypatch.setattr(trainer_module, "ActorGroup", None)  # calling it would fail the test
+    monkeypatch.setattr(ray_runtime, "ActorGroup", None)  # calling it would fail the test
     line = refused(capsys, "train", "--address", "127.0.0.1:6379", "--set", f"data.dir={corpus_dir}", "--set", "snapshot.parity=2", "--no-progress")
     assert "snapshot.parity=2 needs erasure groups of at least parity + 1 = 3 nodes with CPUs (snapshot.group_size=4 per group), but the cluster has 2" in line
 

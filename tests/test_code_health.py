@@ -37,7 +37,7 @@ def test_mypy_finds_nothing(tmp_path):
 # Lowest first: a unit may import only units before it (and its own package's modules).
 LAYERS = (
     "sources", "clock", "events", "files", "spans", "telemetry", "cadence", "model", "config", "stream", "data", "checkpoint", "export",
-    "snapshot", "durable", "recovery", "monitor", "pipeline", "chaos", "controller",
+    "snapshot", "durable", "recovery", "monitor", "pipeline", "chaos", "controller", "runtime",
     "ops", "experiment", "replay", "sim", "soak", "cli",
 )
 
@@ -95,3 +95,49 @@ def test_no_import_cycle():
                     visited.add(nxt)
                     stack.append((nxt, (*path, nxt)))
     assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+
+
+def _imports_of(path: Path) -> set[str]:
+    """Every module name ``path`` imports, lazy imports in functions included."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_the_controller_imports_neither_ray_nor_a_runtime():
+    """The state machine and the orchestration above the ports (elastic_llm/controller) run on
+    any runtime: none of their modules imports Ray or one of the runtimes."""
+    bad = sorted(
+        f"{path.relative_to(REPO)}: {mod}"
+        for path in (REPO / "elastic_llm" / "controller").glob("*.py")
+        for mod in _imports_of(path)
+        if mod == "ray" or mod.startswith(("ray.", "elastic_llm.runtime", "elastic_llm.sim"))
+    )
+    assert bad == [], "the controller must reach Ray only through its ports:\n" + "\n".join(bad)
+
+
+ORCHESTRATION = {"evacuate", "grow", "look", "execute", "decide", "drain_moves", "drops_for", "reattach", "resume_durable", "open_parts", "start_from", "build_observation"}
+
+
+def test_the_simulation_implements_primitives_and_no_orchestration():
+    """elastic_llm/sim holds no second copy of the controller's orchestration (no evacuate, grow,
+    look or execute of its own) and never imports the Ray runtime."""
+    found = []
+    for path in (REPO / "elastic_llm" / "sim").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in ORCHESTRATION:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} def {node.name}")
+        found += [f"{path.relative_to(REPO)}: imports {m}" for m in _imports_of(path) if m.startswith("elastic_llm.runtime") or m == "ray" or m.startswith("ray.")]
+    assert found == [], "the simulation must run the controller's orchestration, not its own:\n" + "\n".join(found)
+
+
+def test_modules_stay_within_their_size():
+    """Every module at most 600 lines, the Trainer (the state machine and its handlers) at most 400."""
+    sizes = {path.relative_to(REPO).as_posix(): len(path.read_text().splitlines()) for path in (REPO / "elastic_llm").rglob("*.py")}
+    big = sorted(f"{p} ({n} lines)" for p, n in sizes.items() if n > 600)
+    assert big == [], "split these by job:\n" + "\n".join(big)
+    assert sizes["elastic_llm/controller/trainer.py"] <= 400, sizes["elastic_llm/controller/trainer.py"]

@@ -14,8 +14,9 @@ import pytest
 import ray
 
 from elastic_llm.config import load_config
-from elastic_llm.controller import RunFailed, Trainer
-from elastic_llm.controller.session import add_loopback_node
+from elastic_llm.controller import RunFailed
+from elastic_llm.runtime.ray_runtime import ray_trainer
+from elastic_llm.runtime.session import add_loopback_node
 
 from .conftest import REPO, events, loopback_cluster_fixture, top_up, wait_until
 
@@ -45,7 +46,7 @@ def nodes(cluster):
 
 def make_trainer(cluster, corpus_dir, tmp_path, *extra):
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
-    return Trainer(cfg, cluster=cluster, metrics_out=tmp_path / "metrics.jsonl")
+    return ray_trainer(cfg, cluster=cluster, metrics_out=tmp_path / "metrics.jsonl")
 
 
 @pytest.fixture(scope="module")

@@ -303,7 +303,7 @@ def test_cli_refuses_a_truncated_checkpoint_and_resuming_another_model(trained, 
 def test_a_stages_checkpoint_refusal_reaches_the_user_without_the_actors_traceback():
     from ray.exceptions import RayTaskError
 
-    from elastic_llm.controller.trainer import checkpoint_refusal
+    from elastic_llm.runtime.stage_calls import checkpoint_refusal
 
     wrapped = RayTaskError("load_durable", "Traceback (most recent call last):\n  File stage.py", fmt.DurableError("x.safetensors fails its CRC-32")).as_instanceof_cause()
     assert "File stage.py" in str(wrapped)  # what the user saw

@@ -17,7 +17,7 @@ import ray
 
 from elastic_llm import cadence
 from elastic_llm.config import load_config
-from elastic_llm.controller import Trainer
+from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.durable import format as fmt
 from elastic_llm.durable.storage import Storage
 
@@ -44,7 +44,7 @@ def nodes(cluster):
 
 def make_trainer(cluster, corpus_dir, *extra, **kwargs):
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
-    return Trainer(cfg, cluster=cluster, **kwargs)
+    return ray_trainer(cfg, cluster=cluster, **kwargs)
 
 
 def stage_states(trainer):

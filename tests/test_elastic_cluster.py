@@ -20,9 +20,9 @@ import pytest
 import ray
 
 from elastic_llm.config import load_config
-from elastic_llm.controller import Trainer
-from elastic_llm.controller.session import add_loopback_node, loopback_cluster
-from elastic_llm.controller.drains import draining_nodes, request_drain
+from elastic_llm.runtime.ray_runtime import ray_trainer
+from elastic_llm.runtime.session import add_loopback_node, loopback_cluster
+from elastic_llm.runtime.drains import draining_nodes, request_drain
 from elastic_llm.data import open_run_data
 from elastic_llm.snapshot.records import ShardKey
 
@@ -70,7 +70,7 @@ def nodes(cluster):
 
 def make_trainer(cluster, corpus_dir, tmp_path, *extra):
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
-    return Trainer(cfg, cluster=cluster, metrics_out=tmp_path / "metrics.jsonl")
+    return ray_trainer(cfg, cluster=cluster, metrics_out=tmp_path / "metrics.jsonl")
 
 
 def node_of(cluster, node_id):

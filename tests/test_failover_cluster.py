@@ -16,8 +16,8 @@ import pytest
 import ray
 
 from elastic_llm.config import load_config
-from elastic_llm.controller import Trainer
-from elastic_llm.controller.failover import published_committed
+from elastic_llm.runtime.ray_runtime import ray_trainer
+from elastic_llm.runtime.failover import published_committed
 
 from .conftest import FOUR_SMALL_STAGES, REPO, loopback_cluster_fixture, wait_until
 
@@ -66,7 +66,7 @@ def managers_of(run_id):
 
 def test_a_killed_driver_is_resumed_from_memory_bit_for_bit(cluster, corpus_dir, tmp_path):
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}"])
-    t = Trainer(cfg, cluster=cluster)
+    t = ray_trainer(cfg, cluster=cluster)
     try:
         clean = {h["step"]: h["loss"] for h in t.fit(STEPS)}
     finally:

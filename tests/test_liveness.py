@@ -1,31 +1,37 @@
-"""The driver's node watch without Ray: the rule that turns probe outcomes into deaths, the watch
-over a fake node table, and the TCP probe against real sockets on loopback."""
+"""The driver's node watch without Ray: the rule that turns probe outcomes into deaths and
+suspects, the watch over a fake node table, and the TCP probe against real sockets on loopback."""
 
 import socket
 
 import pytest
 
 from elastic_llm.config import ConfigError, load_config
-from elastic_llm.controller.liveness import NodeDeath, NodeWatch, Outcome, judge, tcp_probe
+from elastic_llm.controller.drains import NodeDeath, Outcome
+from elastic_llm.runtime.liveness import NodeWatch, judge, tcp_probe
 
 ADDR = {"a": "10.0.0.1:7000", "b": "10.0.0.2:7000"}
 
 
 def test_a_refused_connection_is_a_death_at_once():
-    streak, dead = judge({}, {"a": Outcome.REFUSED, "b": Outcome.OK}, ADDR, failures=3, now=5.0)
-    assert streak == {}
+    streak, dead, suspects = judge({}, {"a": Outcome.REFUSED, "b": Outcome.OK}, ADDR, failures=3, now=5.0)
+    assert streak == {} and suspects == set()
     assert dead == [NodeDeath("a", "10.0.0.1:7000", Outcome.REFUSED, 1, 0.0)]
     assert "refused" in dead[0].reason() and "10.0.0.1:7000" in dead[0].reason()
 
 
-def test_timeouts_count_in_a_row_and_an_answer_forgets_them():
-    streak, dead = judge({}, {"a": Outcome.TIMEOUT}, ADDR, failures=3, now=1.0)
-    streak, dead2 = judge(streak, {"a": Outcome.TIMEOUT}, ADDR, failures=3, now=1.5)
-    assert dead == dead2 == [] and streak == {"a": (2, 1.0)}
-    assert judge(streak, {"a": Outcome.OK}, ADDR, failures=3, now=2.0) == ({}, [])  # answered: suspicion gone
-    streak, dead = judge(streak, {"a": Outcome.TIMEOUT}, ADDR, failures=3, now=2.0)
-    assert dead == [NodeDeath("a", "10.0.0.1:7000", Outcome.TIMEOUT, 3, 1.0)]
-    assert "3 probes in a row" in dead[0].reason()
+def test_timeouts_in_a_row_make_a_suspect_never_a_death_and_an_answer_clears_it():
+    """A driver that cannot reach a node (a network blip at the driver, a loaded machine) does not
+    know that the node is dead: it stops placing there and shortens its steps' deadlines, but
+    declares nothing to Ray, whose health checks decide for every job of the cluster."""
+    streak, dead, suspects = judge({}, {"a": Outcome.TIMEOUT}, ADDR, failures=3, now=1.0)
+    streak, dead2, suspects2 = judge(streak, {"a": Outcome.TIMEOUT}, ADDR, failures=3, now=1.5)
+    assert dead == dead2 == [] and suspects == suspects2 == set() and streak == {"a": (2, 1.0)}
+    streak, dead, suspects = judge(streak, {"a": Outcome.OK}, ADDR, failures=3, now=2.0)
+    assert (streak, dead, suspects) == ({}, [], set())  # answered: the count starts again
+    for t in (2.5, 3.0, 3.5, 4.0):
+        streak, dead, suspects = judge(streak, {"a": Outcome.TIMEOUT}, ADDR, failures=3, now=t)
+    assert dead == [] and suspects == {"a"} and streak == {"a": (4, 2.5)}
+    assert judge(streak, {"a": Outcome.OK}, ADDR, failures=3, now=4.5) == ({}, [], set())
 
 
 class FakeTable:
@@ -58,6 +64,15 @@ def test_the_watch_declares_each_dead_node_once_and_stops_probing_it():
     assert probed == [1, 2, 1, 1]  # a declared node is not probed again
     assert w.watching() == {"a"}
     assert [d.node for d in w.take()] == ["b"] and w.take() == []
+
+
+def test_a_watch_that_may_not_declare_reports_the_death_and_tells_ray_nothing():
+    table = FakeTable({"a": ("h", 1), "b": ("h", 2)})
+    w = NodeWatch(table, period_s=0.0, failures=3, probe=lambda h, p, t: Outcome.REFUSED if p == 2 else Outcome.TIMEOUT, clock=lambda: 0.0, declare=False)
+    for _ in range(3):
+        w.sweep()
+    assert table.declared == [] and [d.node for d in w.take()] == ["b"]
+    assert w.suspects() == {"a"} and w.watching() == {"a"}
 
 
 def test_the_watch_reads_the_node_table_again_only_now_and_then():

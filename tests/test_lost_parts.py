@@ -9,7 +9,7 @@ import pytest
 
 from elastic_llm.config import load_config
 from elastic_llm.pipeline.transport import DeadlineExceeded, PeerLost
-from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+from elastic_llm.snapshot.coordinator import RayManagers, SnapshotCoordinator
 from elastic_llm.snapshot.erasure import TooManyErasuresError
 from elastic_llm.snapshot.records import ShardInfo, ShardKey, VersionRecord
 
@@ -41,7 +41,7 @@ def test_a_manager_without_the_committed_version_counts_as_lost(ray_local):
     from elastic_llm.snapshot.manager import SnapshotManager, Version
 
     cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["parallel.stages=2", "snapshot.parity=1"])
-    coord = SnapshotCoordinator(cfg, "elastic-llm-test", "lost01")
+    coord = SnapshotCoordinator(cfg, RayManagers("elastic-llm-test", cfg.snapshot.codec), "lost01")
     alive = {"a", "b", "c"}
     handles = {n: ray.remote(SnapshotManager).remote(n) for n in sorted(alive)}
     coord.managers = dict(handles)
@@ -73,7 +73,7 @@ def test_a_shard_that_fails_to_load_beyond_parity_asks_for_a_new_plan(ray_local)
     from elastic_llm.snapshot.manager import SnapshotManager
 
     cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["parallel.stages=2", "snapshot.parity=1"])
-    coord = SnapshotCoordinator(cfg, "elastic-llm-test", "lost02")
+    coord = SnapshotCoordinator(cfg, RayManagers("elastic-llm-test", cfg.snapshot.codec), "lost02")
     coord.managers = {n: ray.remote(SnapshotManager).remote(n) for n in ("a", "b")}  # c's node is gone
     coord.committed = VersionRecord(7, (("a", "b", "c"),), (shard(0, "a", 7), shard(1, "b", 7)))
     with pytest.raises(SourceLost, match="failed to load"):
@@ -96,7 +96,7 @@ def test_a_slow_manager_gets_a_second_deadline_and_each_lost_part_says_why(ray_l
     monkeypatch.setattr(mod, "PING_S", 0.5)
     monkeypatch.setattr(mod, "SLOW_PING_S", 4.0)
     cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["parallel.stages=2", "snapshot.parity=1"])
-    coord = SnapshotCoordinator(cfg, "elastic-llm-test", "lost03")
+    coord = SnapshotCoordinator(cfg, RayManagers("elastic-llm-test", cfg.snapshot.codec), "lost03")
     nodes = ("a", "b", "c", "d")
     handles = {n: ray.remote(SnapshotManager).remote(n) for n in nodes}
     coord.managers = dict(handles)

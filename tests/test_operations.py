@@ -21,7 +21,7 @@ import pytest
 import ray
 
 from elastic_llm.cli import main
-from elastic_llm.controller.session import FAST_HEALTH, NAMESPACE, NODE_STORE_BYTES, add_loopback_node
+from elastic_llm.runtime.session import FAST_HEALTH, NAMESPACE, NODE_STORE_BYTES, add_loopback_node
 
 from .conftest import REPO, wait_until
 

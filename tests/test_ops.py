@@ -163,7 +163,7 @@ def test_the_publisher_turns_metrics_lines_into_status_events_and_capacity_secon
 
     ticks = iter([100.0, 103.0, 110.5])
     clock = SimpleNamespace(monotonic=lambda: next(ticks), time=lambda: 1.8e9)  # the feed reads its clock, not the machine's
-    pub = Publisher(facts, "test", actor=InProcess(monitor), clock=clock)
+    pub = Publisher(facts, lambda status: InProcess(monitor), clock=clock)
     trainer.step = 7
     pub.on_record({"step": 7, "loss": 2.5, "tokens_per_s": 800.0})
     assert monitor.state().status.step == 7 and monitor.state().status.loss == 2.5

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from elastic_llm.config import load_config
-from elastic_llm.controller import Trainer
+from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.recovery.policy import UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
 
@@ -43,7 +43,7 @@ def nodes(cluster):
 
 def make_trainer(cluster, corpus_dir, *extra):
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
-    return Trainer(cfg, cluster=cluster)
+    return ray_trainer(cfg, cluster=cluster)
 
 
 def run(trainer, steps=STEPS):
@@ -174,7 +174,7 @@ def test_more_lost_nodes_than_parity_and_no_peer_rebuilds_from_neighbours(nodes,
     stages 0 and 2 and stage 3 from stage 2 and its head mirror; the run finishes."""
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", "snapshot.parity=1",
                       "chaos.events=[{step: 5, kill: node, stage: 1}, {step: 5, kill: node, stage: 3}]"])
-    t = Trainer(cfg, cluster=nodes, metrics_out=tmp_path / "metrics.jsonl")
+    t = ray_trainer(cfg, cluster=nodes, metrics_out=tmp_path / "metrics.jsonl")
     losses = run(t, 12)
     got = [(r["stage"], r["source"], r["lossless"], r["rollback_steps"]) for r in t.recoveries]
     assert got == [(1, "checkfree", False, 0), (3, "checkfree_plus", False, 0)]

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from elastic_llm.controller.elastic import Move, drain_moves
-from elastic_llm.controller.standby import AUTO_MAX, standby_target
+from elastic_llm.runtime.standby import AUTO_MAX, standby_target
 from elastic_llm.ops.status import parse_name
 from elastic_llm.recovery.policy import Member, Observation, RecoveryPolicy
 from elastic_llm.snapshot.records import ShardKey

@@ -13,9 +13,9 @@ import pytest
 import ray
 
 from elastic_llm.config import load_config
-from elastic_llm.controller import Trainer
-from elastic_llm.controller.drains import request_drain
-from elastic_llm.controller.session import NODE_STORE_BYTES
+from elastic_llm.runtime.ray_runtime import ray_trainer
+from elastic_llm.runtime.drains import request_drain
+from elastic_llm.runtime.session import NODE_STORE_BYTES
 from elastic_llm.snapshot.records import ShardKey
 
 from .conftest import FOUR_SMALL_STAGES, REPO, events, live_workers, loopback_cluster_fixture, top_up, wait_until
@@ -37,7 +37,7 @@ def nodes(cluster):
 
 def make_trainer(cluster, corpus_dir, tmp_path, *extra):
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", *extra])
-    return Trainer(cfg, cluster=cluster, metrics_out=tmp_path / "metrics.jsonl")
+    return ray_trainer(cfg, cluster=cluster, metrics_out=tmp_path / "metrics.jsonl")
 
 
 def losses(history):

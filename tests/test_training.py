@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from elastic_llm.config import load_config
-from elastic_llm.controller import PlacementError, Trainer, check_placement
+from elastic_llm.runtime.session import PlacementError, check_placement
+from elastic_llm.runtime.ray_runtime import ray_trainer
 
 from .conftest import REPO
 
@@ -19,7 +20,7 @@ TINY = os.path.join(REPO, "jobs", "tiny.yaml")
 
 def train(overrides, steps, corpus_dir, **kwargs):
     cfg = load_config(TINY, [f"data.dir={corpus_dir}", *overrides])
-    trainer = Trainer(cfg, **kwargs)
+    trainer = ray_trainer(cfg, **kwargs)
     try:
         return trainer.fit(steps), trainer
     finally:

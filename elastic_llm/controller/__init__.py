@@ -1,17 +1,16 @@
-"""The training controller: Ray session, states, executors and the Trainer that runs them.
+"""The training controller: its states, the orchestration that carries plans out, and the Trainer.
 
-Modules: ``session`` (Ray on loopback, token authentication, placement check), ``states``
-(states and pure transitions), ``parts`` (the executors as small protocols, so the controller runs
-on fakes), ``actor_group`` (placement groups and stage actors), ``standby`` (warm standby stage
-processes), ``recovery`` (observe and carry out a recovery plan) with ``neighbours`` (the sources
-that take state from other stages), ``elastic`` (grow, shrink, move off draining nodes) with
-``drains`` (Ray's view of draining nodes), ``liveness`` (dead nodes noticed and told to Ray),
-``checkpoints`` (the checkpointing baseline), ``failover`` (what lets a new driver resume a run),
-``metrics`` (JSON lines), ``progress`` (the live progress line), ``trainer`` (the state machine
-over a run).
+Modules: ``ports`` (what the controller needs of a runtime, as protocols: Ray's in
+:mod:`elastic_llm.runtime`, a simulated fleet's in :mod:`elastic_llm.sim`), ``states`` (states and
+pure transitions), ``drains`` (what the controller learns about nodes), ``setup`` (a run's parts
+and where its first step comes from), ``stepping`` (a step and the jobs after it), ``recovery``
+(observe and carry out a recovery plan) with ``neighbours`` (the sources that take state from
+other stages), ``elastic`` (the elastic policy; grow, shrink, move off draining nodes),
+``checkpoints`` (the checkpointing baseline), ``metrics`` (JSON lines), ``progress`` (the live
+progress line), ``ticks`` (time per state), ``trainer`` (the state machine over a run). None of
+them imports Ray.
 
-The names below are imported on first use, so ``elastic_llm.controller.session`` (what the light
-commands ``status`` and ``spot-watcher`` need) loads without torch.
+The names below are imported on first use.
 """
 
 from __future__ import annotations
@@ -20,18 +19,10 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "ActorGroup": "actor_group",
-    "CapacityUnavailable": "actor_group",
+    "CapacityUnavailable": "ports",
     "MetricsWriter": "metrics",
-    "NAMESPACE": "session",
-    "PlacementError": "session",
-    "check_placement": "session",
-    "ensure_auth_token": "session",
-    "local_resources": "session",
-    "loopback_env": "session",
-    "start_ray": "session",
-    "RunFailed": "trainer",
-    "RunUnrecoverable": "trainer",
+    "RunFailed": "states",
+    "RunUnrecoverable": "states",
     "Trainer": "trainer",
 }
 

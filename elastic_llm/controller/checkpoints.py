@@ -11,11 +11,11 @@ initial state. Never decides to roll back (the policy does).
 from __future__ import annotations
 
 import tempfile
-import time
 from dataclasses import dataclass, field
 
 from elastic_llm import checkpoint as files
-from elastic_llm.controller.actor_group import COPY_S, ActorGroup
+from elastic_llm.clock import Clock
+from elastic_llm.controller.ports import StageActors
 from elastic_llm.stream import StreamPosition
 
 
@@ -28,8 +28,9 @@ class CheckpointStats:
 
 
 class CheckpointExecutor:
-    def __init__(self, group: ActorGroup, every: int, root: str | None) -> None:
+    def __init__(self, group: StageActors, every: int, root: str | None, clock: Clock) -> None:
         self.group = group
+        self.clock = clock
         self.every = every
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if not root:
@@ -45,14 +46,11 @@ class CheckpointExecutor:
 
     def save(self, step: int, data_position: StreamPosition) -> float:
         """Every stage writes checkpoint ``step``, then the commit marker; returns the seconds."""
-        import ray
-
-        t0 = time.perf_counter()
-        calls = [self.group.actor(k).save_checkpoint.remote(self.root, step) for k in self.group.keys()]
-        self.stats.nbytes += sum(ray.get(calls, timeout=COPY_S))
+        t0 = self.clock.perf_counter()
+        self.stats.nbytes += self.group.save_checkpoints(self.root, step)
         files.commit(self.root, step, data_position.to_dict())
         self._latest = (step, data_position)
-        seconds = time.perf_counter() - t0
+        seconds = self.clock.perf_counter() - t0
         self.stats.saved += 1
         self.stats.seconds += seconds
         self.stats.steps.append(step)
@@ -64,10 +62,7 @@ class CheckpointExecutor:
 
     def restore(self, step: int) -> None:
         """Every stage loads checkpoint ``step``."""
-        import ray
-
-        calls = [self.group.actor(k).load_checkpoint.remote(self.root, step) for k in self.group.keys()]
-        ray.get(calls, timeout=COPY_S)
+        self.group.load_checkpoints(self.root, step)
 
     def close(self) -> None:
         if self._tmp is not None:

@@ -1,23 +1,20 @@
-"""Ray's view of draining nodes: which nodes announced their end, and until when.
+"""What the controller learns about nodes: a node announced its end (:class:`Drain`), or was
+found dead (:class:`NodeDeath`, with the probe :class:`Outcome` that decided it).
 
-Owns: the one call into Ray's private API that lists draining nodes (the same call Ray Train
-v2's preemption watcher reads: ``ray._private.state.state.get_draining_nodes()``), turning its
-answer into typed :class:`Drain` records, and asking Ray to drain a node (what
-``ray drain-node`` does; used by the replay and by tests). Never decides what to do about a
-drain: the controller does.
+Owns these records (pure, frozen); the runtimes produce them (:mod:`elastic_llm.runtime.drains`
+reads Ray's draining nodes, :mod:`elastic_llm.runtime.liveness` probes raylets; the simulation
+plays a trace). Never asks anything of a cluster.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-
-DRAIN_REASON_PREEMPTION = "DRAIN_NODE_REASON_PREEMPTION"
+from enum import Enum
 
 
 @dataclass(frozen=True)
 class Drain:
-    """A node Ray marks as draining; ``deadline`` is a ``time.time()`` instant, None: no deadline."""
+    """A node marked as draining; ``deadline`` is a wall-clock (``Clock.time``) instant, None: no deadline."""
 
     node_id: str
     deadline: float | None
@@ -26,36 +23,22 @@ class Drain:
         return None if self.deadline is None else self.deadline - now
 
 
-def draining_nodes() -> dict[str, Drain]:
-    """Nodes Ray marks as draining now, by node id (hex). Needs a connected Ray driver.
+class Outcome(Enum):
+    """What one connection attempt to a node's raylet gave."""
 
-    Ray answers ``{node_id_hex: deadline_ms}`` with 0 for "no deadline". The call is private to
-    Ray (no public API lists drains in Ray 2.60); if a Ray upgrade removes it, this raises a
-    clear error instead of silently seeing no drains."""
-    import ray
-
-    try:
-        raw = ray._private.state.state.get_draining_nodes()
-    except AttributeError as e:  # pragma: no cover - depends on the Ray version
-        raise RuntimeError(
-            f"this Ray ({ray.__version__}) has no ray._private.state.state.get_draining_nodes(): "
-            "elastic-llm cannot see preemption drains; use Ray 2.40 to 2.60"
-        ) from e
-    return {node: Drain(node, ms / 1000.0 if ms else None) for node, ms in (raw or {}).items()}
+    OK = "ok"
+    REFUSED = "refused"  # the machine answered: nothing listens there (the raylet process is gone)
+    TIMEOUT = "timeout"  # no answer at all (or the network is unreachable)
 
 
-def request_drain(node_id: str, deadline_s: float | None, message: str, address: str | None = None) -> None:
-    """Ask Ray to drain ``node_id`` for preemption, ``deadline_s`` from now (None: no deadline),
-    as ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`` does. Raises RuntimeError if Ray
-    refuses. Ray only marks the node; removing it when the deadline passes is the caller's job."""
-    import ray
-    from ray.core.generated import autoscaler_pb2
+@dataclass(frozen=True)
+class NodeDeath:
+    node: str
+    address: str  # host:port of the raylet that failed to answer
+    outcome: Outcome  # the probe outcome that decided it
+    failures: int  # failed probes in a row, the deciding one included
+    suspect_s: float  # seconds from the first of those failed probes to the decision
 
-    gcs = address or ray.get_runtime_context().gcs_address
-    deadline_ms = int((time.time() + deadline_s) * 1000) if deadline_s is not None else 0
-    client = ray._raylet.GcsClient(address=gcs)
-    accepted, why = client.drain_node(
-        node_id, autoscaler_pb2.DrainNodeReason.Value(DRAIN_REASON_PREEMPTION), message, deadline_ms
-    )
-    if not accepted:
-        raise RuntimeError(f"Ray refused to drain node {node_id}: {why}")
+    def reason(self) -> str:
+        what = "refused the connection" if self.outcome is Outcome.REFUSED else f"did not answer {self.failures} probes in a row"
+        return f"elastic-llm node watch: the raylet at {self.address} {what}"

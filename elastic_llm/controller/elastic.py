@@ -21,21 +21,24 @@ seconds, as on large models, waiting one more step can miss the deadline). Never
 from __future__ import annotations
 
 import enum
-import time
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from elastic_llm import events
+from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
-from elastic_llm.controller.actor_group import ActorGroup, CapacityUnavailable, Spare, StageSpare
-from elastic_llm.controller.drains import Drain, draining_nodes
-from elastic_llm.controller.session import log
+from elastic_llm.controller.drains import Drain
+from elastic_llm.controller.ports import CapacityUnavailable, Nodes, StageActors
 from elastic_llm.snapshot.records import ShardKey
 
 SETTLE_S = 60.0  # how long versions in flight get to commit before the membership changes
 DRAIN_MARGIN_S = 5.0  # act on a drain this long before its deadline even if its spares have not started
 MOVE_S = 2.0  # a move (state copy, new width) must start at least this long before the drain's deadline
 SPARE_START_S = 60.0  # a spare that has not started in this long is given up (its room went away)
+POLL_S = 0.2  # how often a move waiting for its spares looks again
+log = logging.getLogger("elastic_llm.controller")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,18 @@ class Evacuation:
     to_dp: int
     seconds: float
     how: str = "none"
+
+
+def drain_records(drains: Iterable[Drain], ev: Evacuation, step: int, now: float, spans: dict[str, float]) -> list[events.Drain]:
+    """The metrics lines of an evacuation, one per draining node (logged too). Pure but for the log."""
+    out = []
+    for d in drains:
+        left = d.seconds_left(now)
+        log.info("node %s is draining (%s): %d stage actors moved, %d replicas dropped, %d left in place, %.1f s", d.node_id[:12],
+                 "no deadline" if left is None else f"{left:.0f} s left", ev.moved, ev.dropped, ev.stayed, ev.seconds)
+        out.append(events.Drain(step=step, node=d.node_id, deadline_s=left, moved=ev.moved, dropped=ev.dropped,
+                                stayed=ev.stayed, seconds=ev.seconds, rollback_steps=0, how=ev.how, spans=spans))
+    return out
 
 
 class Move(enum.Enum):
@@ -235,12 +250,17 @@ class LookTimer:
 
 
 class ElasticExecutor:
-    def __init__(self, group: ActorGroup, snapshots: Any, min_width: int, cfg: RunConfig | None = None) -> None:
+    """Carries the elastic policy out on the run's :class:`~elastic_llm.controller.ports.StageActors`
+    (whatever runtime provides them): the same code on Ray and in a simulation."""
+
+    def __init__(self, group: StageActors, snapshots: Any, min_width: int, cfg: RunConfig, nodes: Nodes, clock: Clock) -> None:
         self.group = group
         self.snapshots = snapshots
         self.min_width = min_width
         self.cfg = cfg
-        self._last_grow_look = 0.0
+        self.nodes = nodes
+        self.clock = clock
+        self._last_grow_look = float("-inf")
         self.timer = LookTimer()
 
     def look(self, seen: set[str] | frozenset[str]) -> tuple[tuple[Drain, ...], int | None]:
@@ -248,33 +268,34 @@ class ElasticExecutor:
         :func:`decide`, then :meth:`act`. Returns the draining nodes that host this run's stages,
         not acted on yet (``seen``), once it is time to act on them, and the width to grow to
         once a spare has started (else None)."""
-        if self.cfg is None:
-            return (), None
         view = self.observe(seen)
         plan = decide(view, seen, self.cfg.elastic.bounds(self.cfg.parallel.dp)[1], self.min_width)
         self.act(plan)
         return plan.drains, plan.grow_to
+
+    def avoid(self, draining: dict[str, Drain]) -> frozenset[str]:
+        """Nodes nothing new goes to: draining ones and the node probes' suspects."""
+        return frozenset(draining) | frozenset(self.nodes.suspects())
 
     def observe(self, seen: set[str] | frozenset[str]) -> ElasticView:
         """What the policy needs: draining nodes, the run's actors, its spares (a spare whose
         bundles were placed since the last look gets its actors started: the start it was made
         for), and, only when they matter, the free slots for a drain's moves and whether there is
         room for one more replica (every ``elastic.grow_check_s``)."""
-        assert self.cfg is not None
         g, el = self.group, self.cfg.elastic
-        draining = draining_nodes() if el.drains else {}
-        now = time.monotonic()
-        spares = tuple(SpareView(sp, None, frozenset(g.spare_nodes(sp)), now - sp.started, g.spare_ready(sp)) for sp in g.spares)
-        stage_spares = tuple(SpareView(sp, k, frozenset(g.spare_nodes_of(sp)), now - sp.started, g.stage_spare_ready(sp)) for k, sp in g.stage_spares.items())
-        avoid = frozenset(draining)
+        draining = self.nodes.draining() if el.drains else {}
+        now = self.clock.monotonic()
+        spares = tuple(SpareView(sp, None, frozenset(g.spare_nodes(sp)), g.spare_age(sp), g.spare_ready(sp)) for sp in g.spares)
+        stage_spares = tuple(SpareView(sp, k, frozenset(g.spare_nodes_of(sp)), g.spare_age(sp), g.stage_spare_ready(sp)) for k, sp in g.stage_spares.items())
+        avoid = self.avoid(draining)
         affected = {k.replica for k in g.keys() if g.nodes.get(k) in draining and g.nodes[k] not in seen}
         free = g.free_slots(avoid) + sum(g.placed_orphans(r, avoid) for r in affected) if affected else None
         room = None
         if not affected and not g.spares and g.width < el.bounds(self.cfg.parallel.dp)[1] and now - self._last_grow_look >= el.grow_check_s:
             self._last_grow_look = now
-            room = g.room_for_replica(avoid=avoid)
+            room = g.free_slots(avoid) >= g.stages
         return ElasticView(tuple(d for _, d in sorted(draining.items())), tuple((k, g.nodes[k]) for k in g.keys() if k in g.nodes),
-                           g.width, g.stages, spares, stage_spares, free, room, time.time(), self.timer.look(now))
+                           g.width, g.stages, spares, stage_spares, free, room, self.clock.time(), self.timer.look(now))
 
     def act(self, plan: ElasticPlan) -> None:
         """Carry out a look's plan: snapshots avoid the draining nodes, spares are given up and
@@ -287,39 +308,40 @@ class ElasticExecutor:
                 g.cancel(sp.handle)
             else:
                 g.cancel_stage_spare(sp.handle)
+        avoid = plan.avoid | frozenset(self.nodes.suspects())
         for key in plan.start_stage_spares:
-            g.start_stage_spare(key, plan.avoid)
+            g.start_stage_spare(key, avoid)
         if plan.start_spare:
             g.start_spare()
         if plan.note:
-            log(plan.note)
+            log.info(plan.note)
 
     def _settle_snapshots(self) -> None:
         if self.snapshots is not None:
             self.snapshots.poll(block=True, timeout=SETTLE_S)
 
-    def _ready_spare(self, until: float | None = None) -> Spare | None:
-        """A started spare; with ``until`` (a ``time.time()`` instant), wait until then for one
+    def _ready_spare(self, until: float | None = None) -> Any:
+        """A started spare; with ``until`` (a ``Clock.time`` instant), wait until then for one
         that is still starting (the deadline of a drain is near: moving late beats not moving)."""
         while True:
             spare = next((sp for sp in self.group.spares if self.group.spare_ready(sp)), None)
-            if spare is not None or until is None or not self.group.spares or time.time() >= until:
+            if spare is not None or until is None or not self.group.spares or self.clock.time() >= until:
                 return spare
-            time.sleep(0.2)
+            self.clock.sleep(POLL_S)
 
     def grow(self) -> ResizeOutcome:
         """A started spare joins with the state of replica 0. Raises :class:`CapacityUnavailable`
         (and changes nothing) if no spare has started after all."""
-        t0 = time.perf_counter()
+        t0 = self.clock.perf_counter()
         width = self.group.width
         spare = self._ready_spare()
         if spare is None:
             raise CapacityUnavailable(self.group.capacity(replicas=1))
         self._settle_snapshots()
         self._join(spare, 0)
-        return ResizeOutcome(width, self.group.width, time.perf_counter() - t0, "capacity")
+        return ResizeOutcome(width, self.group.width, self.clock.perf_counter() - t0, "capacity")
 
-    def _join(self, spare: Spare, source: int) -> int:
+    def _join(self, spare: Any, source: int) -> int:
         """Adopt ``spare`` as the last replica with the state of replica ``source``."""
         r = self.group.adopt(spare)
         try:
@@ -335,8 +357,8 @@ class ElasticExecutor:
         indices still to handle do not shift): just its affected actors onto their started stage
         spares (state from the actors themselves, alive until their node goes), or whole onto a
         started spare replica, or drop it when neither is there. Spares still starting are waited
-        for until ``MOVE_S`` before ``deadline`` (``time.time()``)."""
-        t0 = time.perf_counter()
+        for until ``MOVE_S`` before ``deadline`` (a ``Clock.time`` instant)."""
+        t0 = self.clock.perf_counter()
         g = self.group
         width = g.width
         affected = g.replicas_on(nodes)
@@ -349,9 +371,10 @@ class ElasticExecutor:
         moved = dropped = stayed = 0
         hows: set[str] = set()
         no_room, drop = evacuation_drops(affected, on_nodes, set(g.stage_spares), len(g.spares), g.stages, g.free_slots(nodes), g.width, self.min_width)
+        until = None if deadline is None else deadline - MOVE_S
         for r in sorted(affected, reverse=True):
             keys = [k for k in g.keys() if k.replica == r and g.nodes.get(k) in nodes]
-            spares = self._ready_stage_spares(keys, None if deadline is None else deadline - MOVE_S)
+            spares = self._ready_stage_spares(keys, until)
             if spares is not None:
                 for sp in spares:
                     g.swap_in(sp)
@@ -359,7 +382,7 @@ class ElasticExecutor:
                 hows.add(Move.STAGES.value)
                 continue
             peers = [p for p in range(g.width) if p not in affected]
-            spare = self._ready_spare(None if deadline is None else deadline - MOVE_S)
+            spare = self._ready_spare(until)
             if spare is not None:
                 self._join(spare, peers[0] if peers else r)
                 g.drop_replicas([r])
@@ -374,9 +397,9 @@ class ElasticExecutor:
                 stayed += 1
         for sp in list(g.stage_spares.values()):  # prepared for actors that moved another way
             g.cancel_stage_spare(sp)
-        return Evacuation(moved, dropped, stayed, width, g.width, time.perf_counter() - t0, "+".join(sorted(hows)) or "none")
+        return Evacuation(moved, dropped, stayed, width, g.width, self.clock.perf_counter() - t0, "+".join(sorted(hows)) or "none")
 
-    def _ready_stage_spares(self, keys: list[ShardKey], until: float | None) -> list[StageSpare] | None:
+    def _ready_stage_spares(self, keys: list[ShardKey], until: float | None) -> list[Any] | None:
         """The started stage spares of every one of ``keys``, waiting until ``until`` for ones
         still starting; None if any key has none (or it did not start in time)."""
         g = self.group
@@ -386,6 +409,6 @@ class ElasticExecutor:
             spares = [g.stage_spares[k] for k in keys]
             if all(g.stage_spare_ready(sp) for sp in spares):
                 return spares
-            if until is None or time.time() >= until:
+            if until is None or self.clock.time() >= until:
                 return None
-            time.sleep(0.05)
+            self.clock.sleep(POLL_S / 4)

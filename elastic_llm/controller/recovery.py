@@ -13,15 +13,14 @@ the controller observes again and re-plans.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from elastic_llm import events
-from elastic_llm.controller.actor_group import ActorGroup
 from elastic_llm.controller.checkpoints import CheckpointExecutor
-from elastic_llm.controller.liveness import NodeWatch
 from elastic_llm.controller.neighbours import promote_copies, rebuild_from_neighbours
-from elastic_llm.controller.session import log
+from elastic_llm.controller.ports import DurableTier, Nodes, StageActors, Standbys
 from elastic_llm.recovery.failure import StepFailure
 from elastic_llm.recovery.policy import LOSSY, Member, Mode, Observation, RecoveryPlan, RollbackFrom, Source
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
@@ -29,8 +28,7 @@ from elastic_llm.snapshot.records import ShardKey, StageSource
 from elastic_llm.sources import SourceLost
 from elastic_llm.stream import StreamPosition
 
-RESTORE_S = 600.0  # longest a restore (copying state into the stages) may take
-OWN_COPY_S = 10.0  # longest the survivors get to say whether their own copy holds the committed version
+log = logging.getLogger("elastic_llm.controller")
 COMMIT_S = 60.0  # after a failure, how long versions in flight get to commit
 
 
@@ -96,27 +94,29 @@ class ModeOptions:
     mirrors: bool = False
     lr_scale: float = 1.1
     checkpoints: CheckpointExecutor | None = None
-    durable: Any = None  # DurableTier: the newest durable checkpoint, the last rung before CheckFree
+    durable: DurableTier | None = None  # the newest durable checkpoint: the last rung before CheckFree
 
 
 class RecoveryExecutor:
-    def __init__(self, group: ActorGroup, snapshots: SnapshotCoordinator | None, parity: int, min_width: int = 1, options: ModeOptions | None = None, watch: NodeWatch | None = None) -> None:
+    """Observes and carries out recovery plans on the run's ports (whatever runtime provides
+    them): the same code on Ray and in a simulation."""
+
+    def __init__(self, group: StageActors, snapshots: SnapshotCoordinator | None, parity: int, min_width: int, options: ModeOptions,
+                 nodes: Nodes, standbys: Standbys | None) -> None:
         self.group = group
-        self.watch = watch  # probed once more before looking: a node whose actor call failed is declared dead now
+        self.nodes = nodes  # probed once more before looking: a node whose actor call failed is known dead now
+        self.standbys = standbys
         self.snapshots = snapshots
         self.parity = parity
         self.min_width = min_width
-        self.options = options or ModeOptions()
+        self.options = options
         self.bad_own_copies: set[tuple[ShardKey, int]] = set()  # (survivor, version) whose own copy failed its checksums when a plan named it
 
     def observe(self, runner: Any, failed_step: int) -> Observation:
-        import ray
-
-        if self.watch is not None:  # before waiting for the failed step's calls: a dead node's calls then fail at once
-            self.watch.sweep(refresh=True)
+        self.nodes.sweep()  # before waiting for the failed step's calls: a dead node's calls then fail at once
         if runner is not None:
             runner.settle()
-        alive_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        alive_nodes = self.nodes.alive()
         steps = self.group.reset_survivors(alive_nodes)
         sn = self.snapshots
         dead_managers: frozenset[str] = frozenset()
@@ -126,20 +126,19 @@ class RecoveryExecutor:
             sn.abandon_pending()
             lost_parts = sn.lost_parts(alive_nodes)
             for node, why in sorted(lost_parts.items()):
-                log(f"the snapshot part of step {sn.committed.version if sn.committed else None} on node {node[:12]} is lost: {why}")
+                log.info("the snapshot part of step %s on node %s is lost: %s", sn.committed.version if sn.committed else None, node[:12], why)
             dead_managers = frozenset(lost_parts)
         o = self.options
         ckpt = o.checkpoints.latest() if o.checkpoints is not None else None
         durable = o.durable.latest() if o.durable is not None else None
         lost = [k for k, st in steps.items() if st is None]
-        from elastic_llm.controller.drains import draining_nodes
-
-        # bookkeeping only: a lost actor whose bundle went with its node takes a bundle its replica
+        avoid = frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects())
+        # bookkeeping only: a lost actor whose slot went with its node takes a slot its replica
         # already holds and no actor uses (left by an earlier per-stage move), if one is placed
-        self.group.rehome(lost, avoid=frozenset(draining_nodes()))
-        unplaceable = self._unplaceable(lost, alive_nodes)
-        pool = self.group.pool
-        standbys = pool.ready() if pool is not None and pool.enabled else {}
+        self.group.rehome(lost, avoid=avoid)
+        moved = {k.replica for k in lost if self.group.nodes.get(k) not in alive_nodes}
+        unplaceable = frozenset(self.group.unplaceable(moved, avoid=avoid)) if moved else frozenset()
+        standbys = self.standbys.ready() if self.standbys is not None and self.standbys.enabled else {}
         par = self.group.cfg.parallel
         anywhere = not par.gpus_per_actor or self.group.cfg.recovery.standby_gpus
         return build_observation(
@@ -152,69 +151,50 @@ class RecoveryExecutor:
         """Survivors whose own background copy holds the whole committed version (only a run of
         one replica whose version was taken at width 1 has whole copies), less those whose copy
         failed its checksums when an earlier plan named it."""
-        import ray
-
         rec = self.snapshots.committed if self.snapshots is not None else None
         if rec is None or rec.width != 1 or self.group.width != 1:
             return frozenset()
         survivors = [k for k, st in steps.items() if st is not None and (k, rec.version) not in self.bad_own_copies]
-        asks = {self.group.actor(k).holds_own_copy.remote(rec.version): k for k in survivors}
-        ready, _ = ray.wait(list(asks), num_returns=len(asks), timeout=OWN_COPY_S)
-        held = set()
-        for ref in ready:
-            try:
-                if ray.get(ref, timeout=0):
-                    held.add(asks[ref])
-            except ray.exceptions.RayActorError:  # the survivor died since: the next observation sees it lost
-                pass
-        return frozenset(held)
-
-    def _unplaceable(self, lost: list[ShardKey], alive_nodes: set[str]) -> frozenset[int]:
-        """Replicas that lost actors with their node and whose bundles cannot be placed, decided
-        from Ray's view of free resources at once (see :meth:`ActorGroup.unplaceable`)."""
-        moved = {k.replica for k in lost if self.group.nodes.get(k) not in alive_nodes}
-        if not moved:
-            return frozenset()
-        from elastic_llm.controller.drains import draining_nodes
-
-        return frozenset(self.group.unplaceable(moved, avoid=frozenset(draining_nodes())))
+        return frozenset(self.group.holds_own_copy(survivors, rec.version)) if survivors else frozenset()
 
     def execute(self, plan: RecoveryPlan, obs: Observation, step: int) -> RecoveryOutcome:
         """Carry ``plan`` out. New actors that did not get their state are killed again if
         anything fails, so the next observation sees them as lost."""
+        g = self.group
         if plan.drop_replicas:
-            self.group.drop_replicas(plan.drop_replicas)
+            g.drop_replicas(plan.drop_replicas)
         lost = [ShardKey(a.stage, a.replica) for a in plan.actions]
         if self.snapshots is not None:
             self.snapshots.ensure_managers()
-        self.group.place(at_once=True)
+        g.place(at_once=True, avoid=frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects()))
         try:
             fetched = {}
             if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.SNAPSHOT:
-                with self.group.spans.span("state"):  # before any new process starts: a source found gone re-plans at once
+                with g.spans.span("state"):  # before any new process starts: a source found gone re-plans at once
                     fetched = self._fetch(plan, obs)
-            self.group.replace(lost, {ShardKey(a.stage, a.replica): a.adopt for a in plan.actions if a.adopt is not None})
+            g.replace(lost, {ShardKey(a.stage, a.replica): a.adopt for a in plan.actions if a.adopt is not None})
             if plan.drop_replicas:
-                self.group.set_width()
-            with self.group.spans.span("state"):
+                g.set_width()
+            with g.spans.span("state"):
                 if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.CHECKPOINT:
                     return self._from_checkpoint(plan, step)
                 if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.DURABLE:
                     return self._from_durable(plan, step)
                 if plan.rollback_to is not None:
-                    sources, own = self._roll_back(plan, fetched)
+                    g.load_parts(fetched)
                     rec = self.snapshots.committed if self.snapshots else None
                     raw = rec.shard(ShardKey(0, 0)).data_position() if rec else None
                     position = StreamPosition.of(raw) if raw else None
-                    return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, own, position)
+                    sources = tuple((k, src.source) for k, src in fetched.items())
+                    return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, len(plan.own_copies), position)
                 done = {m.step for m in obs.members if m.alive and m.step is not None}  # one step (else the plan rolls back)
                 at = max(done) if done else step
                 self._copy_from_peers(plan)
-                details = rebuild_from_neighbours(self.group, [a for a in plan.actions if a.source in LOSSY], at, self.options.lr_scale)
-                promote_copies(self.group, [a for a in plan.actions if a.source is Source.REDUNDANT])
+                details = rebuild_from_neighbours(g, [a for a in plan.actions if a.source in LOSSY], at, self.options.lr_scale)
+                promote_copies(g, [a for a in plan.actions if a.source is Source.REDUNDANT])
         except BaseException:
             for key in lost:
-                self.group.kill(key)
+                g.kill(key)
             raise
         sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
         return RecoveryOutcome(plan, at, 0, sources, 0, None, tuple(details.items()))
@@ -233,8 +213,6 @@ class RecoveryExecutor:
     def _from_durable(self, plan: RecoveryPlan, step: int) -> RecoveryOutcome:
         """Every stage loads the newest durable checkpoint (each reads its own tensors from
         storage); the snapshot versions held in memory are newer than it and are forgotten."""
-        import ray
-
         tier = self.options.durable
         assert tier is not None and plan.rollback_to is not None, "a durable rollback needs the durable tier"
         latest = tier.latest()
@@ -243,14 +221,10 @@ class RecoveryExecutor:
         tier.reset()
         if self.snapshots is not None:
             self.snapshots.forget_all()
-        from elastic_llm.durable.format import Checkpoint
-
-        ck = Checkpoint(tier.run, latest[1])
-        calls = [self.group.actor(k).load_durable.remote(tier.run.uri, latest[1]) for k in self.group.keys()]
-        ray.get(calls, timeout=RESTORE_S)
+        uri, position = tier.checkpoint(latest[1])
+        self.group.load_durable(self.group.keys(), uri, latest[1])
         sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
-        raw = ck.manifest.get("data_position")
-        return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, 0, StreamPosition.of(raw) if raw else None)
+        return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, 0, position)
 
     def _fetch(self, plan: RecoveryPlan, obs: Observation) -> dict[ShardKey, StageSource]:
         """The part of a snapshot rollback that needs no new process, done before any starts, so
@@ -260,27 +234,17 @@ class RecoveryExecutor:
         managers' pieces; for the shards on nodes the plan counts lost, pieces rebuilt from
         parity). Raises :class:`SourceLost` for a copy or piece that fails where the plan
         expected it."""
-        import ray
-
         sn = self.snapshots
         assert sn is not None and sn.committed is not None, "a rollback plan needs a committed snapshot"
         rec = sn.committed
         if plan.own_copies:
-            calls = [self.group.actor(k).restore_own_copy.remote(rec.version, rec.shard(k).pieces) for k in plan.own_copies]
-            failed = [k for k, ok in zip(plan.own_copies, ray.get(calls, timeout=RESTORE_S)) if not ok]
+            own = list(plan.own_copies)
+            failed = self.group.restore_own_copies(own, rec.version, {k: rec.shard(k).pieces for k in own})
             if failed:
                 self.bad_own_copies.update((k, rec.version) for k in failed)
                 raise SourceLost(f"the own copy of step {rec.version} held by {', '.join(map(str, failed))} failed its checksums")
-        own = set(plan.own_copies)
-        return {k: sn.fetch_stage_state(k.stage, k.replica, obs.dead_managers) for k in self.group.keys() if k not in own}
-
-    def _roll_back(self, plan: RecoveryPlan, fetched: dict[ShardKey, StageSource]) -> tuple[tuple[tuple[ShardKey, str], ...], int]:
-        """Every actor not restored from its own copy by :meth:`_fetch` loads what it found."""
-        import ray
-
-        loads = [self.group.actor(k).load_parts.remote(src.manifest, list(src.offsets), *src.refs) for k, src in fetched.items()]
-        ray.get(loads, timeout=RESTORE_S)
-        return tuple((k, src.source) for k, src in fetched.items()), len(plan.own_copies)
+        mine = set(plan.own_copies)
+        return {k: sn.fetch_stage_state(k.stage, k.replica, obs.dead_managers) for k in self.group.keys() if k not in mine}
 
     def _copy_from_peers(self, plan: RecoveryPlan) -> None:
         """Lost replicas copy the whole state of a live data-parallel peer."""
@@ -288,7 +252,8 @@ class RecoveryExecutor:
         for a in (a for a in plan.actions if a.source is Source.DP_PEER):
             assert a.peer is not None, f"{a}: a dp_peer action names its peer"
             pairs.append((ShardKey(a.stage, a.peer), ShardKey(a.stage, a.replica)))
-        self.group.copy_stages(pairs)
+        if pairs:
+            self.group.copy_stages(pairs)
 
 
 def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: float, committed_lost: int = 0,

@@ -18,6 +18,7 @@ from typing import Union
 
 from elastic_llm.controller.drains import Drain
 from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
+from elastic_llm.sources import UnrecoverableError
 
 EXIT_FAILED = 4  # failure budget spent, or no capacity within recovery.capacity_timeout_s
 EXIT_UNRECOVERABLE = 3  # nothing lossless survives
@@ -124,6 +125,21 @@ class Failed:
     name = "failed"
 
 
+class RunFailed(RuntimeError):
+    """The run stopped in the ``failed`` state; ``state`` has the reason and the exit code.
+    Committed snapshots are left as they were."""
+
+    def __init__(self, state: Failed) -> None:
+        self.state = state
+        self.exit_code = state.exit_code
+        trace = f"\n{state.failure.trace}" if state.failure is not None and state.failure.trace else ""
+        super().__init__(state.reason + trace)
+
+
+class RunUnrecoverable(RunFailed, UnrecoverableError):
+    """The run failed because no lossless source survived (exit code 3)."""
+
+
 @dataclass(frozen=True)
 class Finished:
     step: int
@@ -221,3 +237,19 @@ def while_waiting(state: WaitingForCapacity, placed: bool, capacity: Capacity, n
             failure,
         )
     return WaitingForCapacity(capacity, state.since, state.deadline, state.resume)
+
+
+def why_entered(new: State) -> str:
+    """What a change into ``new`` says about why (for the log and the state line). Pure."""
+    if isinstance(new, Recovering):
+        return f"{new.failure} (attempt {new.attempt}; {new.reason})"
+    if isinstance(new, WaitingForCapacity):
+        return f"{new.capacity}; giving up in {new.deadline - new.since:.0f} s"
+    if isinstance(new, Failed):
+        return new.reason.splitlines()[0]
+    return ""
+
+
+def routine(old: State, new: State) -> bool:
+    """A change not worth a log line: the start, and the end of a run that trained. Pure."""
+    return (isinstance(old, Starting) and isinstance(new, Running)) or (isinstance(old, Running) and isinstance(new, Finished))

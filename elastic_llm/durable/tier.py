@@ -12,17 +12,18 @@ tensor bytes itself: they go from the managers' object stores straight to storag
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elastic_llm import cadence, events
+from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.durable import format as fmt
 from elastic_llm.durable.flush import plan_parts
 from elastic_llm.durable.storage import Storage, StorageError
 from elastic_llm.model import stage_layer_range
 from elastic_llm.snapshot.records import VersionRecord
+from elastic_llm.stream import StreamPosition
 
 log = logging.getLogger("elastic_llm.durable")
 FLUSH_S = 1800.0  # longest a flush may take before it is abandoned
@@ -42,9 +43,11 @@ class DurableStats:
 
 class Snapshots(Protocol):
     """What the tier needs of the snapshot coordinator (it never imports it): the managers that
-    write the parts, the newest committed version, and the snapshot interval (for ``auto``)."""
+    write the parts and how to wait for their answers, the newest committed version, and the
+    snapshot interval (for ``auto``)."""
 
     managers: dict[str, Any]  # node -> SnapshotManager handle
+    calls: Any  # the coordinator's Calls (wait / get)
     committed: VersionRecord | None
     every: int
 
@@ -78,9 +81,10 @@ def run_storage(cfg: RunConfig) -> Storage:
 
 
 class DurableTier:
-    def __init__(self, cfg: RunConfig, coordinator: Snapshots, data_dir: str | None = None, metrics: Any = None) -> None:
+    def __init__(self, cfg: RunConfig, coordinator: Snapshots, data_dir: str | None = None, metrics: Any = None, clock: Clock = SYSTEM) -> None:
         du = cfg.durable
         self.cfg = cfg
+        self.clock = clock
         self.coordinator = coordinator
         self.metrics = metrics
         self.data_dir = data_dir
@@ -145,27 +149,26 @@ class DurableTier:
                 self._fail(record, f"the snapshot manager of node {node[:12]} is gone")
                 return
             refs[managers[node].flush_part.remote(plan)] = (node, plan)
-        self.inflight = _Flush(record, refs, time.perf_counter())
+        self.inflight = _Flush(record, refs, self.clock.perf_counter())
 
     def poll(self, block: bool = False, timeout: float = FLUSH_S) -> None:
         """Commit the flush in flight once every part is written (``block``: wait for it)."""
-        import ray
-
         f = self.inflight
         if f is None:
             return
+        calls = self.coordinator.calls
         pending = [r for r in f.refs if r not in {x[0] for x in f.results}]
-        done = ray.wait(pending, num_returns=len(pending), timeout=timeout if block else 0)[0] if pending else []
+        done = calls.wait(pending, len(pending), timeout if block else 0)[0] if pending else []
         for ref in done:
             try:
-                f.results.append((ref, ray.get(ref, timeout=0)))
+                f.results.append((ref, calls.get(ref, timeout=0)))
             except Exception as e:  # a manager died mid-flush, storage refused a write, ...
                 lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
                 self._fail(f.record, lines[-1] if lines else type(e).__name__)
                 return
         if len(f.results) < len(f.refs):
-            if block or time.perf_counter() - f.started > FLUSH_S:
-                self._fail(f.record, f"not written after {time.perf_counter() - f.started:.0f} s")
+            if block or self.clock.perf_counter() - f.started > FLUSH_S:
+                self._fail(f.record, f"not written after {self.clock.perf_counter() - f.started:.0f} s")
             return
         try:
             self._commit(f)
@@ -180,7 +183,7 @@ class DurableTier:
         manifest = fmt.make_manifest(self.cfg, rec.version, self.run.root.rsplit("/", 1)[-1], states, parts, self._copy_tokenizer(ckpt))
         files = manifest["files"]
         fmt.commit(self.run, ckpt, manifest)
-        seconds = time.perf_counter() - f.started
+        seconds = self.clock.perf_counter() - f.started
         nbytes = sum(v["nbytes"] for v in files.values())
         self.inflight = None
         self._unpin(rec.version)
@@ -232,6 +235,11 @@ class DurableTier:
     def latest(self) -> tuple[int, str] | None:
         """(step, directory name) of the newest committed checkpoint."""
         return self.newest
+
+    def checkpoint(self, name: str) -> tuple[str, StreamPosition | None]:
+        """(the run directory's URI, the data position) of committed checkpoint ``name``."""
+        raw = fmt.Checkpoint(self.run, name).manifest.get("data_position")
+        return self.run.uri, StreamPosition.of(raw) if raw else None
 
     def finish(self, timeout: float = FLUSH_S) -> None:
         """When the run ends: wait for the flush in flight, then flush the newest committed

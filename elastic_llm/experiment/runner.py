@@ -67,9 +67,10 @@ CellRunner = Callable[[RunConfig, Path, bool], CellResult]
 
 
 def run_trainer_cell(cfg: RunConfig, cell_dir: Path, progress: bool) -> CellResult:
-    """One cell: ``Trainer(cfg).fit()`` in a fresh embedded Ray; a run that stops
+    """One cell: ``ray_trainer(cfg).fit()`` in a fresh embedded Ray; a run that stops
     (:class:`RunFailed`) is a result, not an error."""
-    from elastic_llm.controller import CapacityUnavailable, RunFailed, Trainer
+    from elastic_llm.controller import CapacityUnavailable, RunFailed
+    from elastic_llm.runtime.ray_runtime import ray_trainer
 
     t0 = time.perf_counter()
     marks: list[float] = []  # training seconds at each step before which a new recovery happened
@@ -80,7 +81,7 @@ def run_trainer_cell(cfg: RunConfig, cell_dir: Path, progress: bool) -> CellResu
             marks.append(seen[1])
         seen[:] = [len(trainer.recoveries), record["elapsed_s"]]
 
-    trainer = Trainer(cfg, metrics_out=cell_dir / "metrics.jsonl", progress=progress)
+    trainer = ray_trainer(cfg, metrics_out=cell_dir / "metrics.jsonl", progress=progress)
     error, code = None, 0
     try:
         try:  # Ray start and the first placement before fit(): its clock (elapsed_s) starts after them
@@ -127,7 +128,7 @@ class Convergence:
     all cells, the directory's parameters) before anything starts. ``run_cell`` is for tests."""
 
     def __init__(self, spec: ConvergenceSpec, out: str | Path, run_cell: CellRunner = run_trainer_cell) -> None:
-        from elastic_llm.controller import check_placement, local_resources
+        from elastic_llm.runtime.session import check_placement, local_resources
 
         if spec.steps < 2:
             raise ExperimentError(f"--steps={spec.steps} must be >= 2")

@@ -345,7 +345,7 @@ def main(args: argparse.Namespace) -> int:
         log(f"error: {e}")
         return EXIT_USAGE
 
-    from elastic_llm.controller.drains import request_drain
+    from elastic_llm.runtime.drains import request_drain
 
     def drain(node: str, deadline_s: float, message: str) -> None:
         request_drain(node, deadline_s, message, address=gcs)

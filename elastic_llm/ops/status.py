@@ -51,7 +51,7 @@ def collect(api: str, run: str | None = None, timeout_s: float = STATE_S) -> dic
     import ray
     from ray.util.state import list_actors
 
-    from elastic_llm.controller.session import NAMESPACE
+    from elastic_llm.runtime.session import NAMESPACE
 
     rows = list_actors(address=api, filters=[("state", "=", "ALIVE"), ("ray_namespace", "=", NAMESPACE)], detail=True, limit=10_000, raise_on_missing_output=False)
     runs: dict[str, dict[str, Any]] = {}
@@ -149,7 +149,7 @@ def render(report: dict[str, Any]) -> str:
 def status(args: argparse.Namespace) -> int:
     import ray
 
-    from elastic_llm.controller.session import NAMESPACE, ClusterUnreachable, check_reachable
+    from elastic_llm.runtime.session import NAMESPACE, ClusterUnreachable, check_reachable
 
     try:
         check_reachable(args.address)

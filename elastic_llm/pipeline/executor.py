@@ -14,10 +14,11 @@ Never decides what happens after a failure (the controller does) and never injec
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from elastic_llm.stream import StreamPosition
 STEP_TIMEOUT_S = 900.0  # a step that takes longer is treated as a failure (a hung stage)
 SETTLE_S = 120.0  # after a failure, how long the step's other calls get to finish or fail
 LINK_S = 60.0  # deadline for setting up the links of a membership
+GENERATIONS = itertools.count(1)  # link generations of executors built without a counter of their own (tests, benchmarks)
 
 
 class StepFailed(RuntimeError):
@@ -101,9 +103,10 @@ class PendingStep:
 class StepExecutor(Protocol):
     """How the controller runs steps (Ray actors, or a fake in tests)."""
 
-    def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: StreamPosition | None = None, faults: Mapping[ShardKey, Fault] | None = None) -> PendingStep: ...
+    def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: StreamPosition | None = None,
+              faults: Mapping[ShardKey, Fault] | None = None) -> Any: ...  # a PendingStep (its ``result()``: the step from what came back)
 
-    def finish(self, pending: PendingStep) -> StepResult: ...
+    def finish(self, pending: Any, timeout: float = ...) -> StepResult: ...
 
     def settle(self) -> None: ...
 
@@ -140,7 +143,10 @@ def link_peers(n_stages: int, dp: int, rts: Sequence[Route], redundant: bool = F
 class RayStepExecutor:
     """Runs steps on ``actors[replica][stage]`` (Ray actor handles of StageWorker)."""
 
-    def __init__(self, actors: Sequence[Sequence[Any]], schedule: str, n_micro: int, swapped: bool = False, redundant: bool = False) -> None:
+    def __init__(self, actors: Sequence[Sequence[Any]], schedule: str, n_micro: int, swapped: bool = False, redundant: bool = False,
+                 generations: Iterator[int] | None = None) -> None:
+        """``generations``: the counter link generations come from (the controller's, shared by its
+        executors so that a later membership's links are always newer; default: this process's)."""
         self.actors = [list(r) for r in actors]
         self.dp, self.n_stages = len(self.actors), len(self.actors[0])
         self.n_micro = n_micro  # the most microbatches a replica runs (fewer when its share has fewer sequences)
@@ -148,6 +154,7 @@ class RayStepExecutor:
         self.routes = routes(self.n_stages, n_micro, swapped)  # every route a microbatch may take: what the links cover
         self._ops: dict[int, list[np.ndarray]] = {}
         self.stage_ops(n_micro)  # refuses a schedule that would deadlock before any step
+        self.generations = generations if generations is not None else GENERATIONS
         self.generation = 0
         self.linked = False
         self.last: PendingStep | None = None
@@ -172,7 +179,7 @@ class RayStepExecutor:
     def connect(self) -> None:
         """Set up the links of this membership (a new generation); raises StepFailed naming an
         actor that could not take part."""
-        self.generation = max(time.time_ns(), self.generation + 1)
+        self.generation = next(self.generations)
         keys = self.keys()
         addresses = self._gather({k: self.actor(k).link_address.remote() for k in keys}, LINK_S)
         peers = link_peers(self.n_stages, self.dp, self.routes, self.redundant)

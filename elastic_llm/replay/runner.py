@@ -67,7 +67,7 @@ class Replay:
 
     # ------------------------------------------------------------------ the cluster
     def _start_cluster(self) -> None:
-        from elastic_llm.controller.session import loopback_cluster
+        from elastic_llm.runtime.session import loopback_cluster
 
         self.cluster = loopback_cluster(0, self.options.cpus_per_node)
         for label in self.plan.initial_nodes:
@@ -75,14 +75,14 @@ class Replay:
         self.cluster.wait_for_nodes()
 
     def _add(self, label: str) -> None:
-        from elastic_llm.controller.session import NODE_STORE_BYTES, add_loopback_node, snapshot_store_bytes
+        from elastic_llm.runtime.session import NODE_STORE_BYTES, add_loopback_node, snapshot_store_bytes
 
         fewest = max(1, min((n for _, n in self.plan.replay_alive if n > 0), default=1))  # the most a node holds
         store = max(NODE_STORE_BYTES, snapshot_store_bytes(self.cfg, fewest))
         self.nodes[label] = add_loopback_node(self.cluster, self.options.cpus_per_node, store)
 
     def _act(self, action: ReplayAction) -> None:
-        from elastic_llm.controller.drains import request_drain
+        from elastic_llm.runtime.drains import request_drain
 
         if action.kind == "add":
             self._add(action.node)
@@ -95,13 +95,13 @@ class Replay:
 
     # ------------------------------------------------------------------ the run
     def run(self, out_dir: str | Path) -> dict[str, Any]:
-        from elastic_llm.controller import Trainer
+        from elastic_llm.runtime.ray_runtime import ray_trainer
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self._start_cluster()
         try:
-            self.trainer = Trainer(self.cfg, cluster=self.cluster, metrics_out=out / "metrics.jsonl", progress=self.options.progress)
+            self.trainer = ray_trainer(self.cfg, cluster=self.cluster, metrics_out=out / "metrics.jsonl", progress=self.options.progress)
             self.trainer.setup()  # Ray start and first placement are not part of the trace
             t0 = time.monotonic()
             thread = threading.Thread(target=self._fit, daemon=True)

@@ -27,7 +27,7 @@ from elastic_llm.config import ConfigError, RunConfig, config_from_dict
 from elastic_llm.replay.report import seconds_with_room, useful_fraction, write_report
 from elastic_llm.replay.trace import ReplayPlan, load_trace, plan_replay
 from elastic_llm.sim.costs import CostModel
-from elastic_llm.sim.world import Charged, Fleet, SimCalls, SimClock, SimMonitor, World
+from elastic_llm.sim.world import Charged, Fleet, SimClock, World
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.sources import Mode
 
@@ -73,6 +73,7 @@ def sim_config(cfg: RunConfig, o: SimOptions) -> RunConfig:
     d = cfg.to_dict()
     d["parallel"].update(stages=o.stages, dp=o.replicas)
     d["train"].update(eval_every=0)
+    d["recovery"].update(driver_grace_s=0.0)  # one driver: nothing is kept for a next one
     d["elastic"].update(min_replicas=lo, max_replicas=hi)
     d["chaos"] = {}
     if o.steps is not None:
@@ -104,8 +105,7 @@ class Simulation:
         self.timeline: list[tuple[float, int, int]] = []
         self.trainer: Any = None
         self.error: BaseException | None = None
-        self.observe_charged: list[float] = []
-        self.durable: Any = None  # the simulated durable tier (--durable-every)
+        self.runtime: Any = None  # the SimRuntime (its durable tier counts flushes)
         self.t0 = 0.0  # simulated second the trace starts (after the run's start)
         self._next_sample = 0.0
         self._fault_schedule()
@@ -137,29 +137,14 @@ class Simulation:
         self.timeline.append((round(t, 3), len(self.fleet.alive()), self.trainer.committed_step if self.trainer is not None else 0))
 
     def build(self) -> Any:
-        from elastic_llm.controller.parts import Parts
+        from elastic_llm.controller.ports import Runtime
         from elastic_llm.controller.trainer import Trainer
-        from elastic_llm.sim.parts import SimElastic, SimGroup, SimRecovery, sim_executor
-        from elastic_llm.sim.snapshots import SimFlusher, SimSnapshots
+        from elastic_llm.sim.runtime import SimRuntime
 
-        cfg = self.cfg
-        min_width = cfg.elastic.bounds(cfg.parallel.dp)[0]
-        group = SimGroup(cfg, self.world, self.charged)
-        sn = SimSnapshots(cfg, self.world, SimCalls(self.clock, self.charged)) if cfg.snapshots_on else None
-        if sn is not None:
-            sn.ensure_managers()
-        self.durable = SimFlusher(self.world, self.options.durable_every) if sn is not None and self.options.durable_every > 0 else None
-        if sn is not None:
-            sn.durable = self.durable
-        recovery = _CountingRecovery(SimRecovery(group, sn, min_width, self.durable), self.charged, self.observe_charged)
-        parts = Parts(group=group, recovery=recovery, elastic=SimElastic(group, sn, cfg, min_width),
-                      make_executor=sim_executor(group), snapshots=sn, clock=self.clock)
-        self.trainer = Trainer(cfg, parts=parts, metrics_out=self.out / "metrics.jsonl")
-        self.trainer.run_id = f"sim{self.options.seed}"  # the same in every simulation of a seed: metrics.jsonl repeats too
-        from elastic_llm.monitor import Publisher
-
-        publisher = self.trainer.publisher = Publisher(self.trainer.run_facts, "sim", actor=SimMonitor(self.charged), clock=self.clock)
-        self.trainer.metrics.observers.append(publisher.on_record)  # the monitor feed's cost is the controller's too
+        standbys = int(self.cfg.recovery.standby) if self.cfg.recovery.standby != "auto" else 1
+        runtime: Runtime = SimRuntime(self.world, self.options.seed, self.options.durable_every, standbys)  # the ports, checked by the type checker
+        self.runtime = runtime
+        self.trainer = Trainer(self.cfg, runtime, metrics_out=self.out / "metrics.jsonl")
         self.charged.state_of = lambda: self.trainer.state.name
         return self.trainer
 
@@ -202,8 +187,8 @@ class Simulation:
         training_s = t.seconds_by_state.get("running", 0.0)
         recoveries = [r for r in t.recoveries if r.source != "none"]
         steps_run = len(t.history)
-        running_cpu = t.cpu_by_state.get("running", 0.0) - self.charged.by_state.get("running", 0.0)
-        plans = [max(0.0, c - s) for c, s in zip(t.plan_cpu_s, self.observe_charged)]
+        running_cpu = t.cpu_by_state.get("running", 0.0)  # the controller's own: the runtime leaves the simulation's bookkeeping out
+        plans = t.plan_cpu_s
         return {
             "title": f"simulation of {self.cfg.name}: {o.stages} stages x {o.replicas} replicas on {len(self.plan.initial_nodes)} nodes, "
                      f"{len(self.plan.actions)} actions over {duration:.0f} s ({self.costs.name})",
@@ -226,7 +211,7 @@ class Simulation:
                 "drains": len(t.drains),
                 "replay_actions": dict(sorted(Counter(a.kind for a in self.plan.actions).items())),
                 "process_failures": len(self.fleet.process_deaths),
-                "durable_flushes": self.durable.flushes if self.durable is not None else 0,
+                "durable_flushes": self.runtime.tier.flushes if self.runtime.tier is not None else 0,
             },
             "final_width": t.group.width if t.group is not None else 0,
             "failed": None if self.error is None else str(self.error).splitlines()[0],
@@ -245,23 +230,6 @@ class Simulation:
             },
             "real_s": round(real_s, 3),  # machine seconds the simulation took (not deterministic; every other field is)
         }
-
-
-class _CountingRecovery:
-    """The simulated recovery, counting the simulation's own CPU in each observation (it is
-    subtracted from the controller's plan CPU)."""
-
-    def __init__(self, inner: Any, charged: Charged, out: list[float]) -> None:
-        self.inner, self.charged, self.out = inner, charged, out
-
-    def observe(self, executor: Any, failed_step: int) -> Any:
-        before = self.charged.seconds
-        obs = self.inner.observe(executor, failed_step)
-        self.out.append(self.charged.seconds - before)
-        return obs
-
-    def execute(self, plan: Any, obs: Any, step: int) -> Any:
-        return self.inner.execute(plan, obs, step)
 
 
 def simulate(cfg: RunConfig, options: SimOptions, costs: CostModel, out_dir: str | Path) -> dict[str, Any]:

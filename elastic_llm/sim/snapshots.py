@@ -1,12 +1,12 @@
-"""The snapshot tiers of a simulation: the real coordinator on simulated managers, and a durable tier.
+"""The snapshot tiers of a simulation: simulated managers for the real coordinator, and a durable tier.
 
-Owns: :class:`SimSnapshots` (the real :class:`~elastic_llm.snapshot.coordinator.SnapshotCoordinator`
-with one simulated manager per live node: its two-phase commits, erasure groups, census of lost
-parts and restores run as they do on Ray), the simulated managers' restore calls (their shards,
-a parity rebuild, each ready after the cost model's time) and :class:`SimFlusher` (the durable
-tier as the coordinator and a recovery see it: which commits are flushed, how long a flush takes,
-the newest durable checkpoint). Never decides which version to keep or restore: the coordinator
-and the recovery policy do.
+Owns: :class:`SimManagers` (the :class:`~elastic_llm.snapshot.coordinator.ManagerFleet` the real
+:class:`~elastic_llm.snapshot.coordinator.SnapshotCoordinator` runs on: one simulated manager per
+live node, so its two-phase commits, erasure groups, census of lost parts and restores run as they
+do on Ray), the simulated managers' restore calls (their shards, a parity rebuild, each ready
+after the cost model's time) and :class:`SimFlusher` (the durable tier: which commits are flushed,
+how long a flush takes, the newest durable checkpoint). Never decides which version to keep or
+restore: the coordinator and the recovery policy do.
 """
 
 from __future__ import annotations
@@ -14,31 +14,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_llm.config import RunConfig
 from elastic_llm.sim.world import SimManager, SimRef, World, _Call
-from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.records import ShardKey
 
 
-class SimSnapshots(SnapshotCoordinator):
-    """The real coordinator with simulated managers: one per live node with actor slots."""
+class SimManagers:
+    """The :class:`~elastic_llm.snapshot.coordinator.ManagerFleet` of a simulated fleet: one
+    simulated manager per live node; the real coordinator drives them."""
 
-    def __init__(self, cfg: RunConfig, world: World, calls: Any) -> None:
-        super().__init__(cfg, "sim", "sim", calls=calls, clock=world.clock)
-        self.world = world
-        self.grace_s = 0.0
+    def __init__(self, world: World, calls: Any) -> None:
+        self.world, self.calls = world, calls
 
-    def ensure_managers(self) -> dict[str, Any]:
-        alive = set(self.world.fleet.alive())
-        for node in [n for n in self.managers if n not in alive]:
-            del self.managers[node]
-        for node in sorted(alive - set(self.managers)):
-            self.managers[node] = _RestoringManager(node, self.world)
-        return self.managers
+    def nodes(self) -> set[str]:
+        return set(self.world.fleet.alive())
 
-    def shutdown(self) -> None:
-        self.managers.clear()
-        self.inflight.clear()
+    def start(self, node: str, name: str, run_id: str, grace_s: float) -> Any:
+        return _RestoringManager(node, self.world)
+
+    def end(self, handle: Any) -> None:
+        pass
 
 
 @dataclass
@@ -74,7 +68,7 @@ class SimFlusher:
         busiest = max(per_node.values(), default=0)
         self.inflight = _SimFlush(record, w.clock.now + busiest * w.shard_mb / w.costs.flush_mb_s, frozenset(per_node))
 
-    def poll(self) -> None:
+    def poll(self, block: bool = False) -> None:
         f, w = self.inflight, self.world
         if f is None or w.clock.now < f.done_s:
             return
@@ -90,6 +84,16 @@ class SimFlusher:
     def reset(self) -> None:
         self.inflight = None
         self.since = 0
+
+    def observe(self, step_s: float, elapsed_s: float, failures: int) -> None:
+        pass  # a fixed interval (--durable-every): nothing to measure
+
+    def finish(self) -> None:
+        pass  # a simulation's end is the trace's: the flush in flight is not waited for
+
+    def checkpoint(self, name: str) -> tuple[str, Any]:
+        step = int(name.rsplit("-", 1)[-1])
+        return "sim://durable", self.world.positions.get(step)
 
 
 class _RestoringManager(SimManager):

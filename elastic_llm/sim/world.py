@@ -221,6 +221,8 @@ class SimManager:
         self.commit = _Call(self._commit, c)
         self.discard = _Call(self._discard, c)
         self.discard_all = _Call(self._discard_all, c)
+        self.unpin = _Call(lambda version: self._ref(0.0), c)
+        self.keepalive = _Call(lambda: self._ref(0.0), c)
 
     def _ref(self, delay: float, value: Any = None) -> SimRef:
         return SimRef(self.world.clock.now + delay, self.node, value, self.world.fleet)
@@ -254,12 +256,13 @@ class SimManager:
 
 
 class SimMonitor:
-    """The run's monitor actor as the controller's feed sees it (``publish``, ``record``): the
-    calls are made and counted, nothing is kept."""
+    """The run's monitor actor as the controller's feed sees it (``publish``, ``record``,
+    ``stop``): the calls are made and counted, nothing is kept."""
 
     def __init__(self, charged: "Charged") -> None:
         self.publish = _Call(lambda status: None, charged)
         self.record = _Call(lambda event: None, charged)
+        self.stop = _Call(lambda: None, charged)
 
 
 class World:

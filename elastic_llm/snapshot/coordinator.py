@@ -42,6 +42,7 @@ MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while
 WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
 PING_S = 10.0  # a manager that does not answer within this is slow ...
 SLOW_PING_S = 20.0  # ... and lost if it still has not answered this much later
+ATTEMPT_BITS = 40  # a driver's attempts: its epoch << ATTEMPT_BITS, then one more per version begun
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,43 @@ class Calls(Protocol):
     def get(self, ref: Any, timeout: float | None = None) -> Any: ...
 
 
+class Remote(Protocol):
+    """One method of a manager: ``handle.method.remote(*args)`` returns a ref for :class:`Calls`."""
+
+    def remote(self, *args: Any) -> Any: ...
+
+
+class ManagerHandle(Protocol):
+    """A node's snapshot manager as the coordinator, the durable tier and the keepalive call it
+    (:class:`~elastic_llm.snapshot.manager.SnapshotManager` as a Ray actor, or a simulated one)."""
+
+    held: Remote  # () -> {version: committed}
+    snapshot_version: Remote  # (ManagerPlan) -> ManagerPart
+    commit: Remote  # (version, flush, keep) -> None
+    discard: Remote  # (version, attempt) -> None
+    discard_all: Remote  # () -> None
+    shard_parts: Remote  # (version, key) -> refs of its pieces
+    rebuild_shard: Remote  # (version, key, n, parity, lost, index, peers, infos) -> [ref]
+    flush_part: Remote  # (FlushPlan) -> written part
+    unpin: Remote  # (version) -> None
+    keepalive: Remote  # () -> None
+
+
+class ManagerFleet(Protocol):
+    """Where the managers live: one per live node that can host stages. ``start`` returns at
+    once (``held`` answers once it runs); ``end`` stops one. Ray: detached actors pinned to their
+    node (:class:`RayManagers`); a simulation: simulated managers."""
+
+    @property
+    def calls(self) -> Calls: ...
+
+    def nodes(self) -> set[str]: ...
+
+    def start(self, node: str, name: str, run_id: str, grace_s: float) -> ManagerHandle: ...
+
+    def end(self, handle: ManagerHandle) -> None: ...
+
+
 class RayCalls:
     def wait(self, refs: list[Any], num_returns: int, timeout: float | None) -> tuple[list[Any], list[Any]]:
         import ray
@@ -133,14 +171,52 @@ class RayCalls:
         return ray.get(ref, timeout=timeout)
 
 
+class RayManagers:
+    """Snapshot managers as Ray actors: detached (when they must outlive a driver), named, with
+    no CPU reservation, pinned to their node."""
+
+    def __init__(self, namespace: str, codec: str) -> None:
+        self.namespace, self.codec = namespace, codec
+        self.calls = RayCalls()
+
+    def nodes(self) -> set[str]:
+        import ray
+
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0}
+
+    def start(self, node: str, name: str, run_id: str, grace_s: float) -> ManagerHandle:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return ray.remote(SnapshotManager).options(
+            name=name,
+            namespace=self.namespace,
+            num_cpus=0,
+            max_concurrency=16,
+            lifetime="detached" if grace_s > 0 else None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(node, self.codec, run_id, grace_s)
+
+    def end(self, handle: ManagerHandle) -> None:
+        import ray
+
+        try:
+            ray.kill(handle)
+        except Exception as e:  # noqa: BLE001 - one manager that cannot be ended must not stop the others'
+            log.warning("snapshot manager not ended: %s: %s", type(e).__name__, e)
+
+
 class SnapshotCoordinator:
-    def __init__(self, cfg: RunConfig, namespace: str, run_id: str, calls: Calls | None = None, clock: Clock = SYSTEM) -> None:
+    def __init__(self, cfg: RunConfig, fleet: ManagerFleet, run_id: str, clock: Clock = SYSTEM, epoch: int = 1) -> None:
+        """``fleet``: where the managers live; ``epoch``: which driver of the run this is (1, then
+        one more at each ``--resume RUN_ID``): the attempts it sends exceed any earlier driver's."""
         self.cfg = cfg
-        self.calls: Calls = calls or RayCalls()  # the managers are Ray actors unless a simulation passes its own
+        self.fleet = fleet
+        self.calls: Calls = fleet.calls
         self.clock = clock
-        self.namespace = namespace
         self.run_id = run_id
-        self.managers: dict[str, Any] = {}
+        self.epoch = epoch
+        self.managers: dict[str, ManagerHandle] = {}
         self.inflight: list[_Inflight] = []  # oldest first, at most MAX_INFLIGHT
         self.committed: VersionRecord | None = None
         self.stats = SnapshotStats()
@@ -166,27 +242,16 @@ class SnapshotCoordinator:
         self.changes: list[dict[str, Any]] = []  # snapshot.every: auto decisions, for the metrics file
 
     # ------------------------------------------------------------------ managers
-    def ensure_managers(self) -> dict[str, Any]:
+    def ensure_managers(self) -> dict[str, ManagerHandle]:
         """One live SnapshotManager per alive node with CPUs (re-created where one died)."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0}
-        dead = self.dead_managers(alive)
-        for node in dead:
+        alive = self.fleet.nodes()
+        for node in self.dead_managers(alive):
             self.managers.pop(node, None)
-        Actor = ray.remote(SnapshotManager)
         for node in sorted(alive - set(self.managers)):
             n = self._incarnations[node] = self._incarnations.get(node, -1) + 1
-            self.managers[node] = Actor.options(  # a SIGKILLed actor's name is released late: a replacement gets its own
-                name=f"smp-{self.run_id}-{node[:12]}{self.name_tag}" + (f"-{n}" if n else ""),
-                namespace=self.namespace,
-                num_cpus=0,
-                max_concurrency=16,
-                lifetime="detached" if self.grace_s > 0 else None,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(node, self.cfg.snapshot.codec, self.run_id, self.grace_s)
-        ray.get([m.held.remote() for m in self.managers.values()], timeout=120)
+            name = f"smp-{self.run_id}-{node[:12]}{self.name_tag}" + (f"-{n}" if n else "")  # a SIGKILLed actor's name is released late
+            self.managers[node] = self.fleet.start(node, name, self.run_id, self.grace_s)
+        self.calls.get([m.held.remote() for m in self.managers.values()], timeout=120)
         return self.managers
 
     def dead_managers(self, alive_nodes: set[str] | frozenset[str]) -> frozenset[str]:
@@ -229,13 +294,8 @@ class SnapshotCoordinator:
         return why
 
     def shutdown(self) -> None:
-        import ray
-
         for m in self.managers.values():
-            try:
-                ray.kill(m)
-            except Exception:
-                pass
+            self.fleet.end(m)
         self.managers.clear()
         self.inflight.clear()
 
@@ -271,7 +331,7 @@ class SnapshotCoordinator:
             self.ensure_managers()
             self.refresh_managers = False
         sn = self.cfg.snapshot
-        attempt = self._attempt = max(self._attempt + 1, int(self.clock.time() * 1e9))  # increasing, also across drivers
+        attempt = self._attempt = max(self._attempt + 1, self.epoch << ATTEMPT_BITS)  # increasing, also across drivers (a later driver's epoch is higher)
         by_node: dict[str, list[tuple[ShardKey, Any]]] = {node: [] for node in self.managers}
         lost = []
         for m in stages:
@@ -420,15 +480,16 @@ class SnapshotCoordinator:
         (log.info if expected else log.warning)("snapshot of step %d discarded: %s", p.version, why)
 
     def _drain_dropped(self) -> None:
-
+        """Collect the answers of dropped versions' calls (their failure was already acted on:
+        reading them keeps Ray from reporting them as unhandled errors)."""
         if not self._dropped:
             return
         done, self._dropped = self.calls.wait(self._dropped, len(self._dropped), 0)
         for ref in done:
             try:
                 self.calls.get(ref, timeout=0)
-            except Exception:
-                pass
+            except Exception:  # noqa: BLE001 - the version was dropped for this failure already
+                continue
 
     def abandon_pending(self, from_version: int = 0) -> None:
         """Forget the versions in flight from ``from_version`` on (after a training failure);

@@ -507,7 +507,7 @@ class _Trial:
     def _strike(self, f: Fault) -> Injection:
         import ray
 
-        from elastic_llm.controller.drains import request_drain
+        from elastic_llm.runtime.drains import request_drain
 
         key = ShardKey(f.stage, 0)
         node = self.t.group.nodes[key]
@@ -605,14 +605,14 @@ class Soak:
 
     # ------------------------------------------------------------------ the cluster
     def _start_cluster(self) -> None:
-        from elastic_llm.controller.session import loopback_cluster
+        from elastic_llm.runtime.session import loopback_cluster
 
         self.cluster = loopback_cluster(self.options.workers, self.options.cpus_per_node)
 
     def top_up(self) -> None:
         """Back to ``workers`` live worker nodes. A fresh node that has not joined within
         :data:`JOIN_S` is given up and another one started in its place, once."""
-        from elastic_llm.controller.session import add_loopback_node
+        from elastic_llm.runtime.session import add_loopback_node
 
         for attempt in range(2):
             self._forget_dead_nodes()  # also those that never joined: Ray does not list them alive
@@ -697,10 +697,10 @@ class Soak:
         return report
 
     def _reference(self, cfg: RunConfig, steps: int, out: Path) -> dict[int, float]:
-        from elastic_llm.controller import Trainer
+        from elastic_llm.runtime.ray_runtime import ray_trainer
 
         out.mkdir(parents=True, exist_ok=True)
-        t = Trainer(cfg, cluster=self.cluster, metrics_out=out / "metrics.jsonl", progress=False)
+        t = ray_trainer(cfg, cluster=self.cluster, metrics_out=out / "metrics.jsonl", progress=False)
         try:
             return losses(t.fit(steps))
         finally:
@@ -715,7 +715,7 @@ class Soak:
         """A run whose driver is an ``elastic-llm train`` process: SIGKILLed once its metrics
         show each fault's step, and each time ``elastic-llm train --resume RUN_ID`` started in
         its place (its first step timed from its start); the last one trains to the end."""
-        from elastic_llm.controller.failover import published_committed
+        from elastic_llm.runtime.failover import published_committed
 
         if self.driver_argv is None:
             raise ValueError("driver faults need the run's `elastic-llm train` arguments (Soak(driver_argv=...))")
@@ -782,14 +782,14 @@ class Soak:
                         durable=durable, durable_error=durable_error, failovers=failovers)
 
     def _trial(self, plan: TrialPlan, out: Path) -> TrialRun:
-        from elastic_llm.controller import Trainer
+        from elastic_llm.runtime.ray_runtime import ray_trainer
 
         out.mkdir(parents=True, exist_ok=True)
         events = hook_events(plan)
         extra = [f"chaos.events=[{', '.join(events)}]"] if events else []
         cfg = self.load(extra + self._durable_overrides(out))  # every trial flushes, so faults can strike a flush
         t0 = time.monotonic()
-        t = Trainer(cfg, cluster=self.cluster, metrics_out=out / "metrics.jsonl", progress=False)
+        t = ray_trainer(cfg, cluster=self.cluster, metrics_out=out / "metrics.jsonl", progress=False)
         trial = _Trial(self, plan, t)
         hung = None
         thread = None

@@ -1,19 +1,23 @@
-"""Node liveness: the driver notices a dead node by its first failed connection and tells Ray.
+"""Node liveness: the driver notices a dead node by its first refused connection and tells Ray.
 
 Owns: :class:`NodeWatch`, which every ``recovery.node_probe_s`` (and once more whenever a recovery
 observes the cluster) opens a TCP connection to the raylet of every live worker node, and the pure
-rule that turns what it saw into deaths (:func:`judge`): a refused connection is a dead node at
-once (nothing listens on the raylet's port any more: the raylet process is gone, and with it the
-node's actors and object store); a connection that times out ``recovery.node_probe_failures``
-times in a row is a dead node too (a machine that went away answers nothing). A death is declared
-to Ray's GCS (``UnregisterNode`` with the reason), so Ray's own view follows at once: calls to
-the node's actors fail with ``ActorDiedError`` (the step fails and recovery begins), the node
-drops out of ``ray.nodes()``, and its placement-group bundles are placed again elsewhere. The
-controller, the snapshot managers' bookkeeping and Ray then agree on which nodes live.
+rule that turns what it saw into verdicts (:func:`judge`):
 
-Without the watch, Ray's health checks notice the node (``cluster.yaml``: period 1 s, timeout 1 s,
-3 failures; Ray's defaults take 15-30 s), and until they do, calls to the dead node's actors hang
-or fail with ``ActorUnavailableError`` while Ray still lists the node alive.
+- a **refused** connection is a dead node at once: the machine answered and nothing listens on
+  the raylet's port any more (the raylet process is gone, and with it the node's actors and object
+  store). With ``recovery.node_probe_declare`` (the default) the death is declared to Ray's GCS
+  (``UnregisterNode`` with the reason), so Ray's own view follows at once: calls to the node's
+  actors fail with ``ActorDiedError``, the node drops out of ``ray.nodes()`` and its bundles are
+  placed again elsewhere;
+- a connection that **times out** ``recovery.node_probe_failures`` times in a row makes the node a
+  **suspect** of this run only: nothing is declared to Ray (a network blip at the driver is not a
+  dead node, and on a shared cluster a node unregistered by one job is gone for every job). The
+  run places nothing new there and gives steps with actors there a short deadline; an answer
+  clears the suspicion. Ray's own health checks decide whether the node is dead.
+
+Without the watch (``recovery.node_probe_s: 0``), Ray's health checks notice a dead node
+(``cluster.yaml``: period 1 s, timeout 1 s, 3 failures; Ray's defaults take 15-30 s).
 
 Never probes the head node (if it died, the GCS went with it: that is driver failover's business),
 never decides how to recover, and never touches an actor. Cost: one ``ray.nodes()`` every
@@ -25,55 +29,40 @@ the watch run with fakes.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
+from elastic_llm.controller.drains import NodeDeath, Outcome
 
+
+log = logging.getLogger("elastic_llm.runtime")
 REFRESH_S = 2.0  # how often the watch reads Ray's node table again (new nodes are probed from then on)
 
 
-class Outcome(Enum):
-    """What one connection attempt to a node's raylet gave."""
-
-    OK = "ok"
-    REFUSED = "refused"  # the machine answered: nothing listens there
-    TIMEOUT = "timeout"  # no answer at all (or the network is unreachable)
-
-
-@dataclass(frozen=True)
-class NodeDeath:
-    node: str
-    address: str  # host:port of the raylet that failed to answer
-    outcome: Outcome  # the probe outcome that decided it
-    failures: int  # failed probes in a row, the deciding one included
-    suspect_s: float  # seconds from the first of those failed probes to the decision
-
-    def reason(self) -> str:
-        what = "refused the connection" if self.outcome is Outcome.REFUSED else f"did not answer {self.failures} probes in a row"
-        return f"elastic-llm node watch: the raylet at {self.address} {what}"
-
-
-def judge(streak: dict[str, tuple[int, float]], seen: dict[str, Outcome], addresses: dict[str, str], failures: int, now: float) -> tuple[dict[str, tuple[int, float]], list[NodeDeath]]:
+def judge(streak: dict[str, tuple[int, float]], seen: dict[str, Outcome], addresses: dict[str, str], failures: int,
+          now: float) -> tuple[dict[str, tuple[int, float]], list[NodeDeath], set[str]]:
     """One probe round (pure). ``streak``: per node, failed probes in a row and when the first of
-    them happened. Returns the new streaks and the nodes now judged dead (a refusal at once,
-    ``failures`` timeouts in a row)."""
+    them happened. Returns the new streaks, the nodes now judged dead (a refusal) and the
+    suspects (``failures`` or more timeouts in a row, not answered since)."""
     out: dict[str, tuple[int, float]] = {}
     dead: list[NodeDeath] = []
+    suspects: set[str] = set()
     for node, outcome in sorted(seen.items()):
         if outcome is Outcome.OK:
             continue
         count, since = streak.get(node, (0, now))
         count += 1
-        if outcome is Outcome.REFUSED or count >= failures:
+        if outcome is Outcome.REFUSED:
             dead.append(NodeDeath(node, addresses.get(node, "?"), outcome, count, now - since))
-        else:
-            out[node] = (count, since)
-    return out, dead
+            continue
+        out[node] = (count, since)
+        if count >= failures:
+            suspects.add(node)
+    return out, dead, suspects
 
 
 Probe = Callable[[str, int, float], Outcome]
@@ -133,17 +122,21 @@ class RayNodeTable:
 
 class NodeWatch:
     """Probes every live worker node's raylet each ``period_s`` on a daemon thread (and on demand
-    with :meth:`sweep`), declares the dead ones to Ray and keeps them for :meth:`take`."""
+    with :meth:`sweep`): declares the dead ones to Ray (``declare``; else it only reports them)
+    and keeps them for :meth:`take`; keeps the suspects for :meth:`suspects`."""
 
-    def __init__(self, table: NodeTable, period_s: float, failures: int, timeout_s: float = 0.5, probe: Probe = tcp_probe, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, table: NodeTable, period_s: float, failures: int, timeout_s: float = 0.5, probe: Probe = tcp_probe,
+                 clock: Callable[[], float] = time.monotonic, declare: bool = True) -> None:
         self.table = table
         self.period_s = period_s
         self.failures = max(1, failures)
         self.timeout_s = timeout_s
         self.probe = probe
         self.clock = clock
+        self.declare = declare
         self._streak: dict[str, tuple[int, float]] = {}
-        self._declared: set[str] = set()
+        self._declared: set[str] = set()  # judged dead (told to Ray with ``declare``): not probed again
+        self._suspects: set[str] = set()
         self._table: dict[str, tuple[str, int]] = {}
         self._table_at: float | None = None
         self._deaths: list[NodeDeath] = []
@@ -151,9 +144,10 @@ class NodeWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors = 0  # sweeps that failed (Ray unreachable for a moment): the next one tries again
+        self.last_error: str | None = None
 
     def sweep(self, refresh: bool = False) -> list[NodeDeath]:
-        """One round: probe, judge, declare. Returns the deaths declared in this round. The node
+        """One round: probe, judge, declare. Returns the deaths judged in this round. The node
         table is read again every :data:`REFRESH_S` (or with ``refresh``)."""
         with self._lock:
             now = self.clock()
@@ -162,20 +156,26 @@ class NodeWatch:
             nodes = {n: a for n, a in self._table.items() if n not in self._declared}
             seen = {n: self.probe(host, port, self.timeout_s) for n, (host, port) in nodes.items()}
             addresses = {n: f"{h}:{p}" for n, (h, p) in nodes.items()}
-            self._streak, dead = judge(self._streak, seen, addresses, self.failures, self.clock())
+            self._streak, dead, self._suspects = judge(self._streak, seen, addresses, self.failures, self.clock())
             for death in dead:
-                self.table.declare_dead(death)
+                if self.declare:
+                    self.table.declare_dead(death)
                 self._declared.add(death.node)
             self._deaths.extend(dead)
             return dead
 
     def watching(self) -> set[str]:
-        """The nodes the watch probes now (its copy of the node table, the declared dead left out)."""
+        """The nodes the watch probes now (its copy of the node table, the dead left out)."""
         with self._lock:
             return set(self._table) - self._declared
 
+    def suspects(self) -> set[str]:
+        """Nodes whose last ``failures`` probes or more timed out (never declared to Ray)."""
+        with self._lock:
+            return set(self._suspects)
+
     def take(self) -> list[NodeDeath]:
-        """The deaths declared since the last call (for the run's metrics lines)."""
+        """The deaths judged since the last call (for the run's metrics lines)."""
         with self._lock:
             out, self._deaths = self._deaths, []
             return out
@@ -196,5 +196,8 @@ class NodeWatch:
         while not self._stop.wait(self.period_s):
             try:
                 self.sweep()
-            except Exception:  # noqa: BLE001 - a watch that stops would leave detection to Ray alone
+            except Exception as e:  # noqa: BLE001 - a watch that stops would leave detection to Ray alone; the next round tries again
                 self.errors += 1
+                if self.last_error is None:
+                    log.warning("node watch: a probe round failed (%s: %s); it goes on", type(e).__name__, e)
+                self.last_error = f"{type(e).__name__}: {e}"

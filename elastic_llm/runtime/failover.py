@@ -22,27 +22,18 @@ records are JSON (:func:`~elastic_llm.snapshot.records.record_from_json`).
 from __future__ import annotations
 
 import json
-import re
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic_llm.controller.ports import ResumeError
 from elastic_llm.snapshot.records import VersionRecord, record_from_json, record_json
 
+log = logging.getLogger("elastic_llm.runtime")
 KV_NAMESPACE = "elastic-llm"
-RUN_ID = re.compile(r"^[0-9a-f]{6}$")
 OLD_ACTORS_S = 30.0  # longest a resuming driver waits for the dead driver's actors to be gone
-
-
-class ResumeError(RuntimeError):
-    """A run cannot be resumed as asked; the message says why and what to do."""
-
-
-def is_run_id(text: str) -> bool:
-    """Whether ``--resume`` names a run (six hex digits, as ``elastic-llm status`` shows it)
-    rather than a durable checkpoint's path."""
-    return bool(RUN_ID.match(text))
 
 
 def _key(run_id: str, what: str) -> bytes:
@@ -66,7 +57,7 @@ def forget(run_id: str) -> None:
     """A run that ended cleanly: nothing is left to resume."""
     from ray.experimental.internal_kv import _internal_kv_del
 
-    for what in ("config", "driver", "committed"):
+    for what in ("config", "driver", "committed", "epoch"):
         _internal_kv_del(_key(run_id, what), namespace=KV_NAMESPACE)
 
 
@@ -115,7 +106,7 @@ def find_managers(namespace: str, run_id: str) -> dict[str, Any]:
     for h, ref in zip(handles, states):
         try:
             out[ray.get(ref, timeout=30).node_id] = h
-        except Exception:  # noqa: BLE001 - a manager that does not answer is one that is not there
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # a manager that does not answer is one that is not there
             continue
     return out
 
@@ -161,24 +152,67 @@ def retire_old_driver(namespace: str, run_id: str, seconds: float = OLD_ACTORS_S
 
 class Keepalive:
     """Tells every manager ``handles()`` returns that a driver lives, every ``period_s``, on a
-    daemon thread (fire and forget: a dead manager is a later failure, not this thread's)."""
+    thread of its own (fire and forget: a dead manager is a later failure, not this thread's).
+    :meth:`stop` ends the thread and waits for it."""
 
     def __init__(self, handles: Callable[[], list[Any]], period_s: float) -> None:
         self.handles = handles
         self.period_s = period_s
+        self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="elastic-llm-keepalive", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):
             for h in list(self.handles()):
                 try:
                     h.keepalive.remote()
-                except Exception:  # noqa: BLE001
-                    pass
+                except Exception as e:  # noqa: BLE001 - the next round tries again; the first error is said
+                    if self.errors == 0:
+                        log.warning("keepalive to a snapshot manager failed (%s: %s); it goes on", type(e).__name__, e)
+                    self.errors += 1
+
+
+class RayRegistry:
+    """The :class:`~elastic_llm.controller.ports.RunRegistry` of a Ray cluster: the GCS key-value
+    store, the run's named detached managers, and the keepalive thread."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+
+    def check_same_model(self, run_id: str, config: dict[str, Any]) -> None:
+        check_same_model(run_id, config)
+
+    def retire_old_driver(self, run_id: str) -> None:
+        retire_old_driver(self.namespace, run_id)
+
+    def find(self, run_id: str) -> tuple[dict[str, Any], VersionRecord | None]:
+        return find_managers(self.namespace, run_id), published_committed(run_id)
+
+    def epoch(self, run_id: str) -> int:
+        text = read(run_id, "epoch")
+        return int(text) if text is not None and text.isdigit() else 0
+
+    def publish_run(self, run_id: str, config: dict[str, Any], epoch: int) -> None:
+        publish(run_id, "config", json.dumps(config))
+        publish(run_id, "epoch", str(epoch))
+        publish_driver(run_id)
+
+    def publish_committed(self, run_id: str, record: VersionRecord) -> None:
+        publish_committed(run_id, record)
+
+    def keepalive(self, handles: Callable[[], list[Any]], period_s: float) -> Keepalive:
+        k = Keepalive(handles, period_s)
+        k.start()
+        return k
+
+    def forget(self, run_id: str) -> None:
+        forget(run_id)

@@ -27,10 +27,10 @@ executor's pure assignment; this module only keeps the pool.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 
 AUTO_MAX = 4  # recovery.standby: auto never keeps more than this many per node
@@ -46,7 +46,7 @@ class Standby:
     node: str
     name: str
     ready_ref: Any
-    started: float  # time.monotonic()
+    started: float  # self.clock.monotonic()
 
 
 def standby_target(setting: int | str, failures: int, elapsed_s: float, nodes: int, start_s: float) -> int:
@@ -62,7 +62,8 @@ def standby_target(setting: int | str, failures: int, elapsed_s: float, nodes: i
 
 
 class StandbyPool:
-    def __init__(self, cfg: RunConfig, run_id: str, namespace: str) -> None:
+    def __init__(self, cfg: RunConfig, run_id: str, namespace: str, clock: Clock = SYSTEM) -> None:
+        self.clock = clock
         self.cfg = cfg
         self.run_id = run_id
         self.namespace = namespace
@@ -125,13 +126,13 @@ class StandbyPool:
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
         ).remote(self.cfg, None, run_id=self.run_id)
-        return Standby(actor, node, name, actor.info.remote(), time.monotonic())
+        return Standby(actor, node, name, actor.info.remote(), self.clock.monotonic())
 
     def _forget_dead(self) -> None:
         """Drop standbys whose process died (their ``info`` call failed) or never started."""
         import ray
 
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for sbs in self.standbys.values():
             keep = []
             for sb in sbs:
@@ -142,7 +143,7 @@ class StandbyPool:
                 if done:
                     try:
                         self._info[sb] = ray.get(sb.ready_ref, timeout=0)
-                    except Exception:
+                    except ray.exceptions.RayActorError:
                         continue  # died before it started
                     self._ready.add(sb)
                     self.start_s.append(now - sb.started)
@@ -173,11 +174,11 @@ class StandbyPool:
                 sb = self._pings.pop(ref)
                 try:
                     ray.get(ref, timeout=0)
-                except Exception:
+                except ray.exceptions.RayActorError:
                     if sb in self._ready:
                         self._remove(sb)
                         gone += 1
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if not self._pings and now - self._pinged >= every_s:
             self._pinged = now
             for sbs in self.standbys.values():
@@ -216,13 +217,10 @@ class StandbyPool:
             sbs.remove(sb)
 
     def _kill(self, sb: Standby) -> None:
-        import ray
+        from elastic_llm.runtime.actors import kill_actor
 
         self._remove(sb)
-        try:
-            ray.kill(sb.actor, no_restart=True)
-        except Exception:
-            pass
+        kill_actor(sb.actor)
 
     def shutdown(self) -> None:
         for sbs in list(self.standbys.values()):

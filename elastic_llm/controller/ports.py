@@ -1,0 +1,246 @@
+"""The controller's ports: everything it touches outside its own process, as typed protocols.
+
+Owns: the contract between the controller (its state machine, :mod:`.trainer`, and the
+orchestration that carries plans out: :mod:`.setup`, :mod:`.stepping`, :mod:`.recovery`,
+:mod:`.elastic`, :mod:`.neighbours`, :mod:`.checkpoints`) and a runtime that provides the
+primitives: :class:`StageActors` (actor slots and placement, the stage actors, spares, and the
+calls that move state between actors and stores), :class:`Nodes` (liveness and drains),
+:class:`Standbys` (warm processes), :class:`RunRegistry` (what a new driver finds of a run whose
+driver died), :class:`Faults` (fault injection), :class:`DurableTier` and the snapshot managers
+(:class:`~elastic_llm.snapshot.coordinator.ManagerFleet`, owned by the snapshot package), the
+step executor (:class:`~elastic_llm.pipeline.executor.StepExecutor`), the monitor actor, the
+clock (:class:`~elastic_llm.clock.Clock`) and every random draw (:attr:`Runtime.rng`), bundled in
+:class:`Runtime`. :mod:`elastic_llm.runtime` implements them on Ray; :mod:`elastic_llm.sim` in
+simulated time. Both run the same controller: nothing above these ports asks which it runs on.
+
+Also the exceptions a runtime raises that the orchestration acts on (:class:`CapacityUnavailable`,
+:class:`PlanNotFollowed`); the others a runtime raises when an actor or node it called died are
+:attr:`Runtime.errors`. Never implements anything.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Protocol
+
+from elastic_llm.clock import Clock
+from elastic_llm.config import RunConfig
+from elastic_llm.controller.drains import Drain, NodeDeath
+from elastic_llm.controller.states import Capacity
+from elastic_llm.monitor import RunStatus
+from elastic_llm.pipeline.executor import StepExecutor
+from elastic_llm.snapshot.coordinator import ManagerFleet, StageMember
+from elastic_llm.snapshot.records import Piece, ShardKey, StageSource, VersionRecord
+from elastic_llm.spans import Spans
+from elastic_llm.stream import StreamPosition
+
+
+class CapacityUnavailable(RuntimeError):
+    """The actors' slots cannot all be placed now; ``capacity`` says what is missing."""
+
+    def __init__(self, capacity: Capacity) -> None:
+        self.capacity = capacity
+        super().__init__(str(capacity))
+
+
+class PlanNotFollowed(RuntimeError):
+    """The runtime could not carry out what the plan said (e.g. the standby it names is gone):
+    nothing was decided instead; the controller observes again and re-plans."""
+
+
+class ResumeError(RuntimeError):
+    """A run cannot be resumed as asked; the message says why and what to do."""
+
+
+RUN_ID = re.compile(r"^[0-9a-f]{6}$")
+
+
+def is_run_id(text: str) -> bool:
+    """Whether ``--resume`` names a run (six hex digits, as ``elastic-llm status`` shows it)
+    rather than a durable checkpoint's path."""
+    return bool(RUN_ID.match(text))
+
+
+class StageActors(Protocol):
+    """The run's stage actors, ``actors[replica][stage]`` (opaque handles: the step executor's
+    business), on actor slots of the fleet; spares started in the background; and the primitives
+    that move state. Every call that waits has a deadline; a call whose actor or node died raises
+    one of :attr:`Runtime.errors`. A primitive that takes time succeeds only if the actors it
+    involves are alive when it ends."""
+
+    cfg: RunConfig
+    stages: int
+    width: int
+    actors: list[list[Any]]
+    nodes: dict[ShardKey, str]
+    pids: dict[ShardKey, int]
+    ready: set[ShardKey]  # actors that answered since they were started
+    spares: list[Any]  # whole replicas started in the background, not yet in the width
+    stage_spares: dict[ShardKey, Any]  # single actors started in the background to take a key's place
+    spans: Spans  # "actor" (starting or adopting), "state" (copies between actors and stores)
+
+    def keys(self) -> list[ShardKey]: ...
+
+    # ---- slots
+    def place(self, at_once: bool = False, avoid: frozenset[str] = frozenset()) -> None: ...  # raises CapacityUnavailable
+    def placed(self) -> bool: ...
+    def capacity(self, replicas: int | None = None) -> Capacity: ...
+    def free_slots(self, avoid: frozenset[str] = frozenset()) -> int: ...
+    def placed_orphans(self, replica: int, avoid: frozenset[str] = frozenset()) -> int: ...  # slots the run already holds for moving that replica's actors
+    def unplaceable(self, replicas: Iterable[int], avoid: frozenset[str] = frozenset()) -> set[int]: ...
+    def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]: ...  # where a replacement of each would start
+    def rehome(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]: ...
+
+    # ---- actors
+    def spawn_all(self) -> None: ...
+    def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None) -> None: ...
+    def kill(self, key: ShardKey) -> None: ...
+    def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]: ...
+    def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]: ...
+    def set_width(self) -> None: ...
+    def members(self) -> list[StageMember]: ...
+    def replicas_on(self, nodes: frozenset[str]) -> list[int]: ...
+    def shutdown(self) -> None: ...
+
+    # ---- spares
+    def start_spare(self) -> Any: ...
+    def spare_ready(self, spare: Any) -> bool: ...
+    def spare_nodes(self, spare: Any) -> set[str]: ...
+    def spare_age(self, spare: Any) -> float: ...
+    def adopt(self, spare: Any) -> int: ...
+    def cancel(self, spare: Any) -> None: ...
+    def start_stage_spare(self, key: ShardKey, avoid: frozenset[str] = frozenset()) -> Any: ...
+    def stage_spare_ready(self, spare: Any) -> bool: ...
+    def spare_nodes_of(self, spare: Any) -> set[str]: ...
+    def cancel_stage_spare(self, spare: Any) -> None: ...
+    def swap_in(self, spare: Any) -> None: ...
+
+    # ---- state
+    def copy_stages(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None: ...
+    def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> None: ...
+    def holds_own_copy(self, keys: list[ShardKey], version: int) -> set[ShardKey]: ...
+    def restore_own_copies(self, keys: list[ShardKey], version: int, pieces: Mapping[ShardKey, tuple[Piece, ...]]) -> list[ShardKey]: ...
+    def load_durable(self, keys: list[ShardKey], uri: str, name: str) -> None: ...  # raises DurableError for a refused checkpoint
+    def grad_norms(self, keys: list[ShardKey]) -> dict[ShardKey, float]: ...
+    def rebuild(self, key: ShardKey, step: int, lr_scale: float, a: float, b: float, donors: tuple[ShardKey, ...], mirror: ShardKey | None) -> int: ...
+    def promote(self, key: ShardKey, holder: ShardKey, successor: ShardKey) -> None: ...
+    def mirror(self, pairs: list[tuple[ShardKey, ShardKey]], step: int) -> None: ...
+    def save_checkpoints(self, root: str, step: int) -> int: ...
+    def load_checkpoints(self, root: str, step: int) -> None: ...
+
+
+class Nodes(Protocol):
+    """The fleet's nodes as the controller sees them."""
+
+    def alive(self) -> set[str]: ...
+    def with_slots(self) -> list[str]: ...  # live nodes that can host stage actors, by id
+    def draining(self) -> dict[str, Drain]: ...  # nodes that announced their end
+    def suspects(self) -> set[str]: ...  # nodes that stopped answering the driver's probes (nothing new is placed there)
+    def sweep(self) -> None: ...  # look once more now (before a recovery observes)
+    def deaths(self) -> list[NodeDeath]: ...  # deaths declared since the last call
+    def stop(self) -> None: ...
+
+
+class Standbys(Protocol):
+    """Warm stage processes per node, adopted in place of new processes."""
+
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def per_node(self) -> int: ...
+    @property
+    def adopted(self) -> int: ...
+
+    def check(self) -> int: ...  # standbys found dead since the last check
+    def resize(self, failures: int, elapsed_s: float) -> None: ...
+    def ensure(self, nodes: Iterable[str]) -> int: ...  # started now
+    def ready(self) -> dict[str, int]: ...
+    def count(self) -> tuple[int, int]: ...  # (ready, starting)
+    def pids(self, node: str) -> list[int]: ...
+    def take(self, node: str) -> Any: ...  # a ready standby on ``node`` (its ``actor`` to adopt), removed from the pool; None if there is none
+    def shutdown(self) -> None: ...
+
+
+class Keepalive(Protocol):
+    def stop(self) -> None: ...
+
+
+class RunRegistry(Protocol):
+    """What outlives a driver: the run's config, its committed record and its managers, for
+    ``--resume RUN_ID`` (driver failover)."""
+
+    def check_same_model(self, run_id: str, config: dict[str, Any]) -> None: ...  # raises ResumeError
+    def retire_old_driver(self, run_id: str) -> None: ...
+    def find(self, run_id: str) -> tuple[dict[str, Any], VersionRecord | None]: ...  # managers by node, committed record
+    def epoch(self, run_id: str) -> int: ...  # drivers the run had so far (0: none known)
+    def publish_run(self, run_id: str, config: dict[str, Any], epoch: int) -> None: ...
+    def publish_committed(self, run_id: str, record: VersionRecord) -> None: ...
+    def keepalive(self, handles: Any, period_s: float) -> Keepalive: ...
+    def forget(self, run_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class FaultTargets:
+    """What fault injection may hit: the stage actors, the snapshot coordinator (its managers),
+    the metrics (a fault's line)."""
+
+    group: Any
+    snapshots: Any
+    metrics: Any
+
+
+class Faults(Protocol):
+    """Fault injection (``chaos``): at fixed points, at a rate, and inside steps."""
+
+    def fire(self, point: str, step: int, targets: Any) -> None: ...
+    def observe_step(self, step: int, seconds: float, width: int) -> float | None: ...
+    def wrap(self, executor: StepExecutor, targets: Any) -> StepExecutor: ...
+
+
+class DurableTier(Protocol):
+    """The durable tier as the controller drives it (:class:`elastic_llm.durable.tier.DurableTier`
+    on Ray; a simulated one in :mod:`elastic_llm.sim`)."""
+
+    every: int
+    inflight: Any
+
+    def wants(self, record: VersionRecord) -> bool: ...  # at a commit: flush this version? (the coordinator asks)
+    def start(self, record: VersionRecord) -> None: ...
+    def observe(self, step_s: float, elapsed_s: float, failures: int) -> None: ...
+    def poll(self, block: bool = False) -> None: ...
+    def latest(self) -> tuple[int, str] | None: ...
+    def reset(self) -> None: ...
+    def finish(self) -> None: ...
+    def checkpoint(self, name: str) -> tuple[str, StreamPosition | None]: ...  # (run URI, data position) of committed checkpoint ``name``
+
+
+class Runtime(Protocol):
+    """What a controller runs on: Ray (:class:`elastic_llm.runtime.RayRuntime`) or a simulated
+    fleet (:class:`elastic_llm.sim.runtime.SimRuntime`). ``errors``: the exceptions its calls
+    raise when an actor or a node they involve died (the controller observes and recovers)."""
+
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def rng(self) -> random.Random: ...
+    @property
+    def errors(self) -> tuple[type[BaseException], ...]: ...
+    @property
+    def nodes(self) -> Nodes: ...
+    @property
+    def fleet(self) -> ManagerFleet | None: ...  # the snapshot managers (None: this runtime keeps none)
+    @property
+    def registry(self) -> RunRegistry: ...
+    @property
+    def faults(self) -> Faults: ...
+
+    def start(self, cfg: RunConfig, run_id: str, spans: Spans) -> list[str]: ...  # what a run needs first (Ray: start or join it); warnings for the user
+    def standbys(self, cfg: RunConfig, run_id: str) -> Standbys | None: ...
+    def group(self, cfg: RunConfig, run_id: str, standbys: Standbys | None) -> StageActors: ...
+    def monitor(self, status: RunStatus) -> Any: ...  # the run's monitor, holding its first status (see elastic_llm.monitor.Publisher)
+    def durable(self, cfg: RunConfig, snapshots: Any, data_dir: str, metrics: Any) -> DurableTier | None: ...  # None: no durable tier
+    def executor(self, actors: list[list[Any]], cfg: RunConfig) -> StepExecutor: ...
+    def cpu(self) -> float: ...  # the controller's own CPU seconds so far (a simulation leaves out its own bookkeeping)
+    def shutdown(self) -> None: ...

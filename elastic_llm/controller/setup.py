@@ -1,0 +1,232 @@
+"""Starting a run on its runtime: the parts it is made of, and where its first step comes from.
+
+Owns: assembling a run's parts on the ports of its :class:`~elastic_llm.controller.ports.Runtime`
+(:func:`open_parts`: the run's monitor feed, its snapshot coordinator and managers, the durable
+tier, the stage actors and warm standbys, the checkpointing baseline, and the recovery and
+elastic executors, in that order: managers before any stage, so a stage's first snapshot has a
+home), and the two ways a run starts from earlier state: ``--resume RUN_ID`` (:func:`reattach`:
+a dead driver's newest committed in-memory snapshot, read through its surviving managers, shards
+on lost nodes rebuilt from parity; without one, its newest durable checkpoint) and
+``--resume CHECKPOINT`` (:func:`resume_durable`: every stage reads its layers from a durable
+checkpoint of any width or stage count). The same code runs on Ray and in a simulation.
+Never runs a step and never decides a recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from elastic_llm import events
+from elastic_llm.config import ConfigError, RunConfig
+from elastic_llm.controller.checkpoints import CheckpointExecutor
+from elastic_llm.controller.elastic import ElasticExecutor
+from elastic_llm.controller.metrics import MetricsWriter
+from elastic_llm.controller.ports import DurableTier, Keepalive, ResumeError, Runtime, StageActors, Standbys, is_run_id
+from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor
+from elastic_llm.data import RunData, open_run_data
+from elastic_llm.durable.format import Checkpoint, open_checkpoint
+from elastic_llm.durable.restore import check_fits
+from elastic_llm.durable.tier import run_storage
+from elastic_llm.monitor import Publisher
+from elastic_llm.recovery.policy import SourceLost, UnrecoverableError
+from elastic_llm.snapshot.coordinator import SnapshotCoordinator, check_parity_fits
+from elastic_llm.snapshot.records import ShardKey, StageSource
+from elastic_llm.sources import Mode
+from elastic_llm.spans import Spans
+from elastic_llm.stream import StreamPosition
+
+log = logging.getLogger("elastic_llm.controller")
+
+
+@dataclass
+class RunParts:
+    """What a started run is made of (see :func:`open_parts`)."""
+
+    group: StageActors
+    standbys: Standbys | None
+    snapshots: SnapshotCoordinator | None
+    durable: DurableTier | None
+    checkpoints: CheckpointExecutor | None
+    recovery: RecoveryExecutor
+    elastic: ElasticExecutor
+    publisher: Publisher | None
+    keepalive: Keepalive | None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a run checked before anything starts: its data, and what ``--resume`` names."""
+
+    data: RunData
+    reattach: str | None  # --resume RUN_ID: a run whose driver died
+    checkpoint: Checkpoint | None  # --resume CHECKPOINT
+
+
+def prepare(cfg: RunConfig, runtime: Runtime, resume: str | None) -> Prepared:
+    """Open the run's data and check what ``resume`` names (a checkpoint is read now, JSON only:
+    a wrong one is refused before any actor starts) and that ``durable.storage_path`` can be
+    written (refused now, not at the first flush)."""
+    c = cfg
+    data = open_run_data(c.data.dir, c.model.seq_len, c.train.seed, c.model.vocab_size, c.data.val_fraction, c.data.tokenizer, c.data.tokenizer_file)
+    reattaching, ck = (resume, None) if resume and is_run_id(resume) else (None, open_checkpoint(resume) if resume else None)
+    for warning in check_fits(ck, cfg) if ck is not None else []:
+        log.warning(warning)
+    if cfg.durable.storage_path:
+        if runtime.fleet is None:
+            raise ConfigError("durable.storage_path is set but this runtime keeps no snapshot managers to flush from: unset it")
+        run_storage(cfg)
+    return Prepared(data, reattaching, ck)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run goes on from: the step, the data position after it, how long it took."""
+
+    step: int
+    position: StreamPosition | None
+    seconds: float
+
+
+def open_snapshots(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, spans: Spans) -> SnapshotCoordinator | None:
+    """The run's snapshot coordinator and one manager per node (``reattach``: the dead driver's
+    managers and committed record are taken over first; this driver's new managers get names of
+    their own, the old ones may still hold theirs). None without snapshots."""
+    if not cfg.snapshots_on or runtime.fleet is None:
+        return None
+    epoch = 1
+    managers: dict[str, Any] = {}
+    record = None
+    if reattach:
+        managers, record = runtime.registry.find(run_id)
+        epoch = runtime.registry.epoch(run_id) + 1
+    sn = SnapshotCoordinator(cfg, runtime.fleet, run_id, runtime.clock, epoch)
+    with spans.span("managers"):
+        if reattach:
+            sn.managers = managers
+            sn.name_tag = f"-r{runtime.rng.getrandbits(16):04x}"
+            if managers and record is not None:
+                sn.committed = record
+        sn.ensure_managers()
+    check_parity_fits(len(sn.managers), cfg.snapshot.parity, cfg.snapshot.group_size)
+    return sn
+
+
+def publish_run(cfg: RunConfig, runtime: Runtime, run_id: str, sn: SnapshotCoordinator) -> Keepalive | None:
+    """Driver failover (``recovery.driver_grace_s`` > 0): publish the run's config, this driver
+    and each committed record, and keep the managers alive."""
+    if sn.grace_s <= 0:
+        return None
+    registry = runtime.registry
+    registry.publish_run(run_id, cfg.to_dict(), sn.epoch)
+    sn.on_commit = lambda record: registry.publish_committed(run_id, record)
+    log.info("run %s: if this driver dies, `elastic-llm train --resume %s` with the same config goes on from its snapshots in memory "
+             "within recovery.driver_grace_s=%g s", run_id, run_id, sn.grace_s)
+    return registry.keepalive(lambda: list(sn.managers.values()), min(5.0, sn.grace_s / 4))
+
+
+def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, metrics: MetricsWriter, data_dir: str,
+               facts: Any, spans: Spans) -> RunParts:
+    """Assemble the run's parts on ``runtime`` (nothing is placed yet: see :meth:`Trainer.setup`)."""
+    publisher = Publisher(facts, runtime.monitor, runtime.clock)  # the run's monitor (Ray: the run-<id> actor): its status and metrics
+    metrics.observers.append(publisher.on_record)
+    sn = open_snapshots(cfg, runtime, run_id, reattach, spans)
+    keepalive = publish_run(cfg, runtime, run_id, sn) if sn is not None else None
+    durable = runtime.durable(cfg, sn, data_dir, metrics) if sn is not None else None  # None: the run has no durable tier
+    if sn is not None:
+        sn.durable = durable
+    standbys = runtime.standbys(cfg, run_id)
+    group = runtime.group(cfg, run_id, standbys)
+    checkpoints = None
+    if cfg.recovery.mode == Mode.CHECKPOINT:
+        checkpoints = CheckpointExecutor(group, cfg.recovery.checkpoint_every, cfg.recovery.checkpoint_dir, runtime.clock)
+    min_width = cfg.elastic.bounds(cfg.parallel.dp)[0]
+    options = ModeOptions(Mode(cfg.recovery.mode), cfg.mirrors, cfg.checkfree.lr_scale, checkpoints, durable)
+    recovery = RecoveryExecutor(group, sn, cfg.snapshot.parity, min_width, options, runtime.nodes, standbys)
+    elastic = ElasticExecutor(group, sn, min_width, cfg, runtime.nodes, runtime.clock)
+    return RunParts(group, standbys, sn, durable, checkpoints, recovery, elastic, publisher, keepalive)
+
+
+def reattach(runtime: Runtime, run_id: str, group: StageActors, sn: SnapshotCoordinator | None, driver_grace_s: float) -> Resumed:
+    """``--resume RUN_ID``: the fresh stages restore the dead driver's newest committed snapshot
+    from its managers (shards on lost nodes rebuilt from parity). Raises :class:`ResumeError`
+    (nothing in memory) naming why; the caller may fall back to the durable tier."""
+    t = runtime.clock.perf_counter()
+    rec = sn.committed if sn is not None else None
+    try:
+        if sn is None or rec is None:
+            raise UnrecoverableError("its snapshot managers or its committed record are gone")
+        srcs: dict[ShardKey, StageSource] | None = None
+        for _ in range(len(sn.managers) + 1):  # a shard that fails to load counts its node lost: look again
+            dead = sn.dead_managers(runtime.nodes.alive())
+            try:
+                srcs = {k: sn.fetch_stage_state(k.stage, k.replica, dead) for k in group.keys()}
+                break
+            except SourceLost as e:
+                log.warning("--resume %s: %s; looking again", run_id, e)
+        if srcs is None:
+            raise UnrecoverableError("every snapshot part failed to load")
+        group.load_parts(srcs)
+    except (UnrecoverableError, *runtime.errors) as e:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
+        raise ResumeError(
+            f"--resume {run_id}: nothing to resume from in memory ({str(e).splitlines()[0]}; its driver died more than "
+            f"recovery.driver_grace_s={driver_grace_s:g} s ago, or too many of its nodes went)"
+        ) from None
+    raw = rec.shard(ShardKey(0, 0)).data_position()
+    seconds = runtime.clock.perf_counter() - t
+    log.info("resumed run %s from its committed in-memory snapshot of step %d in %.1f s", run_id, rec.version, seconds)
+    return Resumed(rec.version, StreamPosition.of(raw) if raw else None, seconds)
+
+
+def resume_durable(runtime: Runtime, group: StageActors, ck: Checkpoint) -> Resumed:
+    """Every stage loads its layers from the durable checkpoint ``ck`` (whatever width or stage
+    count wrote it); a damaged or foreign file is refused with its :class:`DurableError`."""
+    t = runtime.clock.perf_counter()
+    group.load_durable(group.keys(), ck.storage.uri, ck.name)
+    raw = ck.manifest.get("data_position")
+    seconds = runtime.clock.perf_counter() - t
+    log.info("resumed from %s at step %d (%s replica(s) x %s stages then) in %.1f s", ck.uri, ck.step, ck.manifest.get("width"), ck.manifest.get("stages"), seconds)
+    return Resumed(ck.step, StreamPosition.of(raw) if raw else None, seconds)
+
+
+def start_from(runtime: Runtime, cfg: RunConfig, parts: RunParts, run_id: str, reattaching: bool, ck: Checkpoint | None,
+               metrics: MetricsWriter, spans: Spans) -> Resumed | None:
+    """Where a run's first step comes from: a dead driver's snapshot (``--resume RUN_ID``;
+    without one, its newest durable checkpoint), a durable checkpoint (``--resume CHECKPOINT``),
+    or nothing (None: step 0). One metrics line for how it resumed."""
+    at = None
+    if reattaching:
+        with spans.span("reattach"):
+            try:
+                at = reattach(runtime, run_id, parts.group, parts.snapshots, cfg.recovery.driver_grace_s)
+            except ResumeError as e:
+                if not cfg.durable.storage_path:
+                    raise ResumeError(f"{e} and durable.storage_path is not set: start a new run") from None
+                log.warning("%s: the newest durable checkpoint instead", e)
+                ck = open_checkpoint(run_storage(cfg).uri)
+            else:
+                managers = len(parts.snapshots.managers) if parts.snapshots is not None else 0
+                metrics.emit(events.Reattach(step=at.step, run_id=run_id, seconds=at.seconds, managers=managers))
+    if ck is not None:
+        with spans.span("resume"):
+            at = resume_durable(runtime, parts.group, ck)
+        metrics.emit(events.Resume(step=ck.step, path=ck.uri, seconds=at.seconds, width_then=ck.manifest.get("width"), stages_then=ck.manifest.get("stages")))
+    return at
+
+
+def close_parts(parts: RunParts | None, runtime: Runtime, run_id: str) -> list[tuple[str, Callable[[], None]]]:
+    """What ends a run's parts, in order, each with what it ends (the caller runs every one)."""
+    if parts is None:
+        return []
+    steps: list[tuple[str, Callable[[], None]]] = []
+    if parts.keepalive is not None:  # a driver that ends cleanly: its managers end with it, nothing is left to resume
+        steps += [("keepalive", parts.keepalive.stop), ("run registry", lambda: runtime.registry.forget(run_id))]
+    steps.append(("stage actors", parts.group.shutdown))
+    if parts.snapshots is not None:
+        steps.append(("snapshot managers", parts.snapshots.shutdown))
+    if parts.publisher is not None:
+        steps.append(("monitor", parts.publisher.close))
+    if parts.checkpoints is not None:
+        steps.append(("checkpoints", parts.checkpoints.close))
+    return steps

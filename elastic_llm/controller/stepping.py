@@ -1,0 +1,221 @@
+"""One training step as the controller runs it, and the jobs that follow a completed step.
+
+Owns: submitting a step (the next batch of the data stream, the in-step faults, whether it takes
+a snapshot, beginning that snapshot version once the plans are out), waiting for it with a
+deadline (short when an actor sits on a node the probes suspect), rewinding the stream when it
+fails, and what the driver holds of a submitted step (:class:`InterruptedStep`: if every survivor
+finished it, a recovery counts it from their reports). Then, after every completed step, each job
+in a method of its own (:class:`StepJobs`): the snapshot cadence's bookkeeping, the durable
+tier's, the CheckFree+ mirrors, the checkpointing baseline, the chaos rate, validation, the
+step's record, and, at every step boundary, the node deaths seen and the warm standbys. Never decides what happens after a failure (the controller's states do) and
+never computes model math (the stage actors do).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from elastic_llm import events
+from elastic_llm.clock import Clock
+from elastic_llm.config import RunConfig
+from elastic_llm.controller.metrics import MetricsWriter
+from elastic_llm.controller.neighbours import refresh_mirrors
+from elastic_llm.controller.ports import Faults, Nodes
+from elastic_llm.controller.setup import RunParts
+from elastic_llm.controller.states import WaitingForCapacity
+from elastic_llm.controller.ticks import Ticks
+from elastic_llm.pipeline.executor import PendingStep, StepExecutor, StepFailed, StepResult
+from elastic_llm.pipeline.shares import replica_shares
+from elastic_llm.stream import StreamPosition, TokenStream
+
+log = logging.getLogger("elastic_llm.controller")
+SUSPECT_STEPS = 10.0  # a step with an actor on a suspect node may take this many typical steps ...
+SUSPECT_MIN_S = 30.0  # ... and at least this long, before it counts as failed
+STANDBY_LOOK_S = 1.0  # how often (at step boundaries) the warm standbys are topped up
+
+
+@dataclass(frozen=True)
+class InterruptedStep:
+    """What the driver holds of a step that was submitted: if a recovery finds that every
+    survivor finished it, the step is counted from the reports that came back."""
+
+    step: int
+    pending: PendingStep
+    position_after: StreamPosition  # the data position after the step's batch
+    started: float
+
+
+class StepRunner:
+    """Submits steps and waits for them (see the module's docstring)."""
+
+    def __init__(self, cfg: RunConfig, clock: Clock, stream: TokenStream, parts: RunParts, faults: Faults, nodes: Nodes,
+                 targets: Any, errors: tuple[type[BaseException], ...]) -> None:
+        self.cfg, self.clock, self.stream, self.parts = cfg, clock, stream, parts
+        self.faults, self.nodes, self.targets, self.errors = faults, nodes, targets, errors
+        self.interrupted: InterruptedStep | None = None
+        self.typical_s: float | None = None  # a recent step's time (the suspect deadline's scale)
+
+    def deadline_s(self) -> float | None:
+        """The step's deadline when an actor sits on a node the probes suspect (None: the
+        executor's own)."""
+        suspects = self.nodes.suspects()
+        if not suspects or not suspects & set(self.parts.group.nodes.values()):
+            return None
+        return max(SUSPECT_MIN_S, SUSPECT_STEPS * (self.typical_s or SUSPECT_MIN_S))
+
+    def run(self, executor: StepExecutor, step: int) -> tuple[StepResult, float]:
+        """Step ``step`` on ``executor``: its result and when it started. Raises
+        :class:`StepFailed` with the data stream rewound (the step did not happen)."""
+        position = self.stream.at()
+        started = self.clock.perf_counter()
+        sn = self.parts.snapshots
+        self.interrupted = None
+        try:
+            x, y = self.stream.next_batch(self.cfg.train.batch_size)
+            self.faults.fire("before_step", step, self.targets())
+            snap = sn is not None and sn.due(step)
+            pending = executor.start(step, x, y, snapshot=self.stream.at() if snap else None)
+            self.interrupted = InterruptedStep(step, pending, self.stream.at(), started)
+            if snap and sn is not None:
+                sn.begin(step, self.parts.group.members())
+            deadline = self.deadline_s()
+            result = executor.finish(pending) if deadline is None else executor.finish(pending, deadline)
+        except StepFailed:
+            self.stream.seek(position)
+            raise
+        except self.errors as err:
+            self.stream.seek(position)
+            raise StepFailed(err, None, None) from err
+        took = self.clock.perf_counter() - started
+        self.typical_s = took if self.typical_s is None else min(took, 0.9 * self.typical_s + 0.1 * took)
+        return result, started
+
+
+class StepJobs:
+    """What follows a completed step, a method per job; :meth:`record` is the step's line."""
+
+    def __init__(self, cfg: RunConfig, clock: Clock, metrics: MetricsWriter, parts: RunParts, faults: Faults, nodes: Nodes, val_tokens: np.ndarray) -> None:
+        self.cfg, self.clock, self.metrics, self.parts, self.faults, self.nodes = cfg, clock, metrics, parts, faults, nodes
+        self.val_tokens = val_tokens
+        self._standby_look = float("-inf")
+        self._adopted_seen = 0
+        self._last_report = float("-inf")
+
+    def deaths(self, step: int) -> None:
+        """One ``node_dead`` line per node the runtime found dead since the last look."""
+        for d in self.nodes.deaths():
+            self.metrics.emit(events.NodeDead(step=step, node=d.node, address=d.address, outcome=d.outcome.value, failures=d.failures, suspect_s=round(d.suspect_s, 3)))
+
+    def standbys(self, step: int, failures: int, elapsed_s: float) -> None:
+        """Top the warm standbys up to ``recovery.standby`` per live node with slots that is not
+        draining or suspect (they start in the background; at most every ``STANDBY_LOOK_S``,
+        sooner when one was used or lost)."""
+        pool = self.parts.standbys
+        if pool is None or not pool.enabled:
+            return
+        lost = pool.check()
+        if lost:
+            self.metrics.emit(events.Standby(step=step, lost=lost, ready=pool.count()[0]))
+        now = self.clock.monotonic()
+        if now - self._standby_look < STANDBY_LOOK_S and not lost and pool.adopted == self._adopted_seen:
+            return
+        self._standby_look, self._adopted_seen = now, pool.adopted
+        if self.cfg.recovery.standby == "auto":
+            pool.resize(failures, elapsed_s)
+        avoid = set(self.nodes.draining()) | self.nodes.suspects()
+        started = pool.ensure([n for n in self.nodes.with_slots() if n not in avoid])
+        if started:
+            ready, starting = pool.count()
+            self.metrics.emit(events.Standby(step=step, started=started, ready=ready, starting=starting, per_node=pool.per_node))
+
+    def snapshots(self, step: int, seconds: float) -> None:
+        """The snapshot cadence: the step's time (``auto`` measures what versions cost), commit
+        what finished, and a line per change of ``snapshot.every``."""
+        sn = self.parts.snapshots
+        if sn is None:
+            return
+        sn.observe_step(seconds, began=sn.last_begin == step)
+        sn.poll()
+        for change in sn.changes:
+            self.metrics.emit(events.SnapshotEvery(step=step, **change))
+        sn.changes.clear()
+
+    def durable(self, seconds: float, elapsed_s: float, failures: int) -> None:
+        """The durable tier: what the run measured (``auto``'s inputs), and the flush in flight."""
+        if self.parts.durable is not None:
+            self.parts.durable.observe(seconds, elapsed_s, failures)
+            self.parts.durable.poll()
+
+    def mirrors(self, step: int, force: bool = False) -> None:
+        """CheckFree+: copy the embedding / LM head onto the neighbouring stages (every
+        ``checkfree.mirror_every`` steps; ``force`` after start and after every recovery)."""
+        every = self.cfg.checkfree.mirror_every
+        if self.cfg.mirrors and (force or (every and step % every == 0)):
+            refresh_mirrors(self.parts.group, step)
+
+    def checkpoint(self, step: int, position: StreamPosition, force: bool = False) -> None:
+        """The checkpointing baseline: checkpoint ``step`` when due (training waits: the
+        baseline's cost), one metrics line."""
+        ck = self.parts.checkpoints
+        if ck is not None and (force or ck.due(step)):
+            seconds = ck.save(step, position)
+            self.metrics.emit(events.Checkpoint(step=step, seconds=seconds, path=str(ck.root)))
+
+    def chaos_rate(self, step: int, seconds: float) -> None:
+        """``chaos.failure_rate_per_hour``: once the first steps were timed, the per-step probability."""
+        prob = self.faults.observe_step(step, seconds, self.parts.group.width)
+        if prob is not None:
+            log.info("chaos.failure_rate_per_hour=%s at %.2f s per step: each stage fails with probability %.2e per step",
+                     self.cfg.chaos.failure_rate_per_hour, seconds, prob)
+            self.metrics.emit(events.ChaosRate(step=step, rate_per_hour=self.cfg.chaos.failure_rate_per_hour, prob_per_step=prob))
+
+    def record(self, step: int, result: StepResult, seconds: float, elapsed_s: float, tokens: int, end: int, executor: StepExecutor) -> dict[str, Any]:
+        """The step's line (and validation when due)."""
+        rec: dict[str, Any] = {
+            "step": step,
+            "loss": result.loss,
+            "tokens": tokens,
+            "tokens_per_s": self.cfg.tokens_per_step() / seconds,
+            "elapsed_s": elapsed_s,
+            "lr": result.lr,
+            "grad_norm": max(result.grad_norms),
+            "dp": self.parts.group.width,
+        }
+        sn, du = self.parts.snapshots, self.parts.durable
+        if sn is not None and sn.auto:
+            rec["snapshot_every"] = sn.every
+        if du is not None:
+            rec["durable_every"] = du.every
+        ev = self.cfg.train.eval_every
+        if ev and (step % ev == 0 or step == end):
+            rec["val_loss"] = self.evaluate(executor)
+        return rec
+
+    def evaluate(self, executor: StepExecutor) -> float:
+        """Validation loss over ``train.eval_batches`` batches of replica 0's share."""
+        stream = TokenStream(self.val_tokens, self.cfg.model.seq_len, seed=0, shuffle=False)
+        share = replica_shares(self.cfg.train.batch_size, self.parts.group.width)[0]
+        return float(np.mean([executor.eval_loss(*stream.next_batch(share)) for _ in range(self.cfg.train.eval_batches)]))
+
+    def capacity(self, step: int, state: WaitingForCapacity, force: bool = False) -> None:
+        """While waiting for capacity: a log and a metrics line at most every ``recovery.capacity_report_s``."""
+        now = self.clock.monotonic()
+        if not force and now - self._last_report < self.cfg.recovery.capacity_report_s:
+            return
+        self._last_report = now
+        left = state.deadline - now
+        log.info("waiting for capacity: %s: waiting for nodes (%.0f s so far, %.0f s left)", state.capacity, now - state.since, left)
+        self.metrics.emit(events.WaitingForCapacity(step=step, need=state.capacity.need, have=state.capacity.have, waited_s=now - state.since, deadline_s=left))
+
+    def end_of_run(self, step: int, tokens: int, elapsed_s: float, ticks: Ticks) -> None:
+        """A run that finished: the versions in flight commit, the durable tier's last flush, the end line."""
+        if self.parts.snapshots is not None:
+            self.parts.snapshots.poll(block=True)
+        if self.parts.durable is not None:
+            self.parts.durable.finish()
+        self.metrics.emit(events.End(step=step, tokens=tokens, elapsed_s=elapsed_s, seconds_by_state=dict(ticks.seconds),
+                                     cpu_by_state={k: round(v, 4) for k, v in ticks.cpu.items()}))

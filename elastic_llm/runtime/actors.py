@@ -1,0 +1,434 @@
+"""The stage actors of a run on Ray: ``actors[replica][stage]``, on the reservations of :mod:`.placement`.
+
+Owns: spawning an actor on its bundle, replacing lost ones (a warm standby adopted where the plan
+says so, :mod:`.standby` keeps the pool), describing them (node, pid, devices), resetting the
+survivors of a failed step, changing the width (add a replica, drop replicas and renumber the
+rest), and the actors started ahead in the background: spare replicas (so that growing or moving
+off a draining node waits for no process start) and single stage spares (per-stage drain moves).
+The calls that move state are :mod:`.stage_calls`'. This is the Ray implementation of
+:class:`~elastic_llm.controller.ports.StageActors`. Every wait has a deadline.
+Never decides anything: the controller says which actors to place, replace, add or drop, and the
+recovery plan which actor adopts a standby.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_llm.clock import SYSTEM, Clock
+from elastic_llm.config import RunConfig
+from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, Standbys
+from elastic_llm.controller.states import Capacity
+from elastic_llm.runtime.placement import PLACE_S, Reservations, remove_group
+from elastic_llm.runtime.stage_calls import StateCalls
+from elastic_llm.snapshot.coordinator import StageMember
+from elastic_llm.snapshot.records import ShardKey
+from elastic_llm.spans import Spans
+
+log = logging.getLogger("elastic_llm.runtime")
+START_S = 300.0  # longest an actor may take to start once placed (imports torch, builds the model)
+PROBE_S = 60.0  # longest the survivors of a failed step may take to reset
+WIDTH_S = 60.0  # longest the actors may take to learn a new width
+
+
+@dataclass(eq=False)
+class Spare:
+    """A replica started in the background: its placement group and, once that is placed, its
+    actors (warm standbys adopted on the bundles' nodes, or new processes) and the calls that
+    answer when they have started."""
+
+    pg: Any
+    started: float  # Clock.monotonic
+    actors: tuple[Any, ...] = ()
+    infos: tuple[Any, ...] = ()
+    adopted: int = 0  # how many of its actors are adopted standbys
+
+
+@dataclass(eq=False)
+class StageSpare:
+    """One stage actor started in the background to take over ``key`` (a per-stage drain move):
+    a bundle (of a one-bundle group of its own, or an orphan of its replica's group) and, once
+    placed, its actor and the call that answers once it has started."""
+
+    key: ShardKey
+    pg: Any
+    started: float
+    actor: Any = None
+    info: Any = None
+    adopted: bool = False
+    bundle: int = 0  # the bundle of ``pg`` it is on
+    owned: bool = True  # ``pg`` was made for it (released with it); else an orphan bundle of its replica's group
+
+
+def kill_actor(handle: Any) -> None:
+    """End an actor; one already gone is fine, anything else is logged with its cause."""
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except ray.exceptions.ActorHandleNotFoundError:  # of an earlier Ray session: nothing to end
+        pass
+    except Exception as e:  # noqa: BLE001 - ending an actor must not stop a shutdown or a recovery; said, not swallowed
+        log.warning("actor %r not ended: %s: %s", handle, type(e).__name__, e)
+
+
+class ActorGroup(StateCalls):
+    def __init__(self, cfg: RunConfig, run_id: str, pool: Standbys | None = None, clock: Clock = SYSTEM) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.pool = pool  # warm standbys: replacements adopt one where the plan says so
+        self.clock = clock
+        self.spans = Spans(clock.perf_counter)  # "actor" (start or adopt replacements), "state" (copies between actors)
+        self.stages = cfg.parallel.stages
+        self.slots = Reservations(cfg, clock)
+        self.actors: list[list[Any]] = []  # [replica][stage]; the width is len(actors) once spawned
+        self.nodes: dict[ShardKey, str] = {}
+        self.pids: dict[ShardKey, int] = {}
+        self.gpus: dict[ShardKey, tuple[int, ...]] = {}  # devices of each actor (GPU runs): a standby adopted in its place takes them
+        self.ready: set[ShardKey] = set()  # actors that answered since they were spawned
+        self.generation = 0  # actors started: part of each one's name (a SIGKILLed actor's name is released late)
+        self.width = cfg.parallel.dp
+        self.spares: list[Spare] = []  # replicas started in the background, not yet in the width
+        self.stage_spares: dict[ShardKey, StageSpare] = {}  # single stages started in the background (drain moves)
+        self._cls: Any = None
+
+    def keys(self) -> list[ShardKey]:
+        return [ShardKey(s, r) for r in range(self.width) for s in range(self.stages)]
+
+    def actor(self, key: ShardKey) -> Any:
+        return self.actors[key.replica][key.stage]
+
+    # ------------------------------------------------------------------ slots (see placement.py)
+    def place(self, at_once: bool = False, avoid: frozenset[str] = frozenset(), wait_s: float = PLACE_S) -> None:
+        """Make sure every replica's bundles are placed; raises :class:`CapacityUnavailable` when
+        they are not within ``wait_s``, or (``at_once``, in a recovery) at once when the nodes not
+        in ``avoid`` have no room for the pending ones. Ray re-places a lost node's bundles once
+        there is room."""
+        self.slots.ensure(self.width)
+        if at_once:
+            pending = self.slots.unplaceable(range(self.width), avoid=avoid, wait_s=wait_s)
+        else:
+            pending = self.slots.unplaced(range(self.width), wait_s)
+        if pending:
+            raise CapacityUnavailable(self.capacity())
+
+    def placed(self) -> bool:
+        return bool(self.slots.pgs) and not self.slots.unplaced(range(self.width), 0)
+
+    def capacity(self, replicas: int | None = None) -> Capacity:
+        standbys = self.pool.count() if self.pool is not None and self.pool.enabled else None
+        return self.slots.capacity(self.width, self.keys(), replicas, standbys)
+
+    def free_slots(self, avoid: frozenset[str] = frozenset()) -> int:
+        return self.slots.free_slots(avoid)
+
+    def placed_orphans(self, replica: int, avoid: frozenset[str] = frozenset()) -> int:
+        return self.slots.placed_orphans(replica, avoid)
+
+    def unplaceable(self, replicas: Iterable[int], avoid: frozenset[str] = frozenset()) -> set[int]:
+        return self.slots.unplaceable(replicas, avoid)
+
+    def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]:
+        return self.slots.bundle_nodes(keys)
+
+    def rehome(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
+        return self.slots.rehome(keys, avoid)
+
+    # ------------------------------------------------------------------ actors
+    def spawn_all(self) -> None:
+        self.actors = [[None] * self.stages for _ in range(self.width)]
+        self.replace(self.keys())
+
+    def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None) -> None:
+        """Kill whatever runs as ``keys`` and put fresh actors on their bundles: for a key in
+        ``adopt``, the warm standby of that node becomes it (no process start), for the others a
+        new actor process starts in the bundle. Returns once they answer (raises
+        :class:`CapacityUnavailable` if their bundles cannot be placed, :class:`PlanNotFollowed`
+        if a named node has no standby left)."""
+        adopt = adopt or {}
+        with self.spans.span("actor"):
+            calls: dict[ShardKey, Any] = {}
+            for key in keys:
+                self.kill(key)
+                node = adopt.get(key)
+                if node is None:
+                    self.actors[key.replica][key.stage] = self._spawn(key, *self.slots.reservation(key))
+                    continue
+                sb = self.pool.take(node) if self.pool is not None else None
+                if sb is None:
+                    raise PlanNotFollowed(f"the plan has stage {key.stage} replica {key.replica} adopt a warm standby on node {node[:12]}, but none is left there")
+                self.actors[key.replica][key.stage] = sb.actor
+                calls[key] = sb.actor.adopt.remote(key.stage, key.replica, self.width, self._devices_for(key))
+            self.describe(keys, calls)
+
+    def _devices_for(self, key: ShardKey) -> tuple[int, ...] | None:
+        """The GPU ids a standby adopted as ``key`` takes: the dead actor's (GPU runs whose
+        standbys hold no device of their own), else None."""
+        if not self.cfg.parallel.gpus_per_actor or self.cfg.recovery.standby_gpus:
+            return None
+        return self.gpus.get(key) or None
+
+    def _spawn(self, key: ShardKey, pg: Any, bundle: int | None = None) -> Any:
+        """Start the actor of ``key`` on bundle ``bundle`` (default ``key.stage``) of ``pg`` (returns at once)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from elastic_llm.pipeline.stage import CONCURRENCY_GROUPS, StageWorker
+
+        if self._cls is None:
+            # "status": state() answers while a step runs (elastic-llm status); "control": abort_step
+            # wakes a step blocked on a peer
+            self._cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageWorker)
+        par = self.cfg.parallel
+        self.generation += 1
+        return self._cls.options(
+            name=f"stage-{self.run_id}-{key.stage}-{key.replica}.{self.generation}",
+            num_cpus=par.cpus_per_actor,
+            num_gpus=par.gpus_per_actor,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=key.stage if bundle is None else bundle),
+        ).remote(self.cfg, key.stage, key.replica, self.width, self.run_id)
+
+    def describe(self, keys: list[ShardKey], calls: dict[ShardKey, Any] | None = None) -> list[Any]:
+        """Wait (with deadlines) until ``keys`` answer (their ``info``, or the given ``calls``
+        returning it, e.g. an adoption); record their nodes, pids and devices."""
+        import ray
+
+        calls = calls or {}
+        refs = {(calls[k] if k in calls else self.actor(k).info.remote()): k for k in keys}
+        pending = list(refs)
+        replicas = {k.replica for k in keys}
+        start = self.clock.monotonic()
+        unplaced_since: float | None = None
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            if not pending:
+                break
+            now = self.clock.monotonic()
+            if not self.slots.unplaced(replicas, 0):
+                unplaced_since = None
+            elif unplaced_since is None:
+                unplaced_since = now
+            elif now - unplaced_since > PLACE_S:
+                raise CapacityUnavailable(self.capacity())
+            if now - start > START_S:
+                raise TimeoutError(f"{len(pending)} stage actors were placed but did not start within {START_S:.0f} s")
+        infos = ray.get(list(refs), timeout=START_S)
+        for info, key in zip(infos, refs.values()):
+            self.nodes[key] = info.node_id
+            self.pids[key] = info.pid
+            self.gpus[key] = info.gpu_ids
+            self.ready.add(key)
+        return infos
+
+    def kill(self, key: ShardKey) -> None:
+        old = self.actors[key.replica][key.stage] if self.actors else None
+        self.ready.discard(key)
+        if old is not None:
+            kill_actor(old)
+
+    def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]:
+        """Drop the partial work of a failed step on every live actor; return each actor's
+        completed steps (None: dead, never started, on a dead node, or not answering within
+        :data:`PROBE_S`). An actor whose reset raised is logged with its error and counted lost."""
+        import ray
+
+        steps: dict[ShardKey, int | None] = {k: None for k in self.keys()}
+        asks = {self.actor(k).reset_step.remote(): k for k in self.keys() if k in self.ready and self.nodes.get(k) in alive_nodes}
+        ray.wait(list(asks), num_returns=len(asks), timeout=PROBE_S)
+        for ref, key in asks.items():
+            try:
+                steps[key] = ray.get(ref, timeout=0)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # died, or did not answer in time
+                self.ready.discard(key)
+            except ray.exceptions.RayTaskError as e:  # its reset raised: a fault of its own, not a death
+                log.warning("%s could not reset after the failed step (%s); it is replaced", key, (str(e.cause) or type(e.cause).__name__).splitlines()[0])
+                self.ready.discard(key)
+        return steps
+
+    def members(self) -> list[StageMember]:
+        return [StageMember(k, self.actor(k), self.nodes[k]) for k in self.keys()]
+
+    def replicas_on(self, nodes: frozenset[str]) -> list[int]:
+        """Replicas with at least one actor on ``nodes``."""
+        return sorted({k.replica for k in self.keys() if self.nodes.get(k) in nodes})
+
+    # ------------------------------------------------------------------ width
+    def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]:
+        """Kill the actors of ``replicas``, release their placement groups and renumber the rest
+        (keeping their order). Returns old replica index -> new one, for the survivors. The
+        survivors learn their new place with :meth:`set_width`."""
+        gone = set(replicas)
+        for r in sorted(gone, reverse=True):
+            for s in range(self.stages):
+                self.kill(ShardKey(s, r))
+            self.slots.drop(r)
+            del self.actors[r]
+            self.width -= 1
+            tables: tuple[dict[ShardKey, Any], ...] = (self.nodes, self.pids, self.gpus)
+            for table in tables:
+                moved = {(ShardKey(k.stage, k.replica - 1) if k.replica > r else k): v for k, v in table.items() if k.replica != r}
+                table.clear()
+                table.update(moved)
+            self.ready = {ShardKey(k.stage, k.replica - 1) if k.replica > r else k for k in self.ready if k.replica != r}
+        return {old: new for new, old in enumerate(r for r in range(self.width + len(gone)) if r not in gone)}
+
+    def set_width(self) -> None:
+        """Tell every actor its replica index and the width (after adding or dropping replicas)."""
+        import ray
+
+        ray.get([self.actor(k).set_width.remote(k.replica, self.width) for k in self.keys()], timeout=WIDTH_S)
+
+    # ------------------------------------------------------------------ spare replicas and stages
+    def start_spare(self) -> Spare:
+        """Place one more replica in the background (nothing waits); :meth:`spare_ready` gives it
+        its actors once the placement group is placed. Not part of the width until :meth:`adopt`."""
+        spare = Spare(self.slots.new_group(), self.clock.monotonic())
+        self.spares.append(spare)
+        return spare
+
+    def spare_age(self, spare: Spare | StageSpare) -> float:
+        return self.clock.monotonic() - spare.started
+
+    def _fill(self, pg: Any, keys: list[ShardKey], bundles: list[int], width: int) -> list[tuple[Any, Any, bool]]:
+        """Actors for ``keys`` on the placed ``bundles`` of ``pg``: a warm standby of the bundle's
+        node where one is ready (adopted: it builds the stage), else a new process in the bundle.
+        Returns (actor, call answering its info, adopted) per key."""
+        where = self.slots.bundle_nodes_of(pg)
+        out = []
+        for key, b in zip(keys, bundles):
+            sb = self.pool.take(where[b]) if self.pool is not None and self._standby_fits() else None
+            if sb is not None:
+                out.append((sb.actor, sb.actor.adopt.remote(key.stage, key.replica, width, None), True))
+            else:
+                actor = self._spawn(key, pg, b)
+                out.append((actor, actor.info.remote(), False))
+        return out
+
+    def _standby_fits(self) -> bool:
+        """A standby can take a new bundle's place: CPU runs, or standbys holding a GPU of their own
+        (a new GPU bundle has no dead actor's device to hand over)."""
+        return not self.cfg.parallel.gpus_per_actor or self.cfg.recovery.standby_gpus
+
+    def spare_ready(self, spare: Spare) -> bool:
+        """Whether every actor of ``spare`` has started (no waiting; gives it its actors once its
+        placement group is placed)."""
+        import ray
+
+        if not spare.actors:
+            if len(self.slots.bundle_nodes_of(spare.pg)) < self.stages:
+                return False
+            made = self._fill(spare.pg, [ShardKey(s, self.width) for s in range(self.stages)], list(range(self.stages)), self.width + 1)
+            spare.actors = tuple(a for a, _, _ in made)
+            spare.infos = tuple(i for _, i, _ in made)
+            spare.adopted = sum(1 for _, _, ad in made if ad)
+        done, _ = ray.wait(list(spare.infos), num_returns=len(spare.infos), timeout=0)
+        return len(done) == len(spare.infos)
+
+    def spare_nodes(self, spare: Spare) -> set[str]:
+        """Nodes the bundles of ``spare`` are placed on (empty while unplaced)."""
+        return set(self.slots.bundle_nodes_of(spare.pg).values())
+
+    def adopt(self, spare: Spare) -> int:
+        """Make a started spare the last replica; returns its index. The caller copies state in
+        and then calls :meth:`set_width`."""
+        import ray
+
+        self.spares.remove(spare)
+        r = self.width
+        self.slots.pgs.append(spare.pg)
+        self.actors.append(list(spare.actors))
+        self.width += 1
+        for s, info in enumerate(ray.get(list(spare.infos), timeout=START_S)):
+            self.nodes[ShardKey(s, r)], self.pids[ShardKey(s, r)] = info.node_id, info.pid
+            self.gpus[ShardKey(s, r)] = info.gpu_ids
+            self.ready.add(ShardKey(s, r))
+        return r
+
+    def cancel(self, spare: Spare) -> None:
+        """Stop a spare's actors and release its placement group."""
+        if spare in self.spares:
+            self.spares.remove(spare)
+        for a in spare.actors:
+            kill_actor(a)
+        remove_group(spare.pg)
+
+    def start_stage_spare(self, key: ShardKey, avoid: frozenset[str] = frozenset()) -> StageSpare:
+        """Reserve room for one more actor of ``key`` elsewhere and start it in the background: an
+        orphan bundle of its replica's group placed on a node not in ``avoid``, else a new
+        one-bundle placement group (Ray places no new bundle on a draining node)."""
+        taken = {(sp.pg, sp.bundle) for sp in self.stage_spares.values()}
+        pg = self.slots.pgs[key.replica]
+        free = self.slots.bundle_nodes_of(pg)
+        for i in self.slots.orphans(key.replica):
+            if (pg, i) not in taken and free.get(i) and free[i] not in avoid:
+                spare = StageSpare(key, pg, self.clock.monotonic(), bundle=i, owned=False)
+                break
+        else:
+            spare = StageSpare(key, self.slots.new_group(1, "PACK"), self.clock.monotonic())
+        self.stage_spares[key] = spare
+        return spare
+
+    def stage_spare_ready(self, spare: StageSpare) -> bool:
+        """Whether the actor of ``spare`` has started (no waiting; gives it its actor once placed)."""
+        import ray
+
+        if spare.actor is None:
+            if not self.slots.bundle_nodes_of(spare.pg).get(spare.bundle):
+                return False
+            (actor, info, adopted), = self._fill(spare.pg, [spare.key], [spare.bundle], self.width)
+            spare.actor, spare.info, spare.adopted = actor, info, adopted
+        done, _ = ray.wait([spare.info], timeout=0)
+        return bool(done)
+
+    def spare_nodes_of(self, spare: StageSpare) -> set[str]:
+        """The node the bundle of a stage spare is placed on (empty while unplaced)."""
+        node = self.slots.bundle_nodes_of(spare.pg).get(spare.bundle)
+        return {node} if node else set()
+
+    def cancel_stage_spare(self, spare: StageSpare) -> None:
+        if self.stage_spares.get(spare.key) is spare:
+            del self.stage_spares[spare.key]
+        if spare.actor is not None:
+            kill_actor(spare.actor)
+        if spare.owned:  # else an orphan bundle of the replica's group: it stays
+            remove_group(spare.pg)
+
+    def swap_in(self, spare: StageSpare) -> None:
+        """The started ``spare`` takes over its key: it gets the old actor's whole state (actor to
+        actor: the old one still lives), becomes the key's actor with its bundle as the
+        reservation, and the old actor goes. The caller builds new links."""
+        import ray
+
+        from elastic_llm.runtime.stage_calls import COPY_S
+
+        key = spare.key
+        old = self.actor(key)
+        info = ray.get(spare.info, timeout=START_S)
+        with self.spans.span("state"):
+            buf, manifest = old.capture_state.options(num_returns=2).remote()
+            ray.get(spare.actor.load_state.remote(buf, manifest), timeout=COPY_S)
+        del self.stage_spares[key]
+        previous = self.slots.patches.get(key)
+        self.kill(key)
+        self.actors[key.replica][key.stage] = spare.actor
+        self.slots.patches[key] = (spare.pg, spare.bundle)
+        self.nodes[key], self.pids[key], self.gpus[key] = info.node_id, info.pid, info.gpu_ids
+        self.ready.add(key)
+        if previous is not None and previous[0] is not self.slots.pgs[key.replica]:  # moved before: its own one-bundle group is free now
+            remove_group(previous[0])
+
+    def shutdown(self) -> None:
+        for spare in list(self.spares):
+            self.cancel(spare)
+        if self.pool is not None:
+            self.pool.shutdown()
+        for stage_spare in list(self.stage_spares.values()):
+            self.cancel_stage_spare(stage_spare)
+        for key in self.keys() if self.actors else []:
+            self.kill(key)
+        self.slots.release_all()
+        self.actors = []

@@ -1,0 +1,161 @@
+"""The Ray runtime: the controller's ports implemented on a Ray cluster, and the composition root.
+
+Owns: :class:`RayRuntime` (starting or joining Ray, the driver's node watch, the snapshot managers
+as detached actors, the stage actors' group on placement groups, warm standbys, the run's monitor
+actor, the durable tier, the step executor, fault injection) and :func:`ray_trainer`, which
+builds a :class:`~elastic_llm.controller.trainer.Trainer` on it. This is the only place where the
+controller meets Ray; everything above the ports (:mod:`elastic_llm.controller`) is the same code
+that :mod:`elastic_llm.sim` runs on a simulated fleet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic_llm.chaos import Chaos, ChaosExecutor
+from elastic_llm.clock import SYSTEM, Clock
+from elastic_llm.config import RunConfig
+from elastic_llm.controller.drains import Drain, NodeDeath
+from elastic_llm.controller.ports import DurableTier, Standbys
+from elastic_llm.monitor import RunStatus, start_monitor
+from elastic_llm.pipeline.executor import RayStepExecutor, StepExecutor
+from elastic_llm.runtime.actors import ActorGroup
+from elastic_llm.runtime.failover import RayRegistry
+from elastic_llm.runtime.liveness import NodeWatch, RayNodeTable
+from elastic_llm.runtime.session import NAMESPACE, start_ray, store_warnings
+from elastic_llm.snapshot.coordinator import RayManagers
+from elastic_llm.sources import Mode
+from elastic_llm.spans import Spans
+
+log = logging.getLogger("elastic_llm.runtime")
+
+
+class RayNodes:
+    """The :class:`~elastic_llm.controller.ports.Nodes` of a Ray cluster: its node table, its
+    draining nodes, and the driver's node watch (``recovery.node_probe_s``)."""
+
+    def __init__(self) -> None:
+        self.watch: NodeWatch | None = None
+
+    def start(self, period_s: float, failures: int, declare: bool) -> None:
+        if period_s > 0 and self.watch is None:  # before any actor: a node that dies from now on is noticed
+            self.watch = NodeWatch(RayNodeTable(), period_s, failures, declare=declare)
+            self.watch.start()
+
+    def alive(self) -> set[str]:
+        import ray
+
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+    def with_slots(self) -> list[str]:
+        import ray
+
+        return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0)
+
+    def draining(self) -> dict[str, Drain]:
+        from elastic_llm.runtime.drains import draining_nodes
+
+        return draining_nodes()
+
+    def suspects(self) -> set[str]:
+        return self.watch.suspects() if self.watch is not None else set()
+
+    def sweep(self) -> None:
+        if self.watch is not None:
+            self.watch.sweep(refresh=True)
+
+    def deaths(self) -> list[NodeDeath]:
+        return self.watch.take() if self.watch is not None else []
+
+    def stop(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+
+
+class ChaosFaults:
+    """The :class:`~elastic_llm.controller.ports.Faults` of a Ray run: its ``chaos`` events."""
+
+    def __init__(self, cfg: RunConfig, cluster: Any = None) -> None:
+        self.chaos = Chaos(cfg, cluster)
+
+    def fire(self, point: str, step: int, targets: Any) -> None:
+        self.chaos.fire(point, step, targets)
+
+    def observe_step(self, step: int, seconds: float, width: int) -> float | None:
+        return self.chaos.observe_step(step, seconds, width)
+
+    def wrap(self, executor: StepExecutor, targets: Any) -> StepExecutor:
+        return ChaosExecutor(executor, self.chaos, targets)
+
+
+class RayRuntime:
+    """A run on Ray: an embedded single-node Ray, or the cluster at ``address``. ``cluster`` (a
+    ``ray.cluster_utils.Cluster``) only for tests and demos: chaos events that remove nodes need it."""
+
+    def __init__(self, cfg: RunConfig, address: str | None = None, dashboard: bool = False, cluster: Any = None,
+                 clock: Clock = SYSTEM, rng: random.Random | None = None) -> None:
+        import ray
+
+        self.cfg, self.address, self.dashboard = cfg, address, dashboard
+        self.clock = clock
+        self.rng = rng if rng is not None else random.Random()  # run ids and name tags (seeded from the OS)
+        self.errors: tuple[type[BaseException], ...] = (ray.exceptions.RayError, TimeoutError)
+        self.nodes = RayNodes()
+        self.fleet = RayManagers(NAMESPACE, cfg.snapshot.codec)
+        self.registry = RayRegistry(NAMESPACE)
+        self.faults = ChaosFaults(cfg, cluster)
+        self.owns_ray = False
+        self.generations = itertools.count(1)  # link generations: this driver's counter, never the wall clock
+
+    def start(self, cfg: RunConfig, run_id: str, spans: Spans) -> list[str]:
+        import ray
+
+        with spans.span("ray"):
+            self.owns_ray = start_ray(cfg, self.address, self.dashboard) or self.owns_ray
+        rc = cfg.recovery
+        self.nodes.start(rc.node_probe_s, rc.node_probe_failures, rc.node_probe_declare)
+        return store_warnings(cfg, ray.nodes()) if cfg.snapshots_on else []
+
+    def standbys(self, cfg: RunConfig, run_id: str) -> Standbys | None:
+        from elastic_llm.runtime.standby import StandbyPool
+
+        return StandbyPool(cfg, run_id, NAMESPACE, self.clock) if cfg.recovery.standby != 0 else None
+
+    def group(self, cfg: RunConfig, run_id: str, standbys: Standbys | None) -> ActorGroup:
+        return ActorGroup(cfg, run_id, standbys, self.clock)
+
+    def monitor(self, status: RunStatus) -> Any:
+        return start_monitor(NAMESPACE, status)
+
+    def durable(self, cfg: RunConfig, snapshots: Any, data_dir: str, metrics: Any) -> DurableTier | None:
+        from elastic_llm.durable.tier import DurableTier as Tier
+
+        return Tier(cfg, snapshots, data_dir, metrics, self.clock) if cfg.durable.storage_path else None
+
+    def executor(self, actors: list[list[Any]], cfg: RunConfig) -> StepExecutor:
+        return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.recovery.mode == Mode.REDUNDANT, self.generations)
+
+    def cpu(self) -> float:
+        return time.process_time()
+
+    def shutdown(self) -> None:
+        import ray
+
+        self.nodes.stop()
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self.owns_ray = False
+
+
+def ray_trainer(cfg: RunConfig, address: str | None = None, metrics_out: str | Path | None = None, progress: bool = False,
+                dashboard: bool = False, cluster: Any = None, resume: str | None = None) -> Any:
+    """A :class:`~elastic_llm.controller.trainer.Trainer` on Ray (see :class:`RayRuntime`)."""
+    from elastic_llm.controller.trainer import Trainer
+
+    return Trainer(cfg, RayRuntime(cfg, address, dashboard, cluster), metrics_out=metrics_out, progress=progress, resume=resume)

@@ -1,0 +1,403 @@
+"""The stage actors of a simulated run: the :class:`~elastic_llm.controller.ports.StageActors`
+primitives on the fleet's actor slots, in simulated time.
+
+Owns: where each actor runs (an actor slot of a live node; nodes under notice take nothing new),
+the actors' processes (a start takes the cost model's ``actor_start_s``, a warm standby's
+adoption ``adopt_s``), spares started in the background (placed when there is room, ready once
+their processes have started), the step each actor holds, and the primitives that move state
+(copies between actors over the network, loads from the snapshot managers' pieces or the durable
+tier), each taking the cost model's time. As on Ray, a primitive succeeds only if the actors and
+nodes it involves are alive when it ends: one whose node went meanwhile raises :class:`SimLost`
+(one of the runtime's ``errors``), and the controller recovers. Never decides anything: the
+orchestration above the ports (:mod:`elastic_llm.controller`) is the same code that runs on Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic_llm.config import RunConfig
+from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, Standbys
+from elastic_llm.controller.states import Capacity
+from elastic_llm.model import count_parameters
+from elastic_llm.sim.world import SimRef, World
+from elastic_llm.snapshot.coordinator import StageMember
+from elastic_llm.snapshot.records import Piece, ShardKey, StageSource
+from elastic_llm.spans import Spans
+
+
+class SimLost(RuntimeError):
+    """A simulated actor or node that an operation involved was gone when it ended (as Ray's
+    ``RayActorError``: the controller observes and recovers)."""
+
+
+@dataclass(eq=False)
+class SimSpare:
+    """A spare replica (``key`` None) or stage spare started in the background."""
+
+    key: ShardKey | None
+    slots: int  # actor slots it needs (a replica: one per stage)
+    started: float
+    nodes: list[str] = field(default_factory=list)  # where it was placed (empty while waiting for room)
+    ready_s: float = float("inf")  # when its processes have started
+
+
+class SimActors:
+    """``actors[replica][stage]`` (each a :class:`ShardKey`) on the fleet's slots."""
+
+    def __init__(self, cfg: RunConfig, world: World, standbys: Standbys | None) -> None:
+        self.cfg, self.world, self.standbys = cfg, world, standbys
+        self.charged = world.charged
+        self.stages = cfg.parallel.stages
+        self.width = cfg.parallel.dp
+        self.actors: list[list[Any]] = []
+        self.ready: set[ShardKey] = set()
+        self.nodes: dict[ShardKey, str] = {}
+        self.pids: dict[ShardKey, int] = {}
+        self.at: dict[ShardKey, int | None] = {}  # the step each actor's state is at (None: a new, empty one)
+        self.spares: list[SimSpare] = []
+        self.stage_spares: dict[ShardKey, SimSpare] = {}
+        self.spans = Spans(world.clock.perf_counter)
+        self.parameters = count_parameters(cfg.model.shape())
+        self._members: tuple[tuple[tuple[ShardKey, str], ...], list[StageMember]] = ((), [])
+
+    def keys(self) -> list[ShardKey]:
+        return [ShardKey(s, r) for r in range(self.width) for s in range(self.stages)]
+
+    # ------------------------------------------------------------------ slots
+    def _used(self) -> dict[str, int]:
+        used = dict(self.world.host_counts)
+        for sp in self.spares + list(self.stage_spares.values()):
+            for n in sp.nodes:
+                used[n] = used.get(n, 0) + 1
+        return used
+
+    def _free(self, avoid: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
+        """(node, free slots) of the live nodes not under notice and not in ``avoid``, by node id."""
+        fleet, used = self.world.fleet, self._used()
+        draining = fleet.draining()
+        return [(n, x.slots - used.get(n, 0)) for n, x in sorted(fleet.nodes.items())
+                if x.alive and n not in draining and n not in avoid and x.slots > used.get(n, 0)]
+
+    def _take(self, count: int, avoid: frozenset[str] = frozenset()) -> list[str]:
+        """``count`` slots packed onto the fewest nodes; CapacityUnavailable if there are fewer."""
+        out: list[str] = []
+        if count <= 0:
+            return out
+        for n, f in self._free(avoid):
+            out += [n] * min(f, count - len(out))
+            if len(out) == count:
+                return out
+        raise CapacityUnavailable(self.capacity(count))
+
+    def _host(self, key: ShardKey, node: str | None) -> None:
+        old = self.nodes.pop(key, None)
+        if old is not None:
+            self.world.host_counts[old] -= 1
+        if node is not None:
+            self.nodes[key] = node
+            self.world.host_counts[node] += 1
+
+    def _homeless(self, keys: list[ShardKey]) -> list[ShardKey]:
+        fleet = self.world.fleet
+        return [k for k in keys if k not in self.nodes or not fleet.is_alive(self.nodes[k])]
+
+    def _gone(self, nodes: Iterable[str]) -> list[str]:
+        """Those of ``nodes`` removed by now (an operation that ends now involved them)."""
+        fleet, now = self.world.fleet, self.world.clock.now
+        return sorted({n for n in nodes if fleet.removed_by(n, now)})
+
+    def _check(self, what: str, nodes: Iterable[str]) -> None:
+        gone = self._gone(nodes)
+        if gone:
+            raise SimLost(f"simulated: {what} failed: node {gone[0]} went before it ended")
+
+    def free_slots(self, avoid: frozenset[str] = frozenset()) -> int:
+        with self.charged:
+            return sum(f for _, f in self._free(avoid))
+
+    def place(self, at_once: bool = False, avoid: frozenset[str] = frozenset()) -> None:
+        with self.charged:
+            need = len(self._homeless(self.keys()))
+            if need > sum(f for _, f in self._free(avoid)):
+                raise CapacityUnavailable(self.capacity(need))
+
+    def placed(self) -> bool:
+        with self.charged:
+            return len(self._homeless(self.keys())) <= sum(f for _, f in self._free())
+
+    def capacity(self, replicas: int | None = None) -> Capacity:
+        need = replicas * self.stages if replicas is not None else len(self._homeless(self.keys())) or self.stages * self.width
+        alive = self.world.fleet.alive()
+        return Capacity(need=f"{need} actor slot(s)", have=f"{sum(f for _, f in self._free())} free slot(s) on {len(alive)} live node(s)")
+
+    def placed_orphans(self, replica: int, avoid: frozenset[str] = frozenset()) -> int:
+        return 0  # a moved actor gives its slot back: the run holds no empty reservations
+
+    def unplaceable(self, replicas: Iterable[int], avoid: frozenset[str] = frozenset()) -> set[int]:
+        """Replicas that lost actors with their node and cannot all be placed now (greedy, by replica)."""
+        with self.charged:
+            free, out = sum(f for _, f in self._free(avoid)), set()
+            homeless = self._homeless(self.keys())
+            for r in sorted(set(replicas)):
+                need = sum(1 for k in homeless if k.replica == r)
+                if need <= free:
+                    free -= need
+                else:
+                    out.add(r)
+            return out
+
+    def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]:
+        """Where each of ``keys`` would start: its own node if it lives, else the next free slot."""
+        with self.charged:
+            homeless = self._homeless(keys)
+            try:
+                slots = iter(self._take(len(homeless)))
+            except CapacityUnavailable:
+                return {k: self.nodes.get(k) for k in keys if k not in homeless}
+            return {k: next(slots) if k in homeless else self.nodes[k] for k in keys}
+
+    def rehome(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
+        return []  # no reservations outlive their actor here
+
+    # ------------------------------------------------------------------ actors
+    def _start_time(self, keys: list[ShardKey], adopt: dict[ShardKey, str]) -> float:
+        c = self.world.costs
+        return max((c.adopt_s if adopt.get(k) else c.actor_start_s for k in keys), default=0.0)
+
+    def spawn_all(self) -> None:
+        with self.charged:
+            keys = self.keys()
+            for k, n in zip(keys, self._take(len(keys))):
+                self._host(k, n)
+            self.actors = [[ShardKey(s, r) for s in range(self.stages)] for r in range(self.width)]
+            self.pids = {k: 1 for k in keys}
+            self.at = {k: 0 for k in keys}
+        self.world.clock.sleep(self.world.costs.actor_start_s)
+        self._check("starting the stage actors", [self.nodes[k] for k in keys])
+        self.ready = set(keys)
+        self._shard_size()
+
+    def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None) -> None:
+        """New processes for ``keys`` (a standby's where the plan adopts one); the clock moves by
+        the slowest start; an actor whose node went meanwhile did not start."""
+        adopt = adopt or {}
+        with self.charged:
+            homeless = self._homeless(keys)
+            slots = iter(self._take(len(homeless)))
+            for k in keys:
+                self._host(k, next(slots) if k in homeless else self.nodes[k])
+                self.ready.discard(k)
+                self.at[k] = None
+                node = adopt.get(k)
+                if node is not None and (self.standbys is None or self.standbys.take(node) is None):
+                    raise PlanNotFollowed(f"the plan has {k} adopt a warm standby on node {node}, but none is left there")
+        with self.spans.span("actor"):
+            self.world.clock.sleep(self._start_time(keys, adopt))
+        self._check("starting replacement actors", [self.nodes[k] for k in keys])
+        self.ready |= set(keys)
+
+    def kill(self, key: ShardKey) -> None:
+        self.ready.discard(key)
+
+    def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]:
+        with self.charged:
+            return {k: (self.at.get(k) if k in self.ready and self.nodes.get(k) in alive_nodes else None) for k in self.keys()}
+
+    def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]:
+        """Remove ``replicas``; the others are renumbered 0..w-1 in order."""
+        with self.charged:
+            drop = set(replicas)
+            kept = [r for r in range(self.width) if r not in drop]
+            old_nodes, old_ready, old_at = dict(self.nodes), set(self.ready), dict(self.at)
+            for k in list(self.nodes):
+                self._host(k, None)
+            self.ready, self.at = set(), {}
+            for new, r in enumerate(kept):
+                for s in range(self.stages):
+                    k, n = ShardKey(s, r), ShardKey(s, new)
+                    if k in old_nodes:
+                        self._host(n, old_nodes[k])
+                    if k in old_ready:
+                        self.ready.add(n)
+                    self.at[n] = old_at.get(k)
+            self.width = len(kept)
+            self.actors = [[ShardKey(s, r) for s in range(self.stages)] for r in range(self.width)]
+            self._shard_size()
+            return {old: new for new, old in enumerate(kept)}
+
+    def set_width(self) -> None:
+        pass  # one small call per actor: nothing the cost model charges
+
+    def members(self) -> list[StageMember]:
+        with self.charged:
+            key = tuple(self.nodes.items())
+            if self._members[0] != key:
+                self._members = (key, [StageMember(k, None, n) for k, n in key])
+            return self._members[1]
+
+    def replicas_on(self, nodes: frozenset[str]) -> list[int]:
+        return sorted({k.replica for k, n in self.nodes.items() if n in nodes})
+
+    def shutdown(self) -> None:
+        pass
+
+    def _shard_size(self) -> None:
+        self.world.shard_mb = self.world.costs.shard_mb(self.parameters, self.stages, self.width)
+
+    def stage_mb(self) -> float:
+        return self.world.costs.stage_mb(self.parameters, self.stages)
+
+    # ------------------------------------------------------------------ spares
+    def _try_place(self, sp: SimSpare, avoid: frozenset[str] = frozenset()) -> bool:
+        """Place a waiting spare if there is room now (as Ray places a pending placement group)."""
+        if sp.nodes:
+            return True
+        try:
+            sp.nodes = self._take(sp.slots, avoid)
+        except CapacityUnavailable:
+            return False
+        sp.ready_s = self.world.clock.now + self.world.costs.actor_start_s
+        return True
+
+    def start_spare(self) -> SimSpare:
+        with self.charged:
+            sp = SimSpare(None, self.stages, self.world.clock.now)
+            self.spares.append(sp)
+            self._try_place(sp)
+            return sp
+
+    def spare_ready(self, spare: SimSpare) -> bool:
+        """Placed and started (a spare whose node went counts as started, as on Ray: its adoption fails)."""
+        with self.charged:
+            if not self._try_place(spare):
+                return False
+            return self.world.clock.now >= spare.ready_s or bool(self._gone(spare.nodes))
+
+    def spare_nodes(self, spare: SimSpare) -> set[str]:
+        return set(spare.nodes)
+
+    def spare_age(self, spare: SimSpare) -> float:
+        return self.world.clock.now - spare.started
+
+    def adopt(self, spare: SimSpare) -> int:
+        with self.charged:
+            self._check("adopting a spare replica", spare.nodes)
+            self.spares.remove(spare)
+            r = self.width
+            self.width += 1
+            for s, n in enumerate(spare.nodes):
+                k = ShardKey(s, r)
+                self._host(k, n)
+                self.ready.add(k)
+                self.at[k] = None
+            self.actors.append([ShardKey(s, r) for s in range(self.stages)])
+            self._shard_size()
+            return r
+
+    def cancel(self, spare: SimSpare) -> None:
+        if spare in self.spares:
+            self.spares.remove(spare)
+
+    def start_stage_spare(self, key: ShardKey, avoid: frozenset[str] = frozenset()) -> SimSpare:
+        with self.charged:
+            sp = SimSpare(key, 1, self.world.clock.now)
+            self.stage_spares[key] = sp
+            self._try_place(sp, avoid)
+            return sp
+
+    def stage_spare_ready(self, spare: SimSpare) -> bool:
+        return self.spare_ready(spare)
+
+    def spare_nodes_of(self, spare: SimSpare) -> set[str]:
+        return set(spare.nodes)
+
+    def cancel_stage_spare(self, spare: SimSpare) -> None:
+        if spare.key is not None and self.stage_spares.get(spare.key) is spare:
+            del self.stage_spares[spare.key]
+
+    def swap_in(self, spare: SimSpare) -> None:
+        """The started spare takes its key's state from the old actor (a copy over the network,
+        while the old one lives) and its place; both must be alive when the copy ends."""
+        key = spare.key
+        assert key is not None
+        old = self.nodes[key]
+        with self.spans.span("state"):
+            self.world.clock.sleep(self.stage_mb() / self.world.costs.network_mb_s)
+        self._check(f"moving {key} off node {old}", [old, *spare.nodes])
+        with self.charged:
+            del self.stage_spares[key]
+            self._host(key, spare.nodes[0])
+
+    # ------------------------------------------------------------------ state
+    def copy_stages(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
+        """Each target takes its source's state, all copies at once over the network."""
+        if not pairs:
+            return
+        with self.spans.span("state"):
+            self.world.clock.sleep(self.stage_mb() / self.world.costs.network_mb_s)
+        self._check("copying stage state", [self.nodes[k] for pair in pairs for k in pair])
+        for src, dst in pairs:
+            self.at[dst] = self.at.get(src)
+
+    def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> None:
+        """Each actor loads its pieces once they are ready (the managers' reads, parity
+        rebuilds); a piece whose node went before it was ready fails the load."""
+        if not sources:
+            return
+        clock = self.world.clock
+        with self.spans.span("state"):
+            ready = max((p.ready_s for src in sources.values() for p in src.refs), default=clock.now)
+            clock.advance(max(ready, clock.now))
+            bad = [p for src in sources.values() for p in src.refs if isinstance(p, SimRef) and p.failed()]
+            if bad:
+                raise SimLost(f"simulated: a snapshot piece on node {bad[0].node} was lost before it was read")
+            clock.sleep(self.world.shard_mb / self.world.costs.restore_mb_s)
+        self._check("loading snapshot pieces", [self.nodes[k] for k in sources])
+        for k, src in sources.items():
+            self.at[k] = int(json.loads(src.manifest).get("step", 0)) if src.manifest else None
+
+    def holds_own_copy(self, keys: list[ShardKey], version: int) -> set[ShardKey]:
+        return set()  # the simulated stages keep no background copy: a rollback reads the managers
+
+    def restore_own_copies(self, keys: list[ShardKey], version: int, pieces: Mapping[ShardKey, tuple[Piece, ...]]) -> list[ShardKey]:
+        return list(keys)
+
+    def load_durable(self, keys: list[ShardKey], uri: str, name: str) -> None:
+        """Every actor reads its part of the durable checkpoint ``name``."""
+        with self.spans.span("state"):
+            self.world.clock.sleep(self.world.shard_mb / self.world.costs.flush_mb_s)
+        self._check("loading the durable checkpoint", [self.nodes[k] for k in keys])
+        digits = re.findall(r"\d+", name)
+        for k in keys:
+            self.at[k] = int(digits[-1]) if digits else 0
+
+    def _unmodelled(self, what: str) -> Any:
+        raise NotImplementedError(f"simulate models recovery.mode=lossless only: {what} is not simulated")
+
+    def grad_norms(self, keys: list[ShardKey]) -> dict[ShardKey, float]:
+        return {k: 1.0 for k in keys}  # CheckFree's weights: the simulation computes no gradients
+
+    def rebuild(self, key: ShardKey, step: int, lr_scale: float, a: float, b: float, donors: tuple[ShardKey, ...], mirror: ShardKey | None) -> int:
+        """CheckFree: the new actor reads its donors' layers (one after the other over the network)."""
+        with self.spans.span("state"):
+            self.world.clock.sleep(len(donors) * self.stage_mb() / self.world.costs.network_mb_s)
+        self._check(f"rebuilding {key} from its neighbours", [self.nodes[k] for k in (key, *donors, *([mirror] if mirror else []))])
+        self.at[key] = step
+        return 0
+
+    def promote(self, key: ShardKey, holder: ShardKey, successor: ShardKey) -> None:
+        self._unmodelled("redundant copies")
+
+    def mirror(self, pairs: list[tuple[ShardKey, ShardKey]], step: int) -> None:
+        pass  # an embedding or LM head copied to a neighbour, not waited for: nothing the cost model charges
+
+    def save_checkpoints(self, root: str, step: int) -> int:
+        return self._unmodelled("the checkpointing baseline")
+
+    def load_checkpoints(self, root: str, step: int) -> None:
+        self._unmodelled("the checkpointing baseline")

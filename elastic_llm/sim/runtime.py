@@ -1,0 +1,258 @@
+"""The simulated runtime: the controller's ports on a simulated fleet, in simulated time.
+
+Owns: :class:`SimRuntime` (what :class:`~elastic_llm.controller.trainer.Trainer` runs on in
+``elastic-llm simulate``: the world's clock, a seeded random source, the simulated nodes, snapshot
+managers, stage actors, warm standbys, durable tier and monitor), :class:`SimNodes` (liveness and
+drains from the fleet), :class:`SimStandbys` (warm processes per node, one used coming back after
+a process start), :class:`SimExecutor` (a step takes the cost model's 1F1B time and fails at the
+first death of a node or process it runs on) and the parts a simulation has none of
+(:class:`SimRegistry`, :class:`NoFaults`). These are primitives only: every decision and every
+sequence of side effects is the controller's code (:mod:`elastic_llm.controller`), the same that
+runs on Ray. Never reads the machine's clock and never sleeps.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from elastic_llm.config import RunConfig
+from elastic_llm.controller.drains import Drain, NodeDeath
+from elastic_llm.controller.ports import DurableTier, Standbys
+from elastic_llm.monitor import RunStatus
+from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
+from elastic_llm.sim.actors import SimActors, SimLost
+from elastic_llm.sim.snapshots import SimFlusher, SimManagers
+from elastic_llm.sim.world import EPOCH, SimCalls, SimMonitor, World
+from elastic_llm.snapshot.records import VersionRecord
+from elastic_llm.spans import Spans
+from elastic_llm.stream import StreamPosition
+
+
+class SimNodes:
+    """The fleet's nodes as the controller sees them: alive, under notice (a drain with its deadline)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def alive(self) -> set[str]:
+        return set(self.world.fleet.alive())
+
+    def with_slots(self) -> list[str]:
+        return sorted(self.world.fleet.alive())
+
+    def draining(self) -> dict[str, Drain]:
+        return {n: Drain(n, EPOCH + t) for n, t in self.world.fleet.draining().items()}
+
+    def suspects(self) -> set[str]:
+        return set()  # a simulated node is alive or gone: no probe ever times out
+
+    def sweep(self) -> None:
+        pass
+
+    def deaths(self) -> list[NodeDeath]:
+        return []  # the fleet's removals fail the steps and calls that involve them
+
+    def stop(self) -> None:
+        pass
+
+
+class _Standby:
+    """A taken standby: what the group adopts (nothing to hand over in a simulation)."""
+
+    actor = None
+
+
+class SimStandbys:
+    """``per_node`` warm standbys on every live node (ready ``start_s`` after the node came up);
+    one adopted is back ``start_s`` later."""
+
+    def __init__(self, world: World, per_node: int) -> None:
+        self.world, self.per_node = world, per_node
+        self.enabled = per_node > 0
+        self.adopted = 0
+        self.start_s = world.costs.actor_start_s
+        self.refill: dict[str, list[float]] = {}  # node -> when its used standbys are back
+
+    def _ready_on(self, node: str, now: float) -> int:
+        x = self.world.fleet.nodes.get(node)
+        if x is None or not x.alive or now < x.added_s + self.start_s:
+            return 0
+        back = [t for t in self.refill.get(node, []) if t > now]
+        self.refill[node] = back
+        return max(0, self.per_node - len(back))
+
+    def check(self) -> int:
+        return 0
+
+    def resize(self, failures: int, elapsed_s: float) -> None:
+        pass
+
+    def ensure(self, nodes: Iterable[str]) -> int:
+        return 0  # every live node keeps its standbys (their restart is counted in ready())
+
+    def ready(self) -> dict[str, int]:
+        now = self.world.clock.now
+        return {n: c for n in self.world.fleet.alive() if (c := self._ready_on(n, now)) > 0}
+
+    def count(self) -> tuple[int, int]:
+        ready = sum(self.ready().values())
+        return ready, self.per_node * len(self.world.fleet.alive()) - ready
+
+    def take(self, node: str) -> Any:
+        now = self.world.clock.now
+        if self._ready_on(node, now) <= 0:
+            return None
+        self.refill.setdefault(node, []).append(now + self.start_s)
+        self.adopted += 1
+        return _Standby()
+
+    def pids(self, node: str) -> list[int]:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+class SimRegistry:
+    """A simulated run has one driver: nothing is published for a next one (``driver_grace_s`` 0)."""
+
+    def check_same_model(self, run_id: str, config: dict[str, Any]) -> None:
+        pass
+
+    def retire_old_driver(self, run_id: str) -> None:
+        pass
+
+    def find(self, run_id: str) -> tuple[dict[str, Any], VersionRecord | None]:
+        return {}, None
+
+    def epoch(self, run_id: str) -> int:
+        return 0
+
+    def publish_run(self, run_id: str, config: dict[str, Any], epoch: int) -> None:
+        pass
+
+    def publish_committed(self, run_id: str, record: VersionRecord) -> None:
+        pass
+
+    def keepalive(self, handles: Any, period_s: float) -> Any:
+        raise NotImplementedError("a simulated run keeps no managers alive for a next driver (recovery.driver_grace_s is 0)")
+
+    def forget(self, run_id: str) -> None:
+        pass
+
+
+class NoFaults:
+    """A simulation's faults come from its trace and fault schedule, not from ``chaos``."""
+
+    def fire(self, point: str, step: int, targets: Any) -> None:
+        pass
+
+    def observe_step(self, step: int, seconds: float, width: int) -> float | None:
+        return None
+
+    def wrap(self, executor: StepExecutor, targets: Any) -> StepExecutor:
+        return executor
+
+
+@dataclass(frozen=True)
+class SimPending:
+    """A submitted simulated step (its outcome is decided when it is waited for)."""
+
+    step: int
+    loss: float
+    stages: int
+    lr: float
+
+    def result(self) -> StepResult:
+        return StepResult(loss=self.loss, grad_norms=[1.0] * self.stages, lr=self.lr)
+
+
+class SimExecutor:
+    """A step in simulated time; fails at the first death of a node or process it runs on."""
+
+    def __init__(self, group: SimActors, cfg: RunConfig) -> None:
+        self.group, self.cfg = group, cfg
+        self.world = group.world
+
+    def start(self, step: int, x: Any, y: Any, snapshot: StreamPosition | None = None, faults: Any = None) -> Any:
+        if snapshot is not None:
+            self.world.positions[step] = snapshot
+        return SimPending(step, float(10.0 / np.sqrt(step)), self.group.stages, self.cfg.train.lr)
+
+    def finish(self, pending: Any, timeout: float = float("inf")) -> StepResult:
+        g, w, p = self.group, self.world, self.cfg.parallel
+        with g.charged:
+            took = w.costs.step_s(g.stages, p.microbatches, self.cfg.train.batch_size, g.width)
+            death = w.fleet.first_death(set(g.nodes.values()), set(g.nodes), w.clock.now + took)
+        if death is None:
+            w.clock.advance(w.clock.now + took)
+            for k in g.keys():
+                g.at[k] = pending.step
+            return pending.result()
+        t, node, key = death
+        if key is not None:
+            g.ready.discard(key)
+            detect = w.costs.detect_process_s
+        else:
+            key = min(k for k, n in g.nodes.items() if n == node)
+            detect = w.costs.detect_node_s
+        w.clock.advance(t + detect)
+        why = f"node {node} was removed" if node is not None else f"the process of {key} died"
+        raise StepFailed(SimLost(f"simulated: {why}"), key.stage, key.replica, "forward")
+
+    def settle(self) -> None:
+        pass
+
+    def eval_loss(self, x: Any, y: Any) -> float:
+        return 0.0
+
+
+class SimRuntime:
+    """The ports of a simulated run (see the module's docstring). ``durable_every``: flush every
+    N-th committed snapshot to a simulated durable tier (0: none)."""
+
+    def __init__(self, world: World, seed: int = 0, durable_every: int = 0, standbys_per_node: int = 0) -> None:
+        self.world = world
+        self.clock = world.clock
+        self.rng = random.Random(seed)
+        self.errors: tuple[type[BaseException], ...] = (SimLost,)
+        self.nodes = SimNodes(world)
+        self.fleet = SimManagers(world, SimCalls(world.clock, world.charged))
+        self.registry = SimRegistry()
+        self.faults = NoFaults()
+        self.durable_every = durable_every
+        self.standbys_per_node = standbys_per_node
+        self.group_made: SimActors | None = None
+        self.tier: SimFlusher | None = None
+
+    def start(self, cfg: RunConfig, run_id: str, spans: Spans) -> list[str]:
+        return []
+
+    def standbys(self, cfg: RunConfig, run_id: str) -> Standbys | None:
+        return SimStandbys(self.world, self.standbys_per_node)
+
+    def group(self, cfg: RunConfig, run_id: str, standbys: Standbys | None) -> SimActors:
+        self.group_made = SimActors(cfg, self.world, standbys)
+        return self.group_made
+
+    def monitor(self, status: RunStatus) -> Any:
+        return SimMonitor(self.world.charged)
+
+    def durable(self, cfg: RunConfig, snapshots: Any, data_dir: str, metrics: Any) -> DurableTier | None:
+        self.tier = SimFlusher(self.world, self.durable_every) if self.durable_every > 0 else None
+        return self.tier
+
+    def executor(self, actors: list[list[Any]], cfg: RunConfig) -> StepExecutor:
+        assert self.group_made is not None
+        return SimExecutor(self.group_made, cfg)
+
+    def cpu(self) -> float:
+        return time.process_time() - self.world.charged.seconds
+
+    def shutdown(self) -> None:
+        pass

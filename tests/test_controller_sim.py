@@ -1,0 +1,233 @@
+"""The controller's handlers on the simulated runtime: no Ray, milliseconds per test.
+
+The Trainer runs the same orchestration as on Ray (setup, recovery, elastic moves) on
+:class:`~elastic_llm.sim.runtime.SimRuntime`'s ports over a small scripted fleet; only the step
+executor is scripted here (steps fail as a test says, the failing stage's process dies), so each
+test can aim a failure at one step. Everything else is the real controller: its states,
+transitions, failure budget, recovery plans, data stream, metrics lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from elastic_llm.config import ConfigError, load_config
+from elastic_llm.controller.trainer import UNTIL_STOPPED, RunFailed, RunUnrecoverable, Trainer
+from elastic_llm.pipeline.executor import StepFailed
+from elastic_llm.replay.trace import ReplayAction
+from elastic_llm.sim.costs import load_costs
+from elastic_llm.sim.runtime import SimExecutor, SimRuntime
+from elastic_llm.sim.world import Charged, Fleet, SimClock, World
+from elastic_llm.snapshot.records import ShardKey
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ScriptedExecutor(SimExecutor):
+    """The simulated step, failing as scripted: ``fails`` step -> (attempts that fail, the stage
+    that fails them: its process dies, as a SIGKILLed stage's would). Logs every start."""
+
+    def __init__(self, runtime: "ScriptedRuntime", cfg) -> None:
+        assert runtime.group_made is not None
+        super().__init__(runtime.group_made, cfg)
+        self.rt = runtime
+
+    def start(self, step, x, y, snapshot=None, faults=None):
+        self.rt.log.append(("start", step, x.copy(), self.group.width))
+        return super().start(step, x, y, snapshot, faults)
+
+    def finish(self, pending, timeout=float("inf")):
+        left, key = self.rt.fails.get(pending.step, (0, None))
+        if left > 0:
+            self.rt.fails[pending.step] = (left - 1, key)
+            self.group.ready.discard(key)
+            raise StepFailed(RuntimeError(f"boom in step {pending.step}"), key.stage, key.replica, "B1")
+        return super().finish(pending, timeout)
+
+
+class ScriptedRuntime(SimRuntime):
+    def __init__(self, world, fails) -> None:
+        super().__init__(world)
+        self.fails, self.log, self.executors = fails, [], []
+
+    def executor(self, actors, cfg):
+        self.executors.append(ScriptedExecutor(self, cfg))
+        return self.executors[-1]
+
+
+def fleet(nodes, slots=2, actions=()):
+    clock = SimClock()
+    fl = Fleet(clock, tuple(nodes), tuple(actions), slots)
+    return World(clock, fl, load_costs("cpu-2core"), Charged())
+
+
+def make(corpus_dir, tmp_path, *extra, fails=None, nodes=("n0", "n1"), actions=()):
+    """A 2-stage run of 2 replicas (no snapshots unless ``extra`` turns them on) on ``nodes`` of 2 slots."""
+    cfg = load_config(
+        os.path.join(REPO, "jobs", "tiny.yaml"),
+        [
+            "snapshot.enabled=false", "train.eval_every=0", "parallel.stages=2", "parallel.dp=2", "train.batch_size=8",
+            "model.seq_len=16", f"data.dir={corpus_dir}", "recovery.capacity_timeout_s=5", "recovery.driver_grace_s=0", *extra,
+        ],
+    )
+    rt = ScriptedRuntime(fleet(nodes, actions=actions), fails if fails is not None else {})
+    return Trainer(cfg, rt, metrics_out=tmp_path / "metrics.jsonl"), rt
+
+
+def states(tmp_path):
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return [(x["old"], x["new"]) for x in lines if x.get("event") == "state"]
+
+
+def test_a_run_of_five_steps_sends_each_step_once_in_order(corpus_dir, tmp_path):
+    t, rt = make(corpus_dir, tmp_path)
+    history = t.fit(5)
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5]
+    assert [e[1] for e in rt.log] == [1, 2, 3, 4, 5]
+    assert len(rt.executors) == 1  # one executor for an unchanged membership
+    assert history[2]["loss"] == pytest.approx(10.0 / np.sqrt(3))
+    assert states(tmp_path) == [("starting", "running"), ("running", "finished")]
+
+
+def test_a_failed_step_is_recovered_from_a_peer_and_retried_on_the_same_batch(corpus_dir, tmp_path):
+    t, rt = make(corpus_dir, tmp_path, fails={3: (1, ShardKey(1, 1))})
+    history = t.fit(5)
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5]
+    attempts = [e for e in rt.log if e[1] == 3]
+    assert len(attempts) == 2
+    np.testing.assert_array_equal(attempts[0][2], attempts[1][2])  # the data stream was rewound
+    assert len(rt.executors) == 2  # a new executor over the new membership
+    assert ("running", "recovering") in states(tmp_path) and ("recovering", "running") in states(tmp_path)
+    [rec] = t.recoveries
+    assert (rec["stage"], rec["replica"], rec["source"], rec["rollback_steps"]) == (1, 1, "dp_peer", 0)
+    assert rec["failure"] == "step 3, stage 1 replica 1 failed: RuntimeError: boom in step 3 (in B1)"
+    assert rec["actor_s"] >= load_costs("cpu-2core").actor_start_s  # a new process started for it (simulated seconds)
+
+
+def test_the_same_failure_every_time_stops_after_the_retries_with_exit_4(corpus_dir, tmp_path):
+    t, rt = make(corpus_dir, tmp_path, "recovery.max_retries_per_step=2", fails={2: (99, ShardKey(1, 1))})
+    with pytest.raises(RunFailed) as err:
+        t.fit(5)
+    assert err.value.exit_code == 4 and "boom in step 2" in str(err.value)
+    assert [e[1] for e in rt.log] == [1, 2, 2, 2]  # the first attempt and two retries
+    assert t.step == 1
+
+
+def test_the_failure_budget_stops_the_run(corpus_dir, tmp_path):
+    fails = {2: (1, ShardKey(1, 1)), 3: (1, ShardKey(1, 1)), 4: (1, ShardKey(1, 1))}
+    t, _ = make(corpus_dir, tmp_path, "recovery.max_failures=2", fails=fails)
+    with pytest.raises(RunFailed) as err:
+        t.fit(6)
+    assert err.value.exit_code == 4 and t.failures == 3 and t.step == 3
+
+
+def test_a_lost_stage_with_no_copy_anywhere_fails_with_exit_3(corpus_dir, tmp_path):
+    """One replica, no snapshots, no mirrors of the last stage's head: nothing holds stage 1's
+    state and CheckFree+ cannot rebuild it."""
+    t, _ = make(corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=1", "checkfree.mirror_every=0", fails={2: (1, ShardKey(1, 0))})
+    with pytest.raises(RunUnrecoverable) as err:
+        t.fit(4)
+    assert err.value.exit_code == 3 and "stage 1" in str(err.value)
+
+
+def test_a_source_found_gone_while_a_plan_is_carried_out_re_plans_without_charging_the_budget(corpus_dir, tmp_path):
+    """The executor meets a source the plan named and finds it gone (a shard that fails its
+    checksums on its node): it raises instead of picking another source itself; the controller
+    observes again and plans anew. The run learnt something, it did not fail again: with no
+    retries allowed per step, a charge would have stopped it."""
+    from elastic_llm.sources import SourceLost
+
+    t, _ = make(corpus_dir, tmp_path, "recovery.max_retries_per_step=1", fails={3: (1, ShardKey(1, 1))})
+    t.setup()
+    recovery = t.parts.recovery
+    carry_out, observe, met, observed = recovery.execute, recovery.observe, [], []
+
+    def execute(plan, obs, step):
+        if len(met) < 2:  # two sources found gone, one after the other
+            met.append(plan)
+            raise SourceLost(f"source {len(met)} failed to load on its node")
+        return carry_out(plan, obs, step)
+
+    recovery.execute = execute
+    recovery.observe = lambda executor, step: observed.append(step) or observe(executor, step)
+    history = t.fit(5)
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5]
+    assert observed == [3, 3, 3]  # observed again after each
+    assert t.budget.total == 1 and t.budget.of_step(3) == 1  # the step's failure alone
+    assert [(r["stage"], r["replica"]) for r in t.recoveries] == [(1, 1)]
+
+
+def test_no_capacity_at_start_waits_then_runs(corpus_dir, tmp_path):
+    """Two nodes of two slots hold one replica of two stages ... and a third comes at second 5."""
+    t, _ = make(corpus_dir, tmp_path, "parallel.dp=2", nodes=("n0",), actions=[ReplayAction(5.0, "add", "n1")])
+    history = t.fit(2)
+    assert [h["step"] for h in history] == [1, 2]
+    assert states(tmp_path)[:2] == [("starting", "waiting_for_capacity"), ("waiting_for_capacity", "starting")]
+    assert t.seconds_by_state["waiting_for_capacity"] >= 5
+
+
+def test_capacity_that_never_comes_fails_at_the_deadline(corpus_dir, tmp_path):
+    t, _ = make(corpus_dir, tmp_path, "recovery.capacity_timeout_s=3", nodes=("n0",))
+    with pytest.raises(RunFailed) as err:
+        t.fit(2)
+    assert "capacity" in str(err.value) and t.step == 0
+
+
+def test_room_for_another_replica_grows_the_run_and_rebuilds_the_executor(corpus_dir, tmp_path):
+    t, rt = make(corpus_dir, tmp_path, "elastic.max_replicas=3", "elastic.grow_check_s=0.5", "train.batch_size=24", nodes=("n0", "n1", "n2"))
+    history = t.fit(40)
+    assert [(r["from_dp"], r["to_dp"]) for r in t.resizes] == [(2, 3)]
+    assert [h["step"] for h in history] == list(range(1, 41))
+    widths = [e[3] for e in rt.log]
+    grew = widths.index(3)
+    assert set(widths[:grew]) == {2} and set(widths[grew:]) == {3} and len(rt.executors) == 2
+
+
+def test_a_draining_node_is_evacuated_between_steps_without_rollback(corpus_dir, tmp_path):
+    """Node n1 (both stages of replica 1) gets a 30 s notice; a free node takes the replica whole."""
+    t, rt = make(corpus_dir, tmp_path, nodes=("n0", "n1", "n2"), actions=[ReplayAction(3.0, "drain", "n1", 30.0), ReplayAction(33.0, "remove", "n1")])
+    history = t.fit(80)
+    assert [h["step"] for h in history] == list(range(1, 81))  # nothing replayed
+    [drain] = t.drains
+    assert drain["node"] == "n1" and drain["moved"] == 2 and drain["how"] == "replica" and drain["rollback_steps"] == 0
+    assert t.recoveries == [] and ("running", "draining") in states(tmp_path)
+    assert "n1" not in t.group.nodes.values() and t.group.width == 2
+
+
+def test_a_move_that_ends_after_its_node_is_gone_fails_and_is_recovered(corpus_dir, tmp_path):
+    """A move copies the stage's state while its node lives: with a notice shorter than the time
+    the spares take to start plus the copy, the node goes first. The simulated move fails as on Ray
+    (its source died mid-copy) instead of counting as done, and the run recovers the lost stages."""
+    t, rt = make(corpus_dir, tmp_path, nodes=("n0", "n1", "n2"), actions=[ReplayAction(3.0, "drain", "n1", 4.0), ReplayAction(7.0, "remove", "n1")])
+    history = t.fit(60)
+    assert history[-1]["step"] == 60
+    assert not any(d["moved"] for d in t.drains)  # no move is counted that could not finish while n1 lived
+    assert {r["replica"] for r in t.recoveries} == {1} and all(r["source"] == "dp_peer" for r in t.recoveries)
+
+
+def test_a_runtime_without_snapshot_managers_refuses_a_durable_tier(corpus_dir, tmp_path):
+    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [f"data.dir={corpus_dir}", f"durable.storage_path={tmp_path / 'ck'}"])
+    rt = SimRuntime(fleet(["n0"]))
+    rt.fleet = None
+    with pytest.raises(ConfigError, match="durable.storage_path"):
+        Trainer(cfg, rt)
+
+
+def test_an_open_ended_run_shows_its_steps_without_a_total(corpus_dir, tmp_path):
+    import io
+
+    from elastic_llm.controller.progress import ProgressBar
+
+    t, _ = make(corpus_dir, tmp_path)
+    out = io.StringIO()  # not a terminal: plain lines
+    t.bar = ProgressBar(True, "tiny", stream=out)
+    history = t.fit(UNTIL_STOPPED, on_step=lambda r: t.request_stop() if r["step"] == 3 else None)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    lines = out.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["tiny: step 1", "tiny: step 3"] and str(UNTIL_STOPPED) not in out.getvalue()
