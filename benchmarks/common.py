@@ -18,9 +18,9 @@ from typing import Any
 
 def main(name: str) -> int:
     """``python -m benchmarks.<name> [options]``: exactly ``elastic-llm bench <name> [options]``."""
-    from elastic_llm.cli import main as cli_main
+    from benchmarks.run import main as run
 
-    return cli_main(["bench", name, *sys.argv[1:]])
+    return run(name, sys.argv[1:])
 
 
 def free_port() -> int:

@@ -17,7 +17,6 @@ Must never reach anything but 127.0.0.1, or judge its result (BENCHMARKS.md does
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 
 from benchmarks.common import machine_info
 from elastic_llm import events
+from elastic_llm.events import read_lines
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [  # 4 one-CPU stages of a small model over 3 nodes of 2 CPUs
@@ -41,13 +41,7 @@ STEP_S = 300.0  # longest a driver may take to reach a step
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for x in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(x))
-        except json.JSONDecodeError:
-            pass
-    return out
+    return read_lines(path, growing=True)
 
 
 def _steps(path: Path) -> list[int]:

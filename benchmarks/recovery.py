@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import math
 import os
 import statistics
@@ -657,8 +656,7 @@ def _run_path(
         if timer is not None:
             timer.join(timeout=30)
         trainer.shutdown()
-    with open(metrics) as f:
-        lines = [json.loads(x) for x in f if x.strip()]
+    lines = events.read_lines(metrics)
     if path == "drain" and ("t0" not in drain or "error" in drain):
         raise RuntimeError(f"the drain was not requested: {drain.get('error', 'the timer did not fire')}")
     out = timeline(lines, steps, drain.get("t0"))

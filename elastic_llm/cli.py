@@ -15,8 +15,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
+
+from elastic_llm.logs import LEVELS
 
 EXIT_USAGE = 2
 
@@ -241,24 +242,24 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from elastic_llm.durable.format import Checkpoint, list_checkpoints, open_checkpoint, storage_root_problem
+    from elastic_llm.durable.format import Checkpoint, list_checkpoints, open_checkpoint, runs_in, storage_root_problem
     from elastic_llm.durable.storage import Storage
 
     if args.action == "list":
-        run = Storage(args.uri)
-        entries = list_checkpoints(run)
-        problem = None
-        if not entries:
-            problem = storage_root_problem(run) if run.is_dir() else f"{run.display()} does not exist: give a run directory of durable checkpoints"
-        if problem:
-            print(f"error: {problem}", file=sys.stderr)
+        where = Storage(args.uri)
+        entries = list_checkpoints(where)
+        runs = [] if entries else runs_in(where) if where.is_dir() else []
+        if not entries and not runs:  # a storage root lists its runs' checkpoints; anything else is refused
+            problem = storage_root_problem(where) if where.is_dir() else None
+            print(f"error: {problem or f'{where.display()} holds no durable checkpoints: give a run directory or a durable.storage_path'}", file=sys.stderr)
             return EXIT_USAGE
-        for e in entries:
-            size = ""
-            if e.committed:
-                ck = Checkpoint(run, e.name)
-                size = f"{sum(f['nbytes'] for f in ck.manifest['files'].values()) / 1e6:.1f} MB, width {ck.manifest.get('width')}"
-            print(json.dumps({"checkpoint": run.display(e.name), "step": e.step, "committed": e.committed, "size": size, "problem": e.problem}))
+        for run, listed in [(where, entries)] if entries else [(where.child(r), list_checkpoints(where.child(r))) for r in runs]:
+            for e in listed:
+                size = ""
+                if e.committed:
+                    ck = Checkpoint(run, e.name)
+                    size = f"{sum(f['nbytes'] for f in ck.manifest['files'].values()) / 1e6:.1f} MB, width {ck.manifest.get('width')}"
+                print(json.dumps({"run": run.root.rsplit("/", 1)[-1], "checkpoint": run.display(e.name), "step": e.step, "committed": e.committed, "size": size, "problem": e.problem}))
         return 0
     ck = open_checkpoint(args.uri)
     print(json.dumps(ck.verify()))
@@ -285,107 +286,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _import_benchmark(what: str) -> ModuleType | None:
-    """``benchmarks.<what>``: the benchmarks are a package installed with elastic-llm (its
-    ``bench`` extra brings their peers); None when this install left them out."""
-    import importlib
-
-    try:
-        importlib.import_module("benchmarks.common")
-    except ImportError:
-        return None
-    return importlib.import_module(f"benchmarks.{what}")
-
-
-def _sweep_problem(args: argparse.Namespace) -> str | None:
-    """Why the ``bench`` options do not go together (``--sweep`` and its own options), or None."""
-    sweep_only = [opt for opt, value in (("--models", args.models), ("--plot", args.plot), ("--only", args.only), ("--large-steps", args.large_steps)) if value is not None]
-    if not args.sweep:
-        return f"{', '.join(sweep_only)}: only with --sweep" if sweep_only else None
-    if args.what != "pipeline":
-        return "--sweep is only for `bench pipeline`"
-    if args.config or args.set:
-        return "--sweep runs its own configurations (jobs/tiny.yaml variants): drop --config and --set"
-    if args.large_steps is not None and args.large_steps < 1:
-        return f"--large-steps={args.large_steps} must be >= 1"
-    return None
-
-
-def _bench_sweep(bench: ModuleType, args: argparse.Namespace) -> int:
-    """``bench pipeline --sweep``: the JSON line (``--json``) on stdout and the markdown table on
-    stderr, or the table and notes on stdout; progress on stderr."""
-    try:
-        models = [m.strip() for m in (args.models or ",".join(bench.MODELS)).split(",") if m.strip()]
-        only = bench.parse_only(args.only or [])
-        if not bench.sweep_points(models, only)[0]:  # refuses unknown models before anything starts
-            raise ValueError(f"--only {' '.join(args.only or [])} leaves no configuration of the grid (stages 2,4,8; microbatches 4,16,64; replicas 1,2,4; stages x replicas <= 16)")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    import contextlib
-
-    # Ray's driver prints raylet warnings and actor output on sys.stdout: with --json, stdout
-    # carries the one JSON line only.
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        result = bench.run_pipeline_sweep(
-            models,
-            steps=args.steps or 4,
-            large_steps=args.large_steps or bench.LARGE_STEPS,
-            only=only,
-            plot=args.plot or "bench-pipeline-sweep.png",
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-        )
-    table = bench.markdown_table(result)
-    if args.json:
-        print(json.dumps(result))
-        print(table, file=sys.stderr)
-    else:
-        print(table)
-        print("\n".join(f"- {n}" for n in result["notes"]))
-    print(f"wrote {result['plot']}", file=sys.stderr)
-    return 0
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
-    problem = _sweep_problem(args)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return EXIT_USAGE
-    bench = _import_benchmark("pipeline_sweep" if args.sweep else args.what)
-    if bench is None:
-        print(
-            "error: this install of elastic-llm has no `benchmarks` package: "
-            "install it from a source checkout (`pip install -e \".[bench]\"`) and run `elastic-llm bench` from the checkout's root",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    if args.sweep:
-        return _bench_sweep(bench, args)
-    if args.what == "pipeline":
-        result = bench.run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 6, overrides=args.set or [])
-    elif args.what == "snapshot":
-        result = bench.run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 12, overrides=args.set or [])
-    elif args.what == "erasure":
-        result = bench.run_erasure_bench(size_mib=args.size_mib)
-    elif args.what == "durable":
-        result = bench.run_durable_bench(args.config or "jobs/tiny.yaml", overrides=args.set or [])
-    elif args.what == "recovery":
-        result = bench.run_recovery_bench([args.config] if args.config else None, overrides=args.set or [])
-    elif args.what == "transport":
-        result = bench.run_transport_bench(rounds=args.steps or 200)
-    elif args.what == "detect":
-        result = bench.run_detect_bench(rounds=args.steps or 3)
-    elif args.what == "failover":
-        result = bench.run_failover_bench(config=args.config or "jobs/tiny.yaml", rounds=args.steps or 2)
-    elif args.what == "simulate":
-        result = bench.run_simulate_bench(loopback=args.loopback, out_dir=args.out)
-    else:  # argparse restricts choices
-        raise AssertionError(args.what)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(json.dumps(result, indent=2))
-    return 0
+    print(
+        "error: this install of elastic-llm has no `benchmarks` package: "
+        "install it from a source checkout (`pip install -e \".[bench]\"`) and run `elastic-llm bench` from the checkout's root",
+        file=sys.stderr,
+    )
+    return EXIT_USAGE
 
 
 def _train_command(sub: Any) -> None:
@@ -519,7 +426,7 @@ def _experiment_command(sub: Any) -> None:
     cv.add_argument("--seed", type=int, default=0, help="seed of the failure schedule, the same for every strategy (default 0)")
     cv.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value of every run")
     cv.add_argument("--no-progress", action="store_true", help="no progress bars")
-    cv.set_defaults(func=cmd_experiment)
+    cv.set_defaults(func=cmd_experiment, steps_min=2)
 
 
 def _checkpoints_command(sub: Any) -> None:
@@ -538,23 +445,17 @@ def _export_command(sub: Any) -> None:
 
 
 def _bench_command(sub: Any) -> None:
-    b = sub.add_parser("bench", help="benchmarks against real peers (run from the root of a source checkout: they read jobs/*.yaml)")
-    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate"])
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report")
-    b.add_argument("--out", help="simulate: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory")
-    b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
-    b.add_argument("--steps", type=int, default=None, help=(
-        "timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips "
-        "for transport, 200; node removals per setting for detect, 3; driver kills per resume kind for failover, 2)"))
-    b.add_argument("--set", action="append", metavar="KEY=VALUE")
-    b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
-    b.add_argument("--sweep", action="store_true", help="pipeline: driver cost over stages x microbatches x replicas (micro and tiny models) instead of the peer comparison")
-    b.add_argument("--models", help="--sweep: comma-separated models, from micro,tiny (default: both)")
-    b.add_argument("--plot", help="--sweep: PNG of driver CPU per step against microbatches (default: bench-pipeline-sweep.png)")
-    b.add_argument("--large-steps", type=int, help="--sweep: timed steps of the 64-microbatch configurations (default: 2, at most --steps; keeps the sweep near its time budget)")
-    b.add_argument("--only", action="append", metavar="S,M,DP", help=argparse.SUPPRESS)  # --sweep: just these configurations (trying it out)
-    b.set_defaults(func=cmd_bench)
+    """``bench``: the benchmarks package's own parser (it runs them); without it, a clear refusal."""
+    import importlib
+
+    try:
+        importlib.import_module("benchmarks.common")
+    except ImportError:
+        b = sub.add_parser("bench", help="benchmarks (needs a source checkout: pip install -e '.[bench]')")
+        b.add_argument("rest", nargs=argparse.REMAINDER)
+        b.set_defaults(func=cmd_bench)
+        return
+    importlib.import_module("benchmarks.run").add_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -572,17 +473,24 @@ def build_parser() -> argparse.ArgumentParser:
     _checkpoints_command(sub)
     _export_command(sub)
     _bench_command(sub)
+    for command in sub.choices.values():  # every subcommand: how much of the log to show
+        command.add_argument("--log-level", choices=LEVELS, default="info", help="log lines shown on stderr, from this level up (default: info)")
     return p
 
 
 LIGHT = ("status", "spot-watcher")  # commands that handle their own errors and must start fast (no torch)
+RAY = ("train", "submit", "status", "spot-watcher", "replay", "chaos", "experiment", "bench")  # the commands that talk to Ray
 
 
 def main(argv: list[str] | None = None) -> int:
-    from elastic_llm.runtime.session import loopback_env
+    from elastic_llm.logs import configure
 
-    loopback_env()
     args = build_parser().parse_args(argv)
+    configure(args.log_level)
+    if args.command in RAY:  # Ray on loopback with token auth (prepare, simulate, checkpoints and export need no Ray)
+        from elastic_llm.runtime.session import loopback_env
+
+        loopback_env()
     if args.command in LIGHT:
         return args.func(args)
     return _run(args)
@@ -606,8 +514,9 @@ def _run(args: argparse.Namespace) -> int:
     if getattr(args, "max_steps", None) is not None and args.max_steps < 1:
         print(f"error: --max-steps={args.max_steps} must be >= 1", file=sys.stderr)
         return EXIT_USAGE
-    if getattr(args, "steps", None) is not None and args.steps < 2:
-        print(f"error: --steps={args.steps} must be >= 2", file=sys.stderr)
+    least = getattr(args, "steps_min", 1)  # experiment convergence needs 2 (a first and a last step); the others 1
+    if getattr(args, "steps", None) is not None and args.steps < least:
+        print(f"error: --steps={args.steps} must be >= {least}", file=sys.stderr)
         return EXIT_USAGE
     try:
         return args.func(args)

@@ -352,10 +352,23 @@ def parse(record: Mapping[str, Any]) -> Event | None:
     return cls(**kwargs)
 
 
-def read_lines(path: str | Path) -> list[dict[str, Any]]:
-    """Every line of a metrics file as written (events and steps alike)."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_lines(path: str | Path, growing: bool = False) -> list[dict[str, Any]]:
+    """Every line of a metrics file as written (events and steps alike). ``growing``: a file
+    another process is still writing: a missing file is empty and its last line, if cut short,
+    is left out (a broken line anywhere else still raises)."""
+    p = Path(path)
+    if growing and not p.exists():
+        return []
+    lines = [line for line in p.read_text().splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if growing and i == len(lines) - 1:
+                break
+            raise
+    return out
 
 
 def read_events(path: str | Path) -> list[Event]:

@@ -16,6 +16,8 @@ from elastic_llm.durable.storage import StorageError
 from elastic_llm.durable.tier import run_storage
 from tests.test_data_s3 import s3  # noqa: F401  (moto's S3 server on 127.0.0.1, module scope)
 
+from .conftest import REPO
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -166,9 +168,44 @@ def test_checkpoints_at_the_storage_root_name_its_runs(tmp_path, capsys):
     for run in ("alpha", "beta"):
         (tmp_path / run / "checkpoint_00000002").mkdir(parents=True)
     (tmp_path / "notes").mkdir()  # not a run: no checkpoint_* inside
-    for args in (("checkpoints", "verify", str(tmp_path)), ("checkpoints", "list", str(tmp_path)), ("export", str(tmp_path), "--out", str(tmp_path / "hf"))):
+    for args in (("checkpoints", "verify", str(tmp_path)), ("export", str(tmp_path), "--out", str(tmp_path / "hf"))):
         line = refused(capsys, *args)
         assert line == f"error: {tmp_path} holds the runs alpha, beta, not checkpoints: give a run directory, e.g. {tmp_path / 'alpha'}"
     assert not (tmp_path / "hf").exists()
     line = refused(capsys, "checkpoints", "verify", str(tmp_path / "notes"))
     assert line == f"error: {tmp_path / 'notes'} holds no committed checkpoint: give another directory"
+
+
+def test_checkpoints_list_at_a_storage_root_lists_every_runs_checkpoints(tmp_path, capsys):
+    """What a user types after a run: the durable.storage_path it was given. Its runs' checkpoints
+    are listed, each line naming its run (none is committed here: no manifest)."""
+    import json
+
+    for run in ("alpha", "beta"):
+        (tmp_path / run / "checkpoint_00000002").mkdir(parents=True)
+    (tmp_path / "beta" / "checkpoint_00000004").mkdir()
+    assert main(["checkpoints", "list", str(tmp_path)]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x["run"], x["step"], x["committed"]) for x in lines] == [("alpha", 2, False), ("beta", 2, False), ("beta", 4, False)]
+    assert refused(capsys, "checkpoints", "list", str(tmp_path / "notes")).startswith("error: ")  # neither a run nor a storage root
+
+
+def test_steps_has_the_least_each_command_needs(tmp_path, capsys):
+    """A simulation of one step is a simulation; a convergence experiment needs a first and a last step."""
+    assert main(["simulate", "--config", f"{REPO}/jobs/spot-tiny.yaml", "--nodes", "4", "--stages", "4", "--replicas", "2", "--steps", "1",
+                 "--cost", "cpu-2core", "--out", str(tmp_path / "sim")]) == 0
+    line = refused(capsys, "experiment", "convergence", "--steps", "1", "--out", str(tmp_path / "cv"))
+    assert line == "error: --steps=1 must be >= 2"
+
+
+def test_commands_without_ray_do_not_set_up_ray(tmp_path, monkeypatch, capsys):
+    """prepare, simulate, checkpoints and export never talk to Ray: they do not make an auth token
+    or touch Ray's environment (a token made here costs a subprocess start)."""
+    from elastic_llm.runtime import session
+
+    called = []
+    monkeypatch.setattr(session, "loopback_env", lambda: called.append("loopback"))
+    (tmp_path / "run" / "checkpoint_00000002").mkdir(parents=True)
+    main(["checkpoints", "list", str(tmp_path / "run")])
+    main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
+    assert called == []

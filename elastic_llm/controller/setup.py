@@ -215,7 +215,19 @@ def start_from(runtime: Runtime, cfg: RunConfig, parts: RunParts, run_id: str, r
     return at
 
 
-def close_parts(parts: RunParts | None, runtime: Runtime, run_id: str) -> list[tuple[str, Callable[[], None]]]:
+def committed_step(parts: RunParts | None, step: int) -> int:
+    """The newest step a committed snapshot (or checkpoint) holds; without either, ``step`` (the
+    last completed one)."""
+    if parts is not None and parts.checkpoints is not None:
+        latest = parts.checkpoints.latest()
+        return latest[0] if latest else 0
+    if parts is None or parts.snapshots is None:
+        return step
+    rec = parts.snapshots.committed
+    return rec.version if rec is not None else 0
+
+
+def close_parts(parts: RunParts | None, runtime: Runtime, run_id: str, metrics: MetricsWriter) -> list[tuple[str, Callable[[], None]]]:
     """What ends a run's parts, in order, each with what it ends (the caller runs every one)."""
     if parts is None:
         return []
@@ -226,7 +238,14 @@ def close_parts(parts: RunParts | None, runtime: Runtime, run_id: str) -> list[t
     if parts.snapshots is not None:
         steps.append(("snapshot managers", parts.snapshots.shutdown))
     if parts.publisher is not None:
-        steps.append(("monitor", parts.publisher.close))
+        pub = parts.publisher
+
+        def end_monitor() -> None:
+            if pub.on_record in metrics.observers:
+                metrics.observers.remove(pub.on_record)
+            pub.close()
+
+        steps.append(("monitor", end_monitor))
     if parts.checkpoints is not None:
         steps.append(("checkpoints", parts.checkpoints.close))
     return steps

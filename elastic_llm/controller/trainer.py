@@ -25,9 +25,9 @@ from elastic_llm.controller.ports import CapacityUnavailable, FaultTargets, Plan
 from elastic_llm.controller.elastic import drain_records
 from elastic_llm.controller.progress import ProgressBar
 from elastic_llm.controller.recovery import RecoveryOutcome, recovery_records
-from elastic_llm.controller.setup import Resumed, RunParts, close_parts, open_parts, prepare, start_from
+from elastic_llm.controller.setup import Resumed, RunParts, close_parts, committed_step, open_parts, prepare, start_from
 from elastic_llm.controller.stepping import StepJobs, StepRunner
-from elastic_llm.controller.ticks import Ticks
+from elastic_llm.controller.ticks import Requests, Ticks
 from elastic_llm.controller.states import (
     Draining, Failed, Progress, Recovering, Resizing, RunFailed, RunUnrecoverable, Running, Starting, State, WaitingForCapacity,
     after_failure, after_source_lost, after_step, after_unrecoverable, check_transition, is_terminal, routine, start_waiting, while_waiting, why_entered,
@@ -66,6 +66,7 @@ class Trainer:
         self.runner: StepRunner | None = None
         self.jobs: StepJobs | None = None
         self.stop_requested = False
+        self.requests = Requests()  # from other threads: stop, train longer (applied at step boundaries)
         self.end = cfg.train.max_steps
         self.history: list[dict[str, Any]] = []
         self.recoveries: list[events.Recovery] = []
@@ -223,12 +224,18 @@ class Trainer:
             observe(old, new)
 
     def request_stop(self) -> None:
-        """Finish the run at the next step boundary (from another thread: a replay, a signal)."""
-        self.stop_requested = True
+        """Finish the run at the next step boundary (safe from another thread: a replay, a signal)."""
+        self.requests.stop()
+
+    def extend(self, steps: int) -> None:
+        """Train ``steps`` more steps than asked (safe from another thread: a harness lengthening a run)."""
+        self.requests.extend(steps)
 
     def _next(self) -> State:
         """After a step: finish, or act on draining nodes, or grow into new room, or go on."""
         assert self.parts is not None and self.jobs is not None
+        stop, extra = self.requests.take()
+        self.stop_requested, self.end = self.stop_requested or stop, self.end + extra
         self.jobs.deaths(self.step)
         self.jobs.standbys(self.step, self.failures, self.clock.perf_counter() - (self._t0 or self.clock.perf_counter()))
         drains, grow_to = self.parts.elastic.look(self.drains_seen)
@@ -361,14 +368,12 @@ class Trainer:
         """End the run's parts, close the metrics file and the runtime: every one of them, even
         when an earlier one raises (the first error is raised after all were tried)."""
         errors = []
-        for what, step in close_parts(self.parts, self.runtime, self.run_id) + [("metrics file", self.metrics.close), ("runtime", self.runtime.shutdown)]:
+        for what, step in close_parts(self.parts, self.runtime, self.run_id, self.metrics) + [("metrics file", self.metrics.close), ("runtime", self.runtime.shutdown)]:
             try:
                 step()
             except Exception as e:  # noqa: BLE001 - the others must still be ended; raised below
                 log.warning("shutdown: %s: %s: %s", what, type(e).__name__, e)
                 errors.append(e)
-        if self.parts is not None and self.parts.publisher is not None and self.parts.publisher.on_record in self.metrics.observers:
-            self.metrics.observers.remove(self.parts.publisher.on_record)
         self.executor = self.runner = self.jobs = None  # the parts stay readable (a test's or a report's look at the run afterwards)
         if errors:
             raise errors[0]
@@ -383,16 +388,7 @@ class Trainer:
     seconds_by_state = property(lambda self: self.ticks.seconds)
     cpu_by_state = property(lambda self: self.ticks.cpu)
 
-    @property
-    def committed_step(self) -> int:
-        """The newest step a committed snapshot (or checkpoint) holds (without either: the last completed step)."""
-        if self.checkpoints is not None:
-            latest = self.checkpoints.latest()
-            return latest[0] if latest else 0
-        if self.snapshots is None:
-            return self.step
-        rec = self.snapshots.committed
-        return rec.version if rec is not None else 0
+    committed_step = property(lambda self: committed_step(self.parts, self.step))  # the newest step a committed snapshot (or checkpoint) holds
 
     def evaluate(self) -> float:
         assert self.jobs is not None and self.executor is not None

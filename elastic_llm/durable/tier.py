@@ -236,6 +236,15 @@ class DurableTier:
         """(step, directory name) of the newest committed checkpoint."""
         return self.newest
 
+    def flushing(self) -> tuple[int, list[str], int] | None:
+        """The flush in flight: (its version, the nodes writing it, parts not written yet); None
+        when there is none. No waiting."""
+        f = self.inflight
+        if f is None:
+            return None
+        ready, _ = self.coordinator.calls.wait(list(f.refs), len(f.refs), 0)
+        return f.record.version, sorted({n for n, _ in f.refs.values()}), len(f.refs) - len(ready)
+
     def checkpoint(self, name: str) -> tuple[str, StreamPosition | None]:
         """(the run directory's URI, the data position) of committed checkpoint ``name``."""
         raw = fmt.Checkpoint(self.run, name).manifest.get("data_position")

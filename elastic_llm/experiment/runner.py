@@ -11,19 +11,20 @@ never starts Ray before every cell's config is valid and the directory's paramet
 
 from __future__ import annotations
 
+import logging
 import datetime
 import hashlib
 import json
 import math
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_llm import events
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.experiment.convergence import (
     Cell,
@@ -115,8 +116,7 @@ class ConvergenceSpec:
     progress: bool = True
 
 
-def say(line: str) -> None:
-    print(f"[experiment] {line}", file=sys.stderr, flush=True)
+log = logging.getLogger("elastic_llm.experiment")
 
 
 def _now() -> str:
@@ -166,9 +166,9 @@ class Convergence:
         self.out.mkdir(parents=True, exist_ok=True)
         done = {r["cell"] for r in self.rows}
         todo = [c for c in self.cells if c.key not in done]
-        say(f"{len(self.cells)} cells, {len(self.cells) - len(todo)} already finished in {self.out / RESULTS}")
+        log.info(f"{len(self.cells)} cells, {len(self.cells) - len(todo)} already finished in {self.out / RESULTS}")
         for i, cell in enumerate(todo, 1):
-            say(f"cell {i}/{len(todo)}: {cell.strategy}, {cell.label}, {self.spec.steps} steps")
+            log.info(f"cell {i}/{len(todo)}: {cell.strategy}, {cell.label}, {self.spec.steps} steps")
             self.rows.append(self._run_cell(cell))
             self._write_results()
         self.rows = with_target(self.rows, self._target())
@@ -184,7 +184,7 @@ class Convergence:
             cell, res.history, res.recoveries, res.failures, total_s=res.total_s, finished_at=_now(),
             failure_times_s=res.failure_times_s, error=res.error, exit_code=res.exit_code,
         )
-        say(f"  {cell.key}: {'stopped: ' + res.error if res.error else 'done'}; {row['steps']} steps, "
+        log.info(f"  {cell.key}: {'stopped: ' + res.error if res.error else 'done'}; {row['steps']} steps, "
             f"final val_loss {row['final_val_loss']}, {row['failures']} failures, {row['recoveries']} recoveries")
         return row
 
@@ -217,7 +217,7 @@ class Convergence:
         for r in self.rows:
             path = self.out / "cells" / r["cell"] / "metrics.jsonl"
             if path.is_file():
-                lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+                lines = events.read_lines(path)
                 t = time_breakdown(lines)
                 if t is not None:
                     out[r["cell"]] = t

@@ -30,8 +30,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import logging
 import math
-import sys
 import threading
 import time
 import urllib.error
@@ -55,9 +55,12 @@ MAX_BODY = 64 * 1024  # a notice is ~60 bytes
 Drain = Callable[[str, float, str], None]  # (node_id, deadline_s, message); raises if refused
 
 
+_log = logging.getLogger("elastic_llm.ops.spot_watcher")
+
+
 def log(line: str) -> None:
-    """One line on stderr, flushed (a node's log is read while the watcher runs)."""
-    print(f"[spot-watcher] {line}", file=sys.stderr, flush=True)
+    """One line of the watcher's log (a node's log is read while the watcher runs: the handler flushes each line)."""
+    (_log.error if line.startswith("error: ") else _log.info)(line.removeprefix("error: "))
 
 
 class NoticeError(ValueError):

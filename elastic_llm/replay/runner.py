@@ -15,8 +15,8 @@ replays availability during a run, not its launch.
 
 from __future__ import annotations
 
+import logging
 import math
-import sys
 import threading
 import time
 from collections import Counter
@@ -50,8 +50,7 @@ def nodes_per_replica(cfg: RunConfig, cpus_per_node: float) -> int:
     return math.ceil(cfg.parallel.stages / per_node)
 
 
-def say(line: str) -> None:
-    print(f"[replay] {line}", file=sys.stderr, flush=True)
+log = logging.getLogger("elastic_llm.replay")
 
 
 class Replay:
@@ -90,7 +89,7 @@ class Replay:
             request_drain(self.nodes[action.node].node_id, action.deadline_s, f"spot interruption (replay of {action.node})")
         else:
             self.cluster.remove_node(self.nodes.pop(action.node))
-        say(f"t={action.at_s:6.1f} s {action.kind} {action.node}" + (f" (deadline {action.deadline_s:.0f} s)" if action.deadline_s else "")
+        log.info(f"t={action.at_s:6.1f} s {action.kind} {action.node}" + (f" (deadline {action.deadline_s:.0f} s)" if action.deadline_s else "")
             + f"; {len(self.nodes)} nodes")
 
     # ------------------------------------------------------------------ the run
@@ -127,7 +126,7 @@ class Replay:
             self.trainer.fit(UNTIL_STOPPED)
         except BaseException as e:  # reported in replay.json; the replay goes on to its end
             self.error = e
-            say(f"the run stopped: {str(e).splitlines()[0]}")
+            log.info(f"the run stopped: {str(e).splitlines()[0]}")
 
     def _play(self, t0: float, thread: threading.Thread) -> None:
         pending = list(self.plan.actions)

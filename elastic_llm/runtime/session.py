@@ -37,11 +37,6 @@ class ClusterUnreachable(ConnectionError):
         )
 
 
-def log(line: str) -> None:
-    """One line of the controller's own log, on stderr."""
-    print(f"[elastic-llm] {line}", file=sys.stderr, flush=True)
-
-
 def loopback_env() -> None:
     """Keep Ray on 127.0.0.1 and use token authentication (Ray >= 2.60 refuses clients
     otherwise), creating the token file if no token exists yet."""

@@ -13,10 +13,10 @@ the simulation took); never starts Ray.
 
 from __future__ import annotations
 
+import logging
 import gc
 import math
 import random
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -55,8 +55,7 @@ class SimOptions:
     durable_every: int = 0  # flush every N-th committed snapshot to a simulated durable tier (0: none)
 
 
-def say(line: str) -> None:
-    print(f"[simulate] {line}", file=sys.stderr, flush=True)
+log = logging.getLogger("elastic_llm.sim")
 
 
 def sim_config(cfg: RunConfig, o: SimOptions) -> RunConfig:
@@ -167,7 +166,7 @@ class Simulation:
             pass
         except RunFailed as e:
             self.error = e
-            say(f"the run stopped: {str(e).splitlines()[0]}")
+            log.info(f"the run stopped: {str(e).splitlines()[0]}")
         finally:
             trainer.metrics.close()
         self.clock.on_advance = self.fleet.apply_until
@@ -237,5 +236,5 @@ def simulate(cfg: RunConfig, options: SimOptions, costs: CostModel, out_dir: str
     if options.trace is None and options.steps is None:
         raise ValueError("--steps: a simulation without --trace needs --steps K (how many steps to run)")
     sim = Simulation(cfg, replace(options), costs)
-    say(f"{costs.describe()}; {len(sim.plan.initial_nodes)} nodes x {sim.slots} actor slots, {options.stages} stages x {options.replicas} replicas")
+    log.info(f"{costs.describe()}; {len(sim.plan.initial_nodes)} nodes x {sim.slots} actor slots, {options.stages} stages x {options.replicas} replicas")
     return sim.run(out_dir)

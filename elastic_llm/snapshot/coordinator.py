@@ -365,6 +365,14 @@ class SnapshotCoordinator:
     def can_begin(self) -> bool:
         return len(self.inflight) < MAX_INFLIGHT
 
+    def busy(self) -> bool:
+        """Whether a version is still being worked on by a manager (a part not answered yet). No waiting."""
+        refs = [r for p in self.inflight for node, r in p.refs.items() if node not in p.results]
+        if not refs:
+            return False
+        ready, _ = self.calls.wait(refs, len(refs), 0)
+        return len(ready) < len(refs)
+
     def poll(self, block: bool = False, timeout: float = WAIT_S) -> None:
         """Commit the newest version whose parts all finished (older ones in flight are then
         superseded and dropped); drop a version as soon as one of its parts failed (which wakes

@@ -37,11 +37,10 @@ while a fault strikes between steps.
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import queue
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -50,17 +49,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from elastic_llm import events
 from elastic_llm.config import RunConfig
+from elastic_llm.controller.states import Recovering, Resizing, State
 from elastic_llm.snapshot.records import ShardKey
-from elastic_llm.controller.states import Recovering, Resizing
+from elastic_llm.soak.checks import hook_events, losses, verify_durable
+from elastic_llm.soak.cluster import SoakCluster
+from elastic_llm.soak.driver import driver_trial
 from elastic_llm.soak.plan import Fault, FaultKind, Moment, TrialPlan, hooked
 from elastic_llm.soak.report import Injection, TrialRun, build_report, write_report
+from elastic_llm.soak.strikes import manager_pid, resume_paused, stage_pid
 
 POLL_S = 0.1
 PID_S = 2.0  # how long a stage actor gets to tell its pid before the recorded one is checked instead
 STRIKE_S = 60.0  # longest one fault may take to strike
-JOIN_S = 180.0  # a fresh node's raylet on a loaded 2-core machine can take over Ray's default 30 s to join
 STOP_S = 30.0  # after a trial's deadline, how long its run gets to stop
 DRAIN_EXTRA_STEPS = 10  # most steps a run is lengthened while a drain's moves (or faults) are still under way
 RESIZE_STEPS = 15  # steps a resize fault waits for the run to shrink, then for its grow to start, before it strikes between steps
@@ -81,12 +82,7 @@ class SoakOptions:
     seed: int = 0
 
 
-def say(line: str) -> None:
-    print(f"[chaos] {line}", file=sys.stderr, flush=True)
-
-
-def _pid(actor_self: Any) -> int:  # runs inside an actor (``__ray_call__``)
-    return os.getpid()
+log = logging.getLogger("elastic_llm.soak")
 
 
 def where(thread: threading.Thread, frames: int = 6) -> str:
@@ -96,108 +92,6 @@ def where(thread: threading.Thread, frames: int = 6) -> str:
         return "its thread has ended"
     stack = traceback.extract_stack(frame)[-frames:]
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack))
-
-
-def verify_durable(t: Any) -> tuple[str | None, str | None]:
-    """A finished run's newest durable checkpoint (see :func:`check_checkpoint`), which must also
-    be of the run's newest committed step; (None, None) for a run without a durable tier."""
-    if t.durable is None:
-        return None, None
-    latest = t.durable.latest()
-    if latest is None:
-        return None, "the run committed no durable checkpoint"
-    step, name = latest
-    committed = t.snapshots.committed.version if t.snapshots is not None and t.snapshots.committed is not None else None
-    if committed is not None and step != committed:
-        return None, f"the newest durable checkpoint is of step {step}, the newest committed snapshot of step {committed}"
-    return check_checkpoint(t.durable.run, name)
-
-
-def check_checkpoint(run: Any, name: str) -> tuple[str | None, str | None]:
-    """Checkpoint ``name`` of run directory ``run`` read back (every tensor against its checksum),
-    and a copy of it with one byte flipped refused: (what verified, None) or (None, why not)."""
-    from elastic_llm.durable.format import Checkpoint
-
-    try:
-        summary = Checkpoint(run, name).verify()
-    except Exception as e:
-        return None, f"{name} does not verify: {type(e).__name__}: {e}"
-    missed = flip_is_missed(run, name)
-    if missed is not None:
-        return None, missed
-    return f"{name}: {summary['tensors']} tensors, {summary['bytes']} bytes; a byte flipped in a copy of it was detected", None
-
-
-def flip_is_missed(run: Any, name: str) -> str | None:
-    """Copy checkpoint ``name`` of a local run directory, flip one byte in the middle of its
-    largest file, and verify the copy: None when the flip is refused with a DurableError, else
-    what happened (object stores are not copied: None)."""
-    import shutil
-    import tempfile
-
-    from elastic_llm.durable.format import Checkpoint, DurableError
-    from elastic_llm.durable.storage import Storage
-
-    src = Path(run.root) / name
-    if "://" in run.uri and not run.uri.startswith("file://") or not src.is_dir():
-        return None
-    with tempfile.TemporaryDirectory(prefix="soak-flip-") as tmp:
-        shutil.copytree(src, Path(tmp) / name)
-        victim = max((f for f in (Path(tmp) / name).iterdir() if f.is_file()), key=lambda f: f.stat().st_size)
-        data = bytearray(victim.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        victim.write_bytes(bytes(data))
-        try:
-            Checkpoint(Storage(tmp), name).verify()
-        except DurableError:
-            return None
-        except Exception as e:
-            return f"a flipped byte in {victim.name} of a copy of {name} ended in {type(e).__name__}: {e} instead of a clear DurableError"
-        return f"a flipped byte in {victim.name} of a copy of {name} was not detected"
-
-
-def verify_durable_dir(cfg: RunConfig) -> tuple[str | None, str | None]:
-    """The newest committed checkpoint in ``cfg``'s durable run directory (see :func:`check_checkpoint`)."""
-    from elastic_llm.durable.format import newest_committed
-    from elastic_llm.durable.tier import run_storage
-
-    run = run_storage(cfg)
-    newest = newest_committed(run)
-    if newest is None:
-        return None, "the run committed no durable checkpoint"
-    return check_checkpoint(run, newest.name)
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    """A metrics file's complete lines (one being written is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def losses(history: list[dict[str, Any]]) -> dict[int, float]:
-    return {h["step"]: h["loss"] for h in history}  # a re-run step keeps its last loss
-
-
-def hook_events(plan: TrialPlan) -> list[str]:
-    """The run's chaos events that carry out ``plan``'s faults struck from inside a step (pure):
-    a corrupt fault flips a byte of the stage's shard in its node's manager and kills the stage in
-    the same (next) step, so that its recovery needs that shard; a stage fault aimed at an op
-    kills the stage as it starts its first op of that kind in the next step."""
-    out = []
-    for f in plan.faults:
-        hit = f.step + 1
-        if f.kind is FaultKind.CORRUPT:
-            out += [f"{{step: {hit}, kill: smp, stage: {f.stage}, corrupt: true}}", f"{{step: {hit}, kill: stage, stage: {f.stage}, how: sigkill}}"]
-        elif hooked(f):
-            out.append(f"{{step: {hit}, kill: stage, stage: {f.stage}, how: sigkill, op: {f.moment.value}}}")
-    return out
 
 
 class _Trial:
@@ -220,6 +114,17 @@ class _Trial:
         self.in_recovery: Fault | None = None  # a fault to strike once the run is recovering
         self.growing: _Grow | None = None  # a fault to strike once the run, shrunk by its primer, grows again
         self.doing = "starting"
+        self.end = plan.steps  # the run's last step as this harness asked for it (Trainer.extend lengthens it)
+        self.late: set[int] = set()  # steps after which a strike did not finish before the run went on
+        self.recovering = threading.Event()  # set by the run's thread when it enters recovering
+        self.resizing = threading.Event()  # ... and resizing
+        trainer.observers.append(self._on_state)
+
+    def _on_state(self, old: State, new: State) -> None:  # the run's thread: a change of state
+        if isinstance(new, Recovering):
+            self.recovering.set()
+        elif isinstance(new, Resizing):
+            self.resizing.set()
 
     # --------------------------------------------------------------- the run's thread
     def fit(self) -> None:
@@ -233,7 +138,8 @@ class _Trial:
             return
         done = threading.Event()
         self.asks.put((record["step"], done))
-        done.wait(STRIKE_S)
+        if not done.wait(STRIKE_S):  # the run goes on; the strike is recorded as one that did not finish in time
+            self.late.add(record["step"])
 
     def close(self) -> None:
         """Stop serving the run's asks: the one it may be waiting on is answered, later ones are not made."""
@@ -259,12 +165,16 @@ class _Trial:
             except queue.Empty:
                 continue
             self.doing = f"training after step {step}"
+            struck = len(self.injections)
             try:
                 self._between_steps(step, due.pop(step, None), inside.pop(step, None))
                 if self.pending is not None or self.later or any(s > step for s in due):
                     self._lengthen(step)
             finally:
                 done.set()
+                if step in self.late:  # the run did not wait for these: they struck a later moment than aimed at
+                    self.injections[struck:] = [replace(inj, error=inj.error or f"struck after the run had gone on: it took over {STRIKE_S:.0f} s")
+                                                for inj in self.injections[struck:]]
             if self.in_recovery is not None:  # the run is released: strike once it is recovering
                 fault, self.in_recovery = self.in_recovery, None
                 self._strike_in_recovery(fault, min(deadline, time.monotonic() + STRIKE_S))
@@ -274,13 +184,14 @@ class _Trial:
         """Faults still to strike at the run's last step: one more step (at most DRAIN_EXTRA_STEPS,
         or RESIZE_STEPS more while a resize fault waits)."""
         cap = DRAIN_EXTRA_STEPS + (2 * RESIZE_STEPS if self.growing is not None else 0)
-        if step >= self.t.end - 1 and self.extra < cap:
-            self.t.end += 1
+        if step >= self.end - 1 and self.extra < cap:
+            self.t.extend(1)  # applied by the run's thread at its next step boundary
+            self.end += 1
             self.extra += 1
 
     def _between_steps(self, step: int, fault: Fault | None, inside: Fault | None) -> None:
         if self.drained is not None and any(d.get("node") == self.drained for d in self.t.drains):
-            self.soak.replace_node(self.drained)  # the run left it: it goes, a fresh node comes
+            self.soak.live.replace_node(self.drained)  # the run left it: it goes, a fresh node comes
             self.drained = None
         if inside is not None:  # struck by the run's chaos hook in the next step, whatever else waits
             self._record_hooked(inside, step)
@@ -341,6 +252,7 @@ class _Trial:
             return
         if moment is Moment.RECOVERY:  # kill another stage first; strike the fault once the run recovers
             primer = Fault(FaultKind.STAGE, fault.step, (fault.stage + 1) % self.t.cfg.parallel.stages)
+            self.recovering.clear()  # from now on: the recovery this primer starts
             self._inject(primer, Moment.STEP, primer=True)
             self.in_recovery = fault
             return
@@ -354,7 +266,7 @@ class _Trial:
         if inside.kind is FaultKind.CORRUPT:
             self.injections.append(Injection(inside, f"stage {inside.stage}'s shard on node {node} (chaos hook), then the stage killed"))
             return
-        say(f"trial {self.plan.trial}: {inside} (chaos hook)")
+        log.info("trial %d: %s (chaos hook)", self.plan.trial, inside)
         what = f"stage {inside.stage} (pid {self.t.group.pids[key]}, node {node}) SIGKILLed by the chaos hook at its first {inside.moment.value} op of step {step + 1}"
         self.injections.append(Injection(inside, what, moment=inside.moment))
 
@@ -377,8 +289,8 @@ class _Trial:
             self.growing = _Grow(fault, step, len(self.t.resizes), shrunk=True, primed=False)
             return
         self._settle(step)
-        say(f"trial {self.plan.trial}: resize primer: node {victim[:8]} of replica {last} removed, no fresh node yet")
-        self.soak.cluster.remove_node(next(n for n in self.soak.cluster.worker_nodes if n.node_id == victim), allow_graceful=False)
+        log.info("trial %d: resize primer: node %s of replica %d removed, no fresh node yet", self.plan.trial, victim[:8], last)
+        self.soak.live.remove(victim)
         self.injections.append(Injection(Fault(FaultKind.NODE, step, next(k.stage for k in g.keys() if g.nodes[k] == victim)),
                                          f"node {victim[:8]} (replica {last}) removed with no room left, so the run shrinks",
                                          victim, moment=Moment.STEP, primer=True))
@@ -395,7 +307,7 @@ class _Trial:
             if not w.shrunk and step < w.step + RESIZE_STEPS:
                 return
             self.doing = "adding a fresh node so the run can grow back"
-            self.soak.top_up()
+            self.soak.live.top_up()
             w.step, w.shrunk = step, True
             return
         hi = self.t.cfg.elastic.bounds(self.t.cfg.parallel.dp)[1]
@@ -403,7 +315,7 @@ class _Trial:
             self.growing = None  # the earlier shrink grew back before this fault's turn: shrink the run again
             self._shrink_first(w.fault, step)
             return
-        if g.spares or isinstance(self.t.state, Resizing):
+        if g.spares or self.resizing.is_set():
             moment = Moment.RESIZE
         elif g.width >= hi or step >= w.step + RESIZE_STEPS:
             moment = Moment.STEP
@@ -420,22 +332,14 @@ class _Trial:
 
     def _busy(self, moment: Moment) -> bool:
         """Whether a snapshot version is still being worked on by a manager (or a durable flush
-        is in flight: started, not yet committed)."""
-        import ray
-
+        is in flight: started, not yet committed). Asked while the run waits in its on_step."""
         if moment is Moment.SNAPSHOT:
-            snaps = self.t.snapshots
-            refs = [r for p in (snaps.inflight if snaps is not None else []) for node, r in p.refs.items() if node not in p.results]
-        else:  # a flush started and not yet committed by the driver (its parts may all be written)
-            return self.t.durable is not None and self.t.durable.inflight is not None
-        if not refs:
-            return False
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        return len(ready) < len(refs)
+            return self.t.snapshots is not None and self.t.snapshots.busy()
+        return self.t.durable is not None and self.t.durable.flushing() is not None  # its parts may all be written
 
     def _inject(self, fault: Fault, moment: Moment, primer: bool = False) -> None:
         self.doing = f"striking {fault}"
-        say(f"trial {self.plan.trial}: {fault}" + (f" (struck at a {moment.value})" if moment is not fault.moment else ""))
+        log.info("trial %d: %s%s", self.plan.trial, fault, f" (struck at a {moment.value})" if moment is not fault.moment else "")
         try:
             inj = self._strike(fault)
         except Exception as e:  # reported as a fault without an outcome
@@ -444,11 +348,10 @@ class _Trial:
         self.doing = f"training after {fault}"
 
     def _strike_in_recovery(self, fault: Fault, until: float) -> None:
-        """Strike ``fault`` while the run recovers from the stage just killed (between steps if
-        its recovery ended before this saw it)."""
-        while time.monotonic() < until and not isinstance(self.t.state, Recovering):
-            time.sleep(0.005)
-        self._inject(fault, Moment.RECOVERY if isinstance(self.t.state, Recovering) else Moment.STEP)
+        """Strike ``fault`` once the run recovers from the stage just killed (the run's thread
+        says when it enters recovering); between steps if it did not within ``until``."""
+        entered = self.recovering.wait(max(0.0, until - time.monotonic()))
+        self._inject(fault, Moment.RECOVERY if entered else Moment.STEP)
 
     def _wait_for_spares(self, until: float) -> None:
         """Hold the run (parked in on_step) until the actors its drain moves stages to have
@@ -461,17 +364,7 @@ class _Trial:
             time.sleep(POLL_S)
 
     def _manager_pid(self, node: str) -> int | None:
-        """The process of the run's snapshot manager on ``node`` (None: there is none, or it is
-        dead: a killed manager the run has not replaced yet)."""
-        import ray
-
-        handle = self.t.snapshots.managers.get(node) if self.t.snapshots is not None else None
-        if handle is None:
-            return None
-        try:
-            return int(ray.get(handle.__ray_call__.remote(_pid), timeout=STRIKE_S))
-        except ray.exceptions.RayActorError:
-            return None
+        return manager_pid(self.t.snapshots, node, STRIKE_S)
 
     def _manager_alive(self, f: Fault) -> bool:
         """Whether the run's manager on fault ``f``'s stage's node answers (there is nothing to strike otherwise)."""
@@ -487,26 +380,9 @@ class _Trial:
         return pid, handle
 
     def _stage_pid(self, key: ShardKey) -> int:
-        """The process of stage ``key``'s actor now: asked of the actor itself, else the recorded
-        pid if that process is still a stage actor's. A recorded pid can be stale (its actor died
-        and the number went to another process: once a raylet, whose SIGKILL took a whole node)."""
-        import ray
-
-        try:
-            return int(ray.get(self.t.group.actor(key).__ray_call__.remote(_pid), timeout=PID_S))
-        except Exception:  # noqa: BLE001 - busy or gone: the recorded pid, if it still is a stage actor's
-            pid = self.t.group.pids[key]
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
-        except OSError:
-            title = b""
-        if not title.startswith(b"ray::StageWorker"):
-            raise RuntimeError(f"stage {key.stage}'s actor did not answer and its recorded pid {pid} is no longer a stage actor's process ({title[:40]!r})")
-        return pid
+        return stage_pid(self.t.group, key, PID_S)
 
     def _strike(self, f: Fault) -> Injection:
-        import ray
-
         from elastic_llm.runtime.drains import request_drain
 
         key = ShardKey(f.stage, 0)
@@ -524,18 +400,17 @@ class _Trial:
             pid, _ = self._kill_manager(f, node)
             return Injection(f, f"snapshot manager of node {node[:8]} (pid {pid}), stage {f.stage}'s node", node)
         if f.kind is FaultKind.FLUSH:
-            flush = self.t.durable.inflight if self.t.durable is not None else None
-            writing = sorted({n for n, _ in flush.refs.values()}) if flush is not None else []
+            flush = self.t.durable.flushing() if self.t.durable is not None else None
+            writing = flush[1] if flush is not None else []
             node = node if node in writing or not writing else writing[0]
             if flush is None:
                 what = "no durable flush in flight"
             else:
-                ready, _ = ray.wait(list(flush.refs), num_returns=len(flush.refs), timeout=0)
-                what = f"durable flush of step {flush.record.version} ({len(flush.refs) - len(ready)} of {len(flush.refs)} parts still being written)"
+                what = f"durable flush of step {flush[0]} ({flush[2]} of {len(writing)} nodes' parts still being written)"
             pid, _ = self._kill_manager(f, node)
             return Injection(f, f"snapshot manager of node {node[:8]} (pid {pid}) during the {what}", node)
         if f.kind is FaultKind.NODE:
-            self.soak.replace_node(node)
+            self.soak.live.replace_node(node)
             return Injection(f, f"node {node[:8]} (stage {f.stage}), replaced by a fresh node", node)
         if f.kind is FaultKind.DRAIN:
             request_drain(node, self.soak.options.drain_deadline_s, f"chaos soak: drain of stage {f.stage}'s node")
@@ -544,20 +419,14 @@ class _Trial:
         raise AssertionError(f"{f.kind} is struck by the chaos hook")
 
     def _resume(self, now: float, every: bool = False) -> None:
-        for pid, at in list(self.paused.items()):
-            if every or now >= at:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-                del self.paused[pid]
+        self.paused = resume_paused(self.paused, now, every)
 
     def finish(self) -> None:
         """After the run: no process left stopped, a drained node replaced, killed managers
         checked for a successor holding a newer committed version."""
         self._resume(0.0, every=True)
         if self.drained is not None:
-            self.soak.replace_node(self.drained)
+            self.soak.live.replace_node(self.drained)
             self.drained = None
         self.judge_managers()
 
@@ -600,70 +469,28 @@ class Soak:
         self.load, self.plans, self.options = load, plans, options
         self.driver_argv = driver_argv  # ``elastic-llm train`` arguments (--config, --set ...) of the same run: driver trials
         self.steps = 0  # the reference's steps (driver trials train as many)
-        self.cluster = cluster  # given: a test's cluster, kept; else started and shut down here
-        self.own_cluster = cluster is None
+        self.given = cluster  # a test's cluster, kept; else one is started and shut down here
+        self.nodes: SoakCluster | None = None
 
-    # ------------------------------------------------------------------ the cluster
-    def _start_cluster(self) -> None:
-        from elastic_llm.runtime.session import loopback_cluster
+    @property
+    def live(self) -> SoakCluster:
+        assert self.nodes is not None, "the soak's cluster starts with run()"
+        return self.nodes
 
-        self.cluster = loopback_cluster(self.options.workers, self.options.cpus_per_node)
-
-    def top_up(self) -> None:
-        """Back to ``workers`` live worker nodes. A fresh node that has not joined within
-        :data:`JOIN_S` is given up and another one started in its place, once."""
-        from elastic_llm.runtime.session import add_loopback_node
-
-        for attempt in range(2):
-            self._forget_dead_nodes()  # also those that never joined: Ray does not list them alive
-            while len(self.cluster.worker_nodes) < self.options.workers:
-                add_loopback_node(self.cluster, self.options.cpus_per_node)
-            try:
-                self.cluster.wait_for_nodes(timeout=JOIN_S)
-                return
-            except TimeoutError:
-                if attempt:
-                    raise
-                say(f"a fresh node did not join within {JOIN_S:.0f} s: started another in its place")
-
-    def _forget_dead_nodes(self) -> None:
-        """Worker nodes the cluster lists that Ray does not know alive (one the run's node watch
-        declared dead, say, or one that never joined) are removed from it: its count of nodes must
-        match Ray's."""
-        import ray
-
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        for node in [n for n in self.cluster.worker_nodes if n.node_id not in alive]:
-            say(f"node {node.node_id[:8]} is not alive in Ray (died outside the harness, or never joined): removed from the cluster's list")
-            self.cluster.remove_node(node, allow_graceful=False)
-
-    def replace_node(self, node_id: str) -> None:
-        """Remove ``node_id`` at once (no grace) and add a fresh node in its place."""
-        victim = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
-        if victim is None:
-            raise RuntimeError(f"node {node_id[:12]} is not a worker node of the soak's cluster")
-        self.cluster.remove_node(victim, allow_graceful=False)
-        self.top_up()
-
-    def _stop_cluster(self) -> None:
-        import ray
-
-        ray.shutdown()
-        if self.cluster is not None:
-            self.cluster.shutdown()
-        self.cluster = None
+    @property
+    def cluster(self) -> Any:
+        return self.live.cluster
 
     # ------------------------------------------------------------------ the runs
     def run(self, out_dir: str | Path) -> dict[str, Any]:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        if self.cluster is None:
-            self._start_cluster()
+        self.nodes = SoakCluster(self.options.workers, self.options.cpus_per_node, self.given)
         runs: list[TrialRun] = []
         aborted = None
         try:
             cfg = self.load([])
-            say(f"reference run: {self.plans[0].steps if self.plans else 0}+ steps of {cfg.name}")
+            log.info("reference run: %d+ steps of %s", self.plans[0].steps if self.plans else 0, cfg.name)
             drains = any(f.kind is FaultKind.DRAIN for p in self.plans for f in p.faults)
             resizes = any(f.moment is Moment.RESIZE for p in self.plans for f in p.faults)
             self.steps = max(p.steps for p in self.plans) + (DRAIN_EXTRA_STEPS if drains else 0) + (2 * RESIZE_STEPS if resizes else 0)
@@ -673,22 +500,21 @@ class Soak:
             reference = self._reference(cfg, self.steps, out / "reference")
             for plan in self.plans:
                 try:
-                    self.top_up()
-                except Exception as e:  # the cluster itself failed: the report keeps the trials run so far
+                    self.nodes.top_up()
+                except Exception as e:  # noqa: BLE001 - the cluster itself failed: the report keeps the trials run so far
                     aborted = f"before trial {plan.trial} the cluster could not be brought back to {self.options.workers} worker nodes: {type(e).__name__}: {e}"
-                    say(f"soak stopped: {aborted}")
+                    log.error("soak stopped: %s", aborted)
                     break
                 try:
                     driver = any(f.kind is FaultKind.DRIVER for f in plan.faults)
                     runs.append((self._driver_trial if driver else self._trial)(plan, out / f"trial-{plan.trial}"))
                 except SoakAborted as e:
-                    say(f"soak stopped: {e}")
+                    log.error("soak stopped: %s", e)
                     runs.append(e.run)
                     aborted = str(e)
                     break
         finally:
-            if self.own_cluster:
-                self._stop_cluster()
+            self.nodes.stop()
         meta = {"config": cfg.name, "seed": self.options.seed, "faults_per_trial": len(self.plans[0].faults),
                 "kinds": sorted({f.kind.value for p in self.plans for f in p.faults}), "reference_steps": len(reference),
                 "trials_planned": len(self.plans), "aborted": aborted}
@@ -712,74 +538,10 @@ class Soak:
         return [f"durable.storage_path={out / 'durable'}", f"durable.every={DURABLE_EVERY}", f"durable.max_write_mb_s={FLUSH_MB_S:g}"]
 
     def _driver_trial(self, plan: TrialPlan, out: Path) -> TrialRun:
-        """A run whose driver is an ``elastic-llm train`` process: SIGKILLed once its metrics
-        show each fault's step, and each time ``elastic-llm train --resume RUN_ID`` started in
-        its place (its first step timed from its start); the last one trains to the end."""
-        from elastic_llm.runtime.failover import published_committed
-
         if self.driver_argv is None:
             raise ValueError("driver faults need the run's `elastic-llm train` arguments (Soak(driver_argv=...))")
-        out.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-        sets = [a for o in ["recovery.driver_grace_s=120", *self._durable_overrides(out)] for a in ("--set", o)]
-        base = [sys.executable, "-m", "elastic_llm.cli", "train", *self.driver_argv, *sets, "--address", self.cluster.address,
-                "--max-steps", str(self.steps), "--no-progress"]  # the reference's length and LR schedule
-        injections: list[Injection] = []
-        failovers: list[dict[str, Any]] = []
-        segments: list[Path] = []
-        run_id = error = hung = None
-        deadline = t0 + self.options.trial_timeout_s
-        for k in range(len(plan.faults) + 1):
-            seg = out / f"metrics-{k}.jsonl"
-            segments.append(seg)
-            argv = [*base, "--metrics-out", str(seg), *(["--resume", run_id] if run_id else [])]
-            started = time.monotonic()
-            with open(out / f"driver-{k}.log", "w") as log:
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-                fault = plan.faults[k] if k < len(plan.faults) else None
-                first = None
-                while proc.poll() is None and time.monotonic() < deadline:
-                    lines = _jsonl(seg)
-                    steps = [x["step"] for x in lines if "loss" in x]
-                    if steps and first is None:
-                        first = time.monotonic() - started
-                    if run_id is None:
-                        run_id = next((ev.run_id for ev in map(events.parse, lines) if isinstance(ev, events.Start)), None)
-                    # struck once past its step with a snapshot committed (before the first one a
-                    # driver's death is beyond what memory can bring back: the durable tier's case)
-                    if fault is not None and steps and max(steps) >= fault.step and run_id and published_committed(run_id) is not None:
-                        break
-                    time.sleep(POLL_S / 2)
-                if proc.poll() is None and time.monotonic() >= deadline:
-                    proc.kill()
-                    hung = f"driver {k} not done by the trial's deadline"
-                    proc.wait()
-                    break
-                if k > 0:
-                    back = [ev for ev in map(events.parse, _jsonl(seg)) if isinstance(ev, events.Reattach)]
-                    failovers[-1].update(source="memory" if back else "durable", step=back[0].step if back else None,
-                                         seconds=round(first, 3) if first is not None else None)
-                if fault is None or proc.poll() is not None:  # the last driver, or one that ended before its fault
-                    code = proc.wait()
-                    if code != 0:
-                        error = f"driver {k} exited {code}: {(out / f'driver-{k}.log').read_text()[-400:].strip()}"
-                    break
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rec = published_committed(run_id) if run_id else None
-            committed = rec.version if rec is not None else None
-            trained = max([x["step"] for x in _jsonl(seg) if "loss" in x], default=0)
-            say(f"trial {plan.trial}: {fault} (driver pid {proc.pid} at step {trained}, committed {committed})")
-            injections.append(Injection(fault, f"driver pid {proc.pid} (run {run_id}) in step {trained + 1}, step {committed} committed"))
-            failovers.append({"fault_step": fault.step, "committed": committed})
-        history: dict[int, float] = {}
-        for seg in segments:  # a re-run step keeps its last loss
-            history.update({x["step"]: x["loss"] for x in _jsonl(seg) if "loss" in x})
-        durable, durable_error = None, None
-        if error is None and hung is None:
-            durable, durable_error = verify_durable_dir(self.load(self._durable_overrides(out)))
-        return TrialRun(plan, injections, history, seconds=time.monotonic() - t0, error=error, hung=hung,
-                        durable=durable, durable_error=durable_error, failovers=failovers)
+        sets = self._durable_overrides(out)
+        return driver_trial(plan, out, self.driver_argv, self.cluster.address, self.steps, self.options.trial_timeout_s, sets, self.load(sets))
 
     def _trial(self, plan: TrialPlan, out: Path) -> TrialRun:
         from elastic_llm.runtime.ray_runtime import ray_trainer
@@ -799,7 +561,7 @@ class Soak:
             thread.start()
             hung = trial.drive(thread, t0 + self.options.trial_timeout_s)
             if hung is not None:
-                say(f"trial {plan.trial} hung: {hung}")
+                log.error("trial %d hung: %s", plan.trial, hung)
                 trial.close()
                 t.request_stop()
                 thread.join(STOP_S)
@@ -807,7 +569,7 @@ class Soak:
                     t.shutdown()
                     thread.join(STOP_S)
             trial.finish()
-        except Exception as e:  # the harness itself failed: judged as a run that did not finish
+        except Exception as e:  # noqa: BLE001 - the harness itself failed: judged as a run that did not finish
             trial.error = trial.error or f"harness: {type(e).__name__}: {e}"
             trial.judge_managers()
             trial.close()

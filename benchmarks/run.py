@@ -1,0 +1,143 @@
+"""``elastic-llm bench WHAT``: which benchmark runs with which options, and its result on stdout.
+
+Owns: the ``bench`` subcommand's arguments (added to the product's command line by
+:func:`add_parser` when the benchmarks are installed), checking the options that go together,
+running one benchmark module and printing its JSON, and ``python -m benchmarks.<what>``
+(:func:`main`: the same, without the product's command line). Lives with the benchmarks, so the
+product never imports them statically and they import nothing of its command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from types import ModuleType
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+def _sweep_problem(args: argparse.Namespace) -> str | None:
+    """Why the ``bench`` options do not go together (``--sweep`` and its own options), or None."""
+    sweep_only = [opt for opt, value in (("--models", args.models), ("--plot", args.plot), ("--only", args.only), ("--large-steps", args.large_steps)) if value is not None]
+    if not args.sweep:
+        return f"{', '.join(sweep_only)}: only with --sweep" if sweep_only else None
+    if args.what != "pipeline":
+        return "--sweep is only for `bench pipeline`"
+    if args.config or args.set:
+        return "--sweep runs its own configurations (jobs/tiny.yaml variants): drop --config and --set"
+    if args.large_steps is not None and args.large_steps < 1:
+        return f"--large-steps={args.large_steps} must be >= 1"
+    return None
+
+
+def _bench_sweep(bench: ModuleType, args: argparse.Namespace) -> int:
+    """``bench pipeline --sweep``: the JSON line (``--json``) on stdout and the markdown table on
+    stderr, or the table and notes on stdout; progress on stderr."""
+    try:
+        models = [m.strip() for m in (args.models or ",".join(bench.MODELS)).split(",") if m.strip()]
+        only = bench.parse_only(args.only or [])
+        if not bench.sweep_points(models, only)[0]:  # refuses unknown models before anything starts
+            raise ValueError(f"--only {' '.join(args.only or [])} leaves no configuration of the grid (stages 2,4,8; microbatches 4,16,64; replicas 1,2,4; stages x replicas <= 16)")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    import contextlib
+
+    # Ray's driver prints raylet warnings and actor output on sys.stdout: with --json, stdout
+    # carries the one JSON line only.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        result = bench.run_pipeline_sweep(
+            models,
+            steps=args.steps or 4,
+            large_steps=args.large_steps or bench.LARGE_STEPS,
+            only=only,
+            plot=args.plot or "bench-pipeline-sweep.png",
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    table = bench.markdown_table(result)
+    if args.json:
+        print(json.dumps(result))
+        print(table, file=sys.stderr)
+    else:
+        print(table)
+        print("\n".join(f"- {n}" for n in result["notes"]))
+    print(f"wrote {result['plot']}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``elastic-llm bench WHAT``: run one benchmark; its result as JSON on stdout."""
+    problem = _sweep_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    bench = importlib.import_module(f"benchmarks.{'pipeline_sweep' if args.sweep else args.what}")
+    if args.sweep:
+        return _bench_sweep(bench, args)
+    if args.what == "pipeline":
+        result = bench.run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 6, overrides=args.set or [])
+    elif args.what == "snapshot":
+        result = bench.run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 12, overrides=args.set or [])
+    elif args.what == "erasure":
+        result = bench.run_erasure_bench(size_mib=args.size_mib)
+    elif args.what == "durable":
+        result = bench.run_durable_bench(args.config or "jobs/tiny.yaml", overrides=args.set or [])
+    elif args.what == "recovery":
+        result = bench.run_recovery_bench([args.config] if args.config else None, overrides=args.set or [])
+    elif args.what == "transport":
+        result = bench.run_transport_bench(rounds=args.steps or 200)
+    elif args.what == "detect":
+        result = bench.run_detect_bench(rounds=args.steps or 3)
+    elif args.what == "failover":
+        result = bench.run_failover_bench(config=args.config or "jobs/tiny.yaml", rounds=args.steps or 2)
+    elif args.what == "simulate":
+        result = bench.run_simulate_bench(loopback=args.loopback, out_dir=args.out)
+    else:  # argparse restricts choices
+        raise AssertionError(args.what)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The ``bench`` subcommand on the product's command line (and the parser of ``python -m benchmarks.<what>``)."""
+    b = sub.add_parser("bench", help="benchmarks against real peers (run from the root of a source checkout: they read jobs/*.yaml)")
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate"])
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report")
+    b.add_argument("--out", help="simulate: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory")
+    b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
+    b.add_argument("--steps", type=int, default=None, help=(
+        "timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips "
+        "for transport, 200; node removals per setting for detect, 3; driver kills per resume kind for failover, 2)"))
+    b.add_argument("--set", action="append", metavar="KEY=VALUE")
+    b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
+    b.add_argument("--sweep", action="store_true", help="pipeline: driver cost over stages x microbatches x replicas (micro and tiny models) instead of the peer comparison")
+    b.add_argument("--models", help="--sweep: comma-separated models, from micro,tiny (default: both)")
+    b.add_argument("--plot", help="--sweep: PNG of driver CPU per step against microbatches (default: bench-pipeline-sweep.png)")
+    b.add_argument("--large-steps", type=int, help="--sweep: timed steps of the 64-microbatch configurations (default: 2, at most --steps; keeps the sweep near its time budget)")
+    b.add_argument("--only", action="append", metavar="S,M,DP", help=argparse.SUPPRESS)  # --sweep: just these configurations (trying it out)
+    b.set_defaults(func=cmd_bench, steps_min=1)
+    return b
+
+
+def main(what: str, argv: list[str]) -> int:
+    """``python -m benchmarks.<what> [options]``: exactly ``elastic-llm bench <what> [options]``."""
+    from elastic_llm.logs import configure
+    from elastic_llm.runtime.session import loopback_env
+
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{what}")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = p.parse_args(["bench", what, *argv])
+    configure("info")
+    loopback_env()
+    if args.steps is not None and args.steps < 1:
+        print(f"error: --steps={args.steps} must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    return int(args.func(args))
