@@ -9,10 +9,12 @@ Four parts, each side by side in one run:
   elastic, elastic with notices and elastic with notices and warm standbys (4 per node: one per
   actor slot; with 1 a recovery still waits for the processes its other actors start), on full-size fleets
   (the test trace scaled to 256 nodes; the synthetic 3-hour trace);
-- ``cross_check``: the loopback replay's scenario (tests/data/spot_trace.csv, time scale 30,
-  a quarter of the nodes, 1-CPU nodes, 10 s notice, spot-tiny) simulated with the cost model
-  calibrated on this machine, against the loopback replay's own report (``--loopback``: run
-  it now, about 5 minutes; else the recorded benchmarks/results/replay-spot-tiny-notice10.json).
+- ``cross_check``: the loopback replay's scenario (tests/data/spot_trace.csv and a synthetic
+  trace, time scale 30, a quarter of the nodes, 1-CPU nodes, 10 s notice, spot-tiny) simulated
+  with the cost model calibrated on this machine from its benchmarks (``bench calibrate``),
+  against the loopback replays' own reports (``--loopback``: run them now, about 10 minutes;
+  else the recorded benchmarks/results/cross-check-*.json): steps, useful fraction, recoveries
+  by source, resizes and drains.
 Never changes product code or reads its internals: it runs ``Simulation`` and reads reports.
 """
 
@@ -26,7 +28,6 @@ from typing import Any
 from benchmarks.common import machine_info, ratio
 
 TRACE = "tests/data/spot_trace.csv"
-RECORDED_REPLAY = "benchmarks/results/replay-spot-tiny-notice10.json"
 KEEP = ("steps", "committed_steps", "committed_steps_lost", "useful_fraction", "seconds_by_state", "final_width", "failed", "controller_cpu", "real_s")
 
 
@@ -83,30 +84,54 @@ def policies(out: Path, trace_3h: Path) -> list[dict[str, Any]]:
     return table
 
 
-def cross_check(out: Path, loopback: bool) -> dict[str, Any]:
+def _loopback(trace: str, out: Path) -> dict[str, Any]:
+    """The loopback replay of ``trace`` at the cross-check's settings (run now: minutes)."""
     from elastic_llm.config import load_config
+    from elastic_llm.replay.runner import Replay, ReplayOptions
+    from elastic_llm.replay.trace import load_trace, plan_replay
 
-    sim = _sim("jobs/spot-tiny.yaml", [], out / "cross-sim", "cpu-2core",
-               nodes=4, stages=4, replicas=2, trace=TRACE, time_scale=30.0, notice_s=10.0, slots_per_node=2)
-    if loopback:
-        from elastic_llm.replay.runner import Replay, ReplayOptions
-        from elastic_llm.replay.trace import load_trace, plan_replay
+    plan = plan_replay(load_trace(trace), time_scale=30.0, node_scale=0.25, notice_s=10.0, seed=0)
+    return Replay(load_config("jobs/spot-tiny.yaml"), plan, ReplayOptions(1.0, 0, False)).run(out)
 
-        plan = plan_replay(load_trace(TRACE), time_scale=30.0, node_scale=0.25, notice_s=10.0, seed=0)
-        peer = Replay(load_config("jobs/spot-tiny.yaml"), plan, ReplayOptions(1.0, 0, False)).run(out / "cross-loopback")
-        source = "run now"
-    else:
-        peer = json.loads(Path(RECORDED_REPLAY).read_text())
-        source = RECORDED_REPLAY
+
+def _side_by_side(name: str, sim: dict[str, Any], peer: dict[str, Any], source: str) -> dict[str, Any]:
+    ev_s, ev_p = sim["events"], peer["events"]
     return {
-        "loopback_source": source,
-        "loopback_useful_fraction": peer["useful_fraction"],
-        "simulated_useful_fraction": sim["useful_fraction"],
-        "difference": round(abs(sim["useful_fraction"] - peer["useful_fraction"]), 4),
-        "loopback_steps": peer["steps"], "simulated_steps": sim["steps"], "steps_ratio": ratio(sim["steps"], peer["steps"]),
-        "loopback_events": peer["events"], "simulated_events": sim["events"],
+        "trace": name, "loopback_source": source,
+        "steps": {"loopback": peer["steps"], "simulated": sim["steps"], "ratio": ratio(sim["steps"], peer["steps"])},
+        "useful_fraction": {"loopback": round(peer["useful_fraction"], 4), "simulated": round(sim["useful_fraction"], 4),
+                            "difference": round(abs(sim["useful_fraction"] - peer["useful_fraction"]), 4)},
+        "recoveries": {"loopback": ev_p.get("recoveries", {}), "simulated": ev_s.get("recoveries", {})},
+        "resizes": {"loopback": ev_p.get("resizes", {}), "simulated": ev_s.get("resizes", {})},
+        "drains": {"loopback": ev_p.get("drains", 0), "simulated": ev_s.get("drains", 0)},
         "simulated_real_s": sim["real_s"], "loopback_wall_s": peer.get("wall_s"),
     }
+
+
+def cross_check(out: Path, loopback: bool) -> list[dict[str, Any]]:
+    """The loopback replay's scenario simulated with ``cpu-2core`` (calibrated from this machine's
+    benchmarks by ``bench calibrate``, never from a replay), side by side with the replay itself:
+    ``tests/data/spot_trace.csv`` and a synthetic trace (16 nodes, 2 hours, seed 3), both at time
+    scale 30, a quarter of the nodes (1-CPU nodes, 2 actor slots), 10 s notices, spot-tiny.
+    Without ``loopback`` the replays are the recorded ones (benchmarks/results/cross-check-*.json)."""
+    from elastic_llm.sim.traces import write_trace
+
+    rows = []
+    synthetic = write_trace(out / "synthetic-16x2h.csv", 16, 2.0, seed=3)
+    for name, trace in (("spot_trace.csv", TRACE), ("synthetic 16 nodes x 2 h (seed 3)", str(synthetic))):
+        key = "spot" if trace == TRACE else "synthetic"
+        sim = _sim("jobs/spot-tiny.yaml", [], out / f"cross-sim-{key}", "cpu-2core",
+                   nodes=4, stages=4, replicas=2, trace=trace, time_scale=30.0, notice_s=10.0, slots_per_node=2)
+        recorded = Path(f"benchmarks/results/cross-check-{key}.json")
+        if loopback:
+            peer = _loopback(trace, out / f"cross-loopback-{key}")
+            recorded.write_text(json.dumps(peer, indent=1, default=str))
+            source = "run now"
+        else:
+            peer = json.loads(recorded.read_text())
+            source = str(recorded)
+        rows.append(_side_by_side(name, sim, peer, source))
+    return rows
 
 
 def run_simulate_bench(loopback: bool = False, out_dir: str | None = None) -> dict[str, Any]:

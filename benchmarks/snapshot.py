@@ -736,6 +736,8 @@ def run_snapshot_bench(
         "snapshot_stall_components_s": tr_multi["stall_components_s"],
         "snapshot_stall_single_node_s": stall_single,
         "snapshot_stall_single_node_components_s": tr_single.get("stall_components_s"),
+        "cluster_step_s_with_snapshot": tr_multi["with_snapshot"]["median_step_s"],  # the loopback cluster, snapshots every step
+        "cluster_step_s_without_snapshot": tr_multi["without_snapshot"]["median_step_s"],
         "train_overhead_pct": tr_multi["overhead_pct"],
         "train_overhead_paired_median_pct": tr_multi["overhead_paired_median_pct"],
         "train_overhead_noise_pct": tr_multi["noise_pct"],

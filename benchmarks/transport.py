@@ -176,7 +176,7 @@ def run_transport_bench(rounds: int = 200, sizes: tuple[int, ...] = SIZES) -> di
     """Ping-pong ``rounds`` round trips per size and system; one-way figures per message."""
     import ray
 
-    from elastic_llm.controller import loopback_env
+    from elastic_llm.runtime.session import loopback_env
 
     loopback_env()
     ours = not ray.is_initialized()

@@ -250,8 +250,9 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         entries = list_checkpoints(where)
         runs = [] if entries else runs_in(where) if where.is_dir() else []
         if not entries and not runs:  # a storage root lists its runs' checkpoints; anything else is refused
-            problem = storage_root_problem(where) if where.is_dir() else None
-            print(f"error: {problem or f'{where.display()} holds no durable checkpoints: give a run directory or a durable.storage_path'}", file=sys.stderr)
+            problem = (storage_root_problem(where) or f"{where.display()} holds no durable checkpoints: give a run directory or a durable.storage_path") \
+                if where.is_dir() else f"{where.display()} does not exist: give a run directory of durable checkpoints or a durable.storage_path"
+            print(f"error: {problem}", file=sys.stderr)
             return EXIT_USAGE
         for run, listed in [(where, entries)] if entries else [(where.child(r), list_checkpoints(where.child(r))) for r in runs]:
             for e in listed:

@@ -31,13 +31,26 @@ class _Lines(logging.Formatter):
         return text
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a line is written (a test's capture, a redirect)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> IO[str]:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: IO[str]) -> None:
+        pass
+
+
 def configure(level: str = "info", stream: IO[str] | None = None) -> None:
-    """Send the ``elastic_llm`` loggers' messages at ``level`` and above to ``stream`` (stderr)."""
+    """Send the ``elastic_llm`` loggers' messages at ``level`` and above to ``stream`` (default:
+    the process's stderr at the time of each line)."""
     root = logging.getLogger("elastic_llm")
     for h in list(root.handlers):
         if getattr(h, "elastic_llm", False):
             root.removeHandler(h)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler: logging.Handler = logging.StreamHandler(stream) if stream is not None else _Stderr()
     handler.setFormatter(_Lines())
     handler.elastic_llm = True  # type: ignore[attr-defined]  # ours: replaced, not stacked, by a second call
     root.addHandler(handler)

@@ -36,7 +36,7 @@ def test_mypy_finds_nothing(tmp_path):
 
 # Lowest first: a unit may import only units before it (and its own package's modules).
 LAYERS = (
-    "sources", "clock", "events", "files", "spans", "telemetry", "cadence", "model", "config", "stream", "data", "checkpoint", "export",
+    "sources", "clock", "logs", "events", "files", "spans", "telemetry", "cadence", "tensors", "model", "config", "stream", "data", "checkpoint", "export",
     "snapshot", "durable", "recovery", "monitor", "pipeline", "chaos", "controller", "runtime",
     "ops", "experiment", "replay", "sim", "soak", "cli",
 )
@@ -141,3 +141,16 @@ def test_modules_stay_within_their_size():
     big = sorted(f"{p} ({n} lines)" for p, n in sizes.items() if n > 600)
     assert big == [], "split these by job:\n" + "\n".join(big)
     assert sizes["elastic_llm/controller/trainer.py"] <= 400, sizes["elastic_llm/controller/trainer.py"]
+
+
+def test_every_tensor_reaches_numpy_through_the_device_safe_helper():
+    """``tensor.numpy()`` fails on a CUDA tensor: the stage, its copies, transport, snapshots and
+    restores convert through elastic_llm.tensors (its ``host`` moves a tensor to host memory first)."""
+    calls = []
+    for path in sorted((REPO / "elastic_llm").rglob("*.py")):
+        if path.name == "tensors.py" and path.parent.name == "elastic_llm":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "numpy" and not node.args:
+                calls.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert calls == [], "convert with elastic_llm.tensors.host / host_bytes instead of .numpy():\n" + "\n".join(calls)

@@ -313,7 +313,7 @@ def test_a_stages_checkpoint_refusal_reaches_the_user_without_the_actors_traceba
 
 
 def test_the_soaks_flipped_byte_check_catches_a_verifier_that_misses_it(trained, tmp_path, monkeypatch):
-    from elastic_llm.soak.runner import flip_is_missed
+    from elastic_llm.soak.checks import flip_is_missed
 
     cfg, workers = trained
     run = Storage(str(tmp_path / "run"))

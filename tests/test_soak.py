@@ -210,10 +210,11 @@ def test_a_run_waiting_on_a_harness_that_failed_is_let_go():
     long soak waited 60 s per step on a harness that had given up, and the soak stopped)."""
     import threading
     import time
+    from types import SimpleNamespace
 
     from elastic_llm.soak.runner import _Trial
 
-    trial = _Trial(None, TrialPlan(0, (), 5), None)
+    trial = _Trial(None, TrialPlan(0, (), 5), SimpleNamespace(observers=[]))
     waiting = threading.Thread(target=trial.on_step, args=({"step": 1},))
     waiting.start()
     deadline = time.monotonic() + 5
@@ -241,7 +242,7 @@ def test_a_fault_deferred_into_a_hooked_faults_step_waits_one_more_step():
     hooked = Fault(FaultKind.STAGE, 15, 2, Moment.BACKWARD)
     pause, stage = Fault(FaultKind.PAUSE, 12, 3), Fault(FaultKind.STAGE, 13, 1)
     group = SimpleNamespace(nodes={ShardKey(s, 0): f"node{s}" for s in range(4)}, pids={ShardKey(s, 0): 100 + s for s in range(4)})
-    trial = _Trial(None, TrialPlan(0, (pause, hooked), 21), SimpleNamespace(snapshots=None, group=group, drains=[]))
+    trial = _Trial(None, TrialPlan(0, (pause, hooked), 21), SimpleNamespace(snapshots=None, group=group, drains=[], observers=[]))
     trial.later = {15: pause, 16: stage}
     trial._between_steps(15, None, hooked)
     assert [i.fault for i in trial.injections] == [hooked]
@@ -258,7 +259,7 @@ def test_a_resize_fault_whose_shrink_grew_back_before_its_turn_shrinks_the_run_a
 
     fault = Fault(FaultKind.MANAGER, 7, 1, Moment.RESIZE)
     elastic = SimpleNamespace(bounds=lambda dp: (1, 2))
-    t = SimpleNamespace(group=SimpleNamespace(spares=[], width=2), cfg=SimpleNamespace(elastic=elastic, parallel=SimpleNamespace(dp=2)), state=None)
+    t = SimpleNamespace(group=SimpleNamespace(spares=[], width=2), cfg=SimpleNamespace(elastic=elastic, parallel=SimpleNamespace(dp=2)), state=None, observers=[])
     trial = _Trial(None, TrialPlan(0, (fault,), 14), t)
     primed = []
     trial._shrink_first = lambda f, step: primed.append((f, step))

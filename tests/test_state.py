@@ -12,10 +12,10 @@ from elastic_llm.pipeline.stage import StageWorker
 from elastic_llm.snapshot.state import SnapshotFormatError
 
 
-def cfg(**train):
+def cfg(norm_eps=1e-5, **train):
     return config_from_dict(
         {
-            "model": {"dim": 32, "n_heads": 2, "n_layers": 2, "seq_len": 8},
+            "model": {"dim": 32, "n_heads": 2, "n_layers": 2, "seq_len": 8, "norm_eps": norm_eps},
             "parallel": {"stages": 1, "microbatches": 2},
             "train": {"batch_size": 4, "warmup_steps": 2, "max_steps": 20, **train},
         }
@@ -81,9 +81,10 @@ def test_foreign_and_mismatched_snapshots_are_refused_without_changes():
     run_steps(a, batches(1))
     buf, manifest = a.capture_state()
     before = {n: p.clone() for n, p in a.module.named_parameters()}
-    other = StageWorker(cfg(lr=5e-4), 0, 0)
+    other = StageWorker(cfg(norm_eps=1e-6), 0, 0)  # the same layout, another model
     with pytest.raises(SnapshotFormatError, match="taken with config"):
         other.load_state(buf.copy(), manifest)
+    StageWorker(cfg(lr=5e-4), 0, 0).load_state(buf.copy(), manifest)  # another learning rate: the same state, restored
     with pytest.raises(SnapshotFormatError, match="not JSON"):
         a.load_state(buf, "\x80garbage")
     with pytest.raises(SnapshotFormatError, match="not an elastic-llm stage snapshot"):

@@ -131,6 +131,20 @@ def test_link_peers_are_symmetric_and_cover_every_message_of_a_step(swapped, red
             assert {ShardKey(s, q) for q in range(dp) if q != r} <= peers[ShardKey(s, r)]
             if redundant:  # the copy of the successor gets the gradients the successor received
                 assert ShardKey((s + 1) % n, r) in peers[ShardKey(s, r)]
-    assert peers[ShardKey(0, 0)] == set(peers) - {ShardKey(0, 0)}  # the barrier's root
+    for r in range(dp):  # the barrier's tree: every stage with its replica's stage 0, those with the root
+        assert {ShardKey(s, r) for s in range(1, n)} <= peers[ShardKey(0, r)]
+        assert r == 0 or ShardKey(0, 0) in peers[ShardKey(0, r)]
     if not swapped and not redundant:
         assert ShardKey(3, 1) not in peers[ShardKey(1, 1)]  # no links a step does not use
+        assert ShardKey(0, 0) not in peers[ShardKey(2, 1)]  # the root links no stage of another replica but its stage 0
+
+
+def test_no_actor_holds_links_to_every_stage_of_every_replica():
+    """At 64 stages x 16 replicas the root linked to 1,023 actors (a sender thread and a socket
+    each). With the barrier's tree an actor links to its replica's stages, its stage's replicas
+    and its route neighbours: O(stages + replicas)."""
+    n, dp = 64, 16
+    peers = link_peers(n, dp, routes(n, 4))
+    most = max(len(ps) for ps in peers.values())
+    assert most <= n + dp, most
+    assert len(peers[ShardKey(0, 0)]) == (n - 1) + (dp - 1)

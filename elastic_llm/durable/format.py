@@ -30,6 +30,7 @@ import numpy as np
 from elastic_llm.stream import TOKENIZER_FILE
 from elastic_llm.durable.storage import Storage, StorageError
 from elastic_llm.snapshot.erasure import checksum
+from elastic_llm.tensors import host_bytes
 
 FORMAT = "elastic-llm-checkpoint"
 FORMAT_VERSION = 1
@@ -280,7 +281,6 @@ class Checkpoint:
 
     def file_tensors(self, file: str, names: set[str] | None = None) -> dict[str, Any]:
         """The tensors of one shard file (all, or ``names``), each checked against its CRC-32."""
-        import torch
         from safetensors import SafetensorError
         from safetensors.torch import load
 
@@ -307,7 +307,7 @@ class Checkpoint:
                 raise DurableError(f"{self.storage.display(rel)} holds tensor {name!r}, which the manifest does not list there: foreign file")
             if str(t.dtype).removeprefix("torch.") != rec["dtype"] or list(t.shape) != rec["shape"]:
                 raise DurableError(f"tensor {name} in {self.storage.display(rel)} is {t.dtype}{list(t.shape)}, the manifest says {rec['dtype']}{rec['shape']}")
-            if checksum(t.contiguous().reshape(-1).view(torch.uint8).numpy()) != rec["crc32"]:
+            if checksum(host_bytes(t)) != rec["crc32"]:
                 raise DurableError(f"tensor {name} in {self.storage.display(rel)} fails its CRC-32: the file is corrupted, use an older checkpoint")
             out[name] = t
         return out

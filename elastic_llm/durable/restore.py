@@ -14,10 +14,10 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
-import torch
 
 from elastic_llm.config import RunConfig
 from elastic_llm.durable.format import Checkpoint, DurableError, global_name
+from elastic_llm.tensors import host_bytes
 
 
 def check_fits(ck: Checkpoint, cfg: RunConfig) -> list[str]:
@@ -29,13 +29,10 @@ def check_fits(ck: Checkpoint, cfg: RunConfig) -> list[str]:
         diff = sorted(k for k in set(mine) | set(theirs) if theirs.get(k) != mine.get(k))
         what = ", ".join(f"model.{k}: {theirs.get(k)} there, {mine.get(k)} here" for k in diff[:4])
         raise DurableError(f"{ck.uri} is a checkpoint of another model ({what}): resume it with the config it was written with")
-    warnings = []
-    if m.get("config_hash") != cfg.config_hash():
-        old = m.get("config", {})
-        keys = [f"{sec}.{k}" for sec in ("train", "parallel", "data") for k in set(old.get(sec, {})) | set(asdict(getattr(cfg, sec)))
-                if old.get(sec, {}).get(k) != asdict(getattr(cfg, sec)).get(k)]
-        warnings.append(f"{ck.uri} was written with other settings ({', '.join(sorted(keys)[:6])}): resuming with this run's")
-    return warnings
+    old = m.get("config", {})
+    keys = [f"{sec}.{k}" for sec in ("train", "parallel", "data") for k in set(old.get(sec, {})) | set(asdict(getattr(cfg, sec)))
+            if old.get(sec, {}).get(k) != asdict(getattr(cfg, sec)).get(k)]
+    return [f"{ck.uri} was written with other settings ({', '.join(sorted(keys)[:6])}): resuming with this run's"] if keys else []
 
 
 def stage_state(ck: Checkpoint, entries: list[Any], nbytes: int, layer_ids: list[int], stage: int, replica: int, config_hash: str, buffer: np.ndarray) -> dict[str, Any]:
@@ -50,7 +47,7 @@ def stage_state(ck: Checkpoint, entries: list[Any], nbytes: int, layer_ids: list
         t = tensors[names[e.name]]
         if tuple(t.shape) != tuple(e.shape) or str(t.dtype).removeprefix("torch.") != e.dtype:
             raise DurableError(f"{ck.uri}: tensor {names[e.name]} is {t.dtype}{list(t.shape)}, this stage needs {e.dtype}{list(e.shape)}")
-        buffer[e.offset : e.offset + e.nbytes] = t.contiguous().view(-1).view(torch.uint8).numpy()
+        buffer[e.offset : e.offset + e.nbytes] = host_bytes(t)
     states = ck.manifest["states"]
     s = str(stage) if str(stage) in states else str(max(int(k) for k in states))
     by_replica = states[s]

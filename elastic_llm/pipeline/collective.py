@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from elastic_llm.pipeline.shares import even_sizes
+from elastic_llm.tensors import host
 from elastic_llm.pipeline.transport import Msg
 from elastic_llm.snapshot.records import ShardKey
 
@@ -56,7 +57,7 @@ def allreduce_sum(transport: Links, flat: np.ndarray, replicas: list[ShardKey], 
     for part in parts[1:]:  # fixed replica order: identical bits on every replica
         total += torch.from_numpy(part)
     out = np.empty_like(flat)
-    out[lo:hi] = total.numpy()
+    out[lo:hi] = host(total)
     for j in range(dp):  # all-gather: my summed chunk to every other replica
         if j != me:
             transport.send(replicas[j], Msg.GATHER, 0, me, total)

@@ -20,6 +20,7 @@ import torch
 
 from elastic_llm.snapshot.erasure import checksum
 from elastic_llm.snapshot.records import Piece
+from elastic_llm.tensors import host
 
 WAIT_S = 600.0  # longest a copy may take, or a manager may wait for one
 
@@ -70,7 +71,7 @@ class BackgroundCopies:
         while len(self.buffers) <= i:
             n = self.arena.layout.nbytes
             if self.device.type == "cuda":
-                buf = torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+                buf = host(torch.empty(n, dtype=torch.uint8, pin_memory=True))
             else:
                 buf = np.empty(n, dtype=np.uint8)
             buf.fill(0)  # touch every page once: later copies write warm memory

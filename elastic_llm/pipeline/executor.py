@@ -22,13 +22,12 @@ from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from elastic_llm.pipeline.plan import FailureKind, Fault, StepPlan, StepReport, describe_failure, encode_ops
+from elastic_llm.pipeline.plan import STEP_DEADLINE_S, FailureKind, Fault, StepPlan, StepReport, describe_failure, encode_ops
 from elastic_llm.pipeline.schedules import Route, build_schedule, routes, submission_order
 from elastic_llm.pipeline.shares import cut, microbatch_sizes, replica_microbatches, weighted_mean
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.stream import StreamPosition
 
-STEP_TIMEOUT_S = 900.0  # a step that takes longer is treated as a failure (a hung stage)
 SETTLE_S = 120.0  # after a failure, how long the step's other calls get to finish or fail
 LINK_S = 60.0  # deadline for setting up the links of a membership
 GENERATIONS = itertools.count(1)  # link generations of executors built without a counter of their own (tests, benchmarks)
@@ -116,7 +115,9 @@ class StepExecutor(Protocol):
 def link_peers(n_stages: int, dp: int, rts: Sequence[Route], redundant: bool = False) -> dict[ShardKey, set[ShardKey]]:
     """Who each actor exchanges messages with in a step: the neighbouring hops of every route (its
     replica), the redundant copy's predecessor and successor, the stage's other replicas (the
-    all-reduce), and the barrier's root (stage 0 of replica 0) with everyone. Symmetric."""
+    all-reduce), and the barrier's two-level tree (every stage with its replica's stage 0, every
+    replica's stage 0 with the run's root): at most stages + replicas links per actor, not
+    stages x replicas. Symmetric."""
     peers: dict[ShardKey, set[ShardKey]] = {ShardKey(s, r): set() for r in range(dp) for s in range(n_stages)}
 
     def link(a: ShardKey, b: ShardKey) -> None:
@@ -135,8 +136,10 @@ def link_peers(n_stages: int, dp: int, rts: Sequence[Route], redundant: bool = F
         for r in range(dp):
             for q in range(r + 1, dp):
                 link(ShardKey(s, r), ShardKey(s, q))
-    for k in peers:
-        link(ShardKey(0, 0), k)
+    for r in range(dp):  # the barrier: stage s -> its replica's stage 0 -> the root
+        for s in range(1, n_stages):
+            link(ShardKey(0, r), ShardKey(s, r))
+        link(ShardKey(0, 0), ShardKey(0, r))
     return peers
 
 
@@ -227,7 +230,7 @@ class RayStepExecutor:
         self.last = PendingStep(step, self.generation, self.n_stages, self.dp, refs, sizes)
         return self.last
 
-    def finish(self, pending: PendingStep, timeout: float = STEP_TIMEOUT_S) -> StepResult:
+    def finish(self, pending: PendingStep, timeout: float = STEP_DEADLINE_S) -> StepResult:
         """Wait for every report; at the first failure abort the others (their blocked receives
         wake) and give them :data:`SETTLE_S` to report. Raises :class:`StepFailed` naming the
         root cause."""
@@ -326,4 +329,4 @@ class RayStepExecutor:
             for s, actor in enumerate(self.actors[0]):
                 act = actor.eval_forward.remote(act, ym if s == self.n_stages - 1 else None)
             refs.append(act)
-        return weighted_mean(ray.get(refs, timeout=STEP_TIMEOUT_S), sizes)
+        return weighted_mean(ray.get(refs, timeout=STEP_DEADLINE_S), sizes)

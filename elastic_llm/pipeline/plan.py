@@ -26,6 +26,8 @@ from elastic_llm.pipeline.schedules import Op
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.stream import StreamPosition
 
+STEP_DEADLINE_S = 900.0  # the one deadline of a step: a stage whose peer stays silent this long fails it, and the driver waits as long for its reports
+
 
 class Phase(enum.Enum):
     """The kinds of work in one actor's step, in the order they run."""
@@ -93,9 +95,19 @@ class StepPlan:
     targets: np.ndarray | None = None  # this replica's targets (the LM head; the redundant copy of the last stage)
     snapshot: StreamPosition | None = None  # data position after the step: copy the updated state for a snapshot
     fault: Fault | None = None
+    deadline_s: float = STEP_DEADLINE_S  # a peer silent this long fails the step (the driver waits as long for the reports)
 
     def op_list(self) -> list[Op]:
         return decode_ops(self.ops)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step of a stage reports to the driver."""
+
+    grad_norm: float  # L2 norm of the replicas' summed gradient before clipping
+    lr: float  # the learning rate the step used
+    snapshot_wait_s: float  # total seconds steps of this actor waited for an unfinished snapshot copy
 
 
 @dataclass(frozen=True)

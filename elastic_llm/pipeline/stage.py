@@ -8,25 +8,16 @@ is one call, :meth:`StageWorker.run_step`: :mod:`elastic_llm.pipeline.step` runs
 on this object, activations and gradients travel over :mod:`elastic_llm.pipeline.transport`.
 
 With ``recovery.mode: checkfree_plus`` a microbatch may visit a stage twice (the swapped order of
-:mod:`elastic_llm.pipeline.schedules`), so activations are kept per (microbatch, visit). The stage
-also carries what the other recovery modes need: the mirror of its neighbour's embedding or LM
-head (CheckFree+), rebuilding itself from neighbours' layers (CheckFree), a trained copy of its
-successor stage (``redundant``), and writing / reading checkpoint files (``checkpoint``).
+:mod:`elastic_llm.pipeline.schedules`), so activations are kept per (microbatch, visit). What the
+other recovery modes need of a stage (CheckFree's rebuild and mirrors, the redundant copy,
+checkpoint files, durable checkpoints) is :mod:`elastic_llm.pipeline.sources`', mixed in.
 
 Never decides anything about the run: the controller tells it what to do, in which order.
-
-Why ~670 lines (a warm standby and the per-replica microbatch shares included): every method here is a remote call the controller makes on a stage actor (Ray
-exposes methods of the actor class only) or a piece of a step, grouped by the job they serve: the
-step and its links, one microbatch, the optimizer step, snapshot copies, restore, CheckFree, the redundant copy (its module and optimizer
-live in :mod:`elastic_llm.pipeline.redundant`), checkpoint files (:mod:`elastic_llm.checkpoint`) and
-inspection (``info``, and ``state`` for ``elastic-llm status``; its display name is ``__repr__``).
-The class is plain Python so tests can drive it in-process; the controller wraps it in
-``ray.remote``.
-
-Why ~660 lines: Ray exposes only the methods of the actor's class, so every call the controller,
-the managers and the peers make on a stage lives here; the work behind them is kept elsewhere
-(the step's order in :mod:`~elastic_llm.pipeline.step`, the copies in
-:mod:`~elastic_llm.pipeline.copies`, state packing in :mod:`elastic_llm.snapshot.state`).
+Every method is a remote call the controller, the managers or the peers make on a stage actor
+(Ray exposes methods of the actor class only); the work behind them is kept elsewhere (the step's
+order in :mod:`~elastic_llm.pipeline.step`, the copies in :mod:`~elastic_llm.pipeline.copies`,
+state packing in :mod:`elastic_llm.snapshot.state`). The class is plain Python so tests can drive
+it in-process; the runtime wraps it in ``ray.remote``.
 """
 
 from __future__ import annotations
@@ -44,8 +35,9 @@ from elastic_llm.config import RunConfig, config_from_dict
 from elastic_llm.model import build_stage, lm_loss
 from elastic_llm.pipeline.copies import BackgroundCopies
 from elastic_llm.pipeline.optim import build_optimizer
-from elastic_llm.pipeline.plan import InjectedFault, StepPlan, StepReport
+from elastic_llm.pipeline.plan import InjectedFault, StepPlan, StepReport, StepStats
 from elastic_llm.pipeline.redundant import Shadow
+from elastic_llm.pipeline.sources import OtherSources
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.pipeline.shares import microbatch_sizes
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
@@ -53,19 +45,9 @@ from elastic_llm.sources import Mode
 from elastic_llm.stream import StreamPosition
 from elastic_llm.monitor import StageState
 from elastic_llm.telemetry import Metrics
+from elastic_llm.tensors import host
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-
-STEP_DEADLINE_S = 900.0  # a step whose peer stays silent this long fails (a hung stage)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one optimizer step of a stage reports to the driver."""
-
-    grad_norm: float  # L2 norm of the replicas' summed gradient before clipping
-    lr: float  # the learning rate the step used
-    snapshot_wait_s: float  # total seconds steps of this actor waited for an unfinished snapshot copy
 
 
 @dataclass(frozen=True)
@@ -115,7 +97,7 @@ def stage_seed(seed: int, stage: int, replica: int) -> int:
 CONCURRENCY_GROUPS = {"snapshot": 2, "status": 1, "control": 1}
 
 
-class StageWorker:
+class StageWorker(OtherSources):
     """Layers + optimizer of (stage, replica). Methods are called in schedule order."""
 
     def __init__(self, config: dict[str, Any] | RunConfig, stage: int | None, replica: int = 0, dp: int | None = None, run_id: str = "") -> None:
@@ -177,7 +159,6 @@ class StageWorker:
         self.copies = BackgroundCopies(self.arena, self.device, f"{stage}-{replica}", self.cfg.chaos.snapshot_delay_s)
         self.injected_error: str | None = None  # chaos: every forward raises this from now on
         self.links: Any = None  # SocketTransport: this actor's links to its step peers
-        self.step_deadline_s = STEP_DEADLINE_S
 
     def __repr__(self) -> str:
         # Ray shows this as the actor's display name (``ray list actors``, the dashboard) and in
@@ -193,14 +174,12 @@ class StageWorker:
         if self.links is None:
             from elastic_llm.pipeline.transport import SocketTransport
 
-            host = "127.0.0.1"
-            try:
-                import ray
+            import ray
 
-                if ray.is_initialized():
-                    host = ray.util.get_node_ip_address()
-            except Exception:
-                pass
+            # peers on other nodes connect to this node's address (Ray's, as its raylet
+            # registered it: a failure to read it is Ray's and propagates); without Ray (a stage
+            # driven in process by a test) the peers are in this machine: loopback
+            host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
             self.links = SocketTransport(ShardKey(self.stage, self.replica), host)
         return self.links.address
 
@@ -316,7 +295,7 @@ class StageWorker:
         """All parameter gradients of this stage, flattened (for the replicas' sum)."""
         self._check_complete()
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in self.module.parameters()]
-        return torch.cat(grads).cpu().numpy()
+        return host(torch.cat(grads))
 
     def set_flat_grad(self, flat: np.ndarray) -> None:
         """Replace the local gradients by ``flat`` (the replicas' sum, :meth:`flat_grad` layout)."""
@@ -397,7 +376,7 @@ class StageWorker:
         out = self.module(torch.from_numpy(np.asarray(x)).to(self.device))
         if self.last:
             return float(lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)))
-        return out.cpu().numpy()
+        return host(out)
 
     # ------------------------------------------------------------------ state capture / restore
     def capture_state(self, data_position: StreamPosition | Mapping[str, Any] | None = None, replica_slice: bool = False) -> tuple[np.ndarray, str]:
@@ -475,120 +454,6 @@ class StageWorker:
         self.load_parts(job.manifest, [0], job.buffer)
         return True
 
-    # ------------------------------------------------------------------ CheckFree / CheckFree+
-    def _outer(self) -> list[torch.nn.Parameter]:
-        """Parameters outside the transformer layers: the embedding, or final norm + LM head."""
-        return [p for n, p in self.module.named_parameters() if not n.startswith("layers.")]
-
-    def layer_params(self) -> np.ndarray:
-        """The transformer layers' parameters, flat float32 in module order (what CheckFree
-        averages: every stage has the same layers in the same layout)."""
-        return torch.cat([p.detach().reshape(-1) for n, p in self.module.named_parameters() if n.startswith("layers.")]).cpu().numpy()
-
-    def mirror_source(self) -> np.ndarray:
-        """This stage's embedding (first stage) or final norm + LM head (last stage), flat."""
-        return torch.cat([p.detach().reshape(-1) for p in self._outer()]).cpu().numpy()
-
-    def hold_mirror(self, values: np.ndarray, step: int) -> int:
-        """Keep the neighbour's embedding / head (its :meth:`mirror_source` after ``step``)."""
-        self.mirror = np.array(values, copy=True)
-        self.mirror_step = step
-        return step
-
-    def mirror_params(self) -> np.ndarray:
-        if self.mirror is None:
-            raise RuntimeError(f"stage {self.stage} holds no mirror yet")
-        return self.mirror
-
-    def rebuild(self, step: int, lr_scale: float, a: float, b: float, next_layers: np.ndarray, prev_layers: np.ndarray | None = None, mirror: np.ndarray | None = None) -> int:
-        """Become a stage rebuilt from neighbours at ``step``: layers = the average
-        ``(a next + b prev) / (a + b)`` (CheckFree), or a copy of ``next_layers`` when
-        ``prev_layers`` is None (CheckFree+: the first / last stage copies its neighbour); the
-        embedding / head from ``mirror`` (else they keep their fresh initialisation). The
-        optimizer starts fresh with the learning rate x ``lr_scale``; the LR schedule resumes at
-        ``step``. Returns the CRC-32 of the new parameters (the recovery record carries it)."""
-        import zlib
-
-        from elastic_llm.recovery.checkfree import average
-
-        self.copies.wait()
-        layers = np.asarray(next_layers) if prev_layers is None else average(np.asarray(next_layers), np.asarray(prev_layers), a, b)
-        with torch.no_grad():
-            self._load_flat([p for n, p in self.module.named_parameters() if n.startswith("layers.")], layers)
-            if mirror is not None:
-                self._load_flat(self._outer(), np.asarray(mirror))
-            for st in self.optimizer.state.values():  # a fresh optimizer: moments and step counts zero (in the arena)
-                for value in st.values():
-                    if torch.is_tensor(value):
-                        value.zero_()
-        self._resume_schedule(step, lr_scale)
-        self.reset_step()
-        return zlib.crc32(np.ascontiguousarray(torch.cat([p.detach().reshape(-1) for p in self.module.parameters()]).numpy()).view(np.uint8).data)
-
-    @staticmethod
-    def _load_flat(params: list[torch.nn.Parameter], flat: np.ndarray) -> None:
-        total = sum(p.numel() for p in params)
-        if flat.size != total:
-            raise ValueError(f"{flat.size} values for {total} parameters: the neighbour's layout differs")
-        offset = 0
-        for p in params:
-            p.copy_(torch.from_numpy(flat[offset : offset + p.numel()]).view_as(p))
-            offset += p.numel()
-
-    def _resume_schedule(self, step: int, lr_scale: float) -> None:
-        """Put the (fresh) optimizer's LR schedule at ``step`` with its peak LR x ``lr_scale``."""
-        sched = self.scheduler
-        sched.base_lrs = [lr * lr_scale for lr in sched.base_lrs]
-        for g, base in zip(self.optimizer.param_groups, sched.base_lrs):
-            g["initial_lr"] = base
-        sched.last_epoch = step
-        for g, base, fn in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-            g["lr"] = base * fn(step)
-        sched._last_lr = [g["lr"] for g in self.optimizer.param_groups]
-        self.step_count = step
-
-    # ------------------------------------------------------------------ redundant copy (Bamboo-style)
-    def shadow_state(self) -> tuple[np.ndarray, str]:
-        """The redundant copy's whole state as (bytes, manifest): what promotes it."""
-        assert self.shadow is not None, "no redundant copy: recovery.mode is not redundant"
-        return self.shadow.capture(self.step_count, self.cfg.config_hash())
-
-    def load_shadow(self, buffer: np.ndarray, manifest: str) -> int:
-        """Restore the redundant copy from the successor's own state (after this actor was replaced)."""
-        assert self.shadow is not None, "no redundant copy: recovery.mode is not redundant"
-        return self.shadow.load(buffer, manifest, self.cfg.config_hash())
-
-    # ------------------------------------------------------------------ checkpoint files
-    def save_checkpoint(self, root: str, step: int) -> int:
-        """Write this stage's whole state to checkpoint ``step`` under ``root``; returns bytes."""
-        from elastic_llm.checkpoint import write_stage
-
-        buf, manifest = self.capture_state()
-        return write_stage(root, step, self.stage, self.replica, buf, manifest)
-
-    def load_checkpoint(self, root: str, step: int) -> int:
-        """Restore this stage from checkpoint ``step`` under ``root`` (raw bytes and JSON only)."""
-        from elastic_llm.checkpoint import read_stage
-
-        data, manifest = read_stage(root, step, self.stage, self.replica)
-        return self.load_state(data, manifest)
-
-    def load_durable(self, run_uri: str, name: str) -> int:
-        """Restore this stage from durable checkpoint ``name`` of the run at ``run_uri``: its
-        layers' tensors by global name (any data-parallel width or stage count wrote them), every
-        tensor checked against its CRC-32 first. Returns the step."""
-        import json
-
-        from elastic_llm.durable.format import Checkpoint
-        from elastic_llm.durable.restore import stage_state
-        from elastic_llm.durable.storage import Storage
-
-        self.copies.wait()
-        layout = self.arena.layout
-        buf = self.copies.buffer(2)
-        m = stage_state(Checkpoint(Storage(run_uri), name), layout.entries, layout.nbytes, self.module.layer_ids, self.stage, self.replica, self.cfg.config_hash(), buf)
-        return self.load_parts(json.dumps(m), [0], buf)
-
     def set_width(self, replica: int, dp: int) -> int:
         """The run resized: this actor is now replica ``replica`` of ``dp``. Changes no state, only
         which slice of it the next snapshot copies. Returns the completed steps."""
@@ -661,10 +526,10 @@ class StageWorker:
         )
 
     def grads(self) -> dict[str, np.ndarray]:
-        return {n: p.grad.detach().cpu().numpy().copy() for n, p in self.module.named_parameters() if p.grad is not None}
+        return {n: host(p.grad).copy() for n, p in self.module.named_parameters() if p.grad is not None}
 
     def parameters(self) -> dict[str, np.ndarray]:
-        return {n: p.detach().cpu().numpy().copy() for n, p in self.module.named_parameters()}
+        return {n: host(p).copy() for n, p in self.module.named_parameters()}
 
     def grad_norm(self) -> float:
         return self.last_grad_norm

@@ -24,20 +24,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from elastic_llm.pipeline.collective import allreduce_sum
-from elastic_llm.pipeline.plan import FailureKind, Fault, FaultAction, InjectedFault, Phase, StepFailureInfo, StepPlan, StepReport
+from elastic_llm.pipeline.plan import FailureKind, Fault, FaultAction, InjectedFault, Phase, StepFailureInfo, StepPlan, StepReport, StepStats
 from elastic_llm.pipeline.schedules import hop_index
 from elastic_llm.pipeline.shares import cut
 from elastic_llm.pipeline.transport import Aborted, DeadlineExceeded, Msg, PeerLost, Transport
 from elastic_llm.snapshot.records import ShardKey
-
-class StepStats(Protocol):
-    @property
-    def grad_norm(self) -> float: ...
-    @property
-    def lr(self) -> float: ...
-    @property
-    def snapshot_wait_s(self) -> float: ...
-
 
 class StageMath(Protocol):
     """What a step needs of its stage actor: where it sits, and its model math."""
@@ -52,7 +43,6 @@ class StageMath(Protocol):
     def routes(self) -> Sequence[Any]: ...  # per microbatch: its route of hops
     shadow: Any  # the redundant copy of the successor stage (None without recovery.mode=redundant)
     step_count: int
-    step_deadline_s: float
 
     def set_microbatches(self, sizes: tuple[int, ...], batch: int) -> None: ...
     def forward(self, mb: int, x: Any, targets: Any = None, visit: int = 0, shadow_x: Any = None, shadow_targets: Any = None) -> Any: ...
@@ -66,6 +56,11 @@ class StageMath(Protocol):
 TRACE_LINES = 6  # traceback lines a report carries
 HOLD_S = 120.0  # longest a planned fault keeps its actor waiting for its death
 ROOT = ShardKey(0, 0)  # the barrier's root: stage 0 of replica 0 (replicas are renumbered from 0)
+
+
+def replica_root(replica: int) -> ShardKey:
+    """Where a replica's stages meet at the barrier: its stage 0."""
+    return ShardKey(0, replica)
 
 
 class _Run:
@@ -162,24 +157,37 @@ class _Run:
         return ShardKey(stage, self.w.replica)
 
     def _barrier(self, losses: tuple[float, ...] | None) -> dict[int, tuple[float, ...]]:
-        """Every actor tells the root its gradients are final; the root answers once all did.
-        The LM head's stages send their microbatch losses with it (float32, as computed), so the
-        step's loss survives a head that dies during its update. Returns them (at the root)."""
-        n = self.w.n_stages
-        everyone = [ShardKey(s, r) for r in range(self.w.dp) for s in range(n)]
+        """Every actor tells the root its gradients are final; the root answers once all did. A
+        tree of two levels, so no actor holds links to every stage of every replica: each stage
+        tells its replica's stage 0 (:func:`replica_root`), which tells the run's root (stage 0 of
+        replica 0) for its whole replica; the answer goes back down the same way. The LM head's
+        stages send their microbatch losses with it (float32, as computed), so the step's loss
+        survives a head that dies during its update. Returns them (at the run's root)."""
+        n, me, r = self.w.n_stages, self.me, self.w.replica
+        mine = replica_root(r)
         heads: dict[int, tuple[float, ...]] = {}
-        if self.me == ROOT:
-            if losses is not None:
-                heads[0] = losses
-            for k in everyone[1:]:
-                got = self.recv(k, Msg.READY, 0, 0)
-                if k.stage == n - 1:
-                    heads[k.replica] = tuple(float(v) for v in got)
-            for k in everyone[1:]:
-                self.send(k, Msg.GO, 0, 0, None)
-        else:
-            self.send(ROOT, Msg.READY, 0, 0, None if losses is None else np.asarray(losses, np.float32))
+        if me != mine:  # a stage of a replica: its replica's root collects it
+            self.send(mine, Msg.READY, 0, 0, None if losses is None else np.asarray(losses, np.float32))
+            self.recv(mine, Msg.GO, 0, 0)
+            return heads
+        head = losses  # stage 0 is the head of a one-stage pipeline
+        for s in range(1, n):
+            got = self.recv(ShardKey(s, r), Msg.READY, 0, 0)
+            if s == n - 1:
+                head = tuple(float(v) for v in got)
+        if me != ROOT:  # a replica's root: its whole replica is ready
+            self.send(ROOT, Msg.READY, 0, 0, None if head is None else np.asarray(head, np.float32))
             self.recv(ROOT, Msg.GO, 0, 0)
+        else:
+            if head is not None:
+                heads[0] = head
+            for q in range(1, self.w.dp):
+                got = self.recv(replica_root(q), Msg.READY, 0, 0)
+                heads[q] = tuple(float(v) for v in got)
+            for q in range(1, self.w.dp):
+                self.send(replica_root(q), Msg.GO, 0, 0, None)
+        for s in range(1, n):
+            self.send(ShardKey(s, r), Msg.GO, 0, 0, None)
         return heads
 
     def failed(self, err: BaseException) -> StepReport:
@@ -203,7 +211,7 @@ def execute(worker: StageMath, plan: StepPlan, links: Transport) -> StepReport:
     """Run ``plan`` on ``worker`` over ``links``; never raises for a failure of the step (the
     report carries it, and the links are closed so peers waiting on this actor wake)."""
     run = _Run(worker, plan, links)
-    links.begin(plan.step, worker.step_deadline_s)
+    links.begin(plan.step, plan.deadline_s)
     try:
         if worker.step_count != plan.step - 1:
             raise RuntimeError(f"stage {worker.stage} replica {worker.replica} has completed step {worker.step_count}, the plan is for step {plan.step}")

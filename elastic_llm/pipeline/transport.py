@@ -36,7 +36,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from elastic_llm.pipeline.plan import STEP_DEADLINE_S
 from elastic_llm.snapshot.records import ShardKey
+from elastic_llm.tensors import host as to_host
 
 CONNECT_S = 30.0  # deadline for one generation's links to be set up
 HELLO = struct.Struct("<qii")  # generation, stage, replica of the connecting peer
@@ -145,7 +147,7 @@ class SocketTransport:
         self.address = (host, self.listener.getsockname()[1])
         self.generation = -1
         self.step = 0
-        self.deadline_s = 900.0
+        self.deadline_s = STEP_DEADLINE_S  # each step's own (StepPlan.deadline_s) from begin() on
         self.aborted_generation = -1
         self.out: dict[ShardKey, _Link] = {}
         self.inbound: dict[ShardKey, socket.socket] = {}
@@ -190,8 +192,8 @@ class SocketTransport:
                 for s in self.arrived.pop(gen).values():
                     _close(s)
         deadline = time.monotonic() + CONNECT_S
-        for peer, (host, port) in sorted(peers.items(), key=lambda kv: (kv[0].replica, kv[0].stage)):
-            sock = socket.create_connection((host, port), timeout=CONNECT_S)
+        for peer, (addr, port) in sorted(peers.items(), key=lambda kv: (kv[0].replica, kv[0].stage)):
+            sock = socket.create_connection((addr, port), timeout=CONNECT_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(None)
             sock.sendall(HELLO.pack(generation, self.me.stage, self.me.replica))
@@ -225,16 +227,22 @@ class SocketTransport:
         self.out, self.inbound = {}, {}
 
     def close(self) -> None:
+        """End every link, the listener (its accept thread ends with it) and the wake pair."""
         self.closed = True
         self.poison()
         _close(self.listener)
+        self.wake_r.close()
+        self.wake_w.close()
 
     # ------------------------------------------------------------------ messages
     def send(self, peer: ShardKey, kind: Msg, mb: int, hop: int, array: Any) -> None:
         """Queue ``array`` (numpy, or a tensor on any device: this transport copies it to host
-        memory, where a device transport would keep it) for ``peer``; returns at once."""
+        memory, where a device transport would keep it) for ``peer``; returns at once. A host
+        array is queued by reference, not copied: the caller must not change it until it is sent
+        (the step's callers hand over fresh arrays: each microbatch's activation or gradient, the
+        all-reduce's chunks of a gradient nothing writes to afterwards)."""
         if hasattr(array, "detach"):
-            array = array.detach().cpu().numpy()
+            array = to_host(array)
         link = self.out.get(peer)
         if link is None:
             raise ProtocolError(f"{self.me} has no link to {peer} (generation {self.generation})")

@@ -3,7 +3,8 @@
 Owns: :class:`CostModel` (the figures: compute per sequence and stage, gradient exchange, process
 start, warm standby adoption, failure detection, state transfer, snapshot copy, parity and
 durable flush bandwidths), loading a profile by name (``cpu-2core``: measured by this project's benchmarks on
-its 2-core VM; ``gpu-a100``: derived from published figures, marked as such in the file) or from
+its 2-core VM by ``elastic-llm bench calibrate`` from the benchmarks, never from a replay;
+``gpu-a100``: derived from published figures, marked as such in the file) or from
 a path, and the arithmetic of a step's and a transfer's simulated seconds. Never reads a clock,
 never runs anything: :mod:`elastic_llm.sim.parts` asks it how long things take.
 """
@@ -11,7 +12,7 @@ never runs anything: :mod:`elastic_llm.sim.parts` asks it how long things take.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import yaml
@@ -40,12 +41,18 @@ class CostModel:
     copy_mb_s: float  # a stage's snapshot copy into its node's object store
     flush_mb_s: float  # a node's manager writes (and a stage reads back) durable checkpoint shards
     state_bytes_per_param: float = 12.0  # fp32 weights + two Adam moments
+    cores: float = 0.0  # > 0: every simulated node shares this many cores (a loopback cluster on one machine); 0: each actor has its own device
+    snapshot_step_s: float = 0.0  # what a step that begins a snapshot version costs beyond a clean one (copies, parity, object moves)
 
-    def step_s(self, stages: int, microbatches: int, batch: int, width: int) -> float:
-        """One 1F1B step: (m + S - 1) slots of a microbatch of batch / (width x m) sequences,
-        then the gradient exchange."""
+    def step_s(self, stages: int, microbatches: int, batch: int, width: int, snapshot: bool = False) -> float:
+        """One 1F1B step: (m + S - 1) slots of a microbatch of batch / (width x m) sequences, or,
+        on shared cores, the whole step's work over the cores when that takes longer (the other
+        actors fill a stage's bubble); then the gradient exchange, and the snapshot's cost."""
         per_mb = batch / (width * microbatches)
-        return (microbatches + stages - 1) * per_mb * self.seq_stage_s + self.allreduce_s
+        compute = (microbatches + stages - 1) * per_mb * self.seq_stage_s
+        if self.cores > 0:
+            compute = max(compute, batch * stages * self.seq_stage_s / self.cores)
+        return compute + (self.allreduce_s if width > 1 else 0.0) + (self.snapshot_step_s if snapshot else 0.0)
 
     def shard_mb(self, parameters: int, stages: int, width: int) -> float:
         """Megabytes of one (stage, replica) shard of the training state (a 1/width slice)."""
@@ -77,7 +84,7 @@ def load_costs(name_or_path: str) -> CostModel:
     unknown = sorted(set(raw) - names)
     if unknown:
         raise CostError(f"{path}: unknown field(s) {unknown}: the fields are {sorted(names)}")
-    missing = sorted(f.name for f in fields(CostModel) if f.name not in raw and f.name != "state_bytes_per_param")
+    missing = sorted(f.name for f in fields(CostModel) if f.name not in raw and f.default is MISSING)
     if missing:
         raise CostError(f"{path}: missing field(s) {missing}: every figure must be given")
     for f in fields(CostModel):

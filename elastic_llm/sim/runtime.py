@@ -167,6 +167,7 @@ class SimPending:
     loss: float
     stages: int
     lr: float
+    snapshot: bool = False  # the step begins a snapshot version (it costs the step what the cost model says)
 
     def result(self) -> StepResult:
         return StepResult(loss=self.loss, grad_norms=[1.0] * self.stages, lr=self.lr)
@@ -182,12 +183,12 @@ class SimExecutor:
     def start(self, step: int, x: Any, y: Any, snapshot: StreamPosition | None = None, faults: Any = None) -> Any:
         if snapshot is not None:
             self.world.positions[step] = snapshot
-        return SimPending(step, float(10.0 / np.sqrt(step)), self.group.stages, self.cfg.train.lr)
+        return SimPending(step, float(10.0 / np.sqrt(step)), self.group.stages, self.cfg.train.lr, snapshot is not None)
 
     def finish(self, pending: Any, timeout: float = float("inf")) -> StepResult:
         g, w, p = self.group, self.world, self.cfg.parallel
         with g.charged:
-            took = w.costs.step_s(g.stages, p.microbatches, self.cfg.train.batch_size, g.width)
+            took = w.costs.step_s(g.stages, p.microbatches, self.cfg.train.batch_size, g.width, pending.snapshot)
             death = w.fleet.first_death(set(g.nodes.values()), set(g.nodes), w.clock.now + took)
         if death is None:
             w.clock.advance(w.clock.now + took)

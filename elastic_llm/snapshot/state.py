@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from elastic_llm.tensors import host
 
 FORMAT = "elastic-llm-stage-state"
 FORMAT_VERSION = 1
@@ -201,8 +202,8 @@ def json_state(
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]],
         "rng_numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "rng_python": [py_state[0], list(py_state[1]), py_state[2]],
-        "rng_torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-        "rng_cuda": [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+        "rng_torch": base64.b64encode(host(torch.get_rng_state()).tobytes()).decode(),
+        "rng_cuda": [base64.b64encode(host(s).tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
         if torch.cuda.is_available() and torch.cuda.is_initialized()
         else [],
     }

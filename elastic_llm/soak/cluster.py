@@ -69,11 +69,11 @@ class SoakCluster:
         self.top_up()
 
     def stop(self) -> None:
-        """End Ray here, and the cluster if the soak started it."""
+        """End the cluster and this process's Ray if the soak started them (a test's stay)."""
         import ray
 
-        ray.shutdown()
         if self.own and self.cluster is not None:
+            ray.shutdown()
             self.cluster.shutdown()
             self.cluster = None
 

@@ -1,0 +1,143 @@
+"""``elastic-llm bench calibrate``: the simulation's cost model of this machine, from the benchmarks.
+
+Runs the benchmarks whose figures the cost model holds (or reads their JSON from ``--from DIR``),
+each on ``jobs/tiny.yaml`` (the model of the loopback replays), and derives every figure from
+them with :func:`profile_from` (pure), never from a replay (the replay is what the simulation is
+then compared with: ``elastic-llm bench simulate``):
+
+- ``bench snapshot``: the step on a loopback cluster of 3 nodes without snapshots and with one
+  every step (parity 1): ``seq_stage_s`` (the step's work over the machine's cores: every
+  loopback "node" shares them) and ``snapshot_step_s`` (the difference); the stage copy
+  (``copy_mb_s``) and the parity encode (``parity_mb_s``);
+- ``bench recovery``: a full restart's process starts (``actor_start_s``: the run's stage
+  processes start two at a time on two cores), a warm standby's adoption (``adopt_s``), a killed
+  stage noticed (``detect_process_s``), a stage's state copied from a data-parallel peer
+  (``network_mb_s``) and restored from its node's manager (``restore_mb_s``);
+- ``bench detect``: a vanished node noticed by the run's node watch (``detect_node_s``);
+- ``bench transport``: the gradient exchange at width 2 over the step's socket links (``allreduce_s``);
+- ``bench durable``: the flush through the managers (``flush_mb_s``).
+
+Writes the profile (``--out``, default ``elastic_llm/sim/profiles/cpu-2core.yaml``) with its
+provenance (machine, date, which benchmark gave which figure) and the benchmarks' JSON beside it.
+Never changes product code or reads a replay.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.common import machine_info
+
+PROFILE = "elastic_llm/sim/profiles/cpu-2core.yaml"
+CONFIG = "jobs/tiny.yaml"
+MB = 1e6
+
+
+def _stage_mb(parameters: int, stages: int) -> float:
+    return parameters * 12 / stages / MB  # fp32 weights + two AdamW moments, one stage's whole state
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else 0.0
+
+
+def profile_from(runs: dict[str, Any], cores: int, batch: int = 16) -> tuple[dict[str, Any], list[str]]:
+    """The cost model's figures from the benchmarks' results (``runs``: snapshot, recovery,
+    detect, transport, durable; tiny's), each with the line saying where it came from. Pure."""
+    snap, rec, det, tr, du = runs["snapshot"], runs["recovery"], runs["detect"], runs["transport"], runs["durable"]
+    stages, params = int(snap["stages"]), int(snap["parameters"])
+    stage_mb = _stage_mb(params, stages)
+    clean, snapped = float(snap["cluster_step_s_without_snapshot"]), float(snap["cluster_step_s_with_snapshot"])
+    paths = rec["paths"]
+    adopted = [p["actor_s"] for p in paths.values() if p.get("adopted") and p.get("actor_s") is not None]
+    grad_mb = params * 4 / MB  # at width 2 each replica sends (and receives) 2 (dp - 1) / dp = 1x its gradient
+    big = max(tr["rows"], key=lambda r: r["bytes"])
+    socket_mb_s = big["bytes"] / MB / (big["systems"]["sockets"]["us_per_msg"] / 1e6)
+    fig = {
+        "seq_stage_s": clean * cores / (batch * stages),
+        "allreduce_s": 2 * grad_mb / socket_mb_s,
+        "actor_start_s": float(rec["full_restart"]["actor_s"]) * min(cores, stages) / stages,
+        "adopt_s": _median(adopted),
+        "detect_process_s": float(paths["local_smp"]["detect_s"]),
+        "detect_node_s": float(det["node_watch"]["median_s"]),
+        "network_mb_s": stage_mb / float(paths["dp_peer"]["state_s"]),
+        "restore_mb_s": stage_mb / float(paths["local_smp"]["state_s"]),
+        "parity_mb_s": 1e3 * float(snap["parity_encode_GBps"]),
+        "copy_mb_s": 1e3 * float(snap["snapshot_copy_GBps"]),
+        "flush_mb_s": 1e3 * float(du["flush_GBps"]),
+        "snapshot_step_s": max(0.0, snapped - clean),
+        "cores": float(cores),
+        "state_bytes_per_param": 12,
+    }
+    why = [
+        f"seq_stage_s: bench snapshot, tiny's step on a 3-node loopback cluster without snapshots ({clean:.3f} s) x {cores} cores / ({batch} sequences x {stages} stages)",
+        f"snapshot_step_s: bench snapshot, the same step with a snapshot every step ({snapped:.3f} s) less without",
+        f"allreduce_s: 2 x {grad_mb:.1f} MB of gradient at width 2 over the step's sockets (bench transport, {big['bytes'] >> 10} KiB messages: {socket_mb_s:.0f} MB/s)",
+        f"actor_start_s: bench recovery, a full restart's {stages} process starts ({rec['full_restart']['actor_s']} s), {min(cores, stages)} at a time",
+        f"adopt_s: bench recovery, a warm standby adopted (median over {len(adopted)} paths)",
+        f"detect_process_s: bench recovery, a killed stage's step failing (local_smp path, {paths['local_smp']['detect_s']} s)",
+        f"detect_node_s: bench detect, the node watch's median ({det['node_watch']['median_s']} s)",
+        f"network_mb_s: bench recovery, a stage's state ({stage_mb:.1f} MB) copied from a data-parallel peer in {paths['dp_peer']['state_s']} s",
+        f"restore_mb_s: bench recovery, the same restored from its node's manager in {paths['local_smp']['state_s']} s",
+        f"parity_mb_s / copy_mb_s: bench snapshot, ISA-L encode {snap['parity_encode_GBps']} GB/s, the stage copy {snap['snapshot_copy_GBps']} GB/s",
+        f"flush_mb_s: bench durable, the flush through the managers ({du['flush_GBps']} GB/s)",
+    ]
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in fig.items()}, why
+
+
+def _run(name: str) -> Any:
+    if name == "snapshot":
+        from benchmarks.snapshot import run_snapshot_bench
+
+        return run_snapshot_bench(CONFIG, steps=8)
+    if name == "recovery":
+        from benchmarks.recovery import run_recovery_bench
+
+        return run_recovery_bench([CONFIG])[0]
+    if name == "detect":
+        from benchmarks.detect import run_detect_bench
+
+        return run_detect_bench(rounds=3)
+    if name == "transport":
+        from benchmarks.transport import run_transport_bench
+
+        return run_transport_bench(rounds=100)
+    from benchmarks.durable import run_durable_bench
+
+    return run_durable_bench(CONFIG)
+
+
+def run_calibrate_bench(out: str | None = None, from_dir: str | None = None, results_dir: str | None = None) -> dict[str, Any]:
+    """Run (or read, ``from_dir``) the benchmarks and write the profile to ``out``."""
+    runs: dict[str, Any] = {}
+    keep = Path(results_dir or "benchmarks/results/calibration")
+    keep.mkdir(parents=True, exist_ok=True)
+    for name in ("snapshot", "recovery", "detect", "transport", "durable"):
+        if from_dir is not None:
+            runs[name] = json.loads((Path(from_dir) / f"{name}.json").read_text())
+        else:
+            runs[name] = _run(name)
+            (keep / f"{name}.json").write_text(json.dumps(runs[name], indent=1, default=str))
+    machine = machine_info()
+    fig, why = profile_from(runs, int(machine.get("cpu_count") or 2))
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    header = [f"# Calibrated by `elastic-llm bench calibrate` on {date} on {machine.get('cpu')} ({machine.get('cpu_count')} cores),",
+              "# from this machine's benchmarks of jobs/tiny.yaml (their JSON: benchmarks/results/calibration/), never from a replay:",
+              *(f"# - {w}" for w in why)]
+    doc = {"name": "cpu-2core", "provenance": f"measured by elastic-llm bench calibrate on {date} ({machine.get('cpu')}, {machine.get('cpu_count')} cores): "
+                                              "bench snapshot, recovery, detect, transport, durable of jobs/tiny.yaml", **fig}
+    path = Path(out or PROFILE)
+    path.write_text("\n".join(header) + "\n" + yaml.safe_dump(doc, sort_keys=False))
+    return {"bench": "calibrate", "machine": machine, "profile": str(path), "figures": fig, "sources": why}
+
+
+if __name__ == "__main__":
+    from benchmarks.common import main
+
+    raise SystemExit(main("calibrate"))

@@ -1,0 +1,165 @@
+"""The sources of a stage's state other than its own snapshots: its neighbours, a redundant copy,
+checkpoint files and durable checkpoints.
+
+Owns: what a stage actor does for the recovery modes that do not restore its own snapshot (mixed
+into :class:`~elastic_llm.pipeline.stage.StageWorker`, whose actor methods these are):
+CheckFree / CheckFree+ (its layers for a neighbour to average, the mirror of its neighbour's
+embedding or LM head it keeps, rebuilding itself from neighbours' layers with a fresh optimizer
+and a resumed LR schedule), the redundant copy of its successor (``recovery.mode: redundant``),
+checkpoint files (``recovery.mode: checkpoint``) and a durable checkpoint of any width or stage
+count. Never decides which source serves a stage (the recovery plan does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from elastic_llm.tensors import host, host_bytes
+
+
+class OtherSources:
+    """Mixed into the stage actor: needs its ``module``, ``optimizer``, ``scheduler``, ``copies``,
+    ``arena``, ``shadow``, ``cfg``, ``stage``, ``replica``, ``step_count``, ``mirror`` and its
+    ``capture_state``, ``load_state``, ``load_parts`` and ``reset_step``."""
+
+    module: Any
+    optimizer: Any
+    scheduler: Any
+    copies: Any
+    arena: Any
+    shadow: Any
+    cfg: Any
+    stage: int
+    replica: int
+    step_count: int
+    mirror: np.ndarray | None
+    mirror_step: int
+
+    def capture_state(self, data_position: Any = None, replica_slice: bool = False) -> tuple[np.ndarray, str]:
+        raise NotImplementedError  # the stage's
+
+    def load_state(self, buffer: np.ndarray, manifest: str) -> int:
+        raise NotImplementedError  # the stage's
+
+    def load_parts(self, manifest: str, offsets: list[int], *parts: np.ndarray) -> int:
+        raise NotImplementedError  # the stage's
+
+    def reset_step(self) -> int:
+        raise NotImplementedError  # the stage's
+
+    # ------------------------------------------------------------------ CheckFree / CheckFree+
+    def _outer(self) -> list[torch.nn.Parameter]:
+        """Parameters outside the transformer layers: the embedding, or final norm + LM head."""
+        return [p for n, p in self.module.named_parameters() if not n.startswith("layers.")]
+
+    def layer_params(self) -> np.ndarray:
+        """The transformer layers' parameters, flat float32 in module order (what CheckFree
+        averages: every stage has the same layers in the same layout)."""
+        return host(torch.cat([p.detach().reshape(-1) for n, p in self.module.named_parameters() if n.startswith("layers.")]))
+
+    def mirror_source(self) -> np.ndarray:
+        """This stage's embedding (first stage) or final norm + LM head (last stage), flat."""
+        return host(torch.cat([p.detach().reshape(-1) for p in self._outer()]))
+
+    def hold_mirror(self, values: np.ndarray, step: int) -> int:
+        """Keep the neighbour's embedding / head (its :meth:`mirror_source` after ``step``)."""
+        self.mirror = np.array(values, copy=True)
+        self.mirror_step = step
+        return step
+
+    def mirror_params(self) -> np.ndarray:
+        if self.mirror is None:
+            raise RuntimeError(f"stage {self.stage} holds no mirror yet")
+        return self.mirror
+
+    def rebuild(self, step: int, lr_scale: float, a: float, b: float, next_layers: np.ndarray, prev_layers: np.ndarray | None = None, mirror: np.ndarray | None = None) -> int:
+        """Become a stage rebuilt from neighbours at ``step``: layers = the average
+        ``(a next + b prev) / (a + b)`` (CheckFree), or a copy of ``next_layers`` when
+        ``prev_layers`` is None (CheckFree+: the first / last stage copies its neighbour); the
+        embedding / head from ``mirror`` (else they keep their fresh initialisation). The
+        optimizer starts fresh with the learning rate x ``lr_scale``; the LR schedule resumes at
+        ``step``. Returns the CRC-32 of the new parameters (the recovery record carries it)."""
+        import zlib
+
+        from elastic_llm.recovery.checkfree import average
+
+        self.copies.wait()
+        layers = np.asarray(next_layers) if prev_layers is None else average(np.asarray(next_layers), np.asarray(prev_layers), a, b)
+        with torch.no_grad():
+            self._load_flat([p for n, p in self.module.named_parameters() if n.startswith("layers.")], layers)
+            if mirror is not None:
+                self._load_flat(self._outer(), np.asarray(mirror))
+            for st in self.optimizer.state.values():  # a fresh optimizer: moments and step counts zero (in the arena)
+                for value in st.values():
+                    if torch.is_tensor(value):
+                        value.zero_()
+        self._resume_schedule(step, lr_scale)
+        self.reset_step()
+        return zlib.crc32(host_bytes(torch.cat([p.detach().reshape(-1) for p in self.module.parameters()])).data)
+
+    @staticmethod
+    def _load_flat(params: list[torch.nn.Parameter], flat: np.ndarray) -> None:
+        total = sum(p.numel() for p in params)
+        if flat.size != total:
+            raise ValueError(f"{flat.size} values for {total} parameters: the neighbour's layout differs")
+        offset = 0
+        for p in params:
+            p.copy_(torch.from_numpy(flat[offset : offset + p.numel()]).view_as(p))
+            offset += p.numel()
+
+    def _resume_schedule(self, step: int, lr_scale: float) -> None:
+        """Put the (fresh) optimizer's LR schedule at ``step`` with its peak LR x ``lr_scale``."""
+        sched = self.scheduler
+        sched.base_lrs = [lr * lr_scale for lr in sched.base_lrs]
+        for g, base in zip(self.optimizer.param_groups, sched.base_lrs):
+            g["initial_lr"] = base
+        sched.last_epoch = step
+        for g, base, fn in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            g["lr"] = base * fn(step)
+        sched._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self.step_count = step
+
+    # ------------------------------------------------------------------ redundant copy (Bamboo-style)
+    def shadow_state(self) -> tuple[np.ndarray, str]:
+        """The redundant copy's whole state as (bytes, manifest): what promotes it."""
+        assert self.shadow is not None, "no redundant copy: recovery.mode is not redundant"
+        return self.shadow.capture(self.step_count, self.cfg.config_hash())
+
+    def load_shadow(self, buffer: np.ndarray, manifest: str) -> int:
+        """Restore the redundant copy from the successor's own state (after this actor was replaced)."""
+        assert self.shadow is not None, "no redundant copy: recovery.mode is not redundant"
+        return self.shadow.load(buffer, manifest, self.cfg.config_hash())
+
+    # ------------------------------------------------------------------ checkpoint files
+    def save_checkpoint(self, root: str, step: int) -> int:
+        """Write this stage's whole state to checkpoint ``step`` under ``root``; returns bytes."""
+        from elastic_llm.checkpoint import write_stage
+
+        buf, manifest = self.capture_state()
+        return write_stage(root, step, self.stage, self.replica, buf, manifest)
+
+    def load_checkpoint(self, root: str, step: int) -> int:
+        """Restore this stage from checkpoint ``step`` under ``root`` (raw bytes and JSON only)."""
+        from elastic_llm.checkpoint import read_stage
+
+        data, manifest = read_stage(root, step, self.stage, self.replica)
+        return self.load_state(data, manifest)
+
+    def load_durable(self, run_uri: str, name: str) -> int:
+        """Restore this stage from durable checkpoint ``name`` of the run at ``run_uri``: its
+        layers' tensors by global name (any data-parallel width or stage count wrote them), every
+        tensor checked against its CRC-32 first. Returns the step."""
+        import json
+
+        from elastic_llm.durable.format import Checkpoint
+        from elastic_llm.durable.restore import stage_state
+        from elastic_llm.durable.storage import Storage
+
+        self.copies.wait()
+        layout = self.arena.layout
+        buf = self.copies.buffer(2)
+        m = stage_state(Checkpoint(Storage(run_uri), name), layout.entries, layout.nbytes, self.module.layer_ids, self.stage, self.replica, self.cfg.config_hash(), buf)
+        return self.load_parts(json.dumps(m), [0], buf)
