@@ -15,7 +15,10 @@ about the run as a whole (:class:`~elastic_llm.monitor.RunMonitor`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger("elastic_llm.telemetry")
 
 PREFIX = "elastic_llm_"
 
@@ -55,6 +58,7 @@ class Metrics:
     def __init__(self) -> None:
         self._made: dict[str, Any] = {}
         self.enabled: bool | None = None  # decided at the first call
+        self.failed = 0  # records that could not be exported (the first one is logged)
 
     def _metric(self, name: str) -> Any:
         if self.enabled is None:
@@ -88,5 +92,7 @@ class Metrics:
             m = self._metric(name)
             if m is not None:
                 getattr(m, method)(float(value), tags={k: str(v) for k, v in tags.items()})
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - a metric that cannot be exported must not stop training; the first is said
+            if not self.failed:
+                log.warning("Ray metric %s not exported (%s: %s); the others go on", name, type(e).__name__, e)
+            self.failed += 1

@@ -304,6 +304,8 @@ class RayStepExecutor:
 
     def settle(self, timeout: float = SETTLE_S) -> None:
         """Make sure no call of the last step still runs (abort it and wait for its reports)."""
+        import ray
+
         p = self.last
         if p is None:
             return
@@ -312,8 +314,8 @@ class RayStepExecutor:
                 if k not in p.reports and k not in p.lost:
                     try:
                         self.actor(k).abort_step.options(concurrency_group="control").remote(p.generation)
-                    except Exception:
-                        pass
+                    except ray.exceptions.RayError:  # its actor is gone: nothing left to abort
+                        continue
             self.linked = False
             self._wait(p, timeout)
 

@@ -266,11 +266,11 @@ class SnapshotManager:
                 infos.append(ray.get(refs[0], timeout=0))
             except Exception as e:
                 failed.append(f"{key} ({type(e).__name__})")
-                for r in refs[1:]:
+                for r in refs[1:]:  # read (and drop) the failed call's other returns: Ray reports unread errors as unhandled
                     try:
                         ray.get(r, timeout=0)
-                    except Exception:
-                        pass
+                    except Exception:  # noqa: BLE001 - the failure is the first return's, counted above
+                        continue
         if failed:
             raise RuntimeError(f"no snapshot of step {version} from stages {', '.join(failed)}")
         return infos
