@@ -173,7 +173,7 @@ class ElasticView:
     stages: int
     spares: tuple[SpareView, ...]
     stage_spares: tuple[SpareView, ...]
-    free_slots: int | None = None  # free actor slots off the draining nodes (+ the orphan bundles of the replicas on them); None: not looked at
+    free_slots: int | None = None  # free actor slots off the draining nodes ; None: not looked at
     room_for_replica: bool | None = None  # None: not looked at (not time to, or no growing)
     wall: float = 0.0  # time.time() of the look (drain deadlines are wall-clock)
     step_s: float = 0.0  # how far off the next look is (about one step): a drain due before then is acted on now
@@ -289,7 +289,7 @@ class ElasticExecutor:
         stage_spares = tuple(SpareView(sp, k, frozenset(g.spare_nodes_of(sp)), g.spare_age(sp), g.stage_spare_ready(sp)) for k, sp in g.stage_spares.items())
         avoid = self.avoid(draining)
         affected = {k.replica for k in g.keys() if g.nodes.get(k) in draining and g.nodes[k] not in seen}
-        free = g.free_slots(avoid) + sum(g.placed_orphans(r, avoid) for r in affected) if affected else None
+        free = g.free_slots(avoid) if affected else None
         room = None
         if not affected and not g.spares and g.width < el.bounds(self.cfg.parallel.dp)[1] and now - self._last_grow_look >= el.grow_check_s:
             self._last_grow_look = now

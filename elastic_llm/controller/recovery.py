@@ -133,9 +133,8 @@ class RecoveryExecutor:
         durable = o.durable.latest() if o.durable is not None else None
         lost = [k for k, st in steps.items() if st is None]
         avoid = frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects())
-        # bookkeeping only: a lost actor whose slot went with its node takes a slot its replica
-        # already holds and no actor uses (left by an earlier per-stage move), if one is placed
-        self.group.rehome(lost, avoid=avoid)
+        # a lost actor whose slot went with its node gets a new one (none outlives its node)
+        self.group.renew(lost, avoid=avoid)
         moved = {k.replica for k in lost if self.group.nodes.get(k) not in alive_nodes}
         unplaceable = frozenset(self.group.unplaceable(moved, avoid=avoid)) if moved else frozenset()
         standbys = self.standbys.ready() if self.standbys is not None and self.standbys.enabled else {}

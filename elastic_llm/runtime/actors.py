@@ -36,11 +36,11 @@ WIDTH_S = 60.0  # longest the actors may take to learn a new width
 
 @dataclass(eq=False)
 class Spare:
-    """A replica started in the background: its placement group and, once that is placed, its
-    actors (warm standbys adopted on the bundles' nodes, or new processes) and the calls that
-    answer when they have started."""
+    """A replica started in the background: its placement groups (one per stage) and, once they
+    are placed, its actors (warm standbys adopted on the bundles' nodes, or new processes) and the
+    calls that answer when they have started."""
 
-    pg: Any
+    pgs: tuple[Any, ...]
     started: float  # Clock.monotonic
     actors: tuple[Any, ...] = ()
     infos: tuple[Any, ...] = ()
@@ -50,8 +50,8 @@ class Spare:
 @dataclass(eq=False)
 class StageSpare:
     """One stage actor started in the background to take over ``key`` (a per-stage drain move):
-    a bundle (of a one-bundle group of its own, or an orphan of its replica's group) and, once
-    placed, its actor and the call that answers once it has started."""
+    its one-bundle placement group and, once placed, its actor and the call that answers once it
+    has started."""
 
     key: ShardKey
     pg: Any
@@ -59,8 +59,6 @@ class StageSpare:
     actor: Any = None
     info: Any = None
     adopted: bool = False
-    bundle: int = 0  # the bundle of ``pg`` it is on
-    owned: bool = True  # ``pg`` was made for it (released with it); else an orphan bundle of its replica's group
 
 
 def kill_actor(handle: Any) -> None:
@@ -107,7 +105,7 @@ class ActorGroup(StateCalls):
         they are not within ``wait_s``, or (``at_once``, in a recovery) at once when the nodes not
         in ``avoid`` have no room for the pending ones. Ray re-places a lost node's bundles once
         there is room."""
-        self.slots.ensure(self.width)
+        self.slots.ensure(self.width, avoid)
         if at_once:
             pending = self.slots.unplaceable(range(self.width), avoid=avoid, wait_s=wait_s)
         else:
@@ -116,17 +114,14 @@ class ActorGroup(StateCalls):
             raise CapacityUnavailable(self.capacity())
 
     def placed(self) -> bool:
-        return bool(self.slots.pgs) and not self.slots.unplaced(range(self.width), 0)
+        return bool(self.slots.groups) and not self.slots.unplaced(range(self.width), 0)
 
     def capacity(self, replicas: int | None = None) -> Capacity:
         standbys = self.pool.count() if self.pool is not None and self.pool.enabled else None
-        return self.slots.capacity(self.width, self.keys(), replicas, standbys)
+        return self.slots.capacity(self.width, replicas, standbys)
 
     def free_slots(self, avoid: frozenset[str] = frozenset()) -> int:
         return self.slots.free_slots(avoid)
-
-    def placed_orphans(self, replica: int, avoid: frozenset[str] = frozenset()) -> int:
-        return self.slots.placed_orphans(replica, avoid)
 
     def unplaceable(self, replicas: Iterable[int], avoid: frozenset[str] = frozenset()) -> set[int]:
         return self.slots.unplaceable(replicas, avoid)
@@ -134,8 +129,8 @@ class ActorGroup(StateCalls):
     def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]:
         return self.slots.bundle_nodes(keys)
 
-    def rehome(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
-        return self.slots.rehome(keys, avoid)
+    def renew(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
+        return self.slots.renew(keys, avoid)
 
     # ------------------------------------------------------------------ actors
     def spawn_all(self) -> None:
@@ -155,7 +150,7 @@ class ActorGroup(StateCalls):
                 self.kill(key)
                 node = adopt.get(key)
                 if node is None:
-                    self.actors[key.replica][key.stage] = self._spawn(key, *self.slots.reservation(key))
+                    self.actors[key.replica][key.stage] = self._spawn(key, self.slots.groups[key])
                     continue
                 sb = self.pool.take(node) if self.pool is not None else None
                 if sb is None:
@@ -171,8 +166,8 @@ class ActorGroup(StateCalls):
             return None
         return self.gpus.get(key) or None
 
-    def _spawn(self, key: ShardKey, pg: Any, bundle: int | None = None) -> Any:
-        """Start the actor of ``key`` on bundle ``bundle`` (default ``key.stage``) of ``pg`` (returns at once)."""
+    def _spawn(self, key: ShardKey, pg: Any) -> Any:
+        """Start the actor of ``key`` in the one-bundle group ``pg`` (returns at once)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -189,7 +184,7 @@ class ActorGroup(StateCalls):
             num_cpus=par.cpus_per_actor,
             num_gpus=par.gpus_per_actor,
             max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=key.stage if bundle is None else bundle),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
         ).remote(self.cfg, key.stage, key.replica, self.width, self.run_id)
 
     def describe(self, keys: list[ShardKey], calls: dict[ShardKey, Any] | None = None) -> list[Any]:
@@ -285,26 +280,27 @@ class ActorGroup(StateCalls):
     # ------------------------------------------------------------------ spare replicas and stages
     def start_spare(self) -> Spare:
         """Place one more replica in the background (nothing waits); :meth:`spare_ready` gives it
-        its actors once the placement group is placed. Not part of the width until :meth:`adopt`."""
-        spare = Spare(self.slots.new_group(), self.clock.monotonic())
+        its actors once its placement groups are placed. Not part of the width until :meth:`adopt`."""
+        spare = Spare(tuple(self.slots.make(self.stages)), self.clock.monotonic())
         self.spares.append(spare)
         return spare
 
     def spare_age(self, spare: Spare | StageSpare) -> float:
         return self.clock.monotonic() - spare.started
 
-    def _fill(self, pg: Any, keys: list[ShardKey], bundles: list[int], width: int) -> list[tuple[Any, Any, bool]]:
-        """Actors for ``keys`` on the placed ``bundles`` of ``pg``: a warm standby of the bundle's
-        node where one is ready (adopted: it builds the stage), else a new process in the bundle.
-        Returns (actor, call answering its info, adopted) per key."""
-        where = self.slots.bundle_nodes_of(pg)
+    def _fill(self, pgs: tuple[Any, ...], keys: list[ShardKey], width: int) -> list[tuple[Any, Any, bool]]:
+        """Actors for ``keys`` in the placed one-bundle groups ``pgs``: a warm standby of the
+        group's node where one is ready (adopted: it builds the stage), else a new process in the
+        group. Returns (actor, call answering its info, adopted) per key."""
+        where = self.slots.nodes_of(pgs)
         out = []
-        for key, b in zip(keys, bundles):
-            sb = self.pool.take(where[b]) if self.pool is not None and self._standby_fits() else None
+        for key, pg in zip(keys, pgs):
+            node = where[pg]
+            sb = self.pool.take(node) if node is not None and self.pool is not None and self._standby_fits() else None
             if sb is not None:
                 out.append((sb.actor, sb.actor.adopt.remote(key.stage, key.replica, width, None), True))
             else:
-                actor = self._spawn(key, pg, b)
+                actor = self._spawn(key, pg)
                 out.append((actor, actor.info.remote(), False))
         return out
 
@@ -315,13 +311,21 @@ class ActorGroup(StateCalls):
 
     def spare_ready(self, spare: Spare) -> bool:
         """Whether every actor of ``spare`` has started (no waiting; gives it its actors once its
-        placement group is placed)."""
+        placement groups are placed). A spare that lost a node starts over on new groups."""
         import ray
 
+        lost = set(self.slots.lost(spare.pgs))
+        if lost:
+            for a in spare.actors:
+                kill_actor(a)
+            for pg in lost:
+                remove_group(pg)
+            spare.pgs = tuple(pg if pg not in lost else self.slots.make(1)[0] for pg in spare.pgs)
+            spare.actors, spare.infos, spare.adopted = (), (), 0
         if not spare.actors:
-            if len(self.slots.bundle_nodes_of(spare.pg)) < self.stages:
+            if any(n is None for n in self.slots.nodes_of(spare.pgs).values()):
                 return False
-            made = self._fill(spare.pg, [ShardKey(s, self.width) for s in range(self.stages)], list(range(self.stages)), self.width + 1)
+            made = self._fill(spare.pgs, [ShardKey(s, self.width) for s in range(self.stages)], self.width + 1)
             spare.actors = tuple(a for a, _, _ in made)
             spare.infos = tuple(i for _, i, _ in made)
             spare.adopted = sum(1 for _, _, ad in made if ad)
@@ -330,7 +334,7 @@ class ActorGroup(StateCalls):
 
     def spare_nodes(self, spare: Spare) -> set[str]:
         """Nodes the bundles of ``spare`` are placed on (empty while unplaced)."""
-        return set(self.slots.bundle_nodes_of(spare.pg).values())
+        return {n for n in self.slots.nodes_of(spare.pgs).values() if n}
 
     def adopt(self, spare: Spare) -> int:
         """Make a started spare the last replica; returns its index. The caller copies state in
@@ -339,7 +343,7 @@ class ActorGroup(StateCalls):
 
         self.spares.remove(spare)
         r = self.width
-        self.slots.pgs.append(spare.pg)
+        self.slots.groups.update({ShardKey(s, r): pg for s, pg in enumerate(spare.pgs)})
         self.actors.append(list(spare.actors))
         self.width += 1
         for s, info in enumerate(ray.get(list(spare.infos), timeout=START_S)):
@@ -349,44 +353,43 @@ class ActorGroup(StateCalls):
         return r
 
     def cancel(self, spare: Spare) -> None:
-        """Stop a spare's actors and release its placement group."""
+        """Stop a spare's actors and release its placement groups."""
         if spare in self.spares:
             self.spares.remove(spare)
         for a in spare.actors:
             kill_actor(a)
-        remove_group(spare.pg)
+        for pg in spare.pgs:
+            remove_group(pg)
 
     def start_stage_spare(self, key: ShardKey, avoid: frozenset[str] = frozenset()) -> StageSpare:
-        """Reserve room for one more actor of ``key`` elsewhere and start it in the background: an
-        orphan bundle of its replica's group placed on a node not in ``avoid``, else a new
-        one-bundle placement group (Ray places no new bundle on a draining node)."""
-        taken = {(sp.pg, sp.bundle) for sp in self.stage_spares.values()}
-        pg = self.slots.pgs[key.replica]
-        free = self.slots.bundle_nodes_of(pg)
-        for i in self.slots.orphans(key.replica):
-            if (pg, i) not in taken and free.get(i) and free[i] not in avoid:
-                spare = StageSpare(key, pg, self.clock.monotonic(), bundle=i, owned=False)
-                break
-        else:
-            spare = StageSpare(key, self.slots.new_group(1, "PACK"), self.clock.monotonic())
+        """Reserve room for one more actor of ``key`` elsewhere and start it in the background: a
+        new one-bundle placement group aimed at a node not in ``avoid``, near the replica's other
+        stages (Ray places no new bundle on a draining node)."""
+        spare = StageSpare(key, self.slots.make(1, avoid, self.slots.homes(key.replica, avoid))[0], self.clock.monotonic())
         self.stage_spares[key] = spare
         return spare
 
     def stage_spare_ready(self, spare: StageSpare) -> bool:
-        """Whether the actor of ``spare`` has started (no waiting; gives it its actor once placed)."""
+        """Whether the actor of ``spare`` has started (no waiting; gives it its actor once placed).
+        A stage spare that lost its node starts over on a new group."""
         import ray
 
+        if self.slots.lost([spare.pg]):
+            if spare.actor is not None:
+                kill_actor(spare.actor)
+            remove_group(spare.pg)
+            spare.pg, spare.actor, spare.info, spare.adopted = self.slots.make(1)[0], None, None, False
         if spare.actor is None:
-            if not self.slots.bundle_nodes_of(spare.pg).get(spare.bundle):
+            if self.slots.node_of(spare.pg) is None:
                 return False
-            (actor, info, adopted), = self._fill(spare.pg, [spare.key], [spare.bundle], self.width)
+            (actor, info, adopted), = self._fill((spare.pg,), [spare.key], self.width)
             spare.actor, spare.info, spare.adopted = actor, info, adopted
         done, _ = ray.wait([spare.info], timeout=0)
         return bool(done)
 
     def spare_nodes_of(self, spare: StageSpare) -> set[str]:
         """The node the bundle of a stage spare is placed on (empty while unplaced)."""
-        node = self.slots.bundle_nodes_of(spare.pg).get(spare.bundle)
+        node = self.slots.node_of(spare.pg)
         return {node} if node else set()
 
     def cancel_stage_spare(self, spare: StageSpare) -> None:
@@ -394,13 +397,12 @@ class ActorGroup(StateCalls):
             del self.stage_spares[spare.key]
         if spare.actor is not None:
             kill_actor(spare.actor)
-        if spare.owned:  # else an orphan bundle of the replica's group: it stays
-            remove_group(spare.pg)
+        remove_group(spare.pg)
 
     def swap_in(self, spare: StageSpare) -> None:
         """The started ``spare`` takes over its key: it gets the old actor's whole state (actor to
-        actor: the old one still lives), becomes the key's actor with its bundle as the
-        reservation, and the old actor goes. The caller builds new links."""
+        actor: the old one still lives), becomes the key's actor with its group as the
+        reservation, and the old actor and its group go. The caller builds new links."""
         import ray
 
         from elastic_llm.runtime.stage_calls import COPY_S
@@ -412,14 +414,12 @@ class ActorGroup(StateCalls):
             buf, manifest = old.capture_state.options(num_returns=2).remote()
             ray.get(spare.actor.load_state.remote(buf, manifest), timeout=COPY_S)
         del self.stage_spares[key]
-        previous = self.slots.patches.get(key)
         self.kill(key)
+        self.slots.release(key)
         self.actors[key.replica][key.stage] = spare.actor
-        self.slots.patches[key] = (spare.pg, spare.bundle)
+        self.slots.groups[key] = spare.pg
         self.nodes[key], self.pids[key], self.gpus[key] = info.node_id, info.pid, info.gpu_ids
         self.ready.add(key)
-        if previous is not None and previous[0] is not self.slots.pgs[key.replica]:  # moved before: its own one-bundle group is free now
-            remove_group(previous[0])
 
     def shutdown(self) -> None:
         for spare in list(self.spares):

@@ -1,20 +1,29 @@
-"""Where a run's stage actors may run on Ray: one placement group per replica, and what is free.
+"""Where a run's stage actors may run on Ray: one placement group per actor, and what is free.
 
-Owns: the reservations of the stage actors (one placement group per data-parallel replica, one
-bundle per stage, so a replica can be added, dropped or moved whole; an actor moved alone by a
-drain keeps a one-bundle group of its own, or an orphan bundle of its replica's group that no
-stage uses any more), where each bundle is placed, moving a lost actor's reservation to an orphan
-bundle its replica already holds (:meth:`Reservations.rehome`), Ray's view of the free room
+Owns: the reservation of every stage actor (a placement group of one bundle of its own), where
+each is placed, the node each new reservation aims for (:func:`choose_nodes`, pure: a replica's
+stages packed onto few nodes for ``PACK``, one per node for ``SPREAD``), making a lost actor's
+reservation afresh (:meth:`Reservations.renew`), Ray's view of the free room
 (:meth:`Reservations.free_slots`), which replicas cannot be placed now, and saying what capacity is
 missing. Every wait has a deadline: a placement not done within ``PLACE_S`` raises
 :class:`~elastic_llm.controller.ports.CapacityUnavailable` (the controller then shrinks or waits).
 Never starts an actor (:mod:`.actors` does) and never decides which replicas to place.
+
+Why one group per actor, not one per replica: a group whose node died while other bundles of it
+live, or whose only bundle's node died, is re-placed by Ray's GCS in a loop that holds a core at
+100% for as long as there is no room (measured on Ray 2.60: 15 s of GCS CPU in 15 s, and the
+driver's calls to the GCS time out); a group that is new and waits for room costs nothing. So no
+group of the run outlives its node: the group of an actor lost with its node, of an actor moved
+off a draining node, of a dropped replica, is removed at once and a new one made where needed.
+A group of one bundle can be released without touching any other actor. Locality is kept by
+aiming each new group at a node (``STRICT_PACK`` with a soft target: if that node has filled up
+meanwhile, Ray places it elsewhere).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from elastic_llm.clock import Clock
@@ -24,6 +33,7 @@ from elastic_llm.snapshot.records import ShardKey
 
 log = logging.getLogger("elastic_llm.runtime")
 PLACE_S = 5.0  # how long a placement may stay pending before the run waits for capacity instead
+RESCHEDULING = "RESCHEDULING"  # Ray's state of a group whose node died
 
 
 def _fmt(bundle: dict[str, float]) -> str:
@@ -43,19 +53,42 @@ def remove_group(pg: Any) -> None:
         log.warning("placement group %s not released: %s: %s", getattr(pg, "id", "?"), type(e).__name__, e)
 
 
+def choose_nodes(free: Mapping[str, int], n: int, spread: bool, prefer: Sequence[str] = ()) -> list[str | None]:
+    """The node each of ``n`` new bundles aims for (pure), given each node's free slots: nodes in
+    ``prefer`` first (where the replica's other stages run), then the roomiest (ties by id).
+    Packed: fill a node before the next; spread: one bundle per node, round after round. A bundle
+    with no free slot left anywhere gets None (Ray places it wherever room appears)."""
+    left = {node: slots for node, slots in free.items() if slots > 0}
+    order = [p for p in dict.fromkeys(prefer) if p in left]
+    order += sorted((node for node in left if node not in order), key=lambda node: (-left[node], node))
+    out: list[str | None] = []
+    while len(out) < n and order:
+        if spread:
+            for node in list(order):
+                if len(out) == n:
+                    break
+                out.append(node)
+                left[node] -= 1
+                if not left[node]:
+                    order.remove(node)
+        else:
+            node = order[0]
+            take = min(left[node], n - len(out))
+            out += [node] * take
+            order.pop(0)
+    return out + [None] * (n - len(out))
+
+
 class Reservations:
-    """The placement groups of ``stages`` bundles like ``bundle``, one per replica, and the
-    actors moved alone (``patches``)."""
+    """The one-bundle placement groups of the run's stage actors (``groups``), made like
+    ``bundle``; spares' groups are made here and handed over when a spare is adopted."""
 
     def __init__(self, cfg: RunConfig, clock: Clock) -> None:
         self.cfg = cfg
         self.clock = clock
         self.stages = cfg.parallel.stages
-        self.pgs: list[Any] = []  # one placement group per replica (bundle i: stage i)
-        # actors moved alone: their reservation (placement group, bundle): a one-bundle group of their
-        # own, or a bundle of their replica's group that no stage uses any more (an "orphan": the
-        # bundle of a moved actor, re-placed by Ray once its node went)
-        self.patches: dict[ShardKey, tuple[Any, int]] = {}
+        self.spread = cfg.parallel.placement_strategy in ("SPREAD", "STRICT_SPREAD")
+        self.groups: dict[ShardKey, Any] = {}  # the reservation of each actor of the width
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -65,46 +98,69 @@ class Reservations:
             b["GPU"] = par.gpus_per_actor
         return b
 
-    def new_group(self, bundles: int | None = None, strategy: str | None = None) -> Any:
+    # ------------------------------------------------------------------ making groups
+    def free_per_node(self, avoid: frozenset[str] = frozenset()) -> dict[str, int]:
+        """How many more bundles like a stage actor's each live node not in ``avoid`` has room
+        for now, by Ray's view of available resources (no waiting, no reservation)."""
+        import ray
+
+        out = {}
+        for node, free in ray._private.state.state.available_resources_per_node().items():
+            if node in avoid:
+                continue
+            n = int(free.get("CPU", 0.0) // self.bundle["CPU"] + 1e-9)
+            if "GPU" in self.bundle:
+                n = min(n, int(free.get("GPU", 0.0) // self.bundle["GPU"] + 1e-9))
+            out[node] = n
+        return out
+
+    def free_slots(self, avoid: frozenset[str] = frozenset()) -> int:
+        return sum(self.free_per_node(avoid).values())
+
+    def make(self, n: int, avoid: frozenset[str] = frozenset(), prefer: Sequence[str] = ()) -> list[Any]:
+        """``n`` new one-bundle groups, aimed at nodes not in ``avoid`` (returns at once; Ray
+        places each when there is room)."""
         from ray.util.placement_group import placement_group
 
-        return placement_group([dict(self.bundle) for _ in range(bundles or self.stages)], strategy=strategy or self.cfg.parallel.placement_strategy)
+        targets = choose_nodes(self.free_per_node(avoid), n, self.spread, prefer)
+        return [placement_group([dict(self.bundle)], strategy="STRICT_PACK", _soft_target_node_id=t) for t in targets]
 
-    def ensure(self, width: int) -> None:
-        while len(self.pgs) < width:
-            self.pgs.append(self.new_group())
+    def ensure(self, width: int, avoid: frozenset[str] = frozenset()) -> None:
+        """Every actor of the first ``width`` replicas has a group (new ones packed per replica)."""
+        for r in range(width):
+            missing = [ShardKey(s, r) for s in range(self.stages) if ShardKey(s, r) not in self.groups]
+            if missing:
+                for key, pg in zip(missing, self.make(len(missing), avoid, self.homes(r, avoid))):
+                    self.groups[key] = pg
 
-    def reservation(self, key: ShardKey) -> tuple[Any, int]:
-        """(placement group, bundle index) that reserves ``key``'s resources."""
-        if key in self.patches:
-            return self.patches[key]
-        return self.pgs[key.replica], key.stage
+    def homes(self, replica: int, avoid: frozenset[str] = frozenset()) -> list[str]:
+        """Nodes not in ``avoid`` that the placed groups of ``replica`` are on (where its new ones should go first)."""
+        where = self.nodes_of([pg for k, pg in sorted(self.groups.items()) if k.replica == replica])
+        return [n for n in where.values() if n and n not in avoid]
 
-    def orphans(self, replica: int) -> list[int]:
-        """Bundles of ``replica``'s placement group that reserve no actor (their actor moved
-        alone): room the run already holds, for moving another of the replica's actors."""
-        used = {self.reservation(ShardKey(s, replica)) for s in range(self.stages)}
-        pg = self.pgs[replica]
-        return [i for i in range(self.stages) if (pg, i) not in used]
-
-    def bundle_nodes_of(self, pg: Any) -> dict[int, str]:
+    # ------------------------------------------------------------------ where they are
+    def table(self) -> dict[str, dict[str, Any]]:
+        """Ray's placement group table, by group id (one GCS call)."""
         from ray.util.placement_group import placement_group_table
 
-        return {i: n for i, n in placement_group_table(pg).get("bundles_to_node_id", {}).items() if n}
+        return placement_group_table()
+
+    def nodes_of(self, pgs: Iterable[Any], table: dict[str, dict[str, Any]] | None = None) -> dict[Any, str | None]:
+        """The node each one-bundle group of ``pgs`` is placed on (None: not placed)."""
+        table = self.table() if table is None else table
+        out = {}
+        for pg in pgs:
+            row = table.get(pg.id.hex(), {})
+            out[pg] = None if row.get("state") == RESCHEDULING else (row.get("bundles_to_node_id", {}).get(0) or None)
+        return out
+
+    def node_of(self, pg: Any) -> str | None:
+        return self.nodes_of([pg])[pg]
 
     def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]:
-        """Where the bundle (the reservation) of each of ``keys`` is placed now (None: not placed). No waiting."""
-        tables: dict[Any, dict[int, str]] = {}
-        out: dict[ShardKey, str | None] = {}
-        for k in keys:
-            if k.replica >= len(self.pgs):
-                out[k] = None
-                continue
-            pg, i = self.reservation(k)
-            if pg.id not in tables:
-                tables[pg.id] = self.bundle_nodes_of(pg)
-            out[k] = tables[pg.id].get(i)
-        return out
+        """Where the reservation of each of ``keys`` is placed now (None: not placed, or none yet). No waiting."""
+        where = self.nodes_of(self.groups[k] for k in keys if k in self.groups)
+        return {k: where[self.groups[k]] if k in self.groups else None for k in keys}
 
     def unplaced(self, replicas: Iterable[int], wait_s: float) -> set[int]:
         """Those of ``replicas`` with a reservation still not placed after up to ``wait_s`` seconds (one deadline for all)."""
@@ -116,52 +172,28 @@ class Reservations:
                 return pending
             self.clock.sleep(0.1)
 
-    def rehome(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
-        """Lost actors whose reservation is not placed (its node went) take a placed orphan bundle
-        of their replica's group instead, where there is one on a node not in ``avoid``: room the
-        run already holds. Changes only which bundle reserves which actor; returns the keys moved."""
-        moved = []
-        where = self.bundle_nodes([k for k in keys if k.replica < len(self.pgs)])
-        for key in keys:
-            if key.replica >= len(self.pgs) or where.get(key):
-                continue
-            pg = self.pgs[key.replica]
-            placed = self.bundle_nodes_of(pg)
-            spare = next((i for i in self.orphans(key.replica) if placed.get(i) and placed[i] not in avoid), None)
-            if spare is None:
-                continue
-            previous = self.patches.get(key)
-            self.patches[key] = (pg, spare)
-            if previous is not None and previous[0] is not pg:
-                remove_group(previous[0])
-            moved.append(key)
-        return moved
+    def lost(self, pgs: Iterable[Any]) -> list[Any]:
+        """Those of ``pgs`` whose node died (Ray is re-placing them: see the module's opening)."""
+        table = self.table()
+        return [pg for pg in pgs if table.get(pg.id.hex(), {}).get("state") == RESCHEDULING]
 
-    def placed_orphans(self, replica: int, avoid: frozenset[str] = frozenset()) -> int:
-        """Orphan bundles of ``replica``'s group placed on live nodes not in ``avoid``."""
-        where = self.bundle_nodes_of(self.pgs[replica])
-        return sum(1 for i in self.orphans(replica) if where.get(i) and where[i] not in avoid)
-
-    def free_slots(self, avoid: frozenset[str] = frozenset()) -> int:
-        """How many more bundles like a stage actor's the live nodes not in ``avoid`` have free
-        room for now, by Ray's view of available resources (no waiting, no reservation)."""
-        import ray
-
-        fit = 0
-        for node, free in ray._private.state.state.available_resources_per_node().items():
-            if node in avoid:
-                continue
-            n = int(free.get("CPU", 0.0) // self.bundle["CPU"] + 1e-9)
-            if "GPU" in self.bundle:
-                n = min(n, int(free.get("GPU", 0.0) // self.bundle["GPU"] + 1e-9))
-            fit += n
-        return fit
+    # ------------------------------------------------------------------ renewing
+    def renew(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
+        """Lost actors whose group went with its node get a new group (the old one removed,
+        the new one aimed near the replica's other stages, off ``avoid``). Returns those keys."""
+        lost = set(self.lost([self.groups[k] for k in keys if k in self.groups]))
+        renewed = [k for k in keys if self.groups.get(k) in lost]
+        for key in renewed:
+            remove_group(self.groups.pop(key))
+        for key in renewed:
+            self.groups[key], = self.make(1, avoid, self.homes(key.replica, avoid))
+        return renewed
 
     def unplaceable(self, replicas: Iterable[int], avoid: frozenset[str] = frozenset(), wait_s: float = PLACE_S) -> set[int]:
         """Those of ``replicas`` whose lost bundles cannot be placed, decided from Ray's view at
         once: bundles still pending when the free room of the live nodes (not in ``avoid``) cannot
         hold them are unplaceable now; when the room is there, Ray is placing them and they get up
-        to ``wait_s`` (a strict placement strategy may still refuse)."""
+        to ``wait_s``."""
         pending = self.unplaced(replicas, 0)
         if not pending:
             return set()
@@ -170,7 +202,7 @@ class Reservations:
             return pending
         return self.unplaced(pending, wait_s)
 
-    def capacity(self, width: int, keys: list[ShardKey], replicas: int | None = None, standbys: tuple[int, int] | None = None) -> Capacity:
+    def capacity(self, width: int, replicas: int | None = None, standbys: tuple[int, int] | None = None) -> Capacity:
         """What is missing: bundles not placed (all of them before the first placement; or a
         whole ``replicas`` more, when asked about growing) and what the cluster has free."""
         import ray
@@ -178,8 +210,8 @@ class Reservations:
         if replicas is not None:
             missing = replicas * self.stages
         else:
-            missing = (width - len(self.pgs)) * self.stages
-            missing += sum(1 for n in self.bundle_nodes([k for k in keys if k.replica < len(self.pgs)]).values() if n is None)
+            keys = [ShardKey(s, r) for r in range(width) for s in range(self.stages)]
+            missing = sum(1 for n in self.bundle_nodes(keys).values() if n is None)
         free = ray.available_resources()
         nodes = sum(1 for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0)
         have = f"{free.get('CPU', 0.0):g} CPUs free on {nodes} node{'s' if nodes != 1 else ''}"
@@ -190,16 +222,18 @@ class Reservations:
             have += f", {ready} warm standby process{'es' if ready != 1 else ''}" + (f" ({starting} starting)" if starting else "")
         return Capacity(f"{missing} x {_fmt(self.bundle)}", have)
 
+    # ------------------------------------------------------------------ releasing
+    def release(self, key: ShardKey) -> None:
+        if key in self.groups:
+            remove_group(self.groups.pop(key))
+
     def drop(self, r: int) -> None:
-        """Release replica ``r``'s groups (its own and its moved actors') and shift the later ones down."""
-        own = [self.patches.pop(ShardKey(s, r))[0] for s in range(self.stages) if ShardKey(s, r) in self.patches]
-        for pg in {id(p): p for p in [self.pgs[r], *own]}.values():
-            remove_group(pg)
-        del self.pgs[r]
-        moved = {(ShardKey(k.stage, k.replica - 1) if k.replica > r else k): v for k, v in self.patches.items() if k.replica != r}
-        self.patches = moved
+        """Release replica ``r``'s groups and shift the later ones down."""
+        for s in range(self.stages):
+            self.release(ShardKey(s, r))
+        self.groups = {(ShardKey(k.stage, k.replica - 1) if k.replica > r else k): pg for k, pg in self.groups.items()}
 
     def release_all(self) -> None:
-        for pg in {id(p): p for p in [*self.pgs, *(pg for pg, _ in self.patches.values())]}.values():
+        for pg in self.groups.values():
             remove_group(pg)
-        self.pgs, self.patches = [], {}
+        self.groups = {}

@@ -135,9 +135,6 @@ class SimActors:
         alive = self.world.fleet.alive()
         return Capacity(need=f"{need} actor slot(s)", have=f"{sum(f for _, f in self._free())} free slot(s) on {len(alive)} live node(s)")
 
-    def placed_orphans(self, replica: int, avoid: frozenset[str] = frozenset()) -> int:
-        return 0  # a moved actor gives its slot back: the run holds no empty reservations
-
     def unplaceable(self, replicas: Iterable[int], avoid: frozenset[str] = frozenset()) -> set[int]:
         """Replicas that lost actors with their node and cannot all be placed now (greedy, by replica)."""
         with self.charged:
@@ -161,8 +158,8 @@ class SimActors:
                 return {k: self.nodes.get(k) for k in keys if k not in homeless}
             return {k: next(slots) if k in homeless else self.nodes[k] for k in keys}
 
-    def rehome(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
-        return []  # no reservations outlive their actor here
+    def renew(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
+        return []  # a slot is taken when its actor starts (bundle_nodes): none outlives its node
 
     # ------------------------------------------------------------------ actors
     def _start_time(self, keys: list[ShardKey], adopt: dict[ShardKey, str]) -> float:
@@ -262,6 +259,7 @@ class SimActors:
         except CapacityUnavailable:
             return False
         sp.ready_s = self.world.clock.now + self.world.costs.actor_start_s
+        self.world.starting(self.world.clock.now, sp.ready_s, sp.slots)
         return True
 
     def start_spare(self) -> SimSpare:
