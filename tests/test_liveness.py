@@ -75,6 +75,38 @@ def test_a_watch_that_may_not_declare_reports_the_death_and_tells_ray_nothing():
     assert w.suspects() == {"a"} and w.watching() == {"a"}
 
 
+def test_a_slow_declaration_or_probe_never_holds_the_training_thread():
+    """take() and suspects() are called by the training thread after every step: a probe round
+    (a node timing out) or a declaration Ray does not answer (the GCS of Ray 2.60 never answers an
+    UnregisterNode for a node it already removed) must not make them wait."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class SlowTable(FakeTable):
+        def declare_dead(self, death):
+            release.wait(30)
+            super().declare_dead(death)
+
+    table = SlowTable({"a": ("h", 1), "b": ("h", 2)})
+    w = NodeWatch(table, period_s=0.0, failures=1, probe=lambda h, p, t: Outcome.REFUSED if p == 2 else Outcome.TIMEOUT, clock=lambda: 0.0)
+    sweeper = threading.Thread(target=w.sweep)
+    sweeper.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not w._deaths and time.monotonic() < deadline:  # the verdict is in, the declaration hangs
+            time.sleep(0.01)
+        t = time.monotonic()
+        assert [d.node for d in w.take()] == ["b"] and w.suspects() == {"a"}
+        assert time.monotonic() - t < 1.0
+        assert sweeper.is_alive()  # still declaring
+    finally:
+        release.set()
+        sweeper.join(10)
+    assert [d.node for d in table.declared] == ["b"]
+
+
 def test_the_watch_reads_the_node_table_again_only_now_and_then():
     table = FakeTable({"a": ("h", 1)})
     now = [0.0]

@@ -34,13 +34,23 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from elastic_llm.controller.drains import NodeDeath, Outcome
 
 
 log = logging.getLogger("elastic_llm.runtime")
 REFRESH_S = 2.0  # how often the watch reads Ray's node table again (new nodes are probed from then on)
+DECLARE_S = 10.0  # how long a death declared to the GCS may go unanswered before its outcome is logged as unknown
+
+
+def _declared(node: str, call: Any) -> None:
+    """The outcome of a declared death (on gRPC's thread): logged, never raised."""
+    err = call.exception()
+    if err is None:
+        log.debug("node %s declared dead to Ray", node[:12])
+    else:  # unanswered: most often Ray had removed the node already (see RayNodeTable.declare_dead)
+        log.debug("node %s: Ray did not confirm its death (%s); its own health checks decide", node[:12], getattr(err, "code", lambda: err)())
 
 
 def judge(streak: dict[str, tuple[int, float]], seen: dict[str, Outcome], addresses: dict[str, str], failures: int,
@@ -117,7 +127,12 @@ class RayNodeTable:
             self._stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
         info = common_pb2.NodeDeathInfo(reason=common_pb2.NodeDeathInfo.UNEXPECTED_TERMINATION, reason_message=death.reason())
         assert self._stub is not None
-        self._stub.UnregisterNode(gcs_service_pb2.UnregisterNodeRequest(node_id=bytes.fromhex(death.node), node_death_info=info), timeout=10)
+        # sent, not awaited: the GCS of Ray 2.60 never answers an UnregisterNode for a node it has
+        # already removed (a drained node's own raylet unregisters it as it goes), so a blocking
+        # call would hold the watch, and whoever waits on it, for the whole timeout
+        call = self._stub.UnregisterNode.future(
+            gcs_service_pb2.UnregisterNodeRequest(node_id=bytes.fromhex(death.node), node_death_info=info), timeout=DECLARE_S)
+        call.add_done_callback(lambda done: _declared(death.node, done))
 
 
 class NodeWatch:
@@ -140,7 +155,8 @@ class NodeWatch:
         self._table: dict[str, tuple[str, int]] = {}
         self._table_at: float | None = None
         self._deaths: list[NodeDeath] = []
-        self._lock = threading.Lock()  # one sweep at a time (the thread's and a recovery's)
+        self._sweeping = threading.Lock()  # one sweep at a time (the thread's and a recovery's)
+        self._lock = threading.Lock()  # the verdicts (held briefly: never across a probe or a call to Ray)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors = 0  # sweeps that failed (Ray unreachable for a moment): the next one tries again
@@ -149,19 +165,23 @@ class NodeWatch:
     def sweep(self, refresh: bool = False) -> list[NodeDeath]:
         """One round: probe, judge, declare. Returns the deaths judged in this round. The node
         table is read again every :data:`REFRESH_S` (or with ``refresh``)."""
-        with self._lock:
+        with self._sweeping:
             now = self.clock()
             if refresh or self._table_at is None or now - self._table_at >= REFRESH_S:
-                self._table, self._table_at = self.table.workers(), now
+                table = self.table.workers()
+                with self._lock:
+                    self._table, self._table_at = table, now
             nodes = {n: a for n, a in self._table.items() if n not in self._declared}
             seen = {n: self.probe(host, port, self.timeout_s) for n, (host, port) in nodes.items()}
             addresses = {n: f"{h}:{p}" for n, (h, p) in nodes.items()}
-            self._streak, dead, self._suspects = judge(self._streak, seen, addresses, self.failures, self.clock())
+            streak, dead, suspects = judge(self._streak, seen, addresses, self.failures, self.clock())
+            with self._lock:
+                self._streak, self._suspects = streak, suspects
+                self._declared.update(d.node for d in dead)
+                self._deaths.extend(dead)
             for death in dead:
                 if self.declare:
                     self.table.declare_dead(death)
-                self._declared.add(death.node)
-            self._deaths.extend(dead)
             return dead
 
     def watching(self) -> set[str]:
