@@ -129,7 +129,7 @@ class Simulation:
         while self._next_sample <= min(t, self.plan.duration_s):
             self._sample(self._next_sample)
             self._next_sample += SAMPLE_S
-        if t >= self.plan.duration_s:
+        if now >= self.clock.end:  # the clock stops there: compared as read (t0 + duration - t0 may round below duration)
             raise SimulationOver()
 
     def _sample(self, t: float) -> None:

@@ -68,8 +68,9 @@ class _Standby:
 
 
 class SimStandbys:
-    """``per_node`` warm standbys on every live node (ready ``start_s`` after the node came up);
-    one adopted is back ``start_s`` later."""
+    """``per_node`` warm standbys on every node the run asked for them (ready ``start_s`` after
+    that); one adopted is back ``start_s`` later. Their starts run in the background
+    (:meth:`World.starting`)."""
 
     def __init__(self, world: World, per_node: int) -> None:
         self.world, self.per_node = world, per_node
@@ -77,10 +78,11 @@ class SimStandbys:
         self.adopted = 0
         self.start_s = world.costs.actor_start_s
         self.refill: dict[str, list[float]] = {}  # node -> when its used standbys are back
+        self.first: dict[str, float] = {}  # node -> when its first standbys started (the run's first look at it)
 
     def _ready_on(self, node: str, now: float) -> int:
         x = self.world.fleet.nodes.get(node)
-        if x is None or not x.alive or now < x.added_s + self.start_s:
+        if x is None or not x.alive or node not in self.first or now < self.first[node] + self.start_s:
             return 0
         back = [t for t in self.refill.get(node, []) if t > now]
         self.refill[node] = back
@@ -93,7 +95,14 @@ class SimStandbys:
         pass
 
     def ensure(self, nodes: Iterable[str]) -> int:
-        return 0  # every live node keeps its standbys (their restart is counted in ready())
+        """A node's first standbys start when the run first asks for them there (as on Ray); a
+        used one's restart is counted in ready(). Returns how many started."""
+        now = self.world.clock.now
+        new = [n for n in nodes if n not in self.first]
+        for n in new:
+            self.first[n] = now
+            self.world.starting(now, now + self.start_s, self.per_node)
+        return len(new) * self.per_node
 
     def ready(self) -> dict[str, int]:
         now = self.world.clock.now
@@ -108,6 +117,7 @@ class SimStandbys:
         if self._ready_on(node, now) <= 0:
             return None
         self.refill.setdefault(node, []).append(now + self.start_s)
+        self.world.starting(now, now + self.start_s, 1)
         self.adopted += 1
         return _Standby()
 
@@ -188,7 +198,7 @@ class SimExecutor:
     def finish(self, pending: Any, timeout: float = float("inf")) -> StepResult:
         g, w, p = self.group, self.world, self.cfg.parallel
         with g.charged:
-            took = w.costs.step_s(g.stages, p.microbatches, self.cfg.train.batch_size, g.width, pending.snapshot)
+            took = w.step_end(w.clock.now, w.costs.step_s(g.stages, p.microbatches, self.cfg.train.batch_size, g.width, pending.snapshot), len(g.nodes)) - w.clock.now
             death = w.fleet.first_death(set(g.nodes.values()), set(g.nodes), w.clock.now + took)
         if death is None:
             w.clock.advance(w.clock.now + took)

@@ -276,6 +276,33 @@ class World:
         self.shard_mb = 0.0
         self.host_counts: dict[str, int] = defaultdict(int)  # node -> stage actors on it (the group keeps it)
         self._manifests: dict[int, str] = {}
+        # process starts in the background (warm standbys, spares): (from, to, processes); kept
+        # only on shared cores (costs.cores > 0), where they take CPU from the steps
+        self.background: list[tuple[float, float, int]] = []
+
+    def starting(self, t0: float, t1: float, processes: int) -> None:
+        """``processes`` start in the background from ``t0`` to ``t1``."""
+        if self.costs.cores > 0 and processes > 0 and t1 > t0:
+            self.background.append((t0, t1, processes))
+
+    def step_end(self, start: float, seconds: float, processes: int) -> float:
+        """When a step that takes ``seconds`` on an otherwise idle machine ends. On shared cores
+        the machine's CPU is shared fairly among runnable processes: while k processes start in
+        the background, the step's ``processes`` stage processes get ``processes / (processes +
+        k)`` of it. Elsewhere (each actor on its own device) a start costs a step nothing."""
+        self.background = [b for b in self.background if b[1] > start]
+        if not self.background:
+            return start + seconds
+        t, work = start, seconds
+        cuts = sorted({x for a, b, _ in self.background for x in (a, b) if x > start})
+        for cut in [*cuts, float("inf")]:
+            k = sum(n for a, b, n in self.background if a <= t < b)
+            rate = processes / (processes + k)
+            if t + work / rate <= cut:
+                return t + work / rate
+            work -= (cut - t) * rate
+            t = cut
+        return t
 
     def manifest(self, version: int) -> str:
         if version not in self._manifests:
