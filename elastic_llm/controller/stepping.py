@@ -67,8 +67,9 @@ class StepRunner:
             return None
         return max(SUSPECT_MIN_S, SUSPECT_STEPS * (self.typical_s or SUSPECT_MIN_S))
 
-    def run(self, executor: StepExecutor, step: int) -> tuple[StepResult, float]:
-        """Step ``step`` on ``executor``: its result and when it started. Raises
+    def run(self, executor: StepExecutor, step: int, last: bool = False) -> tuple[StepResult, float]:
+        """Step ``step`` on ``executor``: its result and when it started (``last``: the run's
+        last step, which always takes a snapshot, so the run's end is committed). Raises
         :class:`StepFailed` with the data stream rewound (the step did not happen)."""
         position = self.stream.at()
         started = self.clock.perf_counter()
@@ -77,7 +78,7 @@ class StepRunner:
         try:
             x, y = self.stream.next_batch(self.cfg.train.batch_size)
             self.faults.fire("before_step", step, self.targets())
-            snap = sn is not None and sn.due(step)
+            snap = sn is not None and sn.due(step, last)
             pending = executor.start(step, x, y, snapshot=self.stream.at() if snap else None)
             self.interrupted = InterruptedStep(step, pending, self.stream.at(), started)
             if snap and sn is not None:

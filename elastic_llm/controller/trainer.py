@@ -157,7 +157,7 @@ class Trainer:
         assert self.executor is not None and self.runner is not None
         if self._t0 is None:
             self._t0 = self.clock.perf_counter()
-        result, started = self.runner.run(self.executor, self.step + 1)
+        result, started = self.runner.run(self.executor, self.step + 1, last=self.step + 1 >= self.end)
         return self._finish_step(self.step + 1, result, started)
 
     def _finish_step(self, step: int, result: StepResult, started: float) -> dict[str, Any]:

@@ -300,18 +300,20 @@ class SnapshotCoordinator:
         self.inflight.clear()
 
     # ------------------------------------------------------------------ timing
-    def due(self, step: int) -> bool:
+    def due(self, step: int, last: bool = False) -> bool:
         """Whether step ``step`` takes a snapshot. Skips it while two versions are in flight, unless
         the committed version would then trail by more than ``max_lag`` steps: then waits (with a
-        deadline) for a version to finish, so a recovery never loses more than that."""
+        deadline) for a version to finish, so a recovery never loses more than that. The run's
+        ``last`` step always takes one (waiting likewise): the run's end is what a resume or the
+        durable tier's last flush starts from."""
         sn = self.cfg.snapshot
-        if (step - self.last_begin < self.every) if self.auto else (step % self.every):
+        if not last and ((step - self.last_begin < self.every) if self.auto else (step % self.every)):
             return False
         self.poll()
         if self.can_begin():
             return True
         lag = step - (self.committed.version if self.committed else 0)
-        if lag <= sn.max_lag:
+        if lag <= sn.max_lag and not last:
             self.stats.skipped += 1
             return False
         t = self.clock.perf_counter()
