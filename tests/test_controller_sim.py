@@ -231,3 +231,25 @@ def test_an_open_ended_run_shows_its_steps_without_a_total(corpus_dir, tmp_path)
     assert [h["step"] for h in history] == [1, 2, 3]
     lines = out.getvalue().splitlines()
     assert [line.split(",")[0] for line in lines] == ["tiny: step 1", "tiny: step 3"] and str(UNTIL_STOPPED) not in out.getvalue()
+
+
+def test_a_drain_whose_stage_spare_is_late_keeps_the_replica_and_the_recovery_takes_the_spare(corpus_dir, tmp_path):
+    """One slot per node: stage 1 of replica 1 on n3 gets a 4 s notice, shorter than a process
+    start (4.8 s on cpu-2core). Its stage spare is late for the move, so the replica stays (the
+    fleet has room: nothing is dropped) and the spare is kept; when n3 goes, the lost actor
+    takes the spare's place (only the rest of its start is waited for) and a peer's state."""
+    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [
+        "snapshot.enabled=false", "train.eval_every=0", "parallel.stages=2", "parallel.dp=2", "train.batch_size=8",
+        "model.seq_len=16", f"data.dir={corpus_dir}", "recovery.capacity_timeout_s=5", "recovery.driver_grace_s=0",
+        "elastic.min_replicas=1"])  # it could shrink, but must not: there is room
+    nodes = ("n0", "n1", "n2", "n3", "n4", "n5")
+    rt = ScriptedRuntime(fleet(nodes, slots=1, actions=[ReplayAction(3.0, "drain", "n3", 4.0), ReplayAction(7.0, "remove", "n3")]), {})
+    t = Trainer(cfg, rt, metrics_out=tmp_path / "metrics.jsonl")
+    history = t.fit(60)
+    assert history[-1]["step"] == 60 and t.group.width == 2 and t.resizes == []  # nothing dropped
+    [drain] = t.drains
+    assert drain["dropped"] == 0 and drain["stayed"] == 1
+    [rec] = t.recoveries
+    assert (rec["stage"], rec["replica"], rec["source"]) == (1, 1, "dp_peer")
+    assert rec["actor_s"] < load_costs("cpu-2core").actor_start_s  # the spare had been starting since the notice
+    assert "n3" not in t.group.nodes.values() and not t.group.stage_spares

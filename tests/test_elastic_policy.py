@@ -70,3 +70,33 @@ def test_the_run_grows_once_a_spare_has_started_and_starts_one_where_there_is_ro
     extra = spare(ready=True, nodes={"n4"})
     full = decide(view(spares=[extra]), set(), 2, 1)  # already at elastic.max_replicas
     assert full.cancel == (extra,) and full.grow_to is None
+
+
+def test_a_late_stage_spare_is_kept_and_moves_its_key_once_started_while_the_node_lives():
+    """A drain acted on before its stage spare started (its replica stayed, nothing dropped): the
+    spare is kept, and once it has started the drain is acted on again while there is time for
+    the move; too close to the deadline it waits for the recovery, which takes its place."""
+    drain = Drain("n1", 1060.0)
+    late = spare(ready=False, nodes={"n4"}, key=ShardKey(1, 0))
+    kept = decide(view([drain], stage_spares=[late], free=0), {"n1"}, 2, 1)
+    assert kept.cancel == () and kept.drains == ()  # acted on already, still starting: kept, nothing to do
+    ready = spare(ready=True, nodes={"n4"}, key=ShardKey(1, 0))
+    assert decide(view([drain], stage_spares=[ready], free=0), {"n1"}, 2, 1).drains == (drain,)  # move it now
+    assert decide(view([drain], stage_spares=[ready], free=0, wall=1059.0), {"n1"}, 2, 1).drains == ()  # 1 s left: too late
+    gone = decide(view(stage_spares=[ready]), {"n1"}, 2, 1)  # n1 went (no longer draining): the recovery's
+    assert gone.cancel == ()
+    moved = NODES[:1] + ((ShardKey(1, 0), "n4"),) + NODES[2:]  # the key left n1 another way: the spare is not needed
+    other = ElasticView((), moved, 2, 2, (), (ready,), None, None, 1000.0, 0.0)
+    assert decide(other, {"n1"}, 2, 1).cancel == (ready,)
+
+
+def test_an_evacuation_drops_only_what_room_requires():
+    """Replicas whose spares did not start in time stay (their spares are kept); only replicas
+    without room are dropped, and only as many as free the slots the others need."""
+    from elastic_llm.controller.elastic import evacuation_drops
+
+    on = [ShardKey(1, 0), ShardKey(1, 1), ShardKey(0, 2)]  # one actor of each of replicas 0-2 on draining nodes
+    no_room, drop = evacuation_drops([0, 1, 2], on, {ShardKey(1, 0), ShardKey(1, 1)}, 0, stages=4, free_slots=0, width=4, min_width=1)
+    assert no_room == [2] and drop == {2}  # replica 2 has no spare and no room: dropped; 0 and 1 (late spares) stay
+    no_room, drop = evacuation_drops([0, 1, 2], on, set(), 0, stages=4, free_slots=0, width=4, min_width=1)
+    assert no_room == [0, 1, 2] and len(drop) == 1  # one dropped replica frees 3 slots: enough for the other two

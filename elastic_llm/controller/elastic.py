@@ -202,12 +202,14 @@ def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int, m
     avoid = frozenset(draining)
     nodes = dict(view.nodes)
     cancel = [sp for sp in view.spares if sp.nodes & draining or (sp.age_s > SPARE_START_S and not sp.ready)]
-    cancel += [sp for sp in view.stage_spares
-               if sp.nodes & draining or sp.key is None or nodes.get(sp.key) not in draining or (sp.age_s > SPARE_START_S and not sp.ready)]
+    cancel += [sp for sp in view.stage_spares  # a late one for a key still on a drained node is kept: a move later, or the recovery's
+               if sp.nodes & draining or sp.key is None or (nodes.get(sp.key) not in draining and nodes.get(sp.key) not in seen)
+               or (sp.age_s > SPARE_START_S and not sp.ready)]
     spares = [sp for sp in view.spares if sp not in cancel]
     stage_spares = [sp for sp in view.stage_spares if sp not in cancel]
     hosting = set(nodes.values())
     drains = tuple(d for d in view.draining if d.node_id in hosting and d.node_id not in seen)
+    drains += late_moves(view, seen, stage_spares)
     if drains:
         on = {d.node_id for d in drains}
         keys = [k for k, n in view.nodes if n in on]
@@ -232,6 +234,23 @@ def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int, m
     if not spares and view.room_for_replica:
         return ElasticPlan(avoid, tuple(cancel), start_spare=True, note=f"room for replica {view.width + 1}: starting it in the background")
     return ElasticPlan(avoid, tuple(cancel))
+
+
+def late_moves(view: ElasticView, seen: set[str] | frozenset[str], stage_spares: list[SpareView]) -> tuple[Drain, ...]:
+    """Drains acted on already (``seen``) whose nodes still host stages that now each have a
+    started stage spare, with time left for the move (:data:`MOVE_S` plus the next look): they
+    are acted on again, so the late spares take over while the nodes live (no rollback, no
+    recovery). Pure."""
+    ready = {sp.key for sp in stage_spares if sp.ready}
+    out = []
+    for d in view.draining:
+        if d.node_id not in seen:
+            continue
+        keys = [k for k, n in view.nodes if n == d.node_id]
+        left = d.seconds_left(view.wall)
+        if keys and all(k in ready for k in keys) and (left is None or left > MOVE_S + view.step_s):
+            out.append(d)
+    return tuple(out)
 
 
 class LookTimer:
@@ -389,14 +408,15 @@ class ElasticExecutor:
                 g.set_width()
                 moved += g.stages
                 hows.add(Move.REPLICA.value)
-            elif (r in drop or r not in no_room) and shrink_instead(g.width, self.min_width):  # not in no_room: its spares did not start in time
+            elif r in drop and shrink_instead(g.width, self.min_width):  # no room: as few as free the slots the others need
                 g.drop_replicas([r])
                 g.set_width()
                 dropped += 1
-            else:
+            else:  # its spares are late (kept: they move it later, or take its lost actors' places), or no room
                 stayed += 1
         for sp in list(g.stage_spares.values()):  # prepared for actors that moved another way
-            g.cancel_stage_spare(sp)
+            if sp.key is None or g.nodes.get(sp.key) not in nodes:
+                g.cancel_stage_spare(sp)
         return Evacuation(moved, dropped, stayed, width, g.width, self.clock.perf_counter() - t0, "+".join(sorted(hows)) or "none")
 
     def _ready_stage_spares(self, keys: list[ShardKey], until: float | None) -> list[Any] | None:

@@ -133,7 +133,11 @@ class RecoveryExecutor:
         durable = o.durable.latest() if o.durable is not None else None
         lost = [k for k, st in steps.items() if st is None]
         avoid = frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects())
-        # a lost actor whose slot went with its node gets a new one (none outlives its node)
+        # a lost actor whose stage spare (started for a drain, late for the move) is placed takes
+        # it; one whose slot went with its node gets a new one (none outlives its node)
+        taken = self.group.take_stage_spares(lost) if lost and self.group.stage_spares else []
+        if taken:
+            log.info("%d lost stage actors take the places of their stage spares (started for a drain): %s", len(taken), ", ".join(map(str, taken)))
         self.group.renew(lost, avoid=avoid)
         moved = {k.replica for k in lost if self.group.nodes.get(k) not in alive_nodes}
         unplaceable = frozenset(self.group.unplaceable(moved, avoid=avoid)) if moved else frozenset()

@@ -87,6 +87,7 @@ class ActorGroup(StateCalls):
         self.pids: dict[ShardKey, int] = {}
         self.gpus: dict[ShardKey, tuple[int, ...]] = {}  # devices of each actor (GPU runs): a standby adopted in its place takes them
         self.ready: set[ShardKey] = set()  # actors that answered since they were spawned
+        self.fresh: set[ShardKey] = set()  # lost keys whose late stage spare took their place: no state yet, no process to start
         self.generation = 0  # actors started: part of each one's name (a SIGKILLed actor's name is released late)
         self.width = cfg.parallel.dp
         self.spares: list[Spare] = []  # replicas started in the background, not yet in the width
@@ -143,10 +144,17 @@ class ActorGroup(StateCalls):
         new actor process starts in the bundle. Returns once they answer (raises
         :class:`CapacityUnavailable` if their bundles cannot be placed, :class:`PlanNotFollowed`
         if a named node has no standby left)."""
+        import ray
+
         adopt = adopt or {}
         with self.spans.span("actor"):
             calls: dict[ShardKey, Any] = {}
+            widths = []
             for key in keys:
+                if key in self.fresh:  # a late stage spare took its place (take_stage_spares): started, no state yet
+                    self.fresh.discard(key)
+                    widths.append(self.actor(key).set_width.remote(key.replica, self.width))
+                    continue
                 self.kill(key)
                 node = adopt.get(key)
                 if node is None:
@@ -158,6 +166,7 @@ class ActorGroup(StateCalls):
                 self.actors[key.replica][key.stage] = sb.actor
                 calls[key] = sb.actor.adopt.remote(key.stage, key.replica, self.width, self._devices_for(key))
             self.describe(keys, calls)
+            ray.get(widths, timeout=WIDTH_S)
 
     def _devices_for(self, key: ShardKey) -> tuple[int, ...] | None:
         """The GPU ids a standby adopted as ``key`` takes: the dead actor's (GPU runs whose
@@ -222,6 +231,7 @@ class ActorGroup(StateCalls):
     def kill(self, key: ShardKey) -> None:
         old = self.actors[key.replica][key.stage] if self.actors else None
         self.ready.discard(key)
+        self.fresh.discard(key)
         if old is not None:
             kill_actor(old)
 
@@ -269,6 +279,7 @@ class ActorGroup(StateCalls):
                 table.clear()
                 table.update(moved)
             self.ready = {ShardKey(k.stage, k.replica - 1) if k.replica > r else k for k in self.ready if k.replica != r}
+            self.fresh = {ShardKey(k.stage, k.replica - 1) if k.replica > r else k for k in self.fresh if k.replica != r}
         return {old: new for new, old in enumerate(r for r in range(self.width + len(gone)) if r not in gone)}
 
     def set_width(self) -> None:
@@ -420,6 +431,26 @@ class ActorGroup(StateCalls):
         self.slots.groups[key] = spare.pg
         self.nodes[key], self.pids[key], self.gpus[key] = info.node_id, info.pid, info.gpu_ids
         self.ready.add(key)
+
+    def take_stage_spares(self, keys: list[ShardKey]) -> list[ShardKey]:
+        """Lost ``keys`` whose stage spare (started for a drain, late for the move) is placed on a
+        live node: the spare becomes the key's actor, without state, and its group the key's
+        reservation (the old one goes with its node). :meth:`replace` then starts no process for
+        them; the recovery gives them their state. Returns the keys taken."""
+        taken = []
+        for key in keys:
+            spare = self.stage_spares.get(key)
+            if spare is None or self.slots.lost([spare.pg]) or self.slots.node_of(spare.pg) is None:
+                continue
+            self.stage_spare_ready(spare)  # gives it its actor (placed: it starts now if it has not)
+            del self.stage_spares[key]
+            self.kill(key)
+            self.slots.release(key)
+            self.actors[key.replica][key.stage] = spare.actor
+            self.slots.groups[key] = spare.pg
+            self.fresh.add(key)
+            taken.append(key)
+        return taken
 
     def shutdown(self) -> None:
         for spare in list(self.spares):

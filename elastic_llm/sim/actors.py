@@ -61,6 +61,7 @@ class SimActors:
         self.at: dict[ShardKey, int | None] = {}  # the step each actor's state is at (None: a new, empty one)
         self.spares: list[SimSpare] = []
         self.stage_spares: dict[ShardKey, SimSpare] = {}
+        self.fresh: dict[ShardKey, float] = {}  # lost keys a late stage spare took: when its process is up
         self.spans = Spans(world.clock.perf_counter)
         self.parameters = count_parameters(cfg.model.shape())
         self._members: tuple[tuple[tuple[ShardKey, str], ...], list[StageMember]] = ((), [])
@@ -163,8 +164,8 @@ class SimActors:
 
     # ------------------------------------------------------------------ actors
     def _start_time(self, keys: list[ShardKey], adopt: dict[ShardKey, str]) -> float:
-        c = self.world.costs
-        return max((c.adopt_s if adopt.get(k) else c.actor_start_s for k in keys), default=0.0)
+        c, now = self.world.costs, self.world.clock.now
+        return max((max(0.0, self.fresh[k] - now) if k in self.fresh else c.adopt_s if adopt.get(k) else c.actor_start_s for k in keys), default=0.0)
 
     def spawn_all(self) -> None:
         with self.charged:
@@ -190,16 +191,21 @@ class SimActors:
                 self._host(k, next(slots) if k in homeless else self.nodes[k])
                 self.ready.discard(k)
                 self.at[k] = None
+                if k in self.fresh:
+                    continue
                 node = adopt.get(k)
                 if node is not None and (self.standbys is None or self.standbys.take(node) is None):
                     raise PlanNotFollowed(f"the plan has {k} adopt a warm standby on node {node}, but none is left there")
         with self.spans.span("actor"):
             self.world.clock.sleep(self._start_time(keys, adopt))
+        for k in keys:
+            self.fresh.pop(k, None)
         self._check("starting replacement actors", [self.nodes[k] for k in keys])
         self.ready |= set(keys)
 
     def kill(self, key: ShardKey) -> None:
         self.ready.discard(key)
+        self.fresh.pop(key, None)
 
     def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]:
         with self.charged:
@@ -210,10 +216,10 @@ class SimActors:
         with self.charged:
             drop = set(replicas)
             kept = [r for r in range(self.width) if r not in drop]
-            old_nodes, old_ready, old_at = dict(self.nodes), set(self.ready), dict(self.at)
+            old_nodes, old_ready, old_at, old_fresh = dict(self.nodes), set(self.ready), dict(self.at), dict(self.fresh)
             for k in list(self.nodes):
                 self._host(k, None)
-            self.ready, self.at = set(), {}
+            self.ready, self.at, self.fresh = set(), {}, {}
             for new, r in enumerate(kept):
                 for s in range(self.stages):
                     k, n = ShardKey(s, r), ShardKey(s, new)
@@ -221,6 +227,8 @@ class SimActors:
                         self._host(n, old_nodes[k])
                     if k in old_ready:
                         self.ready.add(n)
+                    if k in old_fresh:
+                        self.fresh[n] = old_fresh[k]
                     self.at[n] = old_at.get(k)
             self.width = len(kept)
             self.actors = [[ShardKey(s, r) for s in range(self.stages)] for r in range(self.width)]
@@ -330,6 +338,22 @@ class SimActors:
         with self.charged:
             del self.stage_spares[key]
             self._host(key, spare.nodes[0])
+
+    def take_stage_spares(self, keys: list[ShardKey]) -> list[ShardKey]:
+        """Lost ``keys`` whose stage spare is placed on a live node: the spare's slot becomes the
+        key's, and :meth:`replace` waits only for the rest of its start."""
+        taken = []
+        with self.charged:
+            for key in keys:
+                sp = self.stage_spares.get(key)
+                if sp is None or not sp.nodes or self._gone(sp.nodes):
+                    continue
+                del self.stage_spares[key]
+                self.ready.discard(key)
+                self._host(key, sp.nodes[0])
+                self.fresh[key] = sp.ready_s
+                taken.append(key)
+        return taken
 
     # ------------------------------------------------------------------ state
     def copy_stages(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
