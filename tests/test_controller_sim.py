@@ -253,3 +253,15 @@ def test_a_drain_whose_stage_spare_is_late_keeps_the_replica_and_the_recovery_ta
     assert (rec["stage"], rec["replica"], rec["source"]) == (1, 1, "dp_peer")
     assert rec["actor_s"] < load_costs("cpu-2core").actor_start_s  # the spare had been starting since the notice
     assert "n3" not in t.group.nodes.values() and not t.group.stage_spares
+
+
+def test_reclaimed_nodes_do_not_charge_the_failure_budget_but_a_dying_process_does(corpus_dir, tmp_path):
+    """recovery.max_failures=0 stops a run at its first failure: two spot reclaims (nodes the
+    trace removes, with no notice) are recovered and not charged; a stage process that dies on a
+    live node afterwards is a fault, charged, and stops the run with exit 4."""
+    actions = [ReplayAction(10.0, "remove", "n1"), ReplayAction(25.0, "remove", "n0")]
+    t, rt = make(corpus_dir, tmp_path, "recovery.max_failures=0", nodes=("n0", "n1", "n2", "n3"), actions=actions, fails={400: (1, ShardKey(0, 0))})
+    with pytest.raises(RunFailed, match="max_failures=0"):
+        t.fit(450)
+    assert t.progress.reclaims == 2 and t.failures == 3 and t.budget.total == 1
+    assert {r["source"] for r in t.recoveries} == {"dp_peer"} and t.step == 399

@@ -64,9 +64,9 @@ def test_spares_on_draining_nodes_or_that_never_started_are_given_up():
 def test_the_run_grows_once_a_spare_has_started_and_starts_one_where_there_is_room():
     assert decide(view(spares=[spare(ready=True, nodes={"n4", "n5"})]), set(), 3, 1).grow_to == 3
     assert decide(view(spares=[spare(ready=False, nodes={"n4"})]), set(), 3, 1).grow_to is None
-    room = decide(view(room=True), set(), 3, 1)
-    assert room.start_spare and "room for replica 3" in room.note
-    assert not decide(view(room=False), set(), 3, 1).start_spare and not decide(view(room=None), set(), 3, 1).start_spare
+    room = decide(view(room=1), set(), 3, 1)
+    assert room.start_spares == 1 and "room for replica 3" in room.note
+    assert not decide(view(room=0), set(), 3, 1).start_spares and not decide(view(room=None), set(), 3, 1).start_spares
     extra = spare(ready=True, nodes={"n4"})
     full = decide(view(spares=[extra]), set(), 2, 1)  # already at elastic.max_replicas
     assert full.cancel == (extra,) and full.grow_to is None
@@ -100,3 +100,14 @@ def test_an_evacuation_drops_only_what_room_requires():
     assert no_room == [2] and drop == {2}  # replica 2 has no spare and no room: dropped; 0 and 1 (late spares) stay
     no_room, drop = evacuation_drops([0, 1, 2], on, set(), 0, stages=4, free_slots=0, width=4, min_width=1)
     assert no_room == [0, 1, 2] and len(drop) == 1  # one dropped replica frees 3 slots: enough for the other two
+
+
+def test_regrowth_starts_every_spare_the_room_allows_and_joins_the_started_ones_at_once():
+    batch = decide(view(room=5), set(), 5, 1)  # room for 5 more, 3 until elastic.max_replicas
+    assert batch.start_spares == 3 and "replicas 3-5" in batch.note
+    one_more = decide(view(spares=[spare(ready=False, nodes={"n4"})], room=4), set(), 5, 1)
+    assert one_more.start_spares == 2 and one_more.grow_to is None  # two were not started yet
+    started = [spare(ready=True, nodes={"n4"}), spare(ready=True, nodes={"n5"})]
+    assert decide(view(spares=[*started, spare(ready=False, nodes={"n6"})]), set(), 5, 1).grow_to is None  # one still starting: wait for it
+    assert decide(view(spares=[*started, spare(ready=False)]), set(), 5, 1).grow_to == 4  # one still waits for room: the started ones join
+    assert decide(view(spares=[*started, spare(ready=True, nodes={"n6"})]), set(), 3, 1).grow_to == 3  # never past max_replicas

@@ -149,3 +149,35 @@ def test_beyond_parity_with_a_whole_replica_is_a_shrink_not_unrecoverable():
     o = Observation(tuple(members), frozenset(dead), frozenset(dead), 5, tuple((ShardKey(m.stage, m.replica), m.node) for m in members), groups, 1, 1, frozenset({1}))
     plan = RecoveryPolicy().decide(o)
     assert plan.drop_replicas == (1,) and plan.rollback_to is None
+
+
+def test_fewest_drops_is_the_smallest_set_that_makes_room_brute_force():
+    """Dropping a broken replica frees the slots of its survivors: the fewest drops that let the
+    other replicas' lost actors fit, checked against every subset on small fleets."""
+    import itertools
+    import random
+
+    from elastic_llm.recovery.policy import fewest_drops
+
+    rng = random.Random(7)
+    for _ in range(400):
+        stages = rng.randint(2, 6)
+        need = {r: rng.randint(1, stages) for r in range(rng.randint(1, 6))}
+        free = rng.randint(0, 3 * stages)
+
+        def fits(drop):
+            return sum(n for r, n in need.items() if r not in drop) <= free + sum(stages - need[r] for r in drop)
+
+        best = min(len(d) for k in range(len(need) + 1) for d in itertools.combinations(need, k) if fits(d))
+        got = fewest_drops(need, stages, free)
+        assert fits(got) and len(got) == best, (need, stages, free, got)
+
+
+def test_a_burst_drops_the_fewest_replicas_not_every_one_that_did_not_fit():
+    """Three of four replicas lost one actor each with its node and one slot is free: the
+    runtime's greedy view calls two of them unplaceable, but dropping one frees three slots."""
+    members = [Member(s, r, f"n{s}{r}", not (s == 0 and r > 0), None if s == 0 and r > 0 else 5) for r in range(4) for s in range(4)]
+    o = replace(obs(members, dead_nodes={"n01", "n02", "n03"}, committed=5), free_slots=1)
+    plan = RecoveryPolicy().decide(o)
+    assert len(plan.drop_replicas) == 1 and plan.width == (4, 3)
+    assert [(a.stage, a.source) for a in plan.actions] == [(0, "dp_peer"), (0, "dp_peer")]  # the two kept copy a whole peer

@@ -174,7 +174,7 @@ class ElasticView:
     spares: tuple[SpareView, ...]
     stage_spares: tuple[SpareView, ...]
     free_slots: int | None = None  # free actor slots off the draining nodes ; None: not looked at
-    room_for_replica: bool | None = None  # None: not looked at (not time to, or no growing)
+    room_for_replicas: int | None = None  # whole replicas the free slots hold; None: not looked at (not time to, no growing, or a spare still waits for room)
     wall: float = 0.0  # time.time() of the look (drain deadlines are wall-clock)
     step_s: float = 0.0  # how far off the next look is (about one step): a drain due before then is acted on now
 
@@ -186,10 +186,11 @@ class ElasticPlan:
     avoid: frozenset[str] = frozenset()  # draining nodes: snapshots and new actors keep off them
     cancel: tuple[SpareView, ...] = ()  # spares given up (on a draining node, never started, or no longer wanted)
     start_stage_spares: tuple[ShardKey, ...] = ()
-    start_spare: bool = False
+    start_spare: bool = False  # one spare replica (a drain's whole-replica move)
     drains: tuple[Drain, ...] = ()  # drains to act on now
     grow_to: int | None = None  # the width to grow to now
     note: str | None = None  # what to log
+    start_spares: int = 0  # spare replicas to grow into (every one the room allows)
 
 
 def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int, min_width: int) -> ElasticPlan:
@@ -229,10 +230,14 @@ def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int, m
         return ElasticPlan(avoid, tuple(cancel), tuple(start), start_spare, drains if due else (), None, note)
     if view.width >= max_width:  # spares started for a drain that needed fewer
         return ElasticPlan(avoid, tuple(cancel) + tuple(spares))
-    if any(sp.ready for sp in spares):
-        return ElasticPlan(avoid, tuple(cancel), grow_to=view.width + 1)
-    if not spares and view.room_for_replica:
-        return ElasticPlan(avoid, tuple(cancel), start_spare=True, note=f"room for replica {view.width + 1}: starting it in the background")
+    started = [sp for sp in spares if sp.ready]
+    if started and all(sp.ready for sp in spares if sp.nodes):  # every placed spare has started: they join at once
+        return ElasticPlan(avoid, tuple(cancel), grow_to=min(max_width, view.width + len(started)))
+    more = min(view.room_for_replicas or 0, max_width - view.width - len(spares))
+    if more > 0:
+        first = view.width + len(spares) + 1
+        which = f"replica {first}" if more == 1 else f"replicas {first}-{first + more - 1}"
+        return ElasticPlan(avoid, tuple(cancel), start_spares=more, note=f"room for {which}: starting {'it' if more == 1 else 'them'} in the background")
     return ElasticPlan(avoid, tuple(cancel))
 
 
@@ -310,9 +315,11 @@ class ElasticExecutor:
         affected = {k.replica for k in g.keys() if g.nodes.get(k) in draining and g.nodes[k] not in seen}
         free = g.free_slots(avoid) if affected else None
         room = None
-        if not affected and not g.spares and g.width < el.bounds(self.cfg.parallel.dp)[1] and now - self._last_grow_look >= el.grow_check_s:
+        placed = all(sp.nodes for sp in spares)  # a spare still waiting for room would be counted twice
+        if (not affected and placed and g.width + len(spares) < el.bounds(self.cfg.parallel.dp)[1]
+                and now - self._last_grow_look >= el.grow_check_s):
             self._last_grow_look = now
-            room = g.free_slots(avoid) >= g.stages
+            room = g.free_slots(avoid) // g.stages
         return ElasticView(tuple(d for _, d in sorted(draining.items())), tuple((k, g.nodes[k]) for k in g.keys() if k in g.nodes),
                            g.width, g.stages, spares, stage_spares, free, room, self.clock.time(), self.timer.look(now))
 
@@ -330,7 +337,7 @@ class ElasticExecutor:
         avoid = plan.avoid | frozenset(self.nodes.suspects())
         for key in plan.start_stage_spares:
             g.start_stage_spare(key, avoid)
-        if plan.start_spare:
+        for _ in range(plan.start_spares + plan.start_spare):
             g.start_spare()
         if plan.note:
             log.info(plan.note)
@@ -348,28 +355,34 @@ class ElasticExecutor:
                 return spare
             self.clock.sleep(POLL_S)
 
-    def grow(self) -> ResizeOutcome:
-        """A started spare joins with the state of replica 0. Raises :class:`CapacityUnavailable`
-        (and changes nothing) if no spare has started after all."""
+    def grow(self, to: int | None = None) -> ResizeOutcome:
+        """The started spares join at once (at most up to width ``to``), each with the state of
+        a replica of the run (round robin: one round of copies, spread over the sources). Raises :class:`CapacityUnavailable` (and changes
+        nothing) if no spare has started after all."""
         t0 = self.clock.perf_counter()
         width = self.group.width
-        spare = self._ready_spare()
-        if spare is None:
+        ready = [sp for sp in self.group.spares if self.group.spare_ready(sp)]
+        if to is not None:
+            ready = ready[: max(1, to - width)]
+        if not ready:
             raise CapacityUnavailable(self.group.capacity(replicas=1))
         self._settle_snapshots()
-        self._join(spare, 0)
+        self._join(ready, [i % width for i in range(len(ready))])
         return ResizeOutcome(width, self.group.width, self.clock.perf_counter() - t0, "capacity")
 
-    def _join(self, spare: Any, source: int) -> int:
-        """Adopt ``spare`` as the last replica with the state of replica ``source``."""
-        r = self.group.adopt(spare)
+    def _join(self, spares: list[Any], sources: list[int]) -> list[int]:
+        """Adopt ``spares`` as the last replicas, each with the state of its replica in
+        ``sources`` (different ones spread the copies' fan-out)."""
+        new: list[int] = []
         try:
-            self.group.copy_stages([(ShardKey(s, source), ShardKey(s, r)) for s in range(self.group.stages)])
+            for spare in spares:
+                new.append(self.group.adopt(spare))
+            self.group.copy_stages([(ShardKey(s, src), ShardKey(s, r)) for r, src in zip(new, sources) for s in range(self.group.stages)])
             self.group.set_width()
         except BaseException:
-            self.group.drop_replicas([r])
+            self.group.drop_replicas(new)
             raise
-        return r
+        return new
 
     def evacuate(self, nodes: frozenset[str], deadline: float | None = None) -> Evacuation:
         """Move every replica with a stage on ``nodes`` off them (highest index first, so the
@@ -403,7 +416,7 @@ class ElasticExecutor:
             peers = [p for p in range(g.width) if p not in affected]
             spare = self._ready_spare(until)
             if spare is not None:
-                self._join(spare, peers[0] if peers else r)
+                self._join([spare], [peers[0] if peers else r])
                 g.drop_replicas([r])
                 g.set_width()
                 moved += g.stages

@@ -51,7 +51,7 @@ def build_observation(
     snapshots: SnapshotCoordinator | None,
     parity: int,
     min_width: int = 1,
-    unplaceable: frozenset[int] = frozenset(),
+    free_slots: int | None = None,
     mode: Mode = Mode.LOSSLESS,
     mirrors: bool = False,
     checkpoint: int | None = None,
@@ -74,7 +74,7 @@ def build_observation(
         groups=rec.groups if rec else (),
         parity=parity,
         min_width=min_width,
-        unplaceable=unplaceable,
+        free_slots=free_slots,
         mode=mode,
         mirrors=mirrors,
         checkpoint=checkpoint,
@@ -140,12 +140,12 @@ class RecoveryExecutor:
             log.info("%d lost stage actors take the places of their stage spares (started for a drain): %s", len(taken), ", ".join(map(str, taken)))
         self.group.renew(lost, avoid=avoid)
         moved = {k.replica for k in lost if self.group.nodes.get(k) not in alive_nodes}
-        unplaceable = frozenset(self.group.unplaceable(moved, avoid=avoid)) if moved else frozenset()
+        free = self.group.free_slots(avoid) if moved else None
         standbys = self.standbys.ready() if self.standbys is not None and self.standbys.enabled else {}
         par = self.group.cfg.parallel
         anywhere = not par.gpus_per_actor or self.group.cfg.recovery.standby_gpus
         return build_observation(
-            steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, unplaceable,
+            steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, free,
             o.mode, o.mirrors, ckpt[0] if ckpt else None, durable[0] if durable else None,
             standbys, self.group.bundle_nodes(lost) if lost else {}, anywhere, self._own_copies(steps),
         )

@@ -216,15 +216,17 @@ def start_from(runtime: Runtime, cfg: RunConfig, parts: RunParts, run_id: str, r
 
 
 def committed_step(parts: RunParts | None, step: int) -> int:
-    """The newest step a committed snapshot (or checkpoint) holds; without either, ``step`` (the
-    last completed one)."""
+    """The newest step a committed snapshot, a checkpoint or a durable checkpoint holds (after a
+    rollback to the durable tier, until the next snapshot commits: the durable one); without
+    any of them, ``step`` (the last completed one)."""
     if parts is not None and parts.checkpoints is not None:
         latest = parts.checkpoints.latest()
         return latest[0] if latest else 0
     if parts is None or parts.snapshots is None:
         return step
     rec = parts.snapshots.committed
-    return rec.version if rec is not None else 0
+    durable = parts.durable.latest() if parts.durable is not None else None
+    return max(rec.version if rec is not None else 0, durable[0] if durable is not None else 0)
 
 
 def close_parts(parts: RunParts | None, runtime: Runtime, run_id: str, metrics: MetricsWriter) -> list[tuple[str, Callable[[], None]]]:

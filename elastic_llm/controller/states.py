@@ -44,6 +44,7 @@ class Progress:
     failures: int = 0  # failed steps (each one recovered, or the run stopped)
     budget: FailureBudget = field(default_factory=FailureBudget)  # failures the failure policy counts
     drains_seen: frozenset[str] = frozenset()  # draining nodes already acted on
+    reclaims: int = 0  # failures a reclaim explains (a node of the run announced its end, or the runtime knows it was reclaimed): not charged
 
     def stepped(self, step: int) -> "Progress":
         """Step ``step`` completed."""
@@ -53,12 +54,18 @@ class Progress:
         """A committed snapshot (or checkpoint) holds step ``step`` now."""
         return replace(self, committed_high=max(self.committed_high, step))
 
-    def step_failed(self, step: int) -> "Progress":
-        """Step ``step`` failed: one more failed step, charged to the budget."""
+    def step_failed(self, step: int, reclaim: bool = False) -> "Progress":
+        """Step ``step`` failed: one more failed step, charged to the budget unless a reclaim
+        explains it (preemptions are the fleet's weather, not a fault that could loop)."""
+        if reclaim:
+            return replace(self, failures=self.failures + 1, reclaims=self.reclaims + 1)
         return replace(self, failures=self.failures + 1, budget=self.budget.record(step))
 
-    def charged(self, step: int) -> "Progress":
-        """A recovery, drain or resize of step ``step`` failed: charged to the budget."""
+    def charged(self, step: int, reclaim: bool = False) -> "Progress":
+        """A recovery, drain or resize of step ``step`` failed: charged to the budget unless a
+        reclaim explains it."""
+        if reclaim:
+            return replace(self, reclaims=self.reclaims + 1)
         return replace(self, budget=self.budget.record(step))
 
     def rolled_back(self, step: int) -> "Progress":

@@ -35,7 +35,7 @@ from elastic_llm.controller.states import (
 from elastic_llm.model import count_parameters
 from elastic_llm.monitor import RunFacts, RunStatus
 from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
-from elastic_llm.recovery.failure import During, FailurePolicy, StepFailure
+from elastic_llm.recovery.failure import During, FailurePolicy, StepFailure, explained_by_reclaim
 from elastic_llm.recovery.policy import RecoveryPolicy, SourceLost, UnrecoverableError
 from elastic_llm.spans import Spans
 
@@ -253,7 +253,7 @@ class Trainer:
             record = self.run_step()
         except StepFailed as e:
             failure = StepFailure.from_exception(self.step + 1, e.cause, e.stage, e.replica, op=e.op)
-            self.progress = self.progress.step_failed(failure.step)
+            self.progress = self.progress.step_failed(failure.step, self._reclaim(failure))
             return after_failure(failure, self.budget, self.failure_policy)
         if self.on_step:
             self.on_step(record)
@@ -285,7 +285,7 @@ class Trainer:
             return after_source_lost(state)
         except (*self.runtime.errors, StepFailed, PlanNotFollowed) as err:  # type: ignore[misc]  # observed again and re-planned
             again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during=During.RECOVERY)
-            self.progress = self.progress.charged(again.step)
+            self.progress = self.progress.charged(again.step, self._reclaim(again))
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)
         self._apply(outcome, failure, self.clock.perf_counter() - t0, spans.totals(t0))
         return self._next()
@@ -316,14 +316,19 @@ class Trainer:
     def _failed_between_steps(self, err: BaseException, during: During) -> State:
         """A resize or a drain failed (an actor died meanwhile): recover as for a failed step."""
         failure = StepFailure.from_exception(self.step + 1, err.cause if isinstance(err, StepFailed) else err, during=during)
-        self.progress = self.progress.charged(failure.step)
+        self.progress = self.progress.charged(failure.step, self._reclaim(failure))
         return after_failure(failure, self.budget, self.failure_policy)
+
+    def _reclaim(self, failure: StepFailure) -> bool:
+        """Whether a reclaim explains ``failure`` (:func:`explained_by_reclaim`)."""
+        nodes = self.runtime.nodes
+        return self.group is not None and explained_by_reclaim(failure, self.group.nodes, nodes.reclaimed(), nodes.alive)
 
     def _resize(self, state: Resizing) -> State:
         assert self.parts is not None
         t0 = self.clock.perf_counter()
         try:
-            out = self.parts.elastic.grow()
+            out = self.parts.elastic.grow(state.to_dp)
         except CapacityUnavailable as e:
             log.info("no room for replica %d after all (%s); staying at %d", state.to_dp, e.capacity, state.from_dp)
             return after_step(self.step, self.end, self.stop_requested)

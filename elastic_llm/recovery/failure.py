@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
+from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.sources import StrEnum
 
 TRACE_LINES = 8
@@ -111,3 +113,19 @@ class FailurePolicy:
             True,
             f"failure {budget.total} of at most {self.max_failures}; step {failure.step} may be tried {retries_left} more time(s)",
         )
+
+
+def explained_by_reclaim(failure: StepFailure, nodes: dict[ShardKey, str], reclaimed: set[str], alive: Callable[[], set[str]]) -> bool:
+    """Whether a reclaim explains ``failure``: the failing actor's node (any of the run's
+    ``nodes``, when the failure names no actor) is gone and was ``reclaimed`` (it announced its
+    end, or the runtime knows it as a reclaim). Such failures are not charged to the failure
+    budget: a fleet losing spot nodes is not a fault that could loop (``alive`` is asked only
+    when it matters). Pure but for ``alive``."""
+    if not reclaimed:
+        return False
+    if failure.stage is not None and failure.replica is not None:
+        node = nodes.get(ShardKey(failure.stage, failure.replica))
+        mine = {node} if node is not None else set()
+    else:
+        mine = set(nodes.values())
+    return bool(mine & reclaimed and (mine & reclaimed) - alive())

@@ -56,7 +56,8 @@ class Observation:
     groups: tuple[tuple[str, ...], ...] = ()  # erasure groups of the committed version
     parity: int = 0
     min_width: int = 1  # elastic.min_replicas: never shrink below this many replicas
-    unplaceable: frozenset[int] = frozenset()  # replicas whose lost stages cannot be placed now
+    unplaceable: frozenset[int] = frozenset()  # replicas whose lost stages cannot be placed now (the runtime's greedy view; see free_slots)
+    free_slots: int | None = None  # free actor slots off draining and suspect nodes when lost actors need new ones (the fewest replicas that make room go: fewest_drops)
     mode: Mode = Mode.LOSSLESS  # recovery.mode
     mirrors: bool = False  # embedding / LM head mirrored on the neighbouring stages
     checkpoint: int | None = None  # mode checkpoint: the newest checkpoint's step (0: the initial state)
@@ -111,16 +112,40 @@ class RecoveryPlan:
         return f"RecoveryPlan({drop}{'; '.join(map(str, self.actions)) or 'nothing lost'}; {rb}{own}; {self.reason})"
 
 
+def fewest_drops(need: dict[int, int], stages: int, free_slots: int) -> list[int]:
+    """The fewest broken replicas to drop so the others' lost actors fit: ``need`` is replica ->
+    its lost actors that need a new slot. A dropped replica needs none and frees the slots of
+    the rest of its actors, so each drop gains ``stages`` slots whichever it is: the count is
+    ceil((sum(need) - free) / stages); the most broken go first (fewest new processes for the
+    ones kept), the highest index among equals. Pure."""
+    total, free, drop = sum(need.values()), free_slots, []
+    for r in sorted(need, key=lambda r: (-need[r], -r)):
+        if total <= free:
+            break
+        drop.append(r)
+        total -= need[r]
+        free += stages - need[r]
+    return drop
+
+
 def replicas_to_drop(obs: Observation) -> tuple[int, ...]:
     """Broken replicas that cannot be placed now and may go, never below ``min_width``: while a
     whole replica survives (every stage alive, all at one step); or, when every replica is
     broken (a burst of losses across a large fleet), while every survivor is at one step and
     the replicas kept still hold a live copy of every stage between them, so each of their lost
-    actors copies a kept peer (as many of the candidates as keep that true, highest first)."""
+    actors copies a kept peer (as many of the candidates as keep that true, highest first).
+    With ``free_slots`` known, the candidates are only as many as make room (:func:`fewest_drops`:
+    dropping a replica frees its survivors' slots for the others); else the runtime's
+    ``unplaceable`` replicas."""
     width = 1 + max((m.replica for m in obs.members), default=-1)
     broken = {m.replica for m in obs.members if not m.alive}
     whole = [r for r in range(width) if r not in broken]
-    candidates = sorted(broken & obs.unplaceable)
+    if obs.free_slots is not None:
+        placed = {k for k, _ in obs.bundle_nodes}
+        need = {r: sum(1 for m in obs.members if m.replica == r and not m.alive and ShardKey(m.stage, m.replica) not in placed) for r in broken}
+        candidates = sorted(fewest_drops({r: n for r, n in need.items() if n}, obs.n_stages, obs.free_slots))
+    else:
+        candidates = sorted(broken & obs.unplaceable)
     room = max(0, width - obs.min_width)
     drop = candidates[len(candidates) - room :] if room < len(candidates) else candidates
     if whole:
@@ -143,7 +168,7 @@ def without_replicas(obs: Observation, drop: tuple[int, ...]) -> Observation:
     new = {old: i for i, old in enumerate(kept)}
     members = tuple(replace(m, replica=new[m.replica]) for m in obs.members if m.replica in new)
     bundles = tuple((ShardKey(k.stage, new[k.replica]), n) for k, n in obs.bundle_nodes if k.replica in new)
-    return replace(obs, members=members, unplaceable=frozenset(new[r] for r in obs.unplaceable if r in new), bundle_nodes=bundles)
+    return replace(obs, members=members, unplaceable=frozenset(new[r] for r in obs.unplaceable if r in new), bundle_nodes=bundles, free_slots=None)
 
 
 def _alive_by_stage(alive: list[Member]) -> dict[int, list[Member]]:

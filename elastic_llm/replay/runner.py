@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_llm.config import RunConfig
-from elastic_llm.replay.report import seconds_with_room, useful_fraction, write_report
+from elastic_llm.replay.report import full_width_rate, liveput, oracle_steps, oracle_widths, seconds_with_room, useful_fraction, write_report
 from elastic_llm.replay.trace import ReplayAction, ReplayPlan
 
 SAMPLE_S = 1.0  # timeline resolution
@@ -59,7 +59,7 @@ class Replay:
     def __init__(self, cfg: RunConfig, plan: ReplayPlan, options: ReplayOptions) -> None:
         self.cfg, self.plan, self.options = cfg, plan, options
         self.nodes: dict[str, Any] = {}  # replay label -> Ray node handle
-        self.timeline: list[tuple[float, int, int]] = []
+        self.timeline: list[tuple[float, int, int, int]] = []  # (second, nodes alive, steps committed, width)
         self.cluster: Any = None
         self.trainer: Any = None
         self.error: BaseException | None = None
@@ -116,8 +116,14 @@ class Replay:
             if self.trainer is not None:
                 self.trainer.shutdown()
             self._stop_cluster()
-        write_report(out, report, self.timeline)
+        write_report(out, report, self.timeline, oracle_widths(self.plan.replay_alive, self._slots(), self.cfg.parallel.stages, self._max_width()))
         return report
+
+    def _slots(self) -> float:
+        return self.options.cpus_per_node // self.cfg.parallel.cpus_per_actor  # stage actors a node holds
+
+    def _max_width(self) -> int:
+        return self.cfg.elastic.bounds(self.cfg.parallel.dp)[1]
 
     def _fit(self) -> None:
         from elastic_llm.controller.trainer import UNTIL_STOPPED
@@ -144,7 +150,8 @@ class Replay:
             time.sleep(max(0.0, min(wake - now, SAMPLE_S)))
 
     def _sample(self, t: float) -> None:
-        self.timeline.append((round(t, 3), len(self.nodes), self.trainer.committed_step))
+        t_ = self.trainer
+        self.timeline.append((round(t, 3), len(self.nodes), t_.committed_step, t_.group.width if t_.group is not None else 0))
 
     def _stop_cluster(self) -> None:
         import ray
@@ -159,6 +166,9 @@ class Replay:
         room_s = seconds_with_room(self.plan.replay_alive, self.plan.duration_s, nodes_per_replica(self.cfg, self.options.cpus_per_node))
         training_s = t.seconds_by_state.get("running", 0.0)
         recoveries = [r for r in t.recoveries if r.source != "none"]
+        rate = full_width_rate(t.history, self._max_width())
+        oracle = oracle_steps(self.plan.replay_alive, self.plan.duration_s, self._slots(), self.cfg.parallel.stages, self._max_width(), rate) if rate else 0.0
+        lost_all = getattr(self.error, "exit_code", None) == 3
         return {
             "title": f"replay of {self.cfg.name}: {len(self.plan.actions)} actions over {self.plan.duration_s:.0f} s",
             "config": self.cfg.name,
@@ -171,6 +181,9 @@ class Replay:
             "duration_s": self.plan.duration_s,
             "seconds_with_room": round(room_s, 3),
             "useful_fraction": useful_fraction(training_s, room_s),
+            "liveput": liveput(0 if lost_all else t.committed_step, oracle),
+            "oracle_steps": round(oracle, 1),
+            "full_width_steps_per_s": round(rate, 4) if rate else None,
             "events": {
                 "recoveries": dict(Counter(str(r.source) for r in recoveries)),
                 "resizes": dict(Counter(f"{e.from_dp}->{e.to_dp}" for e in t.resizes)),

@@ -124,9 +124,6 @@ class ActorGroup(StateCalls):
     def free_slots(self, avoid: frozenset[str] = frozenset()) -> int:
         return self.slots.free_slots(avoid)
 
-    def unplaceable(self, replicas: Iterable[int], avoid: frozenset[str] = frozenset()) -> set[int]:
-        return self.slots.unplaceable(replicas, avoid)
-
     def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]:
         return self.slots.bundle_nodes(keys)
 

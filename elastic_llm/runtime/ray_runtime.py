@@ -41,6 +41,7 @@ class RayNodes:
 
     def __init__(self) -> None:
         self.watch: NodeWatch | None = None
+        self.announced: set[str] = set()  # nodes seen draining
 
     def start(self, period_s: float, failures: int, declare: bool) -> None:
         if period_s > 0 and self.watch is None:  # before any actor: a node that dies from now on is noticed
@@ -60,7 +61,14 @@ class RayNodes:
     def draining(self) -> dict[str, Drain]:
         from elastic_llm.runtime.drains import draining_nodes
 
-        return draining_nodes()
+        now = draining_nodes()
+        self.announced |= set(now)
+        return now
+
+    def reclaimed(self) -> set[str]:
+        """Nodes this run saw draining (they announced their end: a preemption notice or an
+        autoscaler's drain). A node that died without notice is not known as a reclaim."""
+        return set(self.announced)
 
     def suspects(self) -> set[str]:
         return self.watch.suspects() if self.watch is not None else set()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,19 +136,6 @@ class SimActors:
         need = replicas * self.stages if replicas is not None else len(self._homeless(self.keys())) or self.stages * self.width
         alive = self.world.fleet.alive()
         return Capacity(need=f"{need} actor slot(s)", have=f"{sum(f for _, f in self._free())} free slot(s) on {len(alive)} live node(s)")
-
-    def unplaceable(self, replicas: Iterable[int], avoid: frozenset[str] = frozenset()) -> set[int]:
-        """Replicas that lost actors with their node and cannot all be placed now (greedy, by replica)."""
-        with self.charged:
-            free, out = sum(f for _, f in self._free(avoid)), set()
-            homeless = self._homeless(self.keys())
-            for r in sorted(set(replicas)):
-                need = sum(1 for k in homeless if k.replica == r)
-                if need <= free:
-                    free -= need
-                else:
-                    out.add(r)
-            return out
 
     def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]:
         """Where each of ``keys`` would start: its own node if it lives, else the next free slot."""
@@ -357,11 +345,13 @@ class SimActors:
 
     # ------------------------------------------------------------------ state
     def copy_stages(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
-        """Each target takes its source's state, all copies at once over the network."""
+        """Each target takes its source's state, all copies at once over the network (a source
+        sending to several targets sends one after another)."""
         if not pairs:
             return
+        fan_out = max(Counter(src for src, _ in pairs).values())
         with self.spans.span("state"):
-            self.world.clock.sleep(self.stage_mb() / self.world.costs.network_mb_s)
+            self.world.clock.sleep(fan_out * self.stage_mb() / self.world.costs.network_mb_s)
         self._check("copying stage state", [self.nodes[k] for pair in pairs for k in pair])
         for src, dst in pairs:
             self.at[dst] = self.at.get(src)

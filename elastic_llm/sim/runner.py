@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_llm.config import ConfigError, RunConfig, config_from_dict
-from elastic_llm.replay.report import seconds_with_room, useful_fraction, write_report
+from elastic_llm.replay.report import full_width_rate, liveput, oracle_steps, oracle_widths, seconds_with_room, useful_fraction, write_report
 from elastic_llm.replay.trace import ReplayPlan, load_trace, plan_replay
 from elastic_llm.sim.costs import CostModel
 from elastic_llm.sim.world import Charged, Fleet, SimClock, World
@@ -101,7 +101,7 @@ class Simulation:
         self.fleet = Fleet(self.clock, self.plan.initial_nodes, self.plan.actions, self.slots)
         self.charged = Charged()
         self.world = World(self.clock, self.fleet, costs, self.charged)
-        self.timeline: list[tuple[float, int, int]] = []
+        self.timeline: list[tuple[float, int, int, int]] = []  # (second, nodes alive, steps committed, width)
         self.trainer: Any = None
         self.error: BaseException | None = None
         self.runtime: Any = None  # the SimRuntime (its durable tier counts flushes)
@@ -133,7 +133,9 @@ class Simulation:
             raise SimulationOver()
 
     def _sample(self, t: float) -> None:
-        self.timeline.append((round(t, 3), len(self.fleet.alive()), self.trainer.committed_step if self.trainer is not None else 0))
+        t_ = self.trainer
+        self.timeline.append((round(t, 3), len(self.fleet.alive()), t_.committed_step if t_ is not None else 0,
+                              t_.group.width if t_ is not None and t_.group is not None else 0))
 
     def build(self) -> Any:
         from elastic_llm.controller.ports import Runtime
@@ -174,8 +176,17 @@ class Simulation:
         end = min(self.clock.now - self.t0, self.plan.duration_s)
         self._sample(end)
         report = self._report(end, time.perf_counter() - real0)
-        write_report(self.out, report, self.timeline)
+        write_report(self.out, report, self.timeline, self._oracle_widths())
         return report
+
+    def _alive(self) -> tuple[float, tuple[tuple[float, int], ...]]:
+        duration = self.plan.duration_s if math.isfinite(self.plan.duration_s) else self.timeline[-1][0] if self.timeline else 0.0
+        alive = self.plan.replay_alive if math.isfinite(self.plan.duration_s) else ((0.0, self.options.nodes),)
+        return duration, tuple(alive)
+
+    def _oracle_widths(self) -> list[tuple[float, int]]:
+        _, alive = self._alive()
+        return oracle_widths(alive, self.slots, self.options.stages, self.cfg.elastic.bounds(self.cfg.parallel.dp)[1])
 
     def _report(self, sim_s: float, real_s: float) -> dict[str, Any]:
         t, o = self.trainer, self.options
@@ -183,6 +194,9 @@ class Simulation:
         duration = self.plan.duration_s if math.isfinite(self.plan.duration_s) else sim_s
         alive = self.plan.replay_alive if math.isfinite(self.plan.duration_s) else ((0.0, o.nodes),)
         room_s = seconds_with_room(alive, duration, per_replica)
+        max_width = self.cfg.elastic.bounds(self.cfg.parallel.dp)[1]
+        rate = full_width_rate(t.history, max_width)
+        oracle = oracle_steps(alive, duration, self.slots, o.stages, max_width, rate) if rate else 0.0
         training_s = t.seconds_by_state.get("running", 0.0)
         recoveries = [r for r in t.recoveries if r.source != "none"]
         steps_run = len(t.history)
@@ -204,6 +218,9 @@ class Simulation:
             "duration_s": duration,
             "seconds_with_room": round(room_s, 3),
             "useful_fraction": useful_fraction(training_s, room_s),
+            "liveput": liveput(t.committed_step if self.error is None or getattr(self.error, "exit_code", None) != 3 else 0, oracle),
+            "oracle_steps": round(oracle, 1),
+            "full_width_steps_per_s": round(rate, 4) if rate else None,
             "events": {
                 "recoveries": dict(sorted(Counter(str(r.source) for r in recoveries).items())),
                 "resizes": dict(sorted(Counter(f"{e.from_dp}->{e.to_dp}" for e in t.resizes).items())),

@@ -48,6 +48,12 @@ class SimNodes:
     def draining(self) -> dict[str, Drain]:
         return {n: Drain(n, EPOCH + t) for n, t in self.world.fleet.draining().items()}
 
+    def reclaimed(self) -> set[str]:
+        """Every node the trace removes is a reclaim (a spot trace's removals are); a stage
+        process dying on a live node is not."""
+        fleet = self.world.fleet
+        return {n for n, x in fleet.nodes.items() if not x.alive} | set(fleet.draining())
+
     def suspects(self) -> set[str]:
         return set()  # a simulated node is alive or gone: no probe ever times out
 
