@@ -165,7 +165,7 @@ def test_fewest_drops_is_the_smallest_set_that_makes_room_brute_force():
         need = {r: rng.randint(1, stages) for r in range(rng.randint(1, 6))}
         free = rng.randint(0, 3 * stages)
 
-        def fits(drop):
+        def fits(drop, need=need, stages=stages, free=free):
             return sum(n for r, n in need.items() if r not in drop) <= free + sum(stages - need[r] for r in drop)
 
         best = min(len(d) for k in range(len(need) + 1) for d in itertools.combinations(need, k) if fits(d))
