@@ -102,7 +102,7 @@ def test_beyond_parity_a_simulated_durable_tier_is_the_rung_that_saves_the_run(c
     """Two nodes of one erasure group (parity 1) go at once with neighbouring stages on them: with
     a durable checkpoint every 2nd commit everyone rolls back to it; without one the run stops
     (nothing lossless survives, and CheckFree cannot rebuild two neighbours)."""
-    cfg = spot_tiny(corpus_dir, "parallel.dp=1", "elastic.max_replicas=1")
+    cfg = spot_tiny(corpus_dir, "parallel.dp=1", "elastic.max_replicas=1", "snapshot.group_size=6")  # one group: r0 and r1 in it
     nodes = ["r0", "r1", "r2", "r3", "r4", "r5"]  # one stage per node: r0-r3 hold the run, r4-r5 are free
     plan = scripted(nodes, [ReplayAction(20.0, "remove", "r0"), ReplayAction(20.0, "remove", "r1")], 60.0)
     t, report = run(cfg, tmp_path / "durable", plan, replicas=1, slots=1, durable_every=2)

@@ -1,9 +1,10 @@
-"""Spot availability traces: parse ``time_ms,add|remove,node`` CSV and plan a replay of it.
+"""Spot availability traces: parse ``time_ms,add|remove,node[,zone]`` CSV and plan a replay of it.
 
 Owns: the trace format and its validation (:class:`TraceError` names the file, the line, the bad
 value and the fix), and :func:`plan_replay`, which turns trace events into timed replay actions on
 replay nodes ``r0, r1, ...`` (windowed, time- and node-scaled, seeded victims, optional drain
-notice). Pure: never imports Ray, never reads a clock, never does I/O except :func:`load_trace`.
+notice; a trace's zones carried to the replay nodes, a burst's victims drawn from its zones).
+Pure: never imports Ray, never reads a clock, never does I/O except :func:`load_trace`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import csv
 import math
 import random
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import groupby
@@ -19,6 +21,7 @@ from pathlib import Path
 KINDS = ("add", "remove")
 ACTION_ORDER = ("drain", "remove", "add")  # the order of actions at equal times
 HEADER = ("time_ms", "event", "node")
+HEADER_ZONE = (*HEADER, "zone")
 Steps = tuple[tuple[float, int], ...]
 
 
@@ -28,11 +31,13 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True)
 class TraceEvent:
-    """One trace line: at ``time_ms`` trace node ``node`` was added or removed (``kind``)."""
+    """One trace line: at ``time_ms`` trace node ``node`` was added or removed (``kind``), in
+    availability zone ``zone`` when the trace has a fourth column."""
 
     time_ms: int
     kind: str
     node: str
+    zone: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class ReplayPlan:
     duration_s: float
     trace_alive: Steps
     replay_alive: Steps
+    zones: tuple[tuple[str, str], ...] = ()  # (replay node, its zone) when the trace has zones
 
 
 def _apply(alive: set[str], event: TraceEvent) -> str | None:
@@ -74,12 +80,13 @@ def _apply(alive: set[str], event: TraceEvent) -> str | None:
 
 
 def _parse_line(fields: list[str], where: str) -> TraceEvent:
-    if len(fields) != 3:
+    if len(fields) not in (3, 4):
         raise TraceError(
-            f"{where}: {','.join(fields)!r} has {len(fields)} fields, not 3: "
-            "write time_ms,add|remove,node_name"
+            f"{where}: {','.join(fields)!r} has {len(fields)} fields, not 3 or 4: "
+            "write time_ms,add|remove,node_name[,zone]"
         )
-    time_text, kind, node = (f.strip() for f in fields)
+    time_text, kind, node, *rest = (f.strip() for f in fields)
+    zone = rest[0] if rest else None
     try:
         time_ms = int(time_text)
     except ValueError:
@@ -92,7 +99,9 @@ def _parse_line(fields: list[str], where: str) -> TraceEvent:
         raise TraceError(f"{where}: {kind!r} is not add or remove: write add or remove")
     if not node:
         raise TraceError(f"{where}: the node name is empty: write a node name after the event")
-    return TraceEvent(time_ms, kind, node)
+    if rest and not zone:
+        raise TraceError(f"{where}: the zone is empty: write a zone name or leave the fourth column out")
+    return TraceEvent(time_ms, kind, node, zone)
 
 
 def parse_trace(text: str, name: str = "trace") -> tuple[TraceEvent, ...]:
@@ -108,7 +117,7 @@ def parse_trace(text: str, name: str = "trace") -> tuple[TraceEvent, ...]:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         fields = next(csv.reader([line]))
-        if not events and tuple(f.strip().lower() for f in fields) == HEADER:
+        if not events and tuple(f.strip().lower() for f in fields) in (HEADER, HEADER_ZONE):
             continue
         where = f"{name} line {lineno}"
         event = _parse_line(fields, where)
@@ -234,6 +243,7 @@ def plan_replay(
     start_s, end_s = _check_window(window, events[-1].time_ms / 1000)
 
     trace: set[str] = set()
+    zone_of: dict[str, str | None] = {}  # trace node -> its zone (None: the trace has none)
     replayed: list[TraceEvent] = []
     for event in events:
         if event.time_ms / 1000 >= end_s:
@@ -242,45 +252,68 @@ def plan_replay(
             replayed.append(event)
         elif problem := _apply(trace, event):
             raise ValueError(f"events: {problem}")
-    start_trace, n_initial = len(trace), _target(len(trace), node_scale)
-    born = {f"r{k}": -1.0 for k in range(n_initial)}  # replay node alive -> replay time added
-    next_label, rng = n_initial, random.Random(seed)
+        else:
+            zone_of.setdefault(event.node, event.zone)
+    start_trace = len(trace)
+    born: dict[str, float] = {}  # replay node alive -> replay time added
+    rzone: dict[str, str | None] = {}  # replay node alive -> its zone
+    rzone_all: dict[str, str | None] = {}  # every replay node -> its zone
+    next_label, rng = 0, random.Random(seed)
+    for z, count in sorted(Counter(zone_of[n] for n in trace).items(), key=lambda kv: _zone_key(kv[0])):
+        for _ in range(_target(count, node_scale)):
+            born[f"r{next_label}"] = -1.0
+            rzone[f"r{next_label}"] = rzone_all[f"r{next_label}"] = z
+            next_label += 1
+    initial = tuple(born)
     actions: list[ReplayAction] = []
     trace_changes: list[tuple[float, int]] = []
     for time_ms, burst in groupby(replayed, key=lambda e: e.time_ms):
         for event in burst:
             if problem := _apply(trace, event):
                 raise ValueError(f"events at time_ms {time_ms}: {problem}")
+            zone_of.setdefault(event.node, event.zone)
         t = (time_ms / 1000 - start_s) / time_scale
         trace_changes.append((t, len(trace)))
-        diff = _target(len(trace), node_scale) - len(born)
-        for label in (f"r{k}" for k in range(next_label, next_label + max(diff, 0))):
-            born[label] = t
-            actions.append(ReplayAction(t, "add", label))
-        next_label += max(diff, 0)
-        if diff >= 0:
-            continue
-        drain_at = max(0.0, t - notice_s)
-        ready = [n for n, b in born.items() if b < drain_at]  # dict order: by label, reproducible
-        victims = rng.sample(ready, min(-diff, len(ready)))
-        victims += rng.sample([n for n, b in born.items() if b >= drain_at], -diff - len(victims))
-        for node in victims:
-            if notice_s > 0:
-                at = drain_at if born[node] < drain_at else t
-                actions.append(ReplayAction(at, "drain", node, deadline_s=t - at))
-            actions.append(ReplayAction(t, "remove", node))
-            del born[node]
+        in_trace = Counter(zone_of[n] for n in trace)
+        in_replay = Counter(rzone.values())
+        for z in sorted(set(in_trace) | set(in_replay), key=_zone_key):  # one zone (None) when the trace has none
+            diff = _target(in_trace[z], node_scale) - in_replay[z]
+            for _ in range(max(diff, 0)):
+                label = f"r{next_label}"
+                next_label += 1
+                born[label] = t
+                rzone[label] = rzone_all[label] = z
+                actions.append(ReplayAction(t, "add", label))
+            if diff >= 0:
+                continue
+            drain_at = max(0.0, t - notice_s)
+            mine = [n for n in born if rzone[n] == z]  # dict order: by label, reproducible
+            ready = [n for n in mine if born[n] < drain_at]
+            victims = rng.sample(ready, min(-diff, len(ready)))
+            victims += rng.sample([n for n in mine if born[n] >= drain_at], -diff - len(victims))
+            for node in victims:
+                if notice_s > 0:
+                    at = drain_at if born[node] < drain_at else t
+                    actions.append(ReplayAction(at, "drain", node, deadline_s=t - at))
+                actions.append(ReplayAction(t, "remove", node))
+                del born[node], rzone[node]
 
     actions.sort(key=lambda a: (a.at_s, ACTION_ORDER.index(a.kind)))
     duration_s = (end_s - start_s) / time_scale
-    alive, replay_changes = n_initial, []
+    alive, replay_changes = len(initial), []
     for at_s, group in groupby(actions, key=lambda a: a.at_s):
         alive += sum({"add": 1, "remove": -1}.get(a.kind, 0) for a in group)
         replay_changes.append((at_s, alive))
+    labelled = {n: z for n, z in rzone_all.items() if z is not None}
     return ReplayPlan(
-        initial_nodes=tuple(f"r{k}" for k in range(n_initial)),
+        initial_nodes=initial,
         actions=tuple(actions),
         duration_s=duration_s,
         trace_alive=_steps(start_trace, trace_changes, duration_s),
-        replay_alive=_steps(n_initial, replay_changes, duration_s),
+        replay_alive=_steps(len(initial), replay_changes, duration_s),
+        zones=tuple(sorted(labelled.items())),
     )
+
+
+def _zone_key(zone: str | None) -> tuple[bool, str]:
+    return zone is not None, zone or ""

@@ -98,7 +98,7 @@ class Simulation:
         n0 = max(1, len(self.plan.initial_nodes))
         self.slots = options.slots_per_node or math.ceil(options.stages * options.replicas / n0)
         self.clock = SimClock()
-        self.fleet = Fleet(self.clock, self.plan.initial_nodes, self.plan.actions, self.slots)
+        self.fleet = Fleet(self.clock, self.plan.initial_nodes, self.plan.actions, self.slots, dict(self.plan.zones))
         self.charged = Charged()
         self.world = World(self.clock, self.fleet, costs, self.charged)
         self.timeline: list[tuple[float, int, int, int]] = []  # (second, nodes alive, steps committed, width)

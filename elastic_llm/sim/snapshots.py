@@ -28,6 +28,10 @@ class SimManagers:
     def nodes(self) -> set[str]:
         return set(self.world.fleet.alive())
 
+    def domains(self) -> dict[str, str]:
+        """The zone of each node, where the trace gave one."""
+        return dict(self.world.fleet.zones)
+
     def start(self, node: str, name: str, run_id: str, grace_s: float) -> Any:
         return _RestoringManager(node, self.world)
 

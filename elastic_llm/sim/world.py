@@ -69,8 +69,10 @@ class SimNode:
 class Fleet:
     """The nodes, played from a replay plan's actions as simulated time passes."""
 
-    def __init__(self, clock: SimClock, initial: tuple[str, ...], actions: tuple[ReplayAction, ...], slots: int) -> None:
+    def __init__(self, clock: SimClock, initial: tuple[str, ...], actions: tuple[ReplayAction, ...], slots: int,
+                 zones: dict[str, str] | None = None) -> None:
         self.clock, self.slots = clock, slots
+        self.zones = dict(zones or {})  # node -> its zone (the trace's), the failure domain snapshots spread their groups over
         self.nodes: dict[str, SimNode] = {n: SimNode(n, slots, 0.0) for n in initial}
         self.pending = list(actions)  # sorted by at_s
         self.removals: list[tuple[float, str]] = sorted((a.at_s, a.node) for a in actions if a.kind == "remove")

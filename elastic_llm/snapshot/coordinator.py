@@ -32,6 +32,7 @@ from elastic_llm.cadence import Ema, snapshot_every
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.sources import Source, SourceLost, UnrecoverableError
+from elastic_llm.snapshot.groups import domain_of, make_groups
 from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.manager import SnapshotManager
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
@@ -73,19 +74,6 @@ class SnapshotStats:
     superseded: int = 0
     skipped: int = 0  # due snapshots skipped while versions were in flight (within max_lag)
     wait_s: float = 0.0  # training time spent waiting for the committed version to catch up
-
-
-def make_groups(nodes: list[str], size: int, parity: int) -> tuple[tuple[str, ...], ...]:
-    """Split nodes (sorted) into erasure groups of ``size``; a short tail joins the last group.
-    No groups (no parity) when there are fewer than parity + 1 nodes."""
-    nodes = sorted(nodes)
-    if len(nodes) < parity + 1:
-        return ()
-    groups = [nodes[i : i + size] for i in range(0, len(nodes), size)]
-    if len(groups) > 1 and len(groups[-1]) < parity + 1:
-        tail = groups.pop()
-        groups[-1] += tail
-    return tuple(tuple(g) for g in groups)
 
 
 def check_parity_fits(nodes: int, parity: int, group_size: int) -> None:
@@ -154,6 +142,8 @@ class ManagerFleet(Protocol):
 
     def nodes(self) -> set[str]: ...
 
+    def domains(self) -> dict[str, str]: ...  # node -> failure domain (zone, launch batch), for the nodes that have one
+
     def start(self, node: str, name: str, run_id: str, grace_s: float) -> ManagerHandle: ...
 
     def end(self, handle: ManagerHandle) -> None: ...
@@ -183,6 +173,17 @@ class RayManagers:
         import ray
 
         return {n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0}
+
+    def domains(self) -> dict[str, str]:
+        """The failure domain of each live node that has one (its labels: :data:`DOMAIN_LABELS`)."""
+        import ray
+
+        out = {}
+        for n in ray.nodes():
+            d = domain_of(n.get("Labels") or {}) if n["Alive"] else None
+            if d:
+                out[n["NodeID"]] = d
+        return out
 
     def start(self, node: str, name: str, run_id: str, grace_s: float) -> ManagerHandle:
         import ray
@@ -220,6 +221,8 @@ class SnapshotCoordinator:
         self.inflight: list[_Inflight] = []  # oldest first, at most MAX_INFLIGHT
         self.committed: VersionRecord | None = None
         self.stats = SnapshotStats()
+        self._domain_of: dict[str, str] = {}  # node -> failure domain (fleet.domains(), asked again when a new node joins)
+        self._domain_seen: set[str] = set()
         self.refresh_managers = False
         self.avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
@@ -344,7 +347,7 @@ class SnapshotCoordinator:
         # a draining node takes no parity duties unless it still hosts stages: then its shards
         # must be covered by a group until they are moved (or it goes and they are rebuilt)
         members = sorted(n for n in self.managers if n not in self.avoid or by_node[n])
-        groups = make_groups(members, sn.group_size, sn.parity)
+        groups = make_groups(members, sn.group_size, sn.parity, self._domains(members), seed=version)
         group_of = {node: g for g in groups for node in g}
         refs = {}
         for node, handle in self.managers.items():
@@ -363,6 +366,13 @@ class SnapshotCoordinator:
             refs[node] = handle.snapshot_version.remote(plan)
         self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt))
         self.last_begin = version
+
+    def _domains(self, members: list[str]) -> dict[str, str]:
+        """The failure domains of ``members``, asked of the fleet only when a member is new."""
+        if not set(members) <= self._domain_seen:
+            self._domain_of = self.fleet.domains()
+            self._domain_seen = set(members)
+        return self._domain_of
 
     def can_begin(self) -> bool:
         return len(self.inflight) < MAX_INFLIGHT

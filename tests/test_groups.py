@@ -1,0 +1,79 @@
+"""Erasure groups (``snapshot.groups.make_groups``) and zone-correlated traces: nodes that fail
+together never share a group beyond its parity. Pure."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from elastic_llm.replay.trace import parse_trace, plan_replay
+from elastic_llm.sim.traces import fleet_trace
+from elastic_llm.snapshot.groups import domain_of, group_sizes, make_groups
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_no_group_holds_more_than_parity_nodes_of_one_domain_when_the_fleet_allows_it(seed):
+    rng = random.Random(seed)
+    parity = rng.randint(1, 3)
+    size = rng.randint(parity + 1, 10)
+    domains = rng.randint(2, 6)
+    n = rng.randint(parity + 1, 80)
+    nodes = [f"n{i:03d}" for i in range(n)]
+    zone = {x: f"z{rng.randrange(domains)}" for x in nodes}
+    groups = make_groups(nodes, size, parity, zone, seed=seed)
+    assert sorted(x for g in groups for x in g) == nodes  # every node in exactly one group
+    assert all(len(g) >= parity + 1 for g in groups)
+    largest = max(Counter(zone.values()).values())
+    if largest <= parity * (n // (parity + 1)):  # enough groups can form: the largest domain spreads over them
+        assert all(max(Counter(zone[x] for x in g).values()) <= parity for g in groups), groups
+
+
+def test_without_domains_groups_are_shuffled_per_version_and_never_consecutive_names():
+    nodes = [f"n{i:03d}" for i in range(64)]
+    a, b = make_groups(nodes, 8, 2, seed=1), make_groups(nodes, 8, 2, seed=2)
+    assert [len(g) for g in a] == group_sizes(64, 8, 2) == [8] * 8
+    assert a != b and a == make_groups(nodes, 8, 2, seed=1)  # re-formed every version, reproducibly
+    consecutive = tuple(tuple(nodes[i : i + 8]) for i in range(0, 64, 8))
+    assert not set(a) & set(consecutive)
+    assert make_groups(nodes, 8, 2, {x: "z0" for x in nodes}, seed=1) == a  # one domain tells nothing: as without
+
+
+def test_a_whole_zone_lost_at_once_is_within_parity_for_every_group():
+    """Four zones, parity 2, groups of 8: losing every node of one zone takes at most 2 of any group."""
+    nodes = [f"n{i:03d}" for i in range(256)]
+    zone = {x: f"z{i % 4}" for i, x in enumerate(nodes)}
+    for g in make_groups(nodes, 8, 2, zone, seed=5):
+        assert sum(1 for x in g if zone[x] == "z1") <= 2
+
+
+def test_domain_labels():
+    assert domain_of({"elastic-llm.io/failure-domain": "rack-3", "ray.io/availability-zone": "us-east-1a"}) == "rack-3"
+    assert domain_of({"ray.io/availability-zone": "us-east-1a"}) == "us-east-1a"
+    assert domain_of({"ray.io/node-id": "abc"}) is None
+
+
+def test_a_zone_column_is_carried_to_the_replay_and_a_zone_burst_takes_that_zones_nodes():
+    text = "time_ms,event,node,zone\n0,add,a,z0\n0,add,b,z0\n0,add,c,z1\n0,add,d,z1\n10000,remove,a\n10000,remove,b\n20000,add,e,z0\n30000,add,f,z1\n"
+    plan = plan_replay(parse_trace(text), node_scale=2.0, notice_s=2.0, seed=3)
+    zones = dict(plan.zones)
+    assert Counter(zones[n] for n in plan.initial_nodes) == {"z0": 4, "z1": 4}
+    removed = [a.node for a in plan.actions if a.kind == "remove"]
+    assert len(removed) == 4 and {zones[n] for n in removed} == {"z0"}  # the burst took zone z0, scaled
+    assert {zones[a.node] for a in plan.actions if a.kind == "add"} == {"z0"}
+
+
+def test_the_fleet_trace_bursts_come_from_one_zone_and_dip_to_40_percent():
+    events = parse_trace(fleet_trace(256, 3.0, seed=1))
+    zone = {e.node: e.zone for e in events if e.kind == "add"}
+    alive, low = set(), 256
+    for t in sorted({e.time_ms for e in events}):
+        burst = [e for e in events if e.time_ms == t]
+        for e in burst:
+            (alive.add if e.kind == "add" else alive.discard)(e.node)
+        gone = [e.node for e in burst if e.kind == "remove"]
+        if len(gone) > 1 and len({zone[n] for n in gone}) > 1:
+            per_zone = Counter(zone[n] for n in gone)
+            assert len(per_zone) == 2  # a zone ran out: the next one gave the rest
+        if t:
+            low = min(low, len(alive))
+    assert 0.4 * 256 <= low < 0.75 * 256
