@@ -315,3 +315,23 @@ def test_write_report_round_trips_json_and_draws_a_png(tmp_path):
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.iterdir()) == ["replay.json", "replay.png"]  # no temp left
     assert report == {"title": "spot replay", "useful_fraction": 0.5, "nodes_needed": 2}
+
+
+def test_liveput_counts_against_an_oracle_at_the_widest_width_the_live_nodes_hold():
+    from elastic_llm.replay.report import full_width_rate, liveput, oracle_steps, oracle_widths
+
+    alive = ((0.0, 8), (10.0, 4), (20.0, 8))  # 2 slots per node, 4 stages: 4 replicas, then 2, then 4 (max 3)
+    assert oracle_widths(alive, 2, 4, 3) == [(0.0, 3), (10.0, 2), (20.0, 3)]
+    assert oracle_steps(alive, 30.0, 2, 4, 3, full_rate=1.5) == 1.5 * 10 + 1.0 * 10 + 1.5 * 10
+    history = [{"step": s, "dp": 2, "elapsed_s": 0.5 * s} for s in range(1, 6)]  # width 2 only, 0.5 s a step
+    history += [{"step": 6, "dp": 1, "elapsed_s": 5.0}]
+    assert full_width_rate(history, 3) == 3 / 2 / 0.5  # scaled from its widest width to the max
+    assert full_width_rate(history[:1], 3) is None
+    assert liveput(30, 40.0) == 0.75 and liveput(3, 0.0) is None
+
+
+def test_the_report_has_the_width_beside_the_oracles(tmp_path):
+    json_path, _ = write_report(tmp_path, {"title": "t"}, [(0.0, 4, 0, 2), (5.0, 4, 9, 2)], oracle=[(0.0, 2), (4.0, 1)])
+    data = json.loads(json_path.read_text())
+    assert [r["width"] for r in data["timeline"]] == [2, 2]
+    assert data["oracle_width"] == [{"t_s": 0.0, "width": 2}, {"t_s": 4.0, "width": 1}]

@@ -110,6 +110,10 @@ def test_beyond_parity_a_simulated_durable_tier_is_the_rung_that_saves_the_run(c
     assert sorted(r.source for r in t.recoveries) == ["durable", "durable"]
     assert len({r.step - r.rollback_steps for r in t.recoveries}) == 1  # both stages restart from one durable step
     assert all(0 <= r.rollback_steps <= 2 * 2 for r in t.recoveries)  # a flush every 2nd commit, one may be in flight
+    committed = [row["steps_committed"] for row in json.loads((tmp_path / "durable" / "replay.json").read_text())["timeline"]]
+    first = next(i for i, c in enumerate(committed) if c > 0)
+    assert min(committed[first:]) > 0  # the rollback to the durable checkpoint keeps its step committed: the line never drops to 0
+    assert report["liveput"] is not None and 0 < report["liveput"] <= 1.0
     t, report = run(cfg, tmp_path / "none", plan, replicas=1, slots=1)
     assert report["exit_code"] == 3 and "parity covers 1" in report["failed"]
 
