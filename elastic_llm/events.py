@@ -37,6 +37,7 @@ class Kind(StrEnum):
     DURABLE_EVERY = "durable_every"
     DURABLE_FAILED = "durable_failed"
     SNAPSHOT_EVERY = "snapshot_every"
+    REPROTECT = "reprotect"
     CHAOS = "chaos"
     CHAOS_RATE = "chaos_rate"
     STANDBY = "standby"
@@ -231,6 +232,19 @@ class DurableFailed(Event):
     kind = Kind.DURABLE_FAILED
     step: int
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reprotect(Event):
+    """Draining nodes held more of the committed version than its groups' parity covers: a
+    version without that exposure committed ``seconds`` after the notice was seen."""
+
+    kind = Kind.REPROTECT
+    step: int = 0
+    version: int
+    nodes: list[str]
+    seconds: float
+    bytes: int  # the draining nodes' shard bytes now protected by groups that outlive them
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -77,3 +77,44 @@ def test_the_fleet_trace_bursts_come_from_one_zone_and_dip_to_40_percent():
         if t:
             low = min(low, len(alive))
     assert 0.4 * 256 <= low < 0.75 * 256
+
+
+class _NoFleet:
+    calls = None
+
+    def domains(self):
+        return {}
+
+
+def test_a_burst_of_notices_beyond_parity_re_protects_the_committed_version_with_the_next_step():
+    """Two of three members of a group (parity 1) drain: the committed version would not survive
+    their end. The next step takes a version at once (whatever the cadence) whose groups spread
+    the draining nodes; once it commits, the re-protection is recorded with its time and bytes."""
+    from elastic_llm.config import load_config
+    from elastic_llm.sim.world import SimClock
+    from elastic_llm.snapshot.coordinator import SnapshotCoordinator, exposed
+    from elastic_llm.snapshot.records import ShardInfo, ShardKey, VersionRecord
+
+    from .conftest import REPO
+
+    def shard(stage, node, version):
+        return ShardInfo(ShardKey(stage, 0), version, 0, 1000 * (stage + 1), (), "{}", node_id=node)
+
+    cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["model.n_layers=6", "parallel.stages=6", "snapshot.parity=1", "snapshot.group_size=3", "snapshot.every=50"])
+    clock = SimClock()
+    coord = SnapshotCoordinator(cfg, _NoFleet(), "reprotect", clock)
+    nodes = ["a", "b", "c", "d", "e", "f"]
+    coord.committed = VersionRecord(50, (("a", "b", "c"), ("d", "e", "f")), tuple(shard(i, n, 50) for i, n in enumerate(nodes)))
+    coord.last_begin = 50
+    assert not coord.due(51)  # every 50 steps
+    coord.avoid = frozenset({"a"})
+    assert not coord.due(51)  # one member of a group: its parity covers it
+    coord.avoid = frozenset({"a", "b"})
+    assert coord.due(51)  # a and b together are beyond the group's parity
+    spread = make_groups(nodes, 3, 1, {"a": "\0draining", "b": "\0draining"}, seed=51)
+    assert not exposed(spread, frozenset({"a", "b"}), 1)
+    clock.sleep(1.5)
+    coord._reprotected(VersionRecord(51, spread, tuple(shard(i, n, 51) for i, n in enumerate(nodes))))
+    [done] = coord.reprotections
+    assert done == {"version": 51, "nodes": ["a", "b"], "seconds": 1.5, "bytes": 1000 + 2000}
+    assert not coord.due(52)  # done: back to the cadence

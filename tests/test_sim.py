@@ -227,3 +227,18 @@ def test_on_shared_cores_background_process_starts_take_their_fair_share_of_a_st
     idle = world(0.0)
     idle.starting(0.0, 10.0, 4)
     assert idle.step_end(0.0, 1.0, 4) == 1.0
+
+
+def test_a_burst_that_takes_a_quarter_of_the_fleet_with_notice_keeps_the_width_and_every_committed_step(corpus_dir, tmp_path):
+    """16 nodes of 2 slots, 4 stages x 4 replicas: 4 nodes (25%) get a 15 s notice at once. The
+    fleet has room for every actor on them: the width never drops, nothing committed is lost."""
+    nodes = [f"r{i}" for i in range(16)]
+    burst = [ReplayAction(20.0, "drain", n, 15.0) for n in ("r0", "r2", "r4", "r6")] + [ReplayAction(35.0, "remove", n) for n in ("r0", "r2", "r4", "r6")]
+    cfg = spot_tiny(corpus_dir, "parallel.dp=4", "elastic.min_replicas=1", "elastic.max_replicas=4", "snapshot.group_size=8", "snapshot.parity=2")
+    t, report = run(cfg, tmp_path, scripted(nodes, burst, 60.0), replicas=4, slots=2)
+    assert report["failed"] is None and report["committed_steps_lost"] == 0
+    assert t.resizes == [] and t.group.width == 4
+    assert not {"r0", "r2", "r4", "r6"} & set(t.group.nodes.values())
+    assert t.recoveries == [] and sum(d["moved"] for d in t.drains) >= 2  # the actors on them moved before they went
+    [done] = events(tmp_path, "reprotect")  # 3 of the 4 were in one group of 8 (parity 2): the next version spread them
+    assert done["version"] > 20 and done["seconds"] < 15.0

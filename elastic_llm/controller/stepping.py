@@ -144,6 +144,9 @@ class StepJobs:
         for change in sn.changes:
             self.metrics.emit(events.SnapshotEvery(step=step, **change))
         sn.changes.clear()
+        for done in sn.reprotections:
+            self.metrics.emit(events.Reprotect(step=step, **done))
+        sn.reprotections.clear()
 
     def durable(self, seconds: float, elapsed_s: float, failures: int) -> None:
         """The durable tier: what the run measured (``auto``'s inputs), and the flush in flight."""

@@ -76,6 +76,11 @@ class SnapshotStats:
     wait_s: float = 0.0  # training time spent waiting for the committed version to catch up
 
 
+def exposed(groups: tuple[tuple[str, ...], ...], going: frozenset[str], parity: int) -> bool:
+    """Whether some group loses more members than ``parity`` when the ``going`` nodes go. Pure."""
+    return any(sum(1 for n in g if n in going) > parity for g in groups)
+
+
 def check_parity_fits(nodes: int, parity: int, group_size: int) -> None:
     """Raise :class:`LayoutError` when ``nodes`` nodes with CPUs (two or more) cannot form one
     erasure group of ``parity`` + 1: :func:`make_groups` would form none and every snapshot would
@@ -224,7 +229,9 @@ class SnapshotCoordinator:
         self._domain_of: dict[str, str] = {}  # node -> failure domain (fleet.domains(), asked again when a new node joins)
         self._domain_seen: set[str] = set()
         self.refresh_managers = False
-        self.avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
+        self._avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
+        self._reprotect: tuple[float, frozenset[str], int] | None = None  # (when seen, nodes, last version begun then): the committed version is exposed to their end
+        self.reprotections: list[dict[str, Any]] = []  # re-protected versions, for the run's metrics (the caller clears it)
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
         self.durable: Flusher | None = None  # the durable tier: decides at each commit whether to flush it
@@ -302,6 +309,45 @@ class SnapshotCoordinator:
         self.managers.clear()
         self.inflight.clear()
 
+    # ------------------------------------------------------------------ draining nodes
+    @property
+    def avoid(self) -> frozenset[str]:
+        return self._avoid
+
+    @avoid.setter
+    def avoid(self, nodes: frozenset[str]) -> None:
+        """Nodes about to go. When some group of the committed version would lose more members
+        with them than its parity covers (a burst of notices), the next step takes a version
+        whose groups spread the draining nodes (no group holds more of them than its parity):
+        re-protection within the notice."""
+        new = frozenset(nodes) - self._avoid
+        self._avoid = frozenset(nodes)
+        rec = self.committed
+        if new and rec is not None and exposed(rec.groups, self._avoid, self.cfg.snapshot.parity):
+            parity = self.cfg.snapshot.parity
+            held = frozenset(n for g in rec.groups if sum(1 for m in g if m in self._avoid) > parity for n in g if n in self._avoid)
+            since = self._reprotect[0] if self._reprotect is not None else self.clock.perf_counter()
+            self._reprotect = (since, held | (self._reprotect[1] if self._reprotect is not None else frozenset()), self.last_begin)
+            log.info("draining nodes %s are more of their erasure groups in snapshot %d than parity covers: re-protecting it with the next step",
+                     [n[:12] for n in sorted(held)], rec.version)
+
+    def _reprotected(self, record: VersionRecord) -> None:
+        """A version committed: if it no longer depends on the draining nodes beyond parity, the
+        re-protection is done (its time since the notice and the bytes it covers are recorded)."""
+        if self._reprotect is None or record.version <= self._reprotect[2]:
+            return
+        since, nodes, _ = self._reprotect
+        self._reprotect = None
+        if exposed(record.groups, self._avoid, self.cfg.snapshot.parity):
+            log.warning("snapshot %d could not spread %d draining nodes so that each group keeps parity %d: too few groups; the "
+                        "next recovery may need the durable tier (add nodes or raise snapshot.parity)", record.version, len(nodes), self.cfg.snapshot.parity)
+            return
+        nbytes = sum(s.nbytes for n in nodes for s in record.infos_on(n))
+        seconds = self.clock.perf_counter() - since
+        self.reprotections.append({"version": record.version, "nodes": sorted(nodes), "seconds": seconds, "bytes": nbytes})
+        log.info("snapshot %d re-protected against the end of %d draining nodes in %.2f s (%.1f MB of their shards)",
+                 record.version, len(nodes), seconds, nbytes / 1e6)
+
     # ------------------------------------------------------------------ timing
     def due(self, step: int, last: bool = False) -> bool:
         """Whether step ``step`` takes a snapshot. Skips it while two versions are in flight, unless
@@ -310,6 +356,8 @@ class SnapshotCoordinator:
         ``last`` step always takes one (waiting likewise): the run's end is what a resume or the
         durable tier's last flush starts from."""
         sn = self.cfg.snapshot
+        if self._reprotect is not None and not self.inflight:  # a burst of notices: re-protect now, whatever the cadence
+            return True
         if not last and ((step - self.last_begin < self.every) if self.auto else (step % self.every)):
             return False
         self.poll()
@@ -347,7 +395,9 @@ class SnapshotCoordinator:
         # a draining node takes no parity duties unless it still hosts stages: then its shards
         # must be covered by a group until they are moved (or it goes and they are rebuilt)
         members = sorted(n for n in self.managers if n not in self.avoid or by_node[n])
-        groups = make_groups(members, sn.group_size, sn.parity, self._domains(members), seed=version)
+        domains = dict(self._domains(members))
+        domains.update({n: "\0draining" for n in members if n in self._avoid})  # spread over the groups: at most parity in any
+        groups = make_groups(members, sn.group_size, sn.parity, domains, seed=version)
         group_of = {node: g for g in groups for node in g}
         refs = {}
         for node, handle in self.managers.items():
@@ -433,6 +483,7 @@ class SnapshotCoordinator:
         for handle in self.managers.values():  # fire and forget: a dead manager is a later failure
             handle.commit.remote(record.version, flush, keep)  # pinned until its flush is over
         self.committed = record
+        self._reprotected(record)
         if self.on_commit is not None:
             self.on_commit(record)
         self.inflight.remove(p)
