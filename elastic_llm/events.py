@@ -139,7 +139,7 @@ class Drain(Event):
     node: str
     deadline_s: float | None
     moved: int
-    dropped: int
+    dropped: int  # 0: a drain drops no replica (the recovery at the node's end drops the fewest); kept for the line's readers
     stayed: int
     seconds: float
     rollback_steps: int = 0

@@ -120,7 +120,7 @@ def test_the_controller_imports_neither_ray_nor_a_runtime():
     assert bad == [], "the controller must reach Ray only through its ports:\n" + "\n".join(bad)
 
 
-ORCHESTRATION = {"evacuate", "grow", "look", "execute", "decide", "drain_moves", "drops_for", "reattach", "resume_durable", "open_parts", "start_from", "build_observation"}
+ORCHESTRATION = {"evacuate", "grow", "look", "execute", "decide", "drain_moves", "fewest_drops", "reattach", "resume_durable", "open_parts", "start_from", "build_observation"}
 
 
 def test_the_simulation_implements_primitives_and_no_orchestration():

@@ -205,15 +205,9 @@ def test_a_drain_waits_for_its_spares_unless_there_is_no_room_or_the_deadline_is
 
     assert not drain_due(0, 1, started_any=True, seconds_left=15.0, margin_s=5.0)  # spare starting: train on
     assert drain_due(1, 1, started_any=True, seconds_left=15.0, margin_s=5.0)  # spare ready: move now
-    assert drain_due(0, 1, started_any=False, seconds_left=15.0, margin_s=5.0)  # no room: shrink or stay now
+    assert drain_due(0, 1, started_any=False, seconds_left=15.0, margin_s=5.0)  # no room: act now (the replicas stay in place)
     assert drain_due(0, 1, started_any=True, seconds_left=4.0, margin_s=5.0)  # deadline near: act with what there is
     assert not drain_due(1, 2, started_any=True, seconds_left=None, margin_s=5.0)  # no deadline: wait for both
-
-
-def test_a_replica_is_dropped_for_a_drain_only_above_the_floor():
-    from elastic_llm.controller.elastic import shrink_instead
-
-    assert shrink_instead(2, 1) and not shrink_instead(1, 1) and not shrink_instead(2, 2) and not shrink_instead(1, 0)
 
 
 def test_a_recovering_state_carries_the_policys_reason_so_it_is_decided_once():

@@ -18,17 +18,17 @@ def spare(ready=False, nodes=(), age=1.0, key=None):
 
 def test_a_drain_starts_the_stage_spare_its_move_needs_and_waits_for_it():
     drain = Drain("n1", 1060.0)  # stage 1 of replica 0, a minute left
-    first = decide(view([drain], free=1), set(), max_width=2, min_width=1)
+    first = decide(view([drain], free=1), set(), max_width=2)
     assert first.start_stage_spares == (ShardKey(1, 0),) and not first.start_spare
     assert first.drains == () and first.avoid == {"n1"} and "replica 0: stages" in first.note
     started = spare(ready=False, nodes={"n4"}, key=ShardKey(1, 0))
-    waiting = decide(view([drain], stage_spares=[started], free=0), set(), 2, 1)
+    waiting = decide(view([drain], stage_spares=[started], free=0), set(), 2)
     assert waiting.drains == () and waiting.start_stage_spares == () and waiting.cancel == ()  # it is starting: train on
-    ready = decide(view([drain], stage_spares=[spare(ready=True, nodes={"n4"}, key=ShardKey(1, 0))], free=0), set(), 2, 1)
+    ready = decide(view([drain], stage_spares=[spare(ready=True, nodes={"n4"}, key=ShardKey(1, 0))], free=0), set(), 2)
     assert ready.drains == (drain,)  # its spare has started: act now
-    near = decide(view([drain], stage_spares=[started], free=0, wall=1057.0), set(), 2, 1)
+    near = decide(view([drain], stage_spares=[started], free=0, wall=1057.0), set(), 2)
     assert near.drains == (drain,)  # 3 s left: act with what there is
-    assert decide(view([drain], free=1), {"n1"}, 2, 1).drains == ()  # acted on before: not again
+    assert decide(view([drain], free=1), {"n1"}, 2).drains == ()  # acted on before: not again
 
 
 def test_a_drain_due_before_the_next_look_is_acted_on_now():
@@ -38,37 +38,37 @@ def test_a_drain_due_before_the_next_look_is_acted_on_now():
 
     drain = Drain("n1", 1015.0)
     started = spare(ready=False, nodes={"n4"}, key=ShardKey(1, 0))
-    assert decide(view([drain], stage_spares=[started], free=0, step_s=1.0), set(), 2, 1).drains == ()  # short steps: wait
-    assert decide(view([drain], stage_spares=[started], free=0, step_s=12.0), set(), 2, 1).drains == (drain,)
+    assert decide(view([drain], stage_spares=[started], free=0, step_s=1.0), set(), 2).drains == ()  # short steps: wait
+    assert decide(view([drain], stage_spares=[started], free=0, step_s=12.0), set(), 2).drains == (drain,)
     timer = LookTimer()
     assert [timer.look(t) for t in (0.0, 12.0, 24.5, 80.0, 92.0)] == [0.0, 12.0, 12.0, 12.0, 12.0]  # a 55 s pause does not count
 
 
 def test_no_room_to_move_acts_at_once_and_a_whole_replica_needs_a_spare():
     drain = Drain("n1", None)
-    shrink = decide(view([drain], free=0), set(), 2, 1)
-    assert shrink.drains == (drain,) and shrink.start_stage_spares == () and "replica 0: drop" in shrink.note
-    both = decide(view([Drain("n0", None), Drain("n1", None)], free=2), set(), 2, 1)  # every stage of replica 0
+    shrink = decide(view([drain], free=0), set(), 2)
+    assert shrink.drains == (drain,) and shrink.start_stage_spares == () and "replica 0: stay" in shrink.note
+    both = decide(view([Drain("n0", None), Drain("n1", None)], free=2), set(), 2)  # every stage of replica 0
     assert both.start_spare and both.start_stage_spares == () and both.drains == ()
 
 
 def test_spares_on_draining_nodes_or_that_never_started_are_given_up():
     on_drain = spare(ready=True, nodes={"n3"})
     stale = spare(ready=False, nodes=(), age=SPARE_START_S + 1)
-    plan = decide(view([Drain("n3", None)], spares=[on_drain, stale], free=0), {"n3"}, 3, 1)
+    plan = decide(view([Drain("n3", None)], spares=[on_drain, stale], free=0), {"n3"}, 3)
     assert set(plan.cancel) == {on_drain, stale} and plan.grow_to is None
     orphaned = spare(ready=False, nodes={"n5"}, key=ShardKey(0, 1))  # its drain went away
-    assert decide(view(stage_spares=[orphaned]), set(), 3, 1).cancel == (orphaned,)
+    assert decide(view(stage_spares=[orphaned]), set(), 3).cancel == (orphaned,)
 
 
 def test_the_run_grows_once_a_spare_has_started_and_starts_one_where_there_is_room():
-    assert decide(view(spares=[spare(ready=True, nodes={"n4", "n5"})]), set(), 3, 1).grow_to == 3
-    assert decide(view(spares=[spare(ready=False, nodes={"n4"})]), set(), 3, 1).grow_to is None
-    room = decide(view(room=1), set(), 3, 1)
+    assert decide(view(spares=[spare(ready=True, nodes={"n4", "n5"})]), set(), 3).grow_to == 3
+    assert decide(view(spares=[spare(ready=False, nodes={"n4"})]), set(), 3).grow_to is None
+    room = decide(view(room=1), set(), 3)
     assert room.start_spares == 1 and "room for replica 3" in room.note
-    assert not decide(view(room=0), set(), 3, 1).start_spares and not decide(view(room=None), set(), 3, 1).start_spares
+    assert not decide(view(room=0), set(), 3).start_spares and not decide(view(room=None), set(), 3).start_spares
     extra = spare(ready=True, nodes={"n4"})
-    full = decide(view(spares=[extra]), set(), 2, 1)  # already at elastic.max_replicas
+    full = decide(view(spares=[extra]), set(), 2)  # already at elastic.max_replicas
     assert full.cancel == (extra,) and full.grow_to is None
 
 
@@ -78,36 +78,24 @@ def test_a_late_stage_spare_is_kept_and_moves_its_key_once_started_while_the_nod
     the move; too close to the deadline it waits for the recovery, which takes its place."""
     drain = Drain("n1", 1060.0)
     late = spare(ready=False, nodes={"n4"}, key=ShardKey(1, 0))
-    kept = decide(view([drain], stage_spares=[late], free=0), {"n1"}, 2, 1)
+    kept = decide(view([drain], stage_spares=[late], free=0), {"n1"}, 2)
     assert kept.cancel == () and kept.drains == ()  # acted on already, still starting: kept, nothing to do
     ready = spare(ready=True, nodes={"n4"}, key=ShardKey(1, 0))
-    assert decide(view([drain], stage_spares=[ready], free=0), {"n1"}, 2, 1).drains == (drain,)  # move it now
-    assert decide(view([drain], stage_spares=[ready], free=0, wall=1059.0), {"n1"}, 2, 1).drains == ()  # 1 s left: too late
-    gone = decide(view(stage_spares=[ready]), {"n1"}, 2, 1)  # n1 went (no longer draining): the recovery's
+    assert decide(view([drain], stage_spares=[ready], free=0), {"n1"}, 2).drains == (drain,)  # move it now
+    assert decide(view([drain], stage_spares=[ready], free=0, wall=1059.0), {"n1"}, 2).drains == ()  # 1 s left: too late
+    gone = decide(view(stage_spares=[ready]), {"n1"}, 2)  # n1 went (no longer draining): the recovery's
     assert gone.cancel == ()
     moved = NODES[:1] + ((ShardKey(1, 0), "n4"),) + NODES[2:]  # the key left n1 another way: the spare is not needed
     other = ElasticView((), moved, 2, 2, (), (ready,), None, None, 1000.0, 0.0)
-    assert decide(other, {"n1"}, 2, 1).cancel == (ready,)
-
-
-def test_an_evacuation_drops_only_what_room_requires():
-    """Replicas whose spares did not start in time stay (their spares are kept); only replicas
-    without room are dropped, and only as many as free the slots the others need."""
-    from elastic_llm.controller.elastic import evacuation_drops
-
-    on = [ShardKey(1, 0), ShardKey(1, 1), ShardKey(0, 2)]  # one actor of each of replicas 0-2 on draining nodes
-    no_room, drop = evacuation_drops([0, 1, 2], on, {ShardKey(1, 0), ShardKey(1, 1)}, 0, stages=4, free_slots=0, width=4, min_width=1)
-    assert no_room == [2] and drop == {2}  # replica 2 has no spare and no room: dropped; 0 and 1 (late spares) stay
-    no_room, drop = evacuation_drops([0, 1, 2], on, set(), 0, stages=4, free_slots=0, width=4, min_width=1)
-    assert no_room == [0, 1, 2] and len(drop) == 1  # one dropped replica frees 3 slots: enough for the other two
+    assert decide(other, {"n1"}, 2).cancel == (ready,)
 
 
 def test_regrowth_starts_every_spare_the_room_allows_and_joins_the_started_ones_at_once():
-    batch = decide(view(room=5), set(), 5, 1)  # room for 5 more, 3 until elastic.max_replicas
+    batch = decide(view(room=5), set(), 5)  # room for 5 more, 3 until elastic.max_replicas
     assert batch.start_spares == 3 and "replicas 3-5" in batch.note
-    one_more = decide(view(spares=[spare(ready=False, nodes={"n4"})], room=4), set(), 5, 1)
+    one_more = decide(view(spares=[spare(ready=False, nodes={"n4"})], room=4), set(), 5)
     assert one_more.start_spares == 2 and one_more.grow_to is None  # two were not started yet
     started = [spare(ready=True, nodes={"n4"}), spare(ready=True, nodes={"n5"})]
-    assert decide(view(spares=[*started, spare(ready=False, nodes={"n6"})]), set(), 5, 1).grow_to is None  # one still starting: wait for it
-    assert decide(view(spares=[*started, spare(ready=False)]), set(), 5, 1).grow_to == 4  # one still waits for room: the started ones join
-    assert decide(view(spares=[*started, spare(ready=True, nodes={"n6"})]), set(), 3, 1).grow_to == 3  # never past max_replicas
+    assert decide(view(spares=[*started, spare(ready=False, nodes={"n6"})]), set(), 5).grow_to is None  # one still starting: wait for it
+    assert decide(view(spares=[*started, spare(ready=False)]), set(), 5).grow_to == 4  # one still waits for room: the started ones join
+    assert decide(view(spares=[*started, spare(ready=True, nodes={"n6"})]), set(), 3).grow_to == 3  # never past max_replicas

@@ -92,7 +92,8 @@ def test_a_burst_of_notices_beyond_parity_re_protects_the_committed_version_with
     the draining nodes; once it commits, the re-protection is recorded with its time and bytes."""
     from elastic_llm.config import load_config
     from elastic_llm.sim.world import SimClock
-    from elastic_llm.snapshot.coordinator import SnapshotCoordinator, exposed
+    from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+    from elastic_llm.snapshot.groups import exposed
     from elastic_llm.snapshot.records import ShardInfo, ShardKey, VersionRecord
 
     from .conftest import REPO

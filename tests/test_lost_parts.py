@@ -9,7 +9,8 @@ import pytest
 
 from elastic_llm.config import load_config
 from elastic_llm.pipeline.transport import DeadlineExceeded, PeerLost
-from elastic_llm.snapshot.coordinator import RayManagers, SnapshotCoordinator
+from elastic_llm.runtime.managers import RayManagers
+from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.erasure import TooManyErasuresError
 from elastic_llm.snapshot.records import ShardInfo, ShardKey, VersionRecord
 

@@ -28,7 +28,7 @@ from elastic_llm.runtime.actors import ActorGroup
 from elastic_llm.runtime.failover import RayRegistry
 from elastic_llm.runtime.liveness import NodeWatch, RayNodeTable
 from elastic_llm.runtime.session import NAMESPACE, start_ray, store_warnings
-from elastic_llm.snapshot.coordinator import RayManagers
+from elastic_llm.runtime.managers import RayManagers
 from elastic_llm.sources import Mode
 from elastic_llm.spans import Spans
 

@@ -32,9 +32,8 @@ from elastic_llm.cadence import Ema, snapshot_every
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.sources import Source, SourceLost, UnrecoverableError
-from elastic_llm.snapshot.groups import domain_of, make_groups
+from elastic_llm.snapshot.groups import exposed, make_groups
 from elastic_llm.snapshot.layout import LayoutError
-from elastic_llm.snapshot.manager import SnapshotManager
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
 
 log = logging.getLogger("elastic_llm.snapshot")
@@ -74,11 +73,6 @@ class SnapshotStats:
     superseded: int = 0
     skipped: int = 0  # due snapshots skipped while versions were in flight (within max_lag)
     wait_s: float = 0.0  # training time spent waiting for the committed version to catch up
-
-
-def exposed(groups: tuple[tuple[str, ...], ...], going: frozenset[str], parity: int) -> bool:
-    """Whether some group loses more members than ``parity`` when the ``going`` nodes go. Pure."""
-    return any(sum(1 for n in g if n in going) > parity for g in groups)
 
 
 def check_parity_fits(nodes: int, parity: int, group_size: int) -> None:
@@ -152,64 +146,6 @@ class ManagerFleet(Protocol):
     def start(self, node: str, name: str, run_id: str, grace_s: float) -> ManagerHandle: ...
 
     def end(self, handle: ManagerHandle) -> None: ...
-
-
-class RayCalls:
-    def wait(self, refs: list[Any], num_returns: int, timeout: float | None) -> tuple[list[Any], list[Any]]:
-        import ray
-
-        return ray.wait(refs, num_returns=num_returns, timeout=timeout)
-
-    def get(self, ref: Any, timeout: float | None = None) -> Any:
-        import ray
-
-        return ray.get(ref, timeout=timeout)
-
-
-class RayManagers:
-    """Snapshot managers as Ray actors: detached (when they must outlive a driver), named, with
-    no CPU reservation, pinned to their node."""
-
-    def __init__(self, namespace: str, codec: str) -> None:
-        self.namespace, self.codec = namespace, codec
-        self.calls = RayCalls()
-
-    def nodes(self) -> set[str]:
-        import ray
-
-        return {n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0}
-
-    def domains(self) -> dict[str, str]:
-        """The failure domain of each live node that has one (its labels: :data:`DOMAIN_LABELS`)."""
-        import ray
-
-        out = {}
-        for n in ray.nodes():
-            d = domain_of(n.get("Labels") or {}) if n["Alive"] else None
-            if d:
-                out[n["NodeID"]] = d
-        return out
-
-    def start(self, node: str, name: str, run_id: str, grace_s: float) -> ManagerHandle:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        return ray.remote(SnapshotManager).options(
-            name=name,
-            namespace=self.namespace,
-            num_cpus=0,
-            max_concurrency=16,
-            lifetime="detached" if grace_s > 0 else None,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(node, self.codec, run_id, grace_s)
-
-    def end(self, handle: ManagerHandle) -> None:
-        import ray
-
-        try:
-            ray.kill(handle)
-        except Exception as e:  # noqa: BLE001 - one manager that cannot be ended must not stop the others'
-            log.warning("snapshot manager not ended: %s: %s", type(e).__name__, e)
 
 
 class SnapshotCoordinator:

@@ -67,3 +67,8 @@ def make_groups(nodes: Sequence[str], size: int, parity: int, domains: Mapping[s
 def domain_of(labels: Mapping[str, str]) -> str | None:
     """A node's failure domain from its labels (:data:`DOMAIN_LABELS`), or None. Pure."""
     return next((labels[k] for k in DOMAIN_LABELS if labels.get(k)), None)
+
+
+def exposed(groups: tuple[tuple[str, ...], ...], going: frozenset[str], parity: int) -> bool:
+    """Whether some group loses more members than ``parity`` when the ``going`` nodes go. Pure."""
+    return any(sum(1 for n in g if n in going) > parity for g in groups)
