@@ -126,6 +126,25 @@ def _ping_pong(a: Any, b: Any, system: str, nbytes: int, n: int) -> float:
     return time.perf_counter() - t0
 
 
+def _driver_calls(a: Any, b: Any, n: int) -> dict[str, Any]:
+    """What an actor call costs the driver, as a step's calls are made: ``n`` small calls sent
+    at once to two actors, then all their answers awaited; the driver process's CPU (its own and
+    Ray's threads in it) per call, beside a ``dict`` copy of the same size as the peer (Python's
+    cost for the same bookkeeping, no Ray)."""
+    import ray
+
+    ray.get([h.cpu.remote() for h in (a, b) for _ in range(20)])  # warm
+    c0, t0 = time.process_time(), time.perf_counter()
+    ray.get([(a if i % 2 else b).cpu.remote() for i in range(n)], timeout=120)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    c1 = time.process_time()
+    for _ in range(n):
+        dict.fromkeys(range(8))
+    py = time.process_time() - c1
+    return {"calls": n, "driver_cpu_us_per_call": 1e6 * cpu / n, "wall_us_per_call": 1e6 * wall / n,
+            "python_dict_us_per_call": 1e6 * py / n, "call_vs_dict_cpu": ratio(cpu, py)}
+
+
 def _kill_mid_step(repeats: int = 3) -> dict[str, Any]:
     """Seconds from SIGKILLing a stage held mid-step until its peers report failure and the
     driver's step fails (median and worst over ``repeats``)."""
@@ -206,6 +225,7 @@ def run_transport_bench(rounds: int = 200, sizes: tuple[int, ...] = SIZES) -> di
                 "time_vs_sockets": {s: ratio(v["us_per_msg"], res["sockets"]["us_per_msg"]) for s, v in res.items()},
                 "cpu_vs_sockets": {s: ratio(v["cpu_ms_per_msg"], res["sockets"]["cpu_ms_per_msg"]) for s, v in res.items()},
             })
+        calls = _driver_calls(a, b, max(200, rounds * 5))
         for h in (a, b):
             ray.kill(h)
         kill = _kill_mid_step()
@@ -213,7 +233,7 @@ def run_transport_bench(rounds: int = 200, sizes: tuple[int, ...] = SIZES) -> di
         if ours:
             ray.shutdown()
     note = "per one-way message; CPU counts both actors (actor_call: also Ray's threads in them, not the raylet)"
-    return {"bench": "transport", "machine": machine_info(), "rows": rows, "kill_mid_step": kill, "note": note}
+    return {"bench": "transport", "machine": machine_info(), "rows": rows, "driver_calls": calls, "kill_mid_step": kill, "note": note}
 
 
 if __name__ == "__main__":

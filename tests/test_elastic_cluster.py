@@ -238,6 +238,12 @@ def test_the_spot_watcher_drains_on_a_notice_so_the_stages_move_first_with_no_ro
         wait_until(lambda: t.step >= moved_at + 3, 60, "three steps after the move")
         t.request_stop()
         history = run.join()
+        # the committed version no longer depends on the victim: no shard or parity of it there, and
+        # every stage's committed state comes back from the managers alive (none is rebuilt)
+        rec = t.parts.snapshots.committed
+        assert victim not in {s.node_id for s in rec.shards} and not any(victim in g for g in rec.groups)
+        for stage in range(2):
+            assert t.parts.snapshots.fetch_stage_state(stage, 0, frozenset()).source == "local_smp"
     finally:
         if watcher is not None and watcher.poll() is None:
             watcher.kill()

@@ -141,6 +141,12 @@ class StepJobs:
             return
         sn.observe_step(seconds, began=sn.last_begin == step)
         sn.poll()
+        self._snapshot_lines(step)
+
+    def _snapshot_lines(self, step: int) -> None:
+        """The lines of what the commits decided: cadence changes, re-protections."""
+        sn = self.parts.snapshots
+        assert sn is not None
         for change in sn.changes:
             self.metrics.emit(events.SnapshotEvery(step=step, **change))
         sn.changes.clear()
@@ -218,7 +224,8 @@ class StepJobs:
     def end_of_run(self, step: int, tokens: int, elapsed_s: float, ticks: Ticks) -> None:
         """A run that finished: the versions in flight commit, the durable tier's last flush, the end line."""
         if self.parts.snapshots is not None:
-            self.parts.snapshots.poll(block=True)
+            self.parts.snapshots.poll(block=True, final=True)
+            self._snapshot_lines(step)
         if self.parts.durable is not None:
             self.parts.durable.finish()
         self.metrics.emit(events.End(step=step, tokens=tokens, elapsed_s=elapsed_s, seconds_by_state=dict(ticks.seconds),

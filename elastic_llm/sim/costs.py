@@ -43,6 +43,7 @@ class CostModel:
     state_bytes_per_param: float = 12.0  # fp32 weights + two Adam moments
     cores: float = 0.0  # > 0: every simulated node shares this many cores (a loopback cluster on one machine); 0: each actor has its own device
     snapshot_step_s: float = 0.0  # what a step that begins a snapshot version costs beyond a clean one (copies, parity, object moves)
+    call_cpu_s: float = 0.0  # the driver's CPU per actor call (bench transport's driver_calls); 0: not charged
 
     def step_s(self, stages: int, microbatches: int, batch: int, width: int, snapshot: bool = False) -> float:
         """One 1F1B step: (m + S - 1) slots of a microbatch of batch / (width x m) sequences, or,

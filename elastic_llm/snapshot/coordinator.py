@@ -371,11 +371,12 @@ class SnapshotCoordinator:
         ready, _ = self.calls.wait(refs, len(refs), 0)
         return len(ready) < len(refs)
 
-    def poll(self, block: bool = False, timeout: float = WAIT_S) -> None:
+    def poll(self, block: bool = False, timeout: float = WAIT_S, final: bool = False) -> None:
         """Commit the newest version whose parts all finished (older ones in flight are then
         superseded and dropped); drop a version as soon as one of its parts failed (which wakes
         the managers still waiting on it). ``block`` waits until nothing is in flight, at most
-        ``timeout`` seconds (then the versions still in flight are dropped, with a warning)."""
+        ``timeout`` seconds (then the versions still in flight are dropped, with a warning).
+        ``final``: the run has ended: what commits now decides no cadence (no step follows)."""
 
         deadline = self.clock.monotonic() + timeout
         self._drain_dropped()
@@ -402,7 +403,7 @@ class SnapshotCoordinator:
                 newest = done[-1]
                 for p in [p for p in self.inflight if p.version < newest.version]:
                     self._discard(p, None)  # superseded by the newer complete one
-                self._commit(newest)
+                self._commit(newest, choose=not final)
             if not block:
                 return
             if self.inflight and self.clock.monotonic() >= deadline:
@@ -410,7 +411,7 @@ class SnapshotCoordinator:
                     self._discard(p, f"not complete after {timeout:.0f} s")
                 return
 
-    def _commit(self, p: _Inflight) -> None:
+    def _commit(self, p: _Inflight, choose: bool = True) -> None:
         shards = tuple(s for part in p.results.values() for s in part.shards)
         record = VersionRecord(p.version, p.groups, tuple(sorted(shards, key=lambda s: (s.key.stage, s.key.replica))))  # a tuple key: ShardKey's own ordering is ~5x slower over 1,000 shards
         flush = self.durable is not None and self.durable.wants(record)
@@ -424,7 +425,10 @@ class SnapshotCoordinator:
             self.on_commit(record)
         self.inflight.remove(p)
         self.stats.committed += 1
-        self._choose(p)
+        if choose:
+            self._choose(p)
+        else:
+            self._felt.pop(p.version, None)
         if flush and self.durable is not None:
             self.durable.start(record)
 
