@@ -99,6 +99,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.run_failover_bench(config=args.config or "jobs/tiny.yaml", rounds=args.steps or 2)
     elif args.what == "simulate":
         result = bench.run_simulate_bench(loopback=args.loopback, out_dir=args.out)
+    elif args.what == "fleet":
+        result = bench.run_fleet_bench(out_dir=args.out)
     elif args.what == "calibrate":
         result = bench.run_calibrate_bench(out=args.out, from_dir=args.from_dir)
     else:  # argparse restricts choices
@@ -113,10 +115,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The ``bench`` subcommand on the product's command line (and the parser of ``python -m benchmarks.<what>``)."""
     b = sub.add_parser("bench", help="benchmarks against real peers (run from the root of a source checkout: they read jobs/*.yaml)")
-    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate", "calibrate"])
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate", "fleet", "calibrate"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report")
-    b.add_argument("--out", help=("simulate: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory; "
+    b.add_argument("--out", help=("simulate, fleet: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory; "
                                   "calibrate: the profile to write (default elastic_llm/sim/profiles/cpu-2core.yaml)"))
     b.add_argument("--from", dest="from_dir", help="calibrate: read the benchmarks' JSON from this directory instead of running them")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")

@@ -5,7 +5,7 @@ Four parts, each side by side in one run:
   of each simulation's report) as the fleet grows from 64 to 2,048 stage actors, steady and
   under the test trace scaled up: how each grows with the number of actors;
 - ``long_trace``: a 3-hour synthetic trace on 256 nodes (64 x 16): machine seconds to simulate it;
-- ``policies``: useful fraction, steps and committed steps lost of fixed width, reactive
+- ``policies``: liveput, useful fraction, steps and committed steps lost of fixed width, reactive
   elastic, elastic with notices and elastic with notices and warm standbys (4 per node: one per
   actor slot; with 1 a recovery still waits for the processes its other actors start), on full-size fleets
   (the test trace scaled to 256 nodes; the synthetic 3-hour trace);
@@ -28,7 +28,7 @@ from typing import Any
 from benchmarks.common import machine_info, ratio
 
 TRACE = "tests/data/spot_trace.csv"
-KEEP = ("steps", "committed_steps", "committed_steps_lost", "useful_fraction", "seconds_by_state", "final_width", "failed", "controller_cpu", "real_s")
+KEEP = ("steps", "committed_steps", "committed_steps_lost", "liveput", "oracle_steps", "useful_fraction", "seconds_by_state", "final_width", "failed", "controller_cpu", "real_s")
 
 
 def _sim(config: str, sets: list[str], out: Path, costs: str, **options: Any) -> dict[str, Any]:
@@ -101,6 +101,8 @@ def _side_by_side(name: str, sim: dict[str, Any], peer: dict[str, Any], source: 
         "steps": {"loopback": peer["steps"], "simulated": sim["steps"], "ratio": ratio(sim["steps"], peer["steps"])},
         "useful_fraction": {"loopback": round(peer["useful_fraction"], 4), "simulated": round(sim["useful_fraction"], 4),
                             "difference": round(abs(sim["useful_fraction"] - peer["useful_fraction"]), 4)},
+        "liveput": {"loopback": peer.get("liveput"), "simulated": sim.get("liveput")},
+        "committed_steps_lost": {"loopback": peer.get("committed_steps_lost"), "simulated": sim.get("committed_steps_lost")},
         "recoveries": {"loopback": ev_p.get("recoveries", {}), "simulated": ev_s.get("recoveries", {})},
         "resizes": {"loopback": ev_p.get("resizes", {}), "simulated": ev_s.get("resizes", {})},
         "drains": {"loopback": ev_p.get("drains", 0), "simulated": ev_s.get("drains", 0)},

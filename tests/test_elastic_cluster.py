@@ -282,3 +282,20 @@ def test_draining_nodes_reads_what_ray_drain_node_marked(nodes):
     seen = draining_nodes()
     assert victim in seen and 20 < seen[victim].seconds_left(time.time()) <= 30
     assert all(n == victim for n in seen)
+
+
+def test_a_nodes_failure_domain_label_is_what_the_snapshot_groups_spread_over(nodes):
+    """A node started with the label cluster.yaml gives it (its availability zone) is known by its
+    domain to the snapshot managers' fleet, which the erasure groups are formed from."""
+    from elastic_llm.runtime.managers import RayManagers
+    from elastic_llm.runtime.session import add_loopback_node
+    from elastic_llm.snapshot.groups import DOMAIN_LABELS
+
+    node = add_loopback_node(nodes, 1, labels={DOMAIN_LABELS[0]: "us-east-1b"})
+    try:
+        nodes.wait_for_nodes()
+        domains = RayManagers("elastic-llm-test", "auto").domains()
+        assert domains.get(node.node_id) == "us-east-1b"
+        assert all(d != "us-east-1b" for n, d in domains.items() if n != node.node_id)
+    finally:
+        nodes.remove_node(node)

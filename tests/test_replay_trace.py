@@ -318,15 +318,19 @@ def test_write_report_round_trips_json_and_draws_a_png(tmp_path):
 
 
 def test_liveput_counts_against_an_oracle_at_the_widest_width_the_live_nodes_hold():
-    from elastic_llm.replay.report import full_width_rate, liveput, oracle_steps, oracle_widths
+    from elastic_llm.replay.report import full_width_rate, liveput, oracle_steps, oracle_widths, rate_at, width_rates
 
     alive = ((0.0, 8), (10.0, 4), (20.0, 8))  # 2 slots per node, 4 stages: 4 replicas, then 2, then 4 (max 3)
     assert oracle_widths(alive, 2, 4, 3) == [(0.0, 3), (10.0, 2), (20.0, 3)]
-    assert oracle_steps(alive, 30.0, 2, 4, 3, full_rate=1.5) == 1.5 * 10 + 1.0 * 10 + 1.5 * 10
-    history = [{"step": s, "dp": 2, "elapsed_s": 0.5 * s} for s in range(1, 6)]  # width 2 only, 0.5 s a step
-    history += [{"step": 6, "dp": 1, "elapsed_s": 5.0}]
-    assert full_width_rate(history, 3) == 3 / 2 / 0.5  # scaled from its widest width to the max
-    assert full_width_rate(history[:1], 3) is None
+    history = [{"step": s, "dp": 2, "elapsed_s": 0.5 * s} for s in range(1, 6)]  # width 2: 0.5 s a step
+    history += [{"step": 6, "dp": 1, "elapsed_s": 9.0}, {"step": 7, "dp": 1, "elapsed_s": 10.0}, {"step": 8, "dp": 1, "elapsed_s": 11.0}]
+    rates = width_rates(history)
+    assert rates == {1: 1.0, 2: 2.0}  # the gap into the first width-1 step holds the resize: not counted
+    assert rate_at(rates, 3) == 3.0 and rate_at(rates, 1) == 1.0  # unmeasured widths scale from the widest measured
+    assert full_width_rate(history, 3) == 3.0 and full_width_rate(history[:2], 3) is None
+    assert oracle_steps(alive, 30.0, 2, 4, 3, rates) == 3.0 * 10 + 2.0 * 10 + 3.0 * 10
+    shared = {1: 1.0, 2: 1.0}  # shared cores: a width-1 step as fast as a width-2 one
+    assert oracle_steps(((0.0, 8),), 10.0, 2, 4, 2, shared) == 10.0  # the oracle is held to what was measured
     assert liveput(30, 40.0) == 0.75 and liveput(3, 0.0) is None
 
 

@@ -45,33 +45,49 @@ def oracle_widths(replay_alive: Sequence[tuple[float, int]], slots_per_node: flo
     return [(t, min(max_width, int(n * slots_per_node // stages))) for t, n in replay_alive]
 
 
+def width_rates(history: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """The run's steady rate at each width it trained at, steps per second: the median time
+    between consecutive steps at that width (the first after a resize or a recovery is not one:
+    its gap holds the pause). Widths with fewer than two such gaps are left out. Pure."""
+    gaps: dict[int, list[float]] = {}
+    for a, b in zip(history, history[1:]):
+        w = b.get("dp")
+        if w is not None and a.get("dp") == w and b["step"] == a["step"] + 1 and b["elapsed_s"] > a["elapsed_s"]:
+            gaps.setdefault(int(w), []).append(b["elapsed_s"] - a["elapsed_s"])
+    return {w: 1.0 / sorted(g)[len(g) // 2] for w, g in sorted(gaps.items()) if len(g) >= 2}
+
+
+def rate_at(rates: dict[int, float], width: int) -> float:
+    """The oracle's rate at ``width``: the run's own steady rate there when it measured one, else
+    the rate of the widest width it measured scaled by width (throughput grows with replicas when
+    each has devices of its own; on shared cores a measured width says otherwise). Pure."""
+    if width <= 0 or not rates:
+        return 0.0
+    if width in rates:
+        return rates[width]
+    top = max(rates)
+    return rates[top] * width / top
+
+
 def oracle_steps(replay_alive: Sequence[tuple[float, int]], duration_s: float, slots_per_node: float, stages: int, max_width: int,
-                 full_rate: float) -> float:
-    """Steps the oracle commits in [0, duration_s]: at each moment ``full_rate`` (steps per second
-    at ``max_width``) x its width / ``max_width``."""
+                 rates: dict[int, float]) -> float:
+    """Steps the oracle commits in [0, duration_s]: at each moment its width's rate
+    (:func:`rate_at` of the run's measured ``rates``), never losing anything."""
     total = 0.0
     widths = oracle_widths(replay_alive, slots_per_node, stages, max_width)
     for i, (t, w) in enumerate(widths):
         until = widths[i + 1][0] if i + 1 < len(widths) else duration_s
         start, end = max(t, 0.0), min(until, duration_s)
         if end > start:
-            total += full_rate * w / max_width * (end - start)
+            total += rate_at(rates, w) * (end - start)
     return total
 
 
 def full_width_rate(history: Sequence[dict[str, Any]], max_width: int) -> float | None:
-    """The run's steady full-width rate, steps per second: the median step time of the steps it
-    took at its widest width (the first of each stretch, which follows a resize or a recovery,
-    left out), scaled to ``max_width`` when it never got there. None without two such steps."""
-    if not history:
-        return None
-    widest = max(h.get("dp", max_width) for h in history)
-    gaps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(history, history[1:])
-            if a.get("dp") == widest and b.get("dp") == widest and b["step"] == a["step"] + 1 and b["elapsed_s"] > a["elapsed_s"]]
-    if not gaps:
-        return None
-    median = sorted(gaps)[len(gaps) // 2]
-    return max_width / widest / median
+    """The run's steady rate at ``max_width`` (:func:`rate_at`), steps per second; None without
+    two consecutive steps at any one width."""
+    rates = width_rates(history)
+    return rate_at(rates, max_width) if rates else None
 
 
 def liveput(committed_steps: int, oracle: float) -> float | None:

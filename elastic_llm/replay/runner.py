@@ -25,7 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from elastic_llm.config import RunConfig
-from elastic_llm.replay.report import full_width_rate, liveput, oracle_steps, oracle_widths, seconds_with_room, useful_fraction, write_report
+from elastic_llm.replay.report import (
+    full_width_rate,
+    liveput,
+    oracle_steps,
+    oracle_widths,
+    seconds_with_room,
+    useful_fraction,
+    width_rates,
+    write_report,
+)
 from elastic_llm.replay.trace import ReplayAction, ReplayPlan
 
 SAMPLE_S = 1.0  # timeline resolution
@@ -75,10 +84,13 @@ class Replay:
 
     def _add(self, label: str) -> None:
         from elastic_llm.runtime.session import NODE_STORE_BYTES, add_loopback_node, snapshot_store_bytes
+        from elastic_llm.snapshot.groups import DOMAIN_LABELS
 
         fewest = max(1, min((n for _, n in self.plan.replay_alive if n > 0), default=1))  # the most a node holds
         store = max(NODE_STORE_BYTES, snapshot_store_bytes(self.cfg, fewest))
-        self.nodes[label] = add_loopback_node(self.cluster, self.options.cpus_per_node, store)
+        zone = dict(self.plan.zones).get(label)
+        labels = {DOMAIN_LABELS[0]: zone} if zone else None  # the trace's zone: the node's failure domain
+        self.nodes[label] = add_loopback_node(self.cluster, self.options.cpus_per_node, store, labels)
 
     def _act(self, action: ReplayAction) -> None:
         from elastic_llm.runtime.drains import request_drain
@@ -166,8 +178,9 @@ class Replay:
         room_s = seconds_with_room(self.plan.replay_alive, self.plan.duration_s, nodes_per_replica(self.cfg, self.options.cpus_per_node))
         training_s = t.seconds_by_state.get("running", 0.0)
         recoveries = [r for r in t.recoveries if r.source != "none"]
+        rates = width_rates(t.history)
         rate = full_width_rate(t.history, self._max_width())
-        oracle = oracle_steps(self.plan.replay_alive, self.plan.duration_s, self._slots(), self.cfg.parallel.stages, self._max_width(), rate) if rate else 0.0
+        oracle = oracle_steps(self.plan.replay_alive, self.plan.duration_s, self._slots(), self.cfg.parallel.stages, self._max_width(), rates)
         lost_all = getattr(self.error, "exit_code", None) == 3
         return {
             "title": f"replay of {self.cfg.name}: {len(self.plan.actions)} actions over {self.plan.duration_s:.0f} s",

@@ -213,10 +213,11 @@ def store_warnings(cfg: RunConfig, nodes: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def add_loopback_node(cluster: Any, cpus: float, store_bytes: int = NODE_STORE_BYTES) -> Any:
+def add_loopback_node(cluster: Any, cpus: float, store_bytes: int = NODE_STORE_BYTES, labels: dict[str, str] | None = None) -> Any:
     """A worker node of a loopback ``Cluster`` with ``cpus`` CPUs and an object store of
-    ``store_bytes`` (not ``Cluster.add_node``'s 150 MiB, which every-step snapshots overflow)."""
-    return cluster.add_node(num_cpus=cpus, object_store_memory=store_bytes)
+    ``store_bytes`` (not ``Cluster.add_node``'s 150 MiB, which every-step snapshots overflow),
+    with Ray node ``labels`` (e.g. its failure domain)."""
+    return cluster.add_node(num_cpus=cpus, object_store_memory=store_bytes, **({"labels": labels} if labels else {}))
 
 
 def loopback_cluster(workers: int, cpus_per_node: float, store_bytes: int = NODE_STORE_BYTES) -> Any:

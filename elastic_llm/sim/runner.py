@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from elastic_llm.config import ConfigError, RunConfig, config_from_dict
-from elastic_llm.replay.report import full_width_rate, liveput, oracle_steps, oracle_widths, seconds_with_room, useful_fraction, write_report
+from elastic_llm.replay.report import (
+    full_width_rate,
+    liveput,
+    oracle_steps,
+    oracle_widths,
+    seconds_with_room,
+    useful_fraction,
+    width_rates,
+    write_report,
+)
 from elastic_llm.replay.trace import ReplayPlan, load_trace, plan_replay
 from elastic_llm.sim.costs import CostModel
 from elastic_llm.sim.world import Charged, Fleet, SimClock, World
@@ -196,7 +205,7 @@ class Simulation:
         room_s = seconds_with_room(alive, duration, per_replica)
         max_width = self.cfg.elastic.bounds(self.cfg.parallel.dp)[1]
         rate = full_width_rate(t.history, max_width)
-        oracle = oracle_steps(alive, duration, self.slots, o.stages, max_width, rate) if rate else 0.0
+        oracle = oracle_steps(alive, duration, self.slots, o.stages, max_width, width_rates(t.history))
         training_s = t.seconds_by_state.get("running", 0.0)
         recoveries = [r for r in t.recoveries if r.source != "none"]
         steps_run = len(t.history)
