@@ -82,9 +82,10 @@ def synthetic_trace(nodes: int, hours: float, seed: int = 0, gap_s: tuple[float,
 
 
 def fleet_trace(nodes: int, hours: float, seed: int = 0) -> str:
-    """The fleet benchmark's harsh trace: bursts of up to 25% of the fleet at once, all from one
-    of four zones, every 5-20 minutes, the fleet dipping to 40%; capacity back after 2-15 min."""
-    return synthetic_trace(nodes, hours, seed, burst=(0.05, 0.25), floor=0.4, zones=4)
+    """The fleet benchmark's harsh trace: bursts of 5-25% of the fleet at once, all from one of
+    four zones, every 3-12 minutes, capacity back only after 15-40 minutes, so the fleet dips
+    to 40%."""
+    return synthetic_trace(nodes, hours, seed, gap_s=(180.0, 720.0), burst=(0.05, 0.25), back_s=(900.0, 2400.0), floor=0.4, zones=4)
 
 
 def write_trace(path: str | Path, nodes: int, hours: float, seed: int = 0, harsh: bool = False) -> Path:
