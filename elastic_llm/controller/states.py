@@ -45,6 +45,7 @@ class Progress:
     budget: FailureBudget = field(default_factory=FailureBudget)  # failures the failure policy counts
     drains_seen: frozenset[str] = frozenset()  # draining nodes already acted on
     reclaims: int = 0  # failures a reclaim explains (a node of the run announced its end, or the runtime knows it was reclaimed): not charged
+    excused: frozenset[str] = frozenset()  # the reclaimed nodes behind them: each excuses one failure (one that keeps coming back is charged)
 
     def stepped(self, step: int) -> "Progress":
         """Step ``step`` completed."""
@@ -54,19 +55,20 @@ class Progress:
         """A committed snapshot (or checkpoint) holds step ``step`` now."""
         return replace(self, committed_high=max(self.committed_high, step))
 
-    def step_failed(self, step: int, reclaim: bool = False) -> "Progress":
-        """Step ``step`` failed: one more failed step, charged to the budget unless a reclaim
-        explains it (preemptions are the fleet's weather, not a fault that could loop)."""
-        if reclaim:
-            return replace(self, failures=self.failures + 1, reclaims=self.reclaims + 1)
-        return replace(self, failures=self.failures + 1, budget=self.budget.record(step))
+    def step_failed(self, step: int, reclaims: frozenset[str] = frozenset()) -> "Progress":
+        """Step ``step`` failed: one more failed step, charged to the budget unless a reclaimed
+        node of ``reclaims`` that excused no failure yet explains it (preemptions are the fleet's
+        weather, not a fault that could loop)."""
+        return self._excused(reclaims, failures=self.failures + 1) or replace(self, failures=self.failures + 1, budget=self.budget.record(step))
 
-    def charged(self, step: int, reclaim: bool = False) -> "Progress":
+    def charged(self, step: int, reclaims: frozenset[str] = frozenset()) -> "Progress":
         """A recovery, drain or resize of step ``step`` failed: charged to the budget unless a
-        reclaim explains it."""
-        if reclaim:
-            return replace(self, reclaims=self.reclaims + 1)
-        return replace(self, budget=self.budget.record(step))
+        reclaimed node of ``reclaims`` that excused no failure yet explains it."""
+        return self._excused(reclaims, failures=self.failures) or replace(self, budget=self.budget.record(step))
+
+    def _excused(self, reclaims: frozenset[str], failures: int) -> "Progress | None":
+        new = reclaims - self.excused
+        return replace(self, failures=failures, reclaims=self.reclaims + 1, excused=self.excused | new) if new else None
 
     def rolled_back(self, step: int) -> "Progress":
         """A recovery left every stage at step ``step``."""

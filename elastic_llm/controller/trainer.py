@@ -22,7 +22,7 @@ from elastic_llm import events
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.metrics import MetricsWriter
 from elastic_llm.controller.ports import CapacityUnavailable, FaultTargets, PlanNotFollowed, Runtime
-from elastic_llm.controller.elastic import drain_records
+from elastic_llm.controller.elastic import drain_records, spare_nodes
 from elastic_llm.controller.progress import ProgressBar
 from elastic_llm.controller.recovery import RecoveryOutcome, recovery_records
 from elastic_llm.controller.setup import Resumed, RunParts, close_parts, committed_step, open_parts, prepare, start_from
@@ -35,7 +35,7 @@ from elastic_llm.controller.states import (
 from elastic_llm.model import count_parameters
 from elastic_llm.monitor import RunFacts, RunStatus
 from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
-from elastic_llm.recovery.failure import During, FailurePolicy, StepFailure, explained_by_reclaim
+from elastic_llm.recovery.failure import During, FailurePolicy, StepFailure, reclaims_behind
 from elastic_llm.recovery.policy import RecoveryPolicy, SourceLost, UnrecoverableError
 from elastic_llm.spans import Spans
 
@@ -253,7 +253,7 @@ class Trainer:
             record = self.run_step()
         except StepFailed as e:
             failure = StepFailure.from_exception(self.step + 1, e.cause, e.stage, e.replica, op=e.op)
-            self.progress = self.progress.step_failed(failure.step, self._reclaim(failure))
+            self.progress = self.progress.step_failed(failure.step, self._reclaims(failure))
             return after_failure(failure, self.budget, self.failure_policy)
         if self.on_step:
             self.on_step(record)
@@ -285,7 +285,7 @@ class Trainer:
             return after_source_lost(state)
         except (*self.runtime.errors, StepFailed, PlanNotFollowed) as err:  # type: ignore[misc]  # observed again and re-planned
             again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during=During.RECOVERY)
-            self.progress = self.progress.charged(again.step, self._reclaim(again))
+            self.progress = self.progress.charged(again.step, self._reclaims(again))
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)
         self._apply(outcome, failure, self.clock.perf_counter() - t0, spans.totals(t0))
         return self._next()
@@ -316,13 +316,13 @@ class Trainer:
     def _failed_between_steps(self, err: BaseException, during: During) -> State:
         """A resize or a drain failed (an actor died meanwhile): recover as for a failed step."""
         failure = StepFailure.from_exception(self.step + 1, err.cause if isinstance(err, StepFailed) else err, during=during)
-        self.progress = self.progress.charged(failure.step, self._reclaim(failure))
+        self.progress = self.progress.charged(failure.step, self._reclaims(failure))
         return after_failure(failure, self.budget, self.failure_policy)
 
-    def _reclaim(self, failure: StepFailure) -> bool:
-        """Whether a reclaim explains ``failure`` (:func:`explained_by_reclaim`)."""
-        nodes = self.runtime.nodes
-        return self.group is not None and explained_by_reclaim(failure, self.group.nodes, nodes.reclaimed(), nodes.alive)
+    def _reclaims(self, failure: StepFailure) -> frozenset[str]:
+        """The reclaimed nodes that could explain ``failure`` (:func:`reclaims_behind`)."""
+        g, nodes = self.group, self.runtime.nodes
+        return frozenset(reclaims_behind(failure, g.nodes, nodes.reclaimed(), nodes.alive, spare_nodes(g))) if g is not None else frozenset()
 
     def _resize(self, state: Resizing) -> State:
         assert self.parts is not None
@@ -343,8 +343,7 @@ class Trainer:
         nodes = frozenset(d.node_id for d in state.drains)
         now, t0 = self.clock.time(), self.clock.perf_counter()
         try:
-            deadlines = [d.deadline for d in state.drains if d.deadline is not None]
-            ev = self.parts.elastic.evacuate(nodes, min(deadlines) if deadlines else None)
+            ev = self.parts.elastic.evacuate(nodes)
         except (*self.runtime.errors, PlanNotFollowed) as err:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
             return self._failed_between_steps(err, During.DRAIN)
         spans = self.parts.group.spans.totals(t0)

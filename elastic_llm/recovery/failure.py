@@ -115,17 +115,20 @@ class FailurePolicy:
         )
 
 
-def explained_by_reclaim(failure: StepFailure, nodes: dict[ShardKey, str], reclaimed: set[str], alive: Callable[[], set[str]]) -> bool:
-    """Whether a reclaim explains ``failure``: the failing actor's node (any of the run's
-    ``nodes``, when the failure names no actor) is gone and was ``reclaimed`` (it announced its
-    end, or the runtime knows it as a reclaim). Such failures are not charged to the failure
-    budget: a fleet losing spot nodes is not a fault that could loop (``alive`` is asked only
-    when it matters). Pure but for ``alive``."""
+def reclaims_behind(failure: StepFailure, nodes: dict[ShardKey, str], reclaimed: set[str], alive: Callable[[], set[str]],
+                    spares: set[str] | frozenset[str] = frozenset()) -> set[str]:
+    """The reclaimed nodes that could explain ``failure``: the failing actor's node (any of the
+    run's ``nodes`` and its ``spares``' nodes, when the failure names no actor: a resize or a
+    move that failed) when it is gone and was ``reclaimed`` (it announced its end, or the runtime
+    knows it as a reclaim). The caller lets each node explain one failure only (a failure that
+    keeps coming back with no new reclaim behind it is a loop, charged as any). ``alive`` is
+    asked only when it matters. Pure but for ``alive``."""
     if not reclaimed:
-        return False
+        return set()
     if failure.stage is not None and failure.replica is not None:
         node = nodes.get(ShardKey(failure.stage, failure.replica))
         mine = {node} if node is not None else set()
     else:
-        mine = set(nodes.values())
-    return bool(mine & reclaimed and (mine & reclaimed) - alive())
+        mine = set(nodes.values()) | set(spares)
+    gone = mine & reclaimed
+    return gone - alive() if gone else set()

@@ -266,11 +266,14 @@ class SimActors:
             return sp
 
     def spare_ready(self, spare: SimSpare) -> bool:
-        """Placed and started (a spare whose node went counts as started, as on Ray: its adoption fails)."""
+        """Placed and started. A spare that lost a node starts over on new slots, as on Ray (its
+        lost placement groups are made anew) once Ray knows the node is gone: here at once."""
         with self.charged:
+            if spare.nodes and self._gone(spare.nodes):
+                spare.nodes, spare.ready_s = [], float("inf")
             if not self._try_place(spare):
                 return False
-            return self.world.clock.now >= spare.ready_s or bool(self._gone(spare.nodes))
+            return self.world.clock.now >= spare.ready_s
 
     def spare_nodes(self, spare: SimSpare) -> set[str]:
         return set(spare.nodes)
