@@ -353,6 +353,7 @@ def test_soak_of_driver_kills_resumes_each_new_driver_from_memory_bit_for_bit(cl
     assert trial["durable"] is not None and trial["durable_error"] is None
 
 
+@pytest.mark.slow  # ~1 min: the soak at its worst moments stays in the suite
 def test_soak_of_faults_during_a_resize_holds_every_invariant(cluster, corpus_dir, tmp_path):
     """Two replicas of two stages, one stage actor per node: a removed node leaves no room, so the
     run drops a replica; a fresh node comes and the run grows back; a stage is killed and a

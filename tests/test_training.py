@@ -94,6 +94,7 @@ def test_cli_train_end_to_end(corpus_dir, tmp_path):
     assert [s["step"] for s in steps] == [1, 2, 3] and "val_loss" in steps[-1]
 
 
+@pytest.mark.slow  # the same stop on the simulated runtime stays in the suite (test_controller_sim)
 def test_a_step_failing_the_same_way_every_time_stops_with_exit_4_and_the_cause(corpus_dir, tmp_path):
     """Stage 1 raises on every step from step 3 on (every actor stays alive): the step is retried
     recovery.max_retries_per_step times, then the run stops with exit code 4, naming the step,
