@@ -2,7 +2,7 @@
 (pure: ``ray.nodes()``-shaped dicts, no Ray)."""
 
 from elastic_llm.config import load_config
-from elastic_llm.runtime.session import NODE_STORE_BYTES, SNAPSHOT_BYTES_PER_PARAM, SNAPSHOT_VERSIONS_HELD, snapshot_store_bytes, store_warnings
+from elastic_llm.runtime.session import NODE_STORE_BYTES, SNAPSHOT_BYTES_PER_PARAM, SNAPSHOT_VERSIONS_HELD, node_store_bytes, snapshot_store_bytes, store_warnings
 from elastic_llm.model import count_parameters
 
 MIB = 1 << 20
@@ -40,3 +40,12 @@ def test_the_versions_held_are_the_coordinators():
     from elastic_llm.snapshot.coordinator import MAX_INFLIGHT
 
     assert SNAPSHOT_VERSIONS_HELD == MAX_INFLIGHT + 2  # in flight, the committed one, one pinned by a flush
+
+
+def test_a_loopback_node_gets_the_store_its_snapshots_need():
+    """Soak, replay and test clusters size their nodes with node_store_bytes: never below
+    NODE_STORE_BYTES, and above it for a model whose snapshots would not fit."""
+    small = load_config(None, ["parallel.stages=4"])
+    assert node_store_bytes(small, 4) == NODE_STORE_BYTES
+    big = load_config(None, ["model.dim=1024", "model.n_layers=8", "parallel.stages=4"])
+    assert node_store_bytes(big, 4) == snapshot_store_bytes(big, 4) > NODE_STORE_BYTES

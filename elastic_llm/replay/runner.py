@@ -83,11 +83,11 @@ class Replay:
         self.cluster.wait_for_nodes()
 
     def _add(self, label: str) -> None:
-        from elastic_llm.runtime.session import NODE_STORE_BYTES, add_loopback_node, snapshot_store_bytes
+        from elastic_llm.runtime.session import add_loopback_node, node_store_bytes
         from elastic_llm.snapshot.groups import DOMAIN_LABELS
 
         fewest = max(1, min((n for _, n in self.plan.replay_alive if n > 0), default=1))  # the most a node holds
-        store = max(NODE_STORE_BYTES, snapshot_store_bytes(self.cfg, fewest))
+        store = node_store_bytes(self.cfg, fewest)
         zone = dict(self.plan.zones).get(label)
         labels = {DOMAIN_LABELS[0]: zone} if zone else None  # the trace's zone: the node's failure domain
         self.nodes[label] = add_loopback_node(self.cluster, self.options.cpus_per_node, store, labels)

@@ -196,6 +196,13 @@ def snapshot_store_bytes(cfg: RunConfig, nodes: int) -> int:
     return int(per_node * (1 + parity_share + sn.parity) * SNAPSHOT_VERSIONS_HELD)
 
 
+def node_store_bytes(cfg: RunConfig, nodes: int) -> int:
+    """The object store a loopback worker node of a cluster of ``nodes`` gets for ``cfg``: at least
+    :data:`NODE_STORE_BYTES`, more when its snapshots need it (:func:`snapshot_store_bytes`), so
+    every-step snapshots never spill to disk."""
+    return max(NODE_STORE_BYTES, snapshot_store_bytes(cfg, nodes))
+
+
 def store_warnings(cfg: RunConfig, nodes: list[dict[str, Any]]) -> list[str]:
     """One warning per live node with CPUs whose object store (``ray.nodes()``'s
     ``object_store_memory``) cannot hold what :func:`snapshot_store_bytes` says its snapshot

@@ -16,13 +16,15 @@ JOIN_S = 180.0  # a fresh node's raylet on a loaded 2-core machine can take over
 
 
 class SoakCluster:
-    def __init__(self, workers: int, cpus_per_node: float, cluster: Any = None) -> None:
-        """``cluster``: a test's own (kept when the soak ends); else one is started here."""
+    def __init__(self, workers: int, cpus_per_node: float, store_bytes: int, cluster: Any = None) -> None:
+        """``store_bytes``: each node's object store (sized to the run's snapshots: a node left at
+        Ray's 150 MiB spills every-step snapshots to disk); ``cluster``: a test's own (kept when
+        the soak ends); else one is started here."""
         from elastic_llm.runtime.session import loopback_cluster
 
-        self.workers, self.cpus_per_node = workers, cpus_per_node
+        self.workers, self.cpus_per_node, self.store_bytes = workers, cpus_per_node, store_bytes
         self.own = cluster is None
-        self.cluster = cluster if cluster is not None else loopback_cluster(workers, cpus_per_node)
+        self.cluster = cluster if cluster is not None else loopback_cluster(workers, cpus_per_node, store_bytes)
 
     @property
     def address(self) -> str:
@@ -43,7 +45,7 @@ class SoakCluster:
         for attempt in range(2):
             self.forget_dead_nodes()  # also those that never joined: Ray does not list them alive
             while len(self.cluster.worker_nodes) < self.workers:
-                add_loopback_node(self.cluster, self.cpus_per_node)
+                add_loopback_node(self.cluster, self.cpus_per_node, self.store_bytes)
             try:
                 self.cluster.wait_for_nodes(timeout=JOIN_S)
                 return

@@ -483,13 +483,15 @@ class Soak:
 
     # ------------------------------------------------------------------ the runs
     def run(self, out_dir: str | Path) -> dict[str, Any]:
+        from elastic_llm.runtime.session import node_store_bytes
+
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.nodes = SoakCluster(self.options.workers, self.options.cpus_per_node, self.given)
+        cfg = self.load([])
+        self.nodes = SoakCluster(self.options.workers, self.options.cpus_per_node, node_store_bytes(cfg, self.options.workers), self.given)
         runs: list[TrialRun] = []
         aborted = None
         try:
-            cfg = self.load([])
             log.info("reference run: %d+ steps of %s", self.plans[0].steps if self.plans else 0, cfg.name)
             drains = any(f.kind is FaultKind.DRAIN for p in self.plans for f in p.faults)
             resizes = any(f.moment is Moment.RESIZE for p in self.plans for f in p.faults)
