@@ -216,11 +216,14 @@ def late_moves(view: ElasticView, seen: set[str] | frozenset[str], stage_spares:
     are acted on again, so the late spares take over while the nodes live (no rollback, no
     recovery). Pure."""
     ready = {sp.key for sp in stage_spares if sp.ready}
+    on: dict[str, list[ShardKey]] = {}
+    for k, n in view.nodes:
+        on.setdefault(n, []).append(k)
     out = []
     for d in view.draining:
         if d.node_id not in seen:
             continue
-        keys = [k for k, n in view.nodes if n == d.node_id]
+        keys = on.get(d.node_id, [])
         left = d.seconds_left(view.wall)
         if keys and all(k in ready for k in keys) and (left is None or left > MOVE_S + view.step_s):
             out.append(d)

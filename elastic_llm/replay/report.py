@@ -95,6 +95,15 @@ def liveput(committed_steps: int, oracle: float) -> float | None:
     return committed_steps / oracle if oracle > 0 else None
 
 
+def liveput_fields(history: Sequence[dict[str, Any]], replay_alive: Sequence[tuple[float, int]], duration_s: float, slots_per_node: float,
+                   stages: int, max_width: int, committed_steps: int) -> dict[str, Any]:
+    """A report's ``liveput``, ``oracle_steps`` and ``full_width_steps_per_s`` for a run that
+    committed ``committed_steps`` with these per-step records (``history``). Pure."""
+    oracle = oracle_steps(replay_alive, duration_s, slots_per_node, stages, max_width, width_rates(history))
+    rate = full_width_rate(history, max_width)
+    return {"liveput": liveput(committed_steps, oracle), "oracle_steps": round(oracle, 1), "full_width_steps_per_s": round(rate, 4) if rate else None}
+
+
 def useful_fraction(training_s: float, room_s: float) -> float | None:
     """``training_s / room_s`` clamped to [0, 1]; None when there was no room (``room_s`` 0)."""
     if room_s <= 0:

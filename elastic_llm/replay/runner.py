@@ -25,16 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_llm.config import RunConfig
-from elastic_llm.replay.report import (
-    full_width_rate,
-    liveput,
-    oracle_steps,
-    oracle_widths,
-    seconds_with_room,
-    useful_fraction,
-    width_rates,
-    write_report,
-)
+from elastic_llm.replay.report import liveput_fields, oracle_widths, seconds_with_room, useful_fraction, write_report
 from elastic_llm.replay.trace import ReplayAction, ReplayPlan
 
 SAMPLE_S = 1.0  # timeline resolution
@@ -178,25 +169,21 @@ class Replay:
         room_s = seconds_with_room(self.plan.replay_alive, self.plan.duration_s, nodes_per_replica(self.cfg, self.options.cpus_per_node))
         training_s = t.seconds_by_state.get("running", 0.0)
         recoveries = [r for r in t.recoveries if r.source != "none"]
-        rates = width_rates(t.history)
-        rate = full_width_rate(t.history, self._max_width())
-        oracle = oracle_steps(self.plan.replay_alive, self.plan.duration_s, self._slots(), self.cfg.parallel.stages, self._max_width(), rates)
-        lost_all = getattr(self.error, "exit_code", None) == 3
+        lost_all = getattr(self.error, "exit_code", None) == 3  # nothing lossless survived: every committed step is lost
         return {
             "title": f"replay of {self.cfg.name}: {len(self.plan.actions)} actions over {self.plan.duration_s:.0f} s",
             "config": self.cfg.name,
             "steps": t.step,
             "committed_steps": t.committed_step,
             # a run that found nothing lossless lost every committed step (no durable tier yet)
-            "committed_steps_lost": t.committed_step if getattr(self.error, "exit_code", None) == 3 else t.committed_steps_lost,
+            "committed_steps_lost": t.committed_step if lost_all else t.committed_steps_lost,
             "seconds_by_state": {k: round(v, 3) for k, v in t.seconds_by_state.items()},
             "wall_s": round(wall_s, 3),
             "duration_s": self.plan.duration_s,
             "seconds_with_room": round(room_s, 3),
             "useful_fraction": useful_fraction(training_s, room_s),
-            "liveput": liveput(0 if lost_all else t.committed_step, oracle),
-            "oracle_steps": round(oracle, 1),
-            "full_width_steps_per_s": round(rate, 4) if rate else None,
+            **liveput_fields(t.history, self.plan.replay_alive, self.plan.duration_s, self._slots(), self.cfg.parallel.stages, self._max_width(),
+                             0 if lost_all else t.committed_step),
             "events": {
                 "recoveries": dict(Counter(str(r.source) for r in recoveries)),
                 "resizes": dict(Counter(f"{e.from_dp}->{e.to_dp}" for e in t.resizes)),

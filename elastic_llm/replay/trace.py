@@ -256,13 +256,12 @@ def plan_replay(
             zone_of.setdefault(event.node, event.zone)
     start_trace = len(trace)
     born: dict[str, float] = {}  # replay node alive -> replay time added
-    rzone: dict[str, str | None] = {}  # replay node alive -> its zone
-    rzone_all: dict[str, str | None] = {}  # every replay node -> its zone
+    rzone: dict[str, str | None] = {}  # every replay node (alive: those in ``born``) -> its zone
     next_label, rng = 0, random.Random(seed)
     for z, count in sorted(Counter(zone_of[n] for n in trace).items(), key=lambda kv: _zone_key(kv[0])):
         for _ in range(_target(count, node_scale)):
             born[f"r{next_label}"] = -1.0
-            rzone[f"r{next_label}"] = rzone_all[f"r{next_label}"] = z
+            rzone[f"r{next_label}"] = z
             next_label += 1
     initial = tuple(born)
     actions: list[ReplayAction] = []
@@ -275,14 +274,14 @@ def plan_replay(
         t = (time_ms / 1000 - start_s) / time_scale
         trace_changes.append((t, len(trace)))
         in_trace = Counter(zone_of[n] for n in trace)
-        in_replay = Counter(rzone.values())
+        in_replay = Counter(rzone[n] for n in born)
         for z in sorted(set(in_trace) | set(in_replay), key=_zone_key):  # one zone (None) when the trace has none
             diff = _target(in_trace[z], node_scale) - in_replay[z]
             for _ in range(max(diff, 0)):
                 label = f"r{next_label}"
                 next_label += 1
                 born[label] = t
-                rzone[label] = rzone_all[label] = z
+                rzone[label] = z
                 actions.append(ReplayAction(t, "add", label))
             if diff >= 0:
                 continue
@@ -296,7 +295,7 @@ def plan_replay(
                     at = drain_at if born[node] < drain_at else t
                     actions.append(ReplayAction(at, "drain", node, deadline_s=t - at))
                 actions.append(ReplayAction(t, "remove", node))
-                del born[node], rzone[node]
+                del born[node]
 
     actions.sort(key=lambda a: (a.at_s, ACTION_ORDER.index(a.kind)))
     duration_s = (end_s - start_s) / time_scale
@@ -304,7 +303,7 @@ def plan_replay(
     for at_s, group in groupby(actions, key=lambda a: a.at_s):
         alive += sum({"add": 1, "remove": -1}.get(a.kind, 0) for a in group)
         replay_changes.append((at_s, alive))
-    labelled = {n: z for n, z in rzone_all.items() if z is not None}
+    labelled = {n: z for n, z in rzone.items() if z is not None}
     return ReplayPlan(
         initial_nodes=initial,
         actions=tuple(actions),

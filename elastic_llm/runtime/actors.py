@@ -421,13 +421,19 @@ class ActorGroup(StateCalls):
         with self.spans.span("state"):
             buf, manifest = old.capture_state.options(num_returns=2).remote()
             ray.get(spare.actor.load_state.remote(buf, manifest), timeout=COPY_S)
+        self._install(spare)
+        self.nodes[key], self.pids[key], self.gpus[key] = info.node_id, info.pid, info.gpu_ids
+        self.ready.add(key)
+
+    def _install(self, spare: StageSpare) -> None:
+        """``spare`` becomes its key's actor and its group the key's reservation; the old actor
+        and its group go."""
+        key = spare.key
         del self.stage_spares[key]
         self.kill(key)
         self.slots.release(key)
         self.actors[key.replica][key.stage] = spare.actor
         self.slots.groups[key] = spare.pg
-        self.nodes[key], self.pids[key], self.gpus[key] = info.node_id, info.pid, info.gpu_ids
-        self.ready.add(key)
 
     def take_stage_spares(self, keys: list[ShardKey]) -> list[ShardKey]:
         """Lost ``keys`` whose stage spare (started for a drain, late for the move) is placed on a
@@ -440,11 +446,7 @@ class ActorGroup(StateCalls):
             if spare is None or self.slots.lost([spare.pg]) or self.slots.node_of(spare.pg) is None:
                 continue
             self.stage_spare_ready(spare)  # gives it its actor (placed: it starts now if it has not)
-            del self.stage_spares[key]
-            self.kill(key)
-            self.slots.release(key)
-            self.actors[key.replica][key.stage] = spare.actor
-            self.slots.groups[key] = spare.pg
+            self._install(spare)
             self.fresh.add(key)
             taken.append(key)
         return taken

@@ -24,16 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_llm.config import ConfigError, RunConfig, config_from_dict
-from elastic_llm.replay.report import (
-    full_width_rate,
-    liveput,
-    oracle_steps,
-    oracle_widths,
-    seconds_with_room,
-    useful_fraction,
-    width_rates,
-    write_report,
-)
+from elastic_llm.replay.report import liveput_fields, oracle_widths, seconds_with_room, useful_fraction, write_report
 from elastic_llm.replay.trace import ReplayPlan, load_trace, plan_replay
 from elastic_llm.sim.costs import CostModel
 from elastic_llm.sim.world import Charged, Fleet, SimClock, World
@@ -188,24 +179,23 @@ class Simulation:
         write_report(self.out, report, self.timeline, self._oracle_widths())
         return report
 
-    def _alive(self) -> tuple[float, tuple[tuple[float, int], ...]]:
-        duration = self.plan.duration_s if math.isfinite(self.plan.duration_s) else self.timeline[-1][0] if self.timeline else 0.0
-        alive = self.plan.replay_alive if math.isfinite(self.plan.duration_s) else ((0.0, self.options.nodes),)
-        return duration, tuple(alive)
+    def _alive(self) -> tuple[tuple[float, int], ...]:
+        """The alive curve the room and the oracle are measured on (a steady fleet without a trace)."""
+        return tuple(self.plan.replay_alive) if math.isfinite(self.plan.duration_s) else ((0.0, self.options.nodes),)
+
+    def _max_width(self) -> int:
+        return self.cfg.elastic.bounds(self.cfg.parallel.dp)[1]
 
     def _oracle_widths(self) -> list[tuple[float, int]]:
-        _, alive = self._alive()
-        return oracle_widths(alive, self.slots, self.options.stages, self.cfg.elastic.bounds(self.cfg.parallel.dp)[1])
+        return oracle_widths(self._alive(), self.slots, self.options.stages, self._max_width())
 
     def _report(self, sim_s: float, real_s: float) -> dict[str, Any]:
         t, o = self.trainer, self.options
         per_replica = math.ceil(o.stages / self.slots)
         duration = self.plan.duration_s if math.isfinite(self.plan.duration_s) else sim_s
-        alive = self.plan.replay_alive if math.isfinite(self.plan.duration_s) else ((0.0, o.nodes),)
+        alive = self._alive()
         room_s = seconds_with_room(alive, duration, per_replica)
-        max_width = self.cfg.elastic.bounds(self.cfg.parallel.dp)[1]
-        rate = full_width_rate(t.history, max_width)
-        oracle = oracle_steps(alive, duration, self.slots, o.stages, max_width, width_rates(t.history))
+        lost_all = getattr(self.error, "exit_code", None) == 3  # nothing lossless survived: every committed step is lost
         training_s = t.seconds_by_state.get("running", 0.0)
         recoveries = [r for r in t.recoveries if r.source != "none"]
         steps_run = len(t.history)
@@ -223,15 +213,13 @@ class Simulation:
                       "actors": o.stages * o.replicas},
             "steps": t.step,
             "committed_steps": t.committed_step,
-            "committed_steps_lost": t.committed_step if getattr(self.error, "exit_code", None) == 3 else t.committed_steps_lost,
+            "committed_steps_lost": t.committed_step if lost_all else t.committed_steps_lost,
             "seconds_by_state": {k: round(v, 3) for k, v in sorted(t.seconds_by_state.items())},
             "wall_s": round(sim_s, 3),
             "duration_s": duration,
             "seconds_with_room": round(room_s, 3),
             "useful_fraction": useful_fraction(training_s, room_s),
-            "liveput": liveput(t.committed_step if self.error is None or getattr(self.error, "exit_code", None) != 3 else 0, oracle),
-            "oracle_steps": round(oracle, 1),
-            "full_width_steps_per_s": round(rate, 4) if rate else None,
+            **liveput_fields(t.history, alive, duration, self.slots, o.stages, self._max_width(), 0 if lost_all else t.committed_step),
             "events": {
                 "recoveries": dict(sorted(Counter(str(r.source) for r in recoveries).items())),
                 "resizes": dict(sorted(Counter(f"{e.from_dp}->{e.to_dp}" for e in t.resizes).items())),
