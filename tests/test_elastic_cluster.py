@@ -198,6 +198,53 @@ def test_two_nodes_lost_at_once_beyond_parity_with_a_whole_replica_left_shrinks(
     assert_stream_in_order(run.positions, 8)
 
 
+def test_two_replicas_broken_at_once_without_room_merge_into_one_whole_replica_with_no_new_process(nodes, corpus_dir, tmp_path, clean_dp1):
+    """Borrow and merge on Ray: the nodes of stage 0 of replica 0 and stage 1 of replica 1 go
+    together while the run is held between steps; no replica is whole and no slot is free. The
+    survivors of the two form one whole replica: old replica 1's stage 0 takes replica 0's lost
+    place (its process, state and placement group), nothing restarts, nothing rolls back, and
+    the run goes on at width 1 with the losses of an undisturbed width-1 run (within float32
+    rounding: the first steps summed two replicas' gradients)."""
+    t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=2")
+    held, go = threading.Event(), threading.Event()
+
+    class Held(Background):
+        def _fit(self, steps):
+            def on_step(r):
+                self.positions.append((r["step"], dict(self.t.stream.state_dict())))
+                if r["step"] == 3:
+                    held.set()
+                    go.wait(120)
+            try:
+                self.result["history"] = self.t.fit(steps, on_step=on_step)
+            except BaseException as e:  # reported by join()
+                self.result["error"] = e
+
+    run = Held(t, 8)
+    try:
+        assert held.wait(120), "three steps"
+        g = t.group
+        doomed = [g.nodes[ShardKey(0, 0)], g.nodes[ShardKey(1, 1)]]
+        assert len(set(g.nodes.values())) == 4  # SPREAD: one actor per node, no room left after two go
+        pid_of_giver, pid_of_kept = g.pids[ShardKey(0, 1)], g.pids[ShardKey(1, 0)]
+        for node_id in doomed:
+            nodes.remove_node(node_of(nodes, node_id))
+        go.set()
+        history = run.join()
+    finally:
+        go.set()
+        t.shutdown()
+    assert [(e["from_dp"], e["to_dp"]) for e in events(tmp_path, "resize")] == [(2, 1)]
+    recoveries = events(tmp_path, "recovery")
+    assert recoveries and all(r["rollback_steps"] == 0 for r in recoveries)
+    assert any("borrow and merge" in r["reason"] for r in recoveries), [r["reason"] for r in recoveries]
+    assert {t.group.pids[ShardKey(0, 0)], t.group.pids[ShardKey(1, 0)]} == {pid_of_giver, pid_of_kept}  # no new process
+    assert [h["step"] for h in history] == list(range(1, 9)) and history[-1]["dp"] == 1
+    assert_stream_in_order(run.positions, 8)
+    for h in history:
+        assert abs(h["loss"] - clean_dp1["losses"][h["step"]]) <= 1e-4 * abs(clean_dp1["losses"][h["step"]]), (h["step"], h["loss"])
+
+
 NOTICE_S = 30  # the spot notice: a stage spare must start within it, also on the loaded 2 cores of the whole suite
 
 

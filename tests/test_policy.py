@@ -101,10 +101,13 @@ def test_never_below_min_replicas():
     assert plan.drop_replicas == () and plan.actions[0].source == "dp_peer"  # the executor then waits for capacity
 
 
-def test_no_whole_replica_no_shrink():
-    members = pipeline(dead={(1, 0), (2, 1)}, dp=2)  # every replica broken
+def test_no_whole_replica_merges_the_survivors_into_one():
+    members = pipeline(dead={(1, 0), (2, 1)}, dp=2)  # every replica broken, neither can be placed
     plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n2"}, unplaceable={0, 1}))
-    assert plan.drop_replicas == ()
+    assert plan.drop_replicas == (1,) and plan.borrow == ((ShardKey(1, 1), ShardKey(1, 0)),) and plan.actions == ()
+    # the same stage lost in both: no survivor can fill the place, nothing is dropped
+    same = pipeline(dead={(1, 0), (1, 1)}, dp=2)
+    assert RecoveryPolicy().decide(elastic_obs(same, dead_nodes={"n1"}, unplaceable={0, 1})).drop_replicas == ()
 
 
 def test_with_every_replica_broken_unplaceable_ones_go_while_the_rest_hold_every_stage():
@@ -114,10 +117,16 @@ def test_with_every_replica_broken_unplaceable_ones_go_while_the_rest_hold_every
     members = pipeline(dead={(1, 0), (2, 1), (3, 2)}, dp=3)
     plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n2", "n3"}, unplaceable={2}))
     assert plan.drop_replicas == (2,) and plan.width == (3, 2) and plan.rollback_to is None
-    assert [(a.stage, a.replica, a.source, a.peer) for a in plan.actions] == [(1, 0, "dp_peer", 1), (2, 1, "dp_peer", 0)]
-    # dropping both unplaceable replicas would leave stage 2 without a live copy: only one goes
-    both = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n2", "n3"}, unplaceable={1, 2}))
-    assert both.drop_replicas == (2,)
+    # its survivors of stages 1 and 2 take the kept replicas' lost places: no copy at all
+    assert plan.borrow == ((ShardKey(1, 2), ShardKey(1, 0)), (ShardKey(2, 2), ShardKey(2, 1))) and plan.actions == ()
+    # without borrowing (the same stage lost where it would be needed) a kept replica copies a kept peer
+    members = pipeline(dead={(1, 0), (2, 1), (1, 2)}, dp=3)
+    plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n2"}, unplaceable={2}))
+    assert plan.drop_replicas == (2,) and plan.borrow == ((ShardKey(2, 2), ShardKey(2, 1)),)
+    assert [(a.stage, a.replica, a.source, a.peer) for a in plan.actions] == [(1, 0, "dp_peer", 1)]
+    # both unplaceable ones go: replica 0 lends its stage 2 to replica 1, which is whole then
+    both = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n2"}, unplaceable={0, 2}))
+    assert both.drop_replicas == (0, 2) and both.borrow == ((ShardKey(2, 0), ShardKey(2, 1)),) and both.actions == ()
     # survivors at different steps: nothing is dropped (peers do not hold the same state)
     from elastic_llm.recovery.policy import replicas_to_drop
 
@@ -130,7 +139,12 @@ def test_dropping_renumbers_the_rest_and_repairs_them_from_a_peer():
     members = pipeline(dead={(1, 0), (3, 2)}, dp=3)
     plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n1", "n3"}, unplaceable={0}))
     assert plan.drop_replicas == (0,) and plan.width == (3, 2)
-    # old replica 2 is now replica 1; its peer old replica 1 is now replica 0
+    # old replica 0's stage 3 takes old replica 2's lost place (numbered as observed): no copy
+    assert plan.borrow == ((ShardKey(3, 0), ShardKey(3, 2)),) and plan.actions == ()
+    # the same stage lost in both: old replica 2 (now replica 1) copies its peer, old replica 1 (now 0)
+    members = pipeline(dead={(3, 0), (3, 2)}, dp=3)
+    plan = RecoveryPolicy().decide(elastic_obs(members, dead_nodes={"n3"}, unplaceable={0}))
+    assert plan.drop_replicas == (0,) and plan.borrow == ()
     assert [(a.stage, a.replica, a.source, a.peer) for a in plan.actions] == [(3, 1, "dp_peer", 0)]
 
 
@@ -181,3 +195,115 @@ def test_a_burst_drops_the_fewest_replicas_not_every_one_that_did_not_fit():
     plan = RecoveryPolicy().decide(o)
     assert len(plan.drop_replicas) == 1 and plan.width == (4, 3)
     assert [(a.stage, a.source) for a in plan.actions] == [(0, "dp_peer"), (0, "dp_peer")]  # the two kept copy a whole peer
+
+
+def _brute_reassembly(lost, stages, free, need):
+    """Reference for borrow and merge on a small fleet: every subset of the broken replicas may
+    go; a subset fits when the kept replicas' lost actors that need a slot fit in the free ones
+    plus what the dropped replicas release; for each fitting subset of the fewest replicas, the
+    kept replicas are filled place by place from a pool of the dropped replicas' survivors, a
+    new actor where the pool has none of that stage. Returns (fewest drops, fewest new actors)."""
+    import itertools
+
+    best = None
+    for k in range(len(lost) + 1):
+        for drop in itertools.combinations(sorted(lost), k):
+            if sum(n for r, n in need.items() if r not in drop) > free + sum(stages - need[r] for r in drop):
+                continue
+            pool = [s for r in drop for s in range(stages) if s not in lost[r]]
+            new = 0
+            for r in sorted(set(lost) - set(drop)):
+                for s in sorted(lost[r]):
+                    if s in pool:
+                        pool.remove(s)
+                    else:
+                        new += 1
+            best = min(best or (k, new), (k, new))
+        if best is not None:
+            return best
+    return best
+
+
+def test_reassembly_forms_the_most_whole_replicas_with_the_fewest_new_actors_brute_force():
+    """Borrow and merge against brute force on 600 small fleets: as many replicas survive as any
+    choice allows, the kept ones are whole after the borrows (each borrowed actor comes from a
+    dropped replica that holds that stage, used once), and no choice needs fewer new actors."""
+    import random
+
+    from elastic_llm.recovery.policy import borrows, fewest_drops, merge_drops, new_actors
+
+    rng = random.Random(11)
+    for _ in range(600):
+        stages = rng.randint(2, 5)
+        width = rng.randint(2, 6)
+        lost = {r: frozenset(rng.sample(range(stages), rng.randint(1, stages - 1))) for r in rng.sample(range(width), rng.randint(1, width))}
+        need = {r: len(s) for r, s in lost.items()}  # none of their lost actors is placed yet
+        free = rng.randint(0, stages * 2)
+        fewest, least_new = _brute_reassembly(lost, stages, free, need)
+        count = len(fewest_drops(need, stages, free))
+        assert count == fewest
+        drop = merge_drops(lost, stages, count)
+        assert len(drop) == count and set(drop) <= set(lost)
+        assert new_actors(lost, set(drop), stages) == least_new, (lost, stages, free, drop)
+        have = {(s, r) for r in range(width) for s in range(stages) if r not in lost or s not in lost[r]}
+        used = set()
+        for s, giver, taker in borrows(lost, drop, stages):
+            assert giver in drop and taker not in drop and (s, giver) in have and (s, giver) not in used and (s, taker) not in have
+            used.add((s, giver))
+            have.add((s, taker))
+        kept_missing = sum(1 for r in lost if r not in drop for s in lost[r] if (s, r) not in have)
+        assert kept_missing == least_new  # what the borrows did not fill is exactly the new actors
+
+
+def test_reassembly_on_a_large_fleet_needs_no_more_new_actors_than_dropping_the_most_broken():
+    """Beyond the exhaustive search (16 broken replicas of 64 stages, 8 to drop: 12,870 choices)
+    the local search starts from the most broken and only improves on it."""
+    import random
+
+    from elastic_llm.recovery.policy import MERGE_SEARCH, merge_drops, new_actors
+
+    rng = random.Random(3)
+    for _ in range(5):
+        lost = {r: frozenset(rng.sample(range(64), rng.randint(1, 6))) for r in range(16)}
+        naive = set(sorted(lost, key=lambda r: (-len(lost[r]), -r))[:8])
+        drop = merge_drops(lost, 64, 8)
+        assert len(drop) == 8 and math_comb(16, 8) > MERGE_SEARCH
+        assert new_actors(lost, set(drop), 64) <= new_actors(lost, naive, 64)
+        assert new_actors(lost, set(drop), 64) < sum(len(lost[r]) for r in lost if r not in drop)  # some places borrowed
+
+
+def math_comb(n, k):
+    import math
+
+    return math.comb(n, k)
+
+
+def test_a_burst_with_no_room_and_no_whole_replica_merges_the_survivors_without_new_actors():
+    """Two replicas of two stages each lose a different stage and no slot is free: the old rule
+    kept both waiting for room (no replica whole, the kept one would miss a stage); now replica
+    1 is dropped and its stage 0 takes replica 0's lost place: one whole replica, no new actor,
+    no copy, no rollback."""
+    members = [Member(0, 0, "a", False, None), Member(1, 0, "b", True, 5), Member(0, 1, "c", True, 5), Member(1, 1, "d", False, None)]
+    o = replace(obs(members, dead_nodes={"a", "d"}, committed=5, groups=(("a", "b", "c", "d"),)), free_slots=0)
+    plan = RecoveryPolicy().decide(o)
+    assert plan.drop_replicas == (1,) and plan.width == (2, 1)
+    assert plan.borrow == ((ShardKey(0, 1), ShardKey(0, 0)),)
+    assert plan.actions == () and plan.rollback_to is None and "borrow and merge" in plan.reason
+    # survivors at different steps are not interchangeable: nothing is borrowed or dropped
+    from elastic_llm.recovery.policy import replicas_to_drop, with_borrows
+
+    members[2] = Member(0, 1, "c", True, 6)
+    assert replicas_to_drop(replace(o, members=tuple(members))) == ()
+    assert with_borrows(replace(o, members=tuple(members)), (1,))[1] == ()
+
+
+def test_borrowed_places_need_no_copy_and_the_rest_copy_a_kept_peer():
+    """Width 3 of 3 stages, one free slot: replica 2 lost stages 0 and 1, replica 1 lost stage 1,
+    replica 0 lost stage 2; one replica must go. Dropping replica 2 lends its stage 2 to replica 0;
+    replica 1's stage 1 has no giver: a new actor copies it from replica 0."""
+    dead = {(0, 2), (1, 2), (1, 1), (2, 0)}
+    members = [Member(s, r, f"n{s}{r}", (s, r) not in dead, None if (s, r) in dead else 5) for r in range(3) for s in range(3)]
+    o = replace(obs(members, dead_nodes={f"n{s}{r}" for s, r in dead}, committed=5, groups=(tuple(m.node for m in members),)), free_slots=1)
+    plan = RecoveryPolicy().decide(o)
+    assert plan.drop_replicas == (2,) and plan.borrow == ((ShardKey(2, 2), ShardKey(2, 0)),)
+    assert [(a.stage, a.replica, a.source, a.peer) for a in plan.actions] == [(1, 1, "dp_peer", 0)]

@@ -58,11 +58,24 @@ def test_gpu_standbys_without_a_device_adopt_only_where_the_dead_actor_lived():
 
 
 def test_after_a_shrink_standbys_follow_the_renumbered_replicas():
-    # replica 0 loses stage 1 on n1 (unplaceable) and is dropped; replica 1 (now 0) lost stage 2 with a standby
-    o = observation(dead={(1, 0), (2, 1)}, dp=3, standbys=[("n2", 1)], bundles=[(ShardKey(2, 1), "n2")], unplaceable={0})
+    # replica 0 loses stage 2 (unplaceable) and is dropped; replica 1 (now 0) lost stage 2 too (so
+    # no survivor of replica 0 can take its place), with a standby where it starts
+    o = observation(dead={(2, 0), (2, 1)}, dp=3, standbys=[("n2", 1)], bundles=[(ShardKey(2, 1), "n2")], unplaceable={0})
     plan = RecoveryPolicy().decide(o)
-    assert plan.drop_replicas == (0,)
+    assert plan.drop_replicas == (0,) and plan.borrow == ()
     assert [(a.stage, a.replica, a.adopt) for a in plan.actions] == [(2, 0, "n2")]
+
+
+def test_after_a_drop_a_lost_actor_without_a_reservation_adopts_a_standby_where_the_drop_freed_a_slot():
+    """Replicas 0 and 1 of 3 each lost stage 2, no slot is free: replica 1 is dropped, and replica 0's
+    stage 2 starts in a slot it freed, on the node whose standby is ready (not on n0, whose
+    standby is gone), so the standby there becomes it instead of a new process."""
+    from dataclasses import replace
+
+    o = replace(observation(dead={(2, 0), (2, 1)}, dp=3, standbys=[("n1", 1)], bundles=[]), free_slots=0)
+    plan = RecoveryPolicy().decide(o)
+    assert plan.drop_replicas == (1,)
+    assert [(a.stage, a.replica, a.adopt) for a in plan.actions] == [(2, 0, "n1")]
 
 
 @pytest.mark.parametrize(

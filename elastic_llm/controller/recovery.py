@@ -164,6 +164,8 @@ class RecoveryExecutor:
         """Carry ``plan`` out. New actors that did not get their state are killed again if
         anything fails, so the next observation sees them as lost."""
         g = self.group
+        if plan.borrow:
+            g.borrow(list(plan.borrow))
         if plan.drop_replicas:
             g.drop_replicas(plan.drop_replicas)
         lost = [ShardKey(a.stage, a.replica) for a in plan.actions]

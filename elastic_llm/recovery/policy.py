@@ -11,6 +11,9 @@ The lossless ladder (cheapest lossless source first), after one elastic decision
 replica whose lost stages cannot be placed now (no capacity) is dropped when a whole replica
 survives and at least ``min_width`` replicas remain (shrink: no rollback, the run goes on
 narrower; the remaining replicas are renumbered 0..w-1 and the plan speaks of the new numbers).
+Only as many go as make room, chosen so that their survivors take the most lost places in the
+kept replicas (borrow and merge, as Oobleck reassembles pipelines): a borrowed actor keeps its
+process and state, so the kept replicas need the fewest new actors and copies.
 1. the stage process died, its node and snapshot manager live: restore from the local manager;
 2. a data-parallel peer of the lost replica is alive: copy its state;
 3. the node is lost, at most m nodes of its erasure group are lost: rebuild from parity;
@@ -26,7 +29,10 @@ finished later steps, or stages disagree on their step), everyone rolls back to 
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field, replace
+from typing import Iterable
 
 from elastic_llm.recovery.checkfree import Rebuild, plan_rebuild
 from elastic_llm.sources import LOSSY, Mode, RollbackFrom, Source, SourceLost, UnrecoverableError
@@ -104,10 +110,13 @@ class RecoveryPlan:
     width: tuple[int, int] | None = None  # (from, to) when replicas are dropped
     rollback_from: RollbackFrom = RollbackFrom.SNAPSHOT  # where everyone's state of rollback_to comes from
     own_copies: tuple[ShardKey, ...] = ()  # a snapshot rollback: survivors that restore from their own background copy (the others: their snapshot managers, parity for lost_shards)
+    borrow: tuple[tuple[ShardKey, ShardKey], ...] = ()  # (giver, taker), numbered as observed: a dropped replica's survivor becomes a kept replica's lost actor
 
     def __str__(self) -> str:
         rb = f"roll back to step {self.rollback_to}" if self.rollback_to is not None else "no rollback"
         drop = f"drop replica(s) {list(self.drop_replicas)}; " if self.drop_replicas else ""
+        if self.borrow:
+            drop += f"{len(self.borrow)} of their actor(s) take lost places in kept replicas; "
         own = f" ({len(self.own_copies)} survivor(s) from their own copy)" if self.own_copies else ""
         return f"RecoveryPlan({drop}{'; '.join(map(str, self.actions)) or 'nothing lost'}; {rb}{own}; {self.reason})"
 
@@ -128,22 +137,83 @@ def fewest_drops(need: dict[int, int], stages: int, free_slots: int) -> list[int
     return drop
 
 
+def new_actors(lost: dict[int, frozenset[int]], drop: frozenset[int] | set[int], stages: int) -> int:
+    """New actors the kept broken replicas need when the dropped ones' survivors take their lost
+    places first: per stage, the kept replicas that lost it less the dropped ones that still hold
+    it. ``lost``: broken replica -> its lost stages. Pure."""
+    kept = [r for r in lost if r not in drop]
+    gone = [r for r in lost if r in drop]
+    return sum(max(0, sum(s in lost[r] for r in kept) - sum(s not in lost[r] for r in gone)) for s in range(stages))
+
+
+def borrows(lost: dict[int, frozenset[int]], drop: Iterable[int], stages: int) -> tuple[tuple[int, int, int], ...]:
+    """Borrow and merge: which survivor of a dropped replica takes which lost place of a kept
+    one, as (stage, from replica, to replica); per stage the lowest kept replicas first, each
+    from the lowest dropped replica that still holds that stage. A borrowed actor keeps its
+    process, slot and state (all replicas are at one step): only its links and replica number
+    change. Pure."""
+    gone = sorted(set(drop) & set(lost))
+    kept = sorted(set(lost) - set(gone))
+    out = []
+    for s in range(stages):
+        takers = [r for r in kept if s in lost[r]]
+        givers = [r for r in gone if s not in lost[r]]
+        out += [(s, g, t) for t, g in zip(takers, givers)]
+    return tuple(out)
+
+
+MERGE_SEARCH = 2000  # subsets searched exhaustively; beyond this, a local search from the most broken
+
+
+def merge_drops(lost: dict[int, frozenset[int]], stages: int, count: int) -> tuple[int, ...]:
+    """Which ``count`` broken replicas to drop (``lost``: replica -> its lost stages) so the kept
+    ones are made whole with the fewest new actors, their lost places taken by the dropped ones'
+    survivors (:func:`borrows`); among equals the fewest borrows, then the most broken, then
+    the highest index. Every choice of ``count`` frees the same room (:func:`fewest_drops`), so
+    the width is the same: only the copies differ. Exhaustive while there are at most
+    :data:`MERGE_SEARCH` choices, else swaps from the most broken until none helps. Pure."""
+    reps = sorted(lost, key=lambda r: (-len(lost[r]), -r))
+    count = min(count, len(reps))
+    if count <= 0:
+        return ()
+
+    def cost(drop: frozenset[int]) -> tuple[int, int, int, tuple[int, ...]]:
+        new = new_actors(lost, drop, stages)
+        kept_lost = sum(len(lost[r]) for r in lost if r not in drop)
+        return (new, kept_lost - new, -sum(len(lost[r]) for r in drop), tuple(sorted((-r for r in drop))))
+
+    if math.comb(len(reps), count) <= MERGE_SEARCH:
+        best = min((frozenset(c) for c in itertools.combinations(reps, count)), key=cost)
+        return tuple(sorted(best))
+    best = frozenset(reps[:count])
+    best_cost = cost(best)
+    for _ in range(2 * count):
+        step = min(((best - {a}) | {b} for a in best for b in reps if b not in best), key=cost)
+        if cost(step) >= best_cost:
+            break
+        best, best_cost = step, cost(step)
+    return tuple(sorted(best))
+
+
 def replicas_to_drop(obs: Observation) -> tuple[int, ...]:
     """Broken replicas that cannot be placed now and may go, never below ``min_width``: while a
     whole replica survives (every stage alive, all at one step); or, when every replica is
     broken (a burst of losses across a large fleet), while every survivor is at one step and
-    the replicas kept still hold a live copy of every stage between them, so each of their lost
-    actors copies a kept peer (as many of the candidates as keep that true, highest first).
-    With ``free_slots`` known, the candidates are only as many as make room (:func:`fewest_drops`:
-    dropping a replica frees its survivors' slots for the others); else the runtime's
-    ``unplaceable`` replicas."""
+    the replicas kept still hold (or borrow) a live copy of every stage between them, so each
+    of their lost actors copies a kept peer (as many of the candidates as keep that true,
+    highest first). With ``free_slots`` known, as many as make room (:func:`fewest_drops`:
+    dropping a replica frees its survivors' slots for the others), chosen so that the
+    dropped ones' survivors fill the most lost places of the kept ones (:func:`merge_drops`);
+    else the runtime's ``unplaceable`` replicas."""
     width = 1 + max((m.replica for m in obs.members), default=-1)
     broken = {m.replica for m in obs.members if not m.alive}
     whole = [r for r in range(width) if r not in broken]
+    lost = _lost_stages(obs)
     if obs.free_slots is not None:
         placed = {k for k, _ in obs.bundle_nodes}
         need = {r: sum(1 for m in obs.members if m.replica == r and not m.alive and ShardKey(m.stage, m.replica) not in placed) for r in broken}
-        candidates = sorted(fewest_drops({r: n for r, n in need.items() if n}, obs.n_stages, obs.free_slots))
+        count = len(fewest_drops({r: n for r, n in need.items() if n}, obs.n_stages, obs.free_slots))
+        candidates = sorted(merge_drops(lost, obs.n_stages, count) if _one_step(obs) else fewest_drops({r: n for r, n in need.items() if n}, obs.n_stages, obs.free_slots))
     else:
         candidates = sorted(broken & obs.unplaceable)
     room = max(0, width - obs.min_width)
@@ -151,15 +221,48 @@ def replicas_to_drop(obs: Observation) -> tuple[int, ...]:
     if whole:
         whole_steps = {m.step for m in obs.members if m.replica in whole}
         return tuple(drop) if len(whole_steps) == 1 else ()
-    if len({m.step for m in obs.members if m.alive}) != 1:
+    if not _one_step(obs):
         return ()
     stages = {m.stage for m in obs.members}
     while drop:
         gone = set(drop)
-        if {m.stage for m in obs.members if m.alive and m.replica not in gone} == stages:
+        held = {m.stage for m in obs.members if m.alive and m.replica not in gone} | {s for s, _, _ in borrows(lost, gone, obs.n_stages)}
+        if held == stages:
             return tuple(drop)
         drop = drop[1:]  # keep the lowest candidate too
     return ()
+
+
+def _lost_stages(obs: Observation) -> dict[int, frozenset[int]]:
+    out: dict[int, set[int]] = {}
+    for m in obs.members:
+        if not m.alive:
+            out.setdefault(m.replica, set()).add(m.stage)
+    return {r: frozenset(s) for r, s in out.items()}
+
+
+def _one_step(obs: Observation) -> bool:
+    """Every live actor has completed the same steps (their states are interchangeable)."""
+    return len({m.step for m in obs.members if m.alive}) <= 1
+
+
+def with_borrows(obs: Observation, drop: tuple[int, ...]) -> tuple[Observation, tuple[tuple[ShardKey, ShardKey], ...]]:
+    """``obs`` after the dropped replicas' survivors took the kept ones' lost places (the
+    taker's member alive on the giver's node, no reservation needed), and the pairs (giver,
+    taker) in the observed numbering. Nothing is borrowed unless every live actor is at one
+    step. Pure."""
+    if not drop or not _one_step(obs):
+        return obs, ()
+    triples = borrows(_lost_stages(obs), drop, obs.n_stages)
+    if not triples:
+        return obs, ()
+    by_key = {ShardKey(m.stage, m.replica): m for m in obs.members}
+    pairs = tuple((ShardKey(s, g), ShardKey(s, t)) for s, g, t in triples)
+    takers = {t: by_key[g] for g, t in pairs}
+    members = tuple(replace(m, alive=True, node=takers[k].node, step=takers[k].step) if (k := ShardKey(m.stage, m.replica)) in takers else m
+                    for m in obs.members)
+    bundles = tuple((k, n) for k, n in obs.bundle_nodes if k not in takers)
+    return replace(obs, members=members, bundle_nodes=bundles), pairs
 
 
 def without_replicas(obs: Observation, drop: tuple[int, ...]) -> Observation:
@@ -169,6 +272,32 @@ def without_replicas(obs: Observation, drop: tuple[int, ...]) -> Observation:
     members = tuple(replace(m, replica=new[m.replica]) for m in obs.members if m.replica in new)
     bundles = tuple((ShardKey(k.stage, new[k.replica]), n) for k, n in obs.bundle_nodes if k.replica in new)
     return replace(obs, members=members, unplaceable=frozenset(new[r] for r in obs.unplaceable if r in new), bundle_nodes=bundles, free_slots=None)
+
+
+def freed_places(obs: Observation, drop: tuple[int, ...], kept: Observation, givers: set[ShardKey]) -> tuple[tuple[ShardKey, str], ...]:
+    """Where the kept replicas' lost actors that had no reservation will start: in the slots the
+    dropped replicas free (their survivors that were not borrowed, on live nodes), first one on
+    each node with a ready warm standby (as many as it has ready), so that the standby there
+    becomes the actor (:func:`assign_standbys`: an adoption instead of a process start), then
+    the rest in order. ``obs`` is numbered as observed, ``kept`` after the drop. Pure."""
+    placed = {k for k, _ in kept.bundle_nodes}
+    homeless = sorted(ShardKey(m.stage, m.replica) for m in kept.members if not m.alive and ShardKey(m.stage, m.replica) not in placed)
+    if not homeless:
+        return ()
+    freed = [m.node for m in sorted(obs.members, key=lambda m: (m.replica, m.stage))
+             if m.replica in drop and m.alive and ShardKey(m.stage, m.replica) not in givers and m.node not in obs.dead_nodes]
+    ready = dict(obs.standbys)
+    for _, node in kept.bundle_nodes:  # standbys the reserved places adopt first
+        if ready.get(node, 0) > 0:
+            ready[node] -= 1
+    first, rest = [], []
+    for node in freed:
+        if ready.get(node, 0) > 0:
+            ready[node] -= 1
+            first.append(node)
+        else:
+            rest.append(node)
+    return tuple(zip(homeless, first + rest))
 
 
 def _alive_by_stage(alive: list[Member]) -> dict[int, list[Member]]:
@@ -212,13 +341,17 @@ class RecoveryPolicy:
         if not drop:
             return assign_standbys(self._ladder(obs), obs)
         width = 1 + max(m.replica for m in obs.members)
-        kept = without_replicas(obs, drop)
+        merged, pairs = with_borrows(obs, drop)
+        kept = without_replicas(merged, drop)
+        kept = replace(kept, bundle_nodes=kept.bundle_nodes + freed_places(merged, drop, kept, {g for g, _ in pairs}))
         plan = assign_standbys(self._ladder(kept), kept)
         why = (
             f"replica(s) {list(drop)} lost stages that cannot be placed now (no capacity): dropped, "
             f"{width} -> {width - len(drop)} replicas; "
         )
-        return replace(plan, drop_replicas=drop, width=(width, width - len(drop)), reason=why + plan.reason)
+        if pairs:
+            why += f"{len(pairs)} of their survivors take lost places in the kept replicas (borrow and merge); "
+        return replace(plan, drop_replicas=drop, width=(width, width - len(drop)), reason=why + plan.reason, borrow=pairs)
 
     def _ladder(self, obs: Observation) -> RecoveryPlan:
         if obs.mode in (Mode.CHECKFREE, Mode.CHECKFREE_PLUS):

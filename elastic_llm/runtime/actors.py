@@ -259,6 +259,29 @@ class ActorGroup(StateCalls):
         return sorted({k.replica for k in self.keys() if self.nodes.get(k) in nodes})
 
     # ------------------------------------------------------------------ width
+    def borrow(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
+        """Borrow and merge: each giver's actor (of a replica dropped next) becomes the taker's
+        (a lost actor of a kept replica), with its process, state and placement group; whatever ran
+        as the taker (a late stage spare) is killed and its group goes with the giver's replica.
+        The actor learns its new number with :meth:`set_width`, its links with the next executor."""
+        for giver, taker in pairs:
+            self.kill(taker)
+            self.actors[taker.replica][taker.stage] = self.actors[giver.replica][giver.stage]
+            self.actors[giver.replica][giver.stage] = None
+            groups = self.slots.groups
+            mine, theirs = groups.pop(giver, None), groups.pop(taker, None)
+            if mine is not None:
+                groups[taker] = mine
+            if theirs is not None:
+                groups[giver] = theirs
+            tables: tuple[dict[ShardKey, Any], ...] = (self.nodes, self.pids, self.gpus)
+            for table in tables:
+                if giver in table:
+                    table[taker] = table.pop(giver)
+            if giver in self.ready:
+                self.ready.discard(giver)
+                self.ready.add(taker)
+
     def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]:
         """Kill the actors of ``replicas``, release their placement groups and renumber the rest
         (keeping their order). Returns old replica index -> new one, for the survivors. The

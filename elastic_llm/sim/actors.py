@@ -85,12 +85,24 @@ class SimActors:
         return [(n, x.slots - used.get(n, 0)) for n, x in sorted(fleet.nodes.items())
                 if x.alive and n not in draining and n not in avoid and x.slots > used.get(n, 0)]
 
-    def _take(self, count: int, avoid: frozenset[str] = frozenset()) -> list[str]:
-        """``count`` slots packed onto the fewest nodes; CapacityUnavailable if there are fewer."""
+    def _take(self, count: int, avoid: frozenset[str] = frozenset(), first: dict[str, int] | None = None) -> list[str]:
+        """``count`` slots packed onto the fewest nodes (after one slot per warm standby ready on
+        a node with room, in ``first``: there a standby becomes the actor); CapacityUnavailable if
+        there are fewer."""
         out: list[str] = []
         if count <= 0:
             return out
-        for n, f in self._free(avoid):
+        free = self._free(avoid)
+        if first:
+            left = dict(free)
+            for n, f in free:
+                take = min(f, first.get(n, 0), count - len(out))
+                out += [n] * take
+                left[n] -= take
+            free = [(n, f) for n, f in left.items() if f > 0]
+        for n, f in free:
+            if len(out) == count:
+                return out
             out += [n] * min(f, count - len(out))
             if len(out) == count:
                 return out
@@ -142,7 +154,7 @@ class SimActors:
         with self.charged:
             homeless = self._homeless(keys)
             try:
-                slots = iter(self._take(len(homeless)))
+                slots = iter(self._take(len(homeless), first=self.standbys.ready() if self.standbys is not None and self.standbys.enabled else {}))
             except CapacityUnavailable:
                 return {k: self.nodes.get(k) for k in keys if k not in homeless}
             return {k: next(slots) if k in homeless else self.nodes[k] for k in keys}
@@ -174,6 +186,13 @@ class SimActors:
         adopt = adopt or {}
         with self.charged:
             homeless = self._homeless(keys)
+            free = dict(self._free())
+            for k in homeless:  # an adopted standby's actor runs on its node when a slot is free there
+                node = adopt.get(k)
+                if node is not None and free.get(node, 0) > 0:
+                    self._host(k, node)
+                    free[node] -= 1
+            homeless = [k for k in homeless if k not in self.nodes or not self.world.fleet.is_alive(self.nodes[k])]
             slots = iter(self._take(len(homeless)))
             for k in keys:
                 self._host(k, next(slots) if k in homeless else self.nodes[k])
@@ -198,6 +217,18 @@ class SimActors:
     def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]:
         with self.charged:
             return {k: (self.at.get(k) if k in self.ready and self.nodes.get(k) in alive_nodes else None) for k in self.keys()}
+
+    def borrow(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
+        """Each giver's actor (its node slot, state and step) becomes the taker's."""
+        with self.charged:
+            for giver, taker in pairs:
+                self.kill(taker)
+                self._host(taker, self.nodes.get(giver))
+                self._host(giver, None)
+                self.at[taker] = self.at.pop(giver, None)
+                if giver in self.ready:
+                    self.ready.discard(giver)
+                    self.ready.add(taker)
 
     def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]:
         """Remove ``replicas``; the others are renumbered 0..w-1 in order."""
@@ -250,12 +281,17 @@ class SimActors:
         """Place a waiting spare if there is room now (as Ray places a pending placement group)."""
         if sp.nodes:
             return True
+        pool = self.standbys if self.standbys is not None and self.standbys.enabled else None
         try:
-            sp.nodes = self._take(sp.slots, avoid)
+            sp.nodes = self._take(sp.slots, avoid, first=pool.ready() if pool is not None else None)
         except CapacityUnavailable:
             return False
-        sp.ready_s = self.world.clock.now + self.world.costs.actor_start_s
-        self.world.starting(self.world.clock.now, sp.ready_s, sp.slots)
+        # as on Ray (StageActors._fill): a warm standby ready on a slot's node becomes its actor
+        adopted = sum(1 for n in sp.nodes if pool is not None and pool.take(n) is not None)
+        c, now = self.world.costs, self.world.clock.now
+        sp.ready_s = now + (c.adopt_s if adopted == sp.slots else c.actor_start_s)
+        if adopted < sp.slots:
+            self.world.starting(now, sp.ready_s, sp.slots - adopted)
         return True
 
     def start_spare(self) -> SimSpare:
