@@ -204,6 +204,9 @@ class ChaosExecutor:
     def finish(self, pending: Any, timeout: float | None = None) -> Any:
         return self.inner.finish(pending) if timeout is None else self.inner.finish(pending, timeout)
 
+    def wait(self, pending: Any, seconds: float) -> bool:
+        return bool(self.inner.wait(pending, seconds))
+
     def settle(self) -> None:
         self.inner.settle()
 

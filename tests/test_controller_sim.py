@@ -265,3 +265,25 @@ def test_reclaimed_nodes_do_not_charge_the_failure_budget_but_a_dying_process_do
         t.fit(450)
     assert t.progress.reclaims == 2 and t.failures == 3 and t.budget.total == 1
     assert {r["source"] for r in t.recoveries} == {"dp_peer"} and t.step == 399
+
+
+def test_a_notice_that_arrives_mid_step_starts_its_spare_at_once_so_the_move_makes_the_deadline(corpus_dir, tmp_path):
+    """Steps of ~30 s; n3 (stage 1 of replica 1) gets a 40 s notice during a step. Seen only at
+    the step's end, its stage spare (4.8 s to start) would not be ready at that boundary and the
+    next boundary comes after the node is gone: the replica stays and is recovered. Looked at
+    while the step runs, the spare starts within a second of the notice and the move is made at
+    the step's end: no failure, no recovery."""
+    import dataclasses
+
+    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [
+        "snapshot.enabled=false", "train.eval_every=0", "parallel.stages=2", "parallel.dp=2", "train.batch_size=8",
+        "model.seq_len=16", f"data.dir={corpus_dir}", "recovery.capacity_timeout_s=5", "recovery.driver_grace_s=0", "elastic.min_replicas=1"])
+    clock = SimClock()
+    costs = dataclasses.replace(load_costs("cpu-2core"), allreduce_s=30.0)
+    actions = (ReplayAction(40.0, "drain", "n3", 40.0), ReplayAction(80.0, "remove", "n3"))
+    rt = ScriptedRuntime(World(clock, Fleet(clock, ("n0", "n1", "n2", "n3", "n4", "n5"), actions, 1), costs, Charged()), {})
+    t = Trainer(cfg, rt, metrics_out=tmp_path / "metrics.jsonl")
+    history = t.fit(8)
+    assert [h["step"] for h in history] == list(range(1, 9))
+    assert [(d["moved"], d["stayed"], d["how"]) for d in t.drains] == [(1, 0, "stages")]
+    assert t.recoveries == [] and "n3" not in t.group.nodes.values()

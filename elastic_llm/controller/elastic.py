@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from elastic_llm import events
@@ -238,6 +238,10 @@ class LookTimer:
         self.last: float | None = None
         self.intervals: deque[float] = deque(maxlen=keep)
 
+    def peek(self) -> float:
+        """The estimate :meth:`look` would give, without counting a look (a look between steps)."""
+        return min(self.intervals, default=0.0)
+
     def look(self, now: float) -> float:
         if self.last is not None:
             self.intervals.append(now - self.last)
@@ -257,6 +261,7 @@ class ElasticExecutor:
         self.clock = clock
         self._last_grow_look = float("-inf")
         self.timer = LookTimer()
+        self.noticed: set[str] = set()  # draining nodes acted on between steps (notice)
 
     def look(self, seen: set[str] | frozenset[str]) -> tuple[tuple[Drain, ...], int | None]:
         """One cheap look at the cluster at a step boundary: :meth:`observe`, the pure
@@ -268,11 +273,27 @@ class ElasticExecutor:
         self.act(plan)
         return plan.drains, plan.grow_to
 
+    def notice(self, seen: set[str] | frozenset[str]) -> None:
+        """Between step boundaries (while a step runs): when a node hosting the run's actors
+        announced its end since the last look, start what its drain needs now (stage spares or a
+        spare replica; snapshots keep off it), so a notice that arrives mid-step loses none of its
+        time to the step. The moves themselves are made at the step boundary (:meth:`look`),
+        with the spares' head start; no growing here."""
+        if not self.cfg.elastic.drains:
+            return
+        hosting = set(self.group.nodes.values())
+        new = {n for n in self.nodes.draining() if n in hosting and n not in seen and n not in self.noticed}
+        if not new:
+            return
+        self.noticed |= new
+        plan = decide(self.observe(seen, between=True), seen, self.cfg.elastic.bounds(self.cfg.parallel.dp)[1])
+        self.act(replace(plan, start_spares=0))
+
     def avoid(self, draining: dict[str, Drain]) -> frozenset[str]:
         """Nodes nothing new goes to: draining ones and the node probes' suspects."""
         return frozenset(draining) | frozenset(self.nodes.suspects())
 
-    def observe(self, seen: set[str] | frozenset[str]) -> ElasticView:
+    def observe(self, seen: set[str] | frozenset[str], between: bool = False) -> ElasticView:
         """What the policy needs: draining nodes, the run's actors, its spares (a spare whose
         bundles were placed since the last look gets its actors started: the start it was made
         for), and, only when they matter, the free slots for a drain's moves and whether there is
@@ -287,12 +308,13 @@ class ElasticExecutor:
         free = g.free_slots(avoid) if affected else None
         room = None
         placed = all(sp.nodes for sp in spares)  # a spare still waiting for room would be counted twice
-        if (not affected and placed and g.width + len(spares) < el.bounds(self.cfg.parallel.dp)[1]
+        if (not between and not affected and placed and g.width + len(spares) < el.bounds(self.cfg.parallel.dp)[1]
                 and now - self._last_grow_look >= el.grow_check_s):
             self._last_grow_look = now
             room = g.free_slots(avoid) // g.stages
         return ElasticView(tuple(d for _, d in sorted(draining.items())), tuple((k, g.nodes[k]) for k in g.keys() if k in g.nodes),
-                           g.width, g.stages, spares, stage_spares, free, room, self.clock.time(), self.timer.look(now))
+                           g.width, g.stages, spares, stage_spares, free, room, self.clock.time(),
+                           self.timer.peek() if between else self.timer.look(now))
 
     def act(self, plan: ElasticPlan) -> None:
         """Carry out a look's plan: snapshots avoid the draining nodes, spares are given up and
@@ -369,14 +391,18 @@ class ElasticExecutor:
             self._settle_snapshots()
         moved = stayed = 0
         hows: set[str] = set()
+        swaps, swapped = [], set()  # every replica's stages that move onto their started spares: one batch of copies
         for r in sorted(affected, reverse=True):
-            keys = [k for k in g.keys() if k.replica == r and g.nodes.get(k) in nodes]
-            spares = self._ready_stage_spares(keys)
+            spares = self._ready_stage_spares([k for k in g.keys() if k.replica == r and g.nodes.get(k) in nodes])
             if spares is not None:
-                for sp in spares:
-                    g.swap_in(sp)
-                moved += len(spares)
-                hows.add(Move.STAGES.value)
+                swaps += spares
+                swapped.add(r)
+        if swaps:
+            g.swap_in(swaps)
+            moved += len(swaps)
+            hows.add(Move.STAGES.value)
+        for r in sorted(affected, reverse=True):  # a swapped replica keeps its number: the others still shift in order
+            if r in swapped:
                 continue
             peers = [p for p in range(g.width) if p not in affected]
             spare = self._ready_spare()

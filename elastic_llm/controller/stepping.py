@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -36,6 +36,8 @@ log = logging.getLogger("elastic_llm.controller")
 SUSPECT_STEPS = 10.0  # a step with an actor on a suspect node may take this many typical steps ...
 SUSPECT_MIN_S = 30.0  # ... and at least this long, before it counts as failed
 STANDBY_LOOK_S = 1.0  # how often (at step boundaries) the warm standbys are topped up
+NOTICE_LOOK_S = 1.0  # while a step runs, how often the controller looks for new drain notices
+NOTICE_LOOK_MAX_S = 600.0  # ... for at most this long (then the step's own deadline decides)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class StepRunner:
         self.faults, self.nodes, self.targets, self.errors = faults, nodes, targets, errors
         self.interrupted: InterruptedStep | None = None
         self.typical_s: float | None = None  # a recent step's time (the suspect deadline's scale)
+        self.between: Callable[[], None] | None = None  # looked at every NOTICE_LOOK_S while a step runs (new drain notices)
 
     def deadline_s(self) -> float | None:
         """The step's deadline when an actor sits on a node the probes suspect (None: the
@@ -84,6 +87,9 @@ class StepRunner:
             if snap and sn is not None:
                 sn.begin(step, self.parts.group.members())
             deadline = self.deadline_s()
+            waited = self._look_while_running(executor, pending, deadline)
+            if deadline is not None:
+                deadline = max(0.0, deadline - waited)
             result = executor.finish(pending) if deadline is None else executor.finish(pending, deadline)
         except StepFailed:
             self.stream.seek(position)
@@ -94,6 +100,21 @@ class StepRunner:
         took = self.clock.perf_counter() - started
         self.typical_s = took if self.typical_s is None else min(took, 0.9 * self.typical_s + 0.1 * took)
         return result, started
+
+
+    def _look_while_running(self, executor: StepExecutor, pending: Any, deadline: float | None) -> float:
+        """While the step runs, call :attr:`between` every :data:`NOTICE_LOOK_S` (a notice that
+        arrives mid-step is acted on then, not at the next step boundary), until the step ends
+        or its deadline (at most :data:`NOTICE_LOOK_MAX_S`) passes. Returns the seconds waited."""
+        if self.between is None:
+            return 0.0
+        t0 = self.clock.perf_counter()
+        limit = NOTICE_LOOK_MAX_S if deadline is None else min(deadline, NOTICE_LOOK_MAX_S)
+        while not executor.wait(pending, NOTICE_LOOK_S):
+            self.between()
+            if self.clock.perf_counter() - t0 >= limit:
+                break
+        return self.clock.perf_counter() - t0
 
 
 class StepJobs:

@@ -118,6 +118,7 @@ class Trainer:
                     rt.registry.retire_old_driver(self.run_id)
             self.parts = open_parts(self.cfg, rt, self.run_id, self.reattach is not None, self.metrics, str(self.data_dir), self.run_facts, spans)
             self.runner = StepRunner(self.cfg, self.clock, self.stream, self.parts, rt.faults, rt.nodes, self.targets, rt.errors)
+            self.runner.between = lambda: self.parts.elastic.notice(self.drains_seen)  # type: ignore[union-attr]  # while a step runs: new notices start their spares
             self.jobs = StepJobs(self.cfg, self.clock, self.metrics, self.parts, rt.faults, rt.nodes, self.val_tokens)
         g = self.parts.group
         with spans.span("stages"):

@@ -107,6 +107,8 @@ class StepExecutor(Protocol):
 
     def finish(self, pending: Any, timeout: float = ...) -> StepResult: ...
 
+    def wait(self, pending: Any, seconds: float) -> bool: ...  # whether the step has ended (done, or failed: finish then says how), waiting at most ``seconds``
+
     def settle(self) -> None: ...
 
     def eval_loss(self, x: np.ndarray, y: np.ndarray) -> float: ...
@@ -240,12 +242,36 @@ class RayStepExecutor:
             raise self._root_cause(pending)
         return pending.result()
 
+    def wait(self, pending: PendingStep, seconds: float) -> bool:
+        """Whether the step has ended: every report came back, or one says it failed (or its
+        actor died), waiting at most ``seconds`` (the controller looks at new drain notices
+        meanwhile). What came back is kept for :meth:`finish`, which aborts the rest of a failed step."""
+        import ray
+
+        remaining = {ref: k for k, ref in pending.refs.items() if k not in pending.reports and k not in pending.lost}
+        if remaining:
+            ready, _ = ray.wait(list(remaining), num_returns=len(remaining), timeout=seconds)
+            for ref in ready:
+                key = remaining.pop(ref)
+                try:
+                    pending.reports[key] = ray.get(ref, timeout=0)
+                except ray.exceptions.RayError as err:
+                    pending.lost[key] = err
+        return not remaining or bool(pending.lost) or any(not rep.ok for rep in pending.reports.values())
+
     def _wait(self, pending: PendingStep, timeout: float) -> bool:
         import ray
 
         remaining = {ref: k for k, ref in pending.refs.items() if k not in pending.reports and k not in pending.lost}
         deadline = time.monotonic() + timeout
-        failed = aborted = False
+        failed = bool(pending.lost) or any(not rep.ok for rep in pending.reports.values())  # seen by wait() already
+        aborted = False
+        if failed and remaining:
+            aborted = True
+            for key in remaining.values():
+                self.actor(key).abort_step.options(concurrency_group="control").remote(pending.generation)
+                self.calls += 1
+            deadline = time.monotonic() + SETTLE_S
         while remaining:
             left = deadline - time.monotonic()
             ready, _ = ray.wait(list(remaining), num_returns=1, timeout=max(0.0, left)) if left > 0 else ([], None)

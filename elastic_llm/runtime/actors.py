@@ -430,23 +430,27 @@ class ActorGroup(StateCalls):
             kill_actor(spare.actor)
         remove_group(spare.pg)
 
-    def swap_in(self, spare: StageSpare) -> None:
-        """The started ``spare`` takes over its key: it gets the old actor's whole state (actor to
-        actor: the old one still lives), becomes the key's actor with its group as the
-        reservation, and the old actor and its group go. The caller builds new links."""
+    def swap_in(self, spares: list[StageSpare]) -> None:
+        """The started ``spares`` take over their keys: each gets its old actor's whole state
+        (actor to actor: the old ones still live; all copies at once), becomes the key's actor
+        with its group as the reservation, and the old actor and its group go. The caller builds
+        new links."""
         import ray
 
         from elastic_llm.runtime.stage_calls import COPY_S
 
-        key = spare.key
-        old = self.actor(key)
-        info = ray.get(spare.info, timeout=START_S)
+        infos = ray.get([sp.info for sp in spares], timeout=START_S)
         with self.spans.span("state"):
-            buf, manifest = old.capture_state.options(num_returns=2).remote()
-            ray.get(spare.actor.load_state.remote(buf, manifest), timeout=COPY_S)
-        self._install(spare)
-        self.nodes[key], self.pids[key], self.gpus[key] = info.node_id, info.pid, info.gpu_ids
-        self.ready.add(key)
+            loads = []
+            for sp in spares:
+                buf, manifest = self.actor(sp.key).capture_state.options(num_returns=2).remote()
+                loads.append(sp.actor.load_state.remote(buf, manifest))
+            ray.get(loads, timeout=COPY_S)
+        for sp, info in zip(spares, infos):
+            key = sp.key
+            self._install(sp)
+            self.nodes[key], self.pids[key], self.gpus[key] = info.node_id, info.pid, info.gpu_ids
+            self.ready.add(key)
 
     def _install(self, spare: StageSpare) -> None:
         """``spare`` becomes its key's actor and its group the key's reservation; the old actor

@@ -353,18 +353,20 @@ class SimActors:
         if spare.key is not None and self.stage_spares.get(spare.key) is spare:
             del self.stage_spares[spare.key]
 
-    def swap_in(self, spare: SimSpare) -> None:
-        """The started spare takes its key's state from the old actor (a copy over the network,
-        while the old one lives) and its place; both must be alive when the copy ends."""
-        key = spare.key
-        assert key is not None
-        old = self.nodes[key]
+    def swap_in(self, spares: list[SimSpare]) -> None:
+        """The started spares take their keys' state from the old actors (copies over the
+        network, all at once, while the old ones live) and their places; both ends of every copy
+        must be alive when the copies end."""
         with self.spans.span("state"):
             self.world.clock.sleep(self.stage_mb() / self.world.costs.network_mb_s)
-        self._check(f"moving {key} off node {old}", [old, *spare.nodes])
+        for sp in spares:
+            assert sp.key is not None
+            self._check(f"moving {sp.key} off node {self.nodes[sp.key]}", [self.nodes[sp.key], *sp.nodes])
         with self.charged:
-            del self.stage_spares[key]
-            self._host(key, spare.nodes[0])
+            for sp in spares:
+                assert sp.key is not None
+                del self.stage_spares[sp.key]
+                self._host(sp.key, sp.nodes[0])
 
     def take_stage_spares(self, keys: list[ShardKey]) -> list[ShardKey]:
         """Lost ``keys`` whose stage spare is placed on a live node: the spare's slot becomes the

@@ -28,7 +28,7 @@ from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
 from elastic_llm.sim.actors import SimActors, SimLost
 from elastic_llm.sim.snapshots import SimFlusher, SimManagers
 from elastic_llm.sim.world import EPOCH, SimCalls, SimMonitor, World
-from elastic_llm.snapshot.records import VersionRecord
+from elastic_llm.snapshot.records import ShardKey, VersionRecord
 from elastic_llm.spans import Spans
 from elastic_llm.stream import StreamPosition
 
@@ -195,19 +195,38 @@ class SimExecutor:
     def __init__(self, group: SimActors, cfg: RunConfig) -> None:
         self.group, self.cfg = group, cfg
         self.world = group.world
+        self._pending: tuple[SimPending, float, tuple[float, str | None, ShardKey | None] | None] | None = None
 
     def start(self, step: int, x: Any, y: Any, snapshot: StreamPosition | None = None, faults: Any = None) -> Any:
         if snapshot is not None:
             self.world.positions[step] = snapshot
         return SimPending(step, float(10.0 / np.sqrt(step)), self.group.stages, self.cfg.train.lr, snapshot is not None)
 
+    def _outcome(self, pending: SimPending) -> tuple[float, tuple[float, str | None, ShardKey | None] | None]:
+        """When the step ends, and the first death among its nodes and processes before then
+        (decided once, when it is first waited for)."""
+        if self._pending is None or self._pending[0] is not pending:
+            g, w, p = self.group, self.world, self.cfg.parallel
+            with g.charged:
+                end = w.step_end(w.clock.now, w.costs.step_s(g.stages, p.microbatches, self.cfg.train.batch_size, g.width, pending.snapshot), len(g.nodes))
+                death = w.fleet.first_death(set(g.nodes.values()), set(g.nodes), end)
+            self._pending = (pending, end, death)
+        return self._pending[1], self._pending[2]
+
+    def wait(self, pending: Any, seconds: float) -> bool:
+        end, death = self._outcome(pending)
+        clock = self.world.clock
+        if (death[0] if death is not None else end) <= clock.now + seconds:
+            return True
+        clock.advance(clock.now + seconds)
+        return False
+
     def finish(self, pending: Any, timeout: float = float("inf")) -> StepResult:
-        g, w, p = self.group, self.world, self.cfg.parallel
-        with g.charged:
-            took = w.step_end(w.clock.now, w.costs.step_s(g.stages, p.microbatches, self.cfg.train.batch_size, g.width, pending.snapshot), len(g.nodes)) - w.clock.now
-            death = w.fleet.first_death(set(g.nodes.values()), set(g.nodes), w.clock.now + took)
+        g, w = self.group, self.world
+        end, death = self._outcome(pending)
+        self._pending = None
         if death is None:
-            w.clock.advance(w.clock.now + took)
+            w.clock.advance(max(w.clock.now, end))
             for k in g.keys():
                 g.at[k] = pending.step
             return pending.result()
@@ -218,7 +237,7 @@ class SimExecutor:
         else:
             key = min(k for k, n in g.nodes.items() if n == node)
             detect = w.costs.detect_node_s
-        w.clock.advance(t + detect)
+        w.clock.advance(max(w.clock.now, t + detect))
         why = f"node {node} was removed" if node is not None else f"the process of {key} died"
         raise StepFailed(SimLost(f"simulated: {why}"), key.stage, key.replica, "forward")
 
