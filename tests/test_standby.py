@@ -119,3 +119,14 @@ def test_spans_sum_per_name_and_count_a_nested_span_once():
 def test_status_finds_standbys_by_their_names():
     assert parse_name("standby-0a1b2c-0123456789ab.7") == ("standby", "0a1b2c")
     assert parse_name("standby-0a1b2c-xyz.7") is None
+
+
+def test_after_a_drop_a_lost_actor_may_adopt_a_standby_on_a_node_with_a_free_slot():
+    """As above, but the only ready standby is on n9, which has a free slot (one slot is not
+    room for both lost actors, so a replica still goes): the kept lost actor starts there."""
+    from dataclasses import replace
+
+    o = replace(observation(dead={(2, 0), (2, 1)}, dp=3, standbys=[("n9", 1)], bundles=[]), free_slots=1, free_nodes=(("n9", 1),))
+    plan = RecoveryPolicy().decide(o)
+    assert plan.drop_replicas == (1,)
+    assert [(a.stage, a.replica, a.adopt) for a in plan.actions] == [(2, 0, "n9")]

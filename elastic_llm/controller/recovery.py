@@ -51,7 +51,7 @@ def build_observation(
     snapshots: SnapshotCoordinator | None,
     parity: int,
     min_width: int = 1,
-    free_slots: int | None = None,
+    free_at: dict[str, int] | None = None,
     mode: Mode = Mode.LOSSLESS,
     mirrors: bool = False,
     checkpoint: int | None = None,
@@ -74,7 +74,8 @@ def build_observation(
         groups=rec.groups if rec else (),
         parity=parity,
         min_width=min_width,
-        free_slots=free_slots,
+        free_slots=sum(free_at.values()) if free_at is not None else None,
+        free_nodes=tuple(sorted(free_at.items())) if free_at is not None else (),
         mode=mode,
         mirrors=mirrors,
         checkpoint=checkpoint,
@@ -140,12 +141,12 @@ class RecoveryExecutor:
             log.info("%d lost stage actors take the places of their stage spares (started for a drain): %s", len(taken), ", ".join(map(str, taken)))
         self.group.renew(lost, avoid=avoid)
         moved = {k.replica for k in lost if self.group.nodes.get(k) not in alive_nodes}
-        free = self.group.free_slots(avoid) if moved else None
+        free_at = self.group.free_per_node(avoid) if moved else None
         standbys = self.standbys.ready() if self.standbys is not None and self.standbys.enabled else {}
         par = self.group.cfg.parallel
         anywhere = not par.gpus_per_actor or self.group.cfg.recovery.standby_gpus
         return build_observation(
-            steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, free,
+            steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, free_at,
             o.mode, o.mirrors, ckpt[0] if ckpt else None, durable[0] if durable else None,
             standbys, self.group.bundle_nodes(lost) if lost else {}, anywhere, self._own_copies(steps),
         )

@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
+import numpy as np
+
 from elastic_llm.recovery.checkfree import Rebuild, plan_rebuild
 from elastic_llm.sources import LOSSY, Mode, RollbackFrom, Source, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
@@ -64,6 +66,7 @@ class Observation:
     min_width: int = 1  # elastic.min_replicas: never shrink below this many replicas
     unplaceable: frozenset[int] = frozenset()  # replicas whose lost stages cannot be placed now (the runtime's greedy view; see free_slots)
     free_slots: int | None = None  # free actor slots off draining and suspect nodes when lost actors need new ones (the fewest replicas that make room go: fewest_drops)
+    free_nodes: tuple[tuple[str, int], ...] = ()  # where those free slots are: (node, free slots)
     mode: Mode = Mode.LOSSLESS  # recovery.mode
     mirrors: bool = False  # embedding / LM head mirrored on the neighbouring stages
     checkpoint: int | None = None  # mode checkpoint: the newest checkpoint's step (0: the initial state)
@@ -176,11 +179,19 @@ def merge_drops(lost: dict[int, frozenset[int]], stages: int, count: int) -> tup
     count = min(count, len(reps))
     if count <= 0:
         return ()
+    index = {r: i for i, r in enumerate(reps)}
+    holes = np.zeros((len(reps), stages), dtype=np.int32)  # holes[i, s]: replica reps[i] lost stage s
+    for r, gone in lost.items():
+        holes[index[r], sorted(gone)] = 1
+    sizes = holes.sum(axis=1)
+    everyone = holes.sum(axis=0)
 
     def cost(drop: frozenset[int]) -> tuple[int, int, int, tuple[int, ...]]:
-        new = new_actors(lost, drop, stages)
-        kept_lost = sum(len(lost[r]) for r in lost if r not in drop)
-        return (new, kept_lost - new, -sum(len(lost[r]) for r in drop), tuple(sorted((-r for r in drop))))
+        rows = [index[r] for r in drop]
+        dropped = holes[rows].sum(axis=0)
+        new = int(np.maximum(0, (everyone - dropped) - (len(rows) - dropped)).sum())  # kept holes less the dropped ones' survivors, per stage
+        kept_lost = int(sizes.sum() - sizes[rows].sum())
+        return (new, kept_lost - new, -int(sizes[rows].sum()), tuple(sorted(-r for r in drop)))
 
     if math.comb(len(reps), count) <= MERGE_SEARCH:
         best = min((frozenset(c) for c in itertools.combinations(reps, count)), key=cost)
@@ -275,17 +286,18 @@ def without_replicas(obs: Observation, drop: tuple[int, ...]) -> Observation:
 
 
 def freed_places(obs: Observation, drop: tuple[int, ...], kept: Observation, givers: set[ShardKey]) -> tuple[tuple[ShardKey, str], ...]:
-    """Where the kept replicas' lost actors that had no reservation will start: in the slots the
-    dropped replicas free (their survivors that were not borrowed, on live nodes), first one on
-    each node with a ready warm standby (as many as it has ready), so that the standby there
-    becomes the actor (:func:`assign_standbys`: an adoption instead of a process start), then
-    the rest in order. ``obs`` is numbered as observed, ``kept`` after the drop. Pure."""
+    """Where the kept replicas' lost actors that had no reservation will start: in the free slots
+    and those the dropped replicas free (their survivors that were not borrowed, on live nodes),
+    first one on each node with a ready warm standby (as many as it has ready), so that the
+    standby there becomes the actor (:func:`assign_standbys`: an adoption instead of a process
+    start), then the rest in order. ``obs`` is numbered as observed, ``kept`` after the drop. Pure."""
     placed = {k for k, _ in kept.bundle_nodes}
     homeless = sorted(ShardKey(m.stage, m.replica) for m in kept.members if not m.alive and ShardKey(m.stage, m.replica) not in placed)
     if not homeless:
         return ()
     freed = [m.node for m in sorted(obs.members, key=lambda m: (m.replica, m.stage))
              if m.replica in drop and m.alive and ShardKey(m.stage, m.replica) not in givers and m.node not in obs.dead_nodes]
+    freed += [node for node, n in obs.free_nodes for _ in range(n)]
     ready = dict(obs.standbys)
     for _, node in kept.bundle_nodes:  # standbys the reserved places adopt first
         if ready.get(node, 0) > 0:

@@ -124,6 +124,9 @@ class ActorGroup(StateCalls):
     def free_slots(self, avoid: frozenset[str] = frozenset()) -> int:
         return self.slots.free_slots(avoid)
 
+    def free_per_node(self, avoid: frozenset[str] = frozenset()) -> dict[str, int]:
+        return {n: f for n, f in self.slots.free_per_node(avoid).items() if f > 0}
+
     def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]:
         return self.slots.bundle_nodes(keys)
 

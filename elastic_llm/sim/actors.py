@@ -134,6 +134,10 @@ class SimActors:
         with self.charged:
             return sum(f for _, f in self._free(avoid))
 
+    def free_per_node(self, avoid: frozenset[str] = frozenset()) -> dict[str, int]:
+        with self.charged:
+            return dict(self._free(avoid))
+
     def place(self, at_once: bool = False, avoid: frozenset[str] = frozenset()) -> None:
         with self.charged:
             need = len(self._homeless(self.keys()))

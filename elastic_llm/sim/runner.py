@@ -13,8 +13,8 @@ the simulation took); never starts Ray.
 
 from __future__ import annotations
 
-import logging
 import gc
+import logging
 import math
 import random
 import time
@@ -162,6 +162,7 @@ class Simulation:
         self.fleet.shift(self.t0)
         self.clock.end = self.t0 + self.plan.duration_s
         self.clock.on_advance = self._tick
+        gc.callbacks.append(self.charged.gc)
         try:
             trainer.fit(self.options.steps if self.options.steps is not None else UNTIL_STOPPED)
         except SimulationOver:
@@ -170,6 +171,7 @@ class Simulation:
             self.error = e
             log.info(f"the run stopped: {str(e).splitlines()[0]}")
         finally:
+            gc.callbacks.remove(self.charged.gc)
             trainer.metrics.close()
         self.clock.on_advance = self.fleet.apply_until
         self.clock.end = float("inf")
