@@ -14,7 +14,9 @@ Each look is observe (:meth:`ElasticExecutor.observe`, a frozen :class:`ElasticV
 pure :func:`decide`: which spares to start or give up, which drains are due, whether to grow) and
 act (:meth:`ElasticExecutor.act`). A drain waiting for its spares is acted on once its deadline
 is within :data:`DRAIN_MARGIN_S` plus the time to the next look (:class:`LookTimer`: with steps of
-seconds, as on large models, waiting one more step can miss the deadline). Never decides *whether* to resize or move outside that policy
+seconds, as on large models, waiting one more step can miss the deadline). While a step runs,
+:meth:`ElasticExecutor.notice` makes the same look when a new notice arrives and only starts
+what its drain needs (the spares' start is what a notice must not lose to a long step). Never decides *whether* to resize or move outside that policy
 (the controller's pure transitions act on what a look returns) and never touches the data stream.
 """
 

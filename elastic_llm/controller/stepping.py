@@ -2,7 +2,8 @@
 
 Owns: submitting a step (the next batch of the data stream, the in-step faults, whether it takes
 a snapshot, beginning that snapshot version once the plans are out), waiting for it with a
-deadline (short when an actor sits on a node the probes suspect), rewinding the stream when it
+deadline (short when an actor sits on a node the probes suspect) and looking meanwhile for drain
+notices (:attr:`StepRunner.between`, every :data:`NOTICE_LOOK_S`), rewinding the stream when it
 fails, and what the driver holds of a submitted step (:class:`InterruptedStep`: if every survivor
 finished it, a recovery counts it from their reports). Then, after every completed step, each job
 in a method of its own (:class:`StepJobs`): the snapshot cadence's bookkeeping, the durable
