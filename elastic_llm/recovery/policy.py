@@ -140,15 +140,6 @@ def fewest_drops(need: dict[int, int], stages: int, free_slots: int) -> list[int
     return drop
 
 
-def new_actors(lost: dict[int, frozenset[int]], drop: frozenset[int] | set[int], stages: int) -> int:
-    """New actors the kept broken replicas need when the dropped ones' survivors take their lost
-    places first: per stage, the kept replicas that lost it less the dropped ones that still hold
-    it. ``lost``: broken replica -> its lost stages. Pure."""
-    kept = [r for r in lost if r not in drop]
-    gone = [r for r in lost if r in drop]
-    return sum(max(0, sum(s in lost[r] for r in kept) - sum(s not in lost[r] for r in gone)) for s in range(stages))
-
-
 def borrows(lost: dict[int, frozenset[int]], drop: Iterable[int], stages: int) -> tuple[tuple[int, int, int], ...]:
     """Borrow and merge: which survivor of a dropped replica takes which lost place of a kept
     one, as (stage, from replica, to replica); per stage the lowest kept replicas first, each
