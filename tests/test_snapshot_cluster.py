@@ -106,7 +106,8 @@ def test_manager_keeps_a_shard_after_the_sending_stage_is_sigkilled(nodes):
     ray.kill(smp)
 
 
-@pytest.mark.parametrize("how", ["ray_kill", "sigkill"])
+# ray.kill of a stage stays in the suite through the CheckFree and during-recovery tests (their default)
+@pytest.mark.parametrize("how", [pytest.param("ray_kill", marks=pytest.mark.slow), "sigkill"])
 def test_killed_stage_recovers_bit_identically(nodes, corpus_dir, clean, how):
     t = make_trainer(nodes, corpus_dir, f"chaos.events=[{{step: 5, kill: stage, stage: 2, how: {how}}}]")
     losses = run(t)
