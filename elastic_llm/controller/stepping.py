@@ -102,7 +102,6 @@ class StepRunner:
         self.typical_s = took if self.typical_s is None else min(took, 0.9 * self.typical_s + 0.1 * took)
         return result, started
 
-
     def _look_while_running(self, executor: StepExecutor, pending: Any, deadline: float | None) -> float:
         """While the step runs, call :attr:`between` every :data:`NOTICE_LOOK_S` (a notice that
         arrives mid-step is acted on then, not at the next step boundary), until the step ends

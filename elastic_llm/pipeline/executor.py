@@ -248,53 +248,55 @@ class RayStepExecutor:
         meanwhile). What came back is kept for :meth:`finish`, which aborts the rest of a failed step."""
         import ray
 
-        remaining = {ref: k for k, ref in pending.refs.items() if k not in pending.reports and k not in pending.lost}
+        remaining = self._remaining(pending)
         if remaining:
             ready, _ = ray.wait(list(remaining), num_returns=len(remaining), timeout=seconds)
             for ref in ready:
-                key = remaining.pop(ref)
-                try:
-                    pending.reports[key] = ray.get(ref, timeout=0)
-                except ray.exceptions.RayError as err:
-                    pending.lost[key] = err
+                self._collect(pending, remaining.pop(ref), ref)
         return not remaining or bool(pending.lost) or any(not rep.ok for rep in pending.reports.values())
+
+    @staticmethod
+    def _remaining(pending: PendingStep) -> dict[Any, ShardKey]:
+        """The calls of ``pending`` whose report has not come back yet (ref -> actor)."""
+        return {ref: k for k, ref in pending.refs.items() if k not in pending.reports and k not in pending.lost}
+
+    @staticmethod
+    def _collect(pending: PendingStep, key: ShardKey, ref: Any) -> bool:
+        """Keep what the finished call ``ref`` of ``key`` returned (or its error); whether it failed."""
+        import ray
+
+        try:
+            rep = ray.get(ref, timeout=0)
+        except ray.exceptions.RayError as err:
+            pending.lost[key] = err
+            return True
+        pending.reports[key] = rep
+        return not rep.ok
 
     def _wait(self, pending: PendingStep, timeout: float) -> bool:
         import ray
 
-        remaining = {ref: k for k, ref in pending.refs.items() if k not in pending.reports and k not in pending.lost}
+        remaining = self._remaining(pending)
         deadline = time.monotonic() + timeout
         failed = bool(pending.lost) or any(not rep.ok for rep in pending.reports.values())  # seen by wait() already
         aborted = False
-        if failed and remaining:
-            aborted = True
-            for key in remaining.values():
-                self.actor(key).abort_step.options(concurrency_group="control").remote(pending.generation)
-                self.calls += 1
-            deadline = time.monotonic() + SETTLE_S
-        while remaining:
-            left = deadline - time.monotonic()
-            ready, _ = ray.wait(list(remaining), num_returns=1, timeout=max(0.0, left)) if left > 0 else ([], None)
-            if not ready:
-                if aborted:
-                    break
-                failed = True  # a hung step: abort it, then give it the settling time
-            for ref in ready:
-                key = remaining.pop(ref)
-                try:
-                    rep = ray.get(ref, timeout=0)
-                    pending.reports[key] = rep
-                    failed |= not rep.ok
-                except ray.exceptions.RayError as err:
-                    pending.lost[key] = err
-                    failed = True
-            if failed and not aborted:
+        while True:
+            if failed and not aborted and remaining:  # wake the others' blocked receives, give them the settling time
                 aborted = True
                 for key in remaining.values():
                     self.actor(key).abort_step.options(concurrency_group="control").remote(pending.generation)
                     self.calls += 1
                 deadline = time.monotonic() + SETTLE_S
-        return failed
+            if not remaining:
+                return failed
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(list(remaining), num_returns=1, timeout=max(0.0, left)) if left > 0 else ([], None)
+            if not ready:
+                if aborted:
+                    return failed
+                failed = True  # a hung step: abort it, then give it the settling time
+            for ref in ready:
+                failed |= self._collect(pending, remaining.pop(ref), ref)
 
     def _root_cause(self, pending: PendingStep) -> StepFailed:
         """The first own error (by the time the stage reported it), else a call that raised (the

@@ -214,8 +214,8 @@ def replicas_to_drop(obs: Observation) -> tuple[int, ...]:
     if obs.free_slots is not None:
         placed = {k for k, _ in obs.bundle_nodes}
         need = {r: sum(1 for m in obs.members if m.replica == r and not m.alive and ShardKey(m.stage, m.replica) not in placed) for r in broken}
-        count = len(fewest_drops({r: n for r, n in need.items() if n}, obs.n_stages, obs.free_slots))
-        candidates = sorted(merge_drops(lost, obs.n_stages, count) if _one_step(obs) else fewest_drops({r: n for r, n in need.items() if n}, obs.n_stages, obs.free_slots))
+        fewest = fewest_drops({r: n for r, n in need.items() if n}, obs.n_stages, obs.free_slots)
+        candidates = sorted(merge_drops(lost, obs.n_stages, len(fewest)) if _one_step(obs) else fewest)
     else:
         candidates = sorted(broken & obs.unplaceable)
     room = max(0, width - obs.min_width)

@@ -85,6 +85,10 @@ class SimActors:
         return [(n, x.slots - used.get(n, 0)) for n, x in sorted(fleet.nodes.items())
                 if x.alive and n not in draining and n not in avoid and x.slots > used.get(n, 0)]
 
+    def _pool(self) -> Standbys | None:
+        """The warm standbys, if the run keeps any."""
+        return self.standbys if self.standbys is not None and self.standbys.enabled else None
+
     def _take(self, count: int, avoid: frozenset[str] = frozenset(), first: dict[str, int] | None = None) -> list[str]:
         """``count`` slots packed onto the fewest nodes (after one slot per warm standby ready on
         a node with room, in ``first``: there a standby becomes the actor); CapacityUnavailable if
@@ -100,9 +104,9 @@ class SimActors:
                 out += [n] * take
                 left[n] -= take
             free = [(n, f) for n, f in left.items() if f > 0]
-        for n, f in free:
             if len(out) == count:
                 return out
+        for n, f in free:
             out += [n] * min(f, count - len(out))
             if len(out) == count:
                 return out
@@ -158,7 +162,8 @@ class SimActors:
         with self.charged:
             homeless = self._homeless(keys)
             try:
-                slots = iter(self._take(len(homeless), first=self.standbys.ready() if self.standbys is not None and self.standbys.enabled else {}))
+                pool = self._pool()
+                slots = iter(self._take(len(homeless), first=pool.ready() if pool is not None else None))
             except CapacityUnavailable:
                 return {k: self.nodes.get(k) for k in keys if k not in homeless}
             return {k: next(slots) if k in homeless else self.nodes[k] for k in keys}
@@ -196,7 +201,7 @@ class SimActors:
                 if node is not None and free.get(node, 0) > 0:
                     self._host(k, node)
                     free[node] -= 1
-            homeless = [k for k in homeless if k not in self.nodes or not self.world.fleet.is_alive(self.nodes[k])]
+            homeless = self._homeless(homeless)
             slots = iter(self._take(len(homeless)))
             for k in keys:
                 self._host(k, next(slots) if k in homeless else self.nodes[k])
@@ -285,7 +290,7 @@ class SimActors:
         """Place a waiting spare if there is room now (as Ray places a pending placement group)."""
         if sp.nodes:
             return True
-        pool = self.standbys if self.standbys is not None and self.standbys.enabled else None
+        pool = self._pool()
         try:
             sp.nodes = self._take(sp.slots, avoid, first=pool.ready() if pool is not None else None)
         except CapacityUnavailable:
