@@ -75,6 +75,7 @@ def profile_from(runs: dict[str, Any], cores: int, batch: int = 16) -> tuple[dic
         "cores": float(cores),
         "state_bytes_per_param": 12,
         "call_cpu_s": float(tr["driver_calls"]["driver_cpu_us_per_call"]) / 1e6 if "driver_calls" in tr else 0.0,
+        "relayed_cpu_s": float(tr["driver_calls"].get("relayed_report_us", 0.0)) / 1e6 if "driver_calls" in tr else 0.0,
     }
     why = [
         f"seq_stage_s: bench snapshot, tiny's step on a 3-node loopback cluster without snapshots ({clean:.3f} s) x {cores} cores / ({batch} sequences x {stages} stages)",
@@ -89,8 +90,9 @@ def profile_from(runs: dict[str, Any], cores: int, batch: int = 16) -> tuple[dic
         f"parity_mb_s / copy_mb_s: bench snapshot, ISA-L encode {snap['parity_encode_GBps']} GB/s, the stage copy {snap['snapshot_copy_GBps']} GB/s",
         f"flush_mb_s: bench durable, the flush through the managers ({du['flush_GBps']} GB/s)",
         "call_cpu_s: bench transport, the driver process's CPU per small actor call sent as a step sends them (driver_calls)",
+        "relayed_cpu_s: bench transport, the driver process's CPU per step report relayed by a replica's stage 0 (driver_calls' relayed_report_us)",
     ]
-    return {k: (round(v, 7 if k == "call_cpu_s" else 4) if isinstance(v, float) else v) for k, v in fig.items()}, why
+    return {k: (round(v, 7 if k in ("call_cpu_s", "relayed_cpu_s") else 4) if isinstance(v, float) else v) for k, v in fig.items()}, why
 
 
 def _run(name: str) -> Any:

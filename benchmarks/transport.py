@@ -104,6 +104,19 @@ class _Player:
     def cpu(self) -> float:
         return time.process_time()
 
+    def report(self, step: int) -> Any:
+        """A stage's step report of the usual size (4 microbatches' losses, 16 ops' timings)."""
+        from elastic_llm.pipeline.plan import StepReport
+
+        return StepReport(self.key, step, (1.0,) * 4, 0.5, 1e-3, 0.0, np.zeros(16), {"forward": 0.1, "backward": 0.2, "allreduce": 0.0, "update": 0.0},
+                          None, {"act": 1 << 20, "grad": 1 << 20})
+
+    def reports(self, n: int) -> Any:
+        """What a replica's stage 0 answers the driver for a step: its ``n`` stages' reports in one value."""
+        from elastic_llm.pipeline.relay import ReplicaReports
+
+        return ReplicaReports({i: self.report(i) for i in range(n)})
+
 
 def _memcpy(nbytes: int, n: int) -> tuple[float, float]:
     src, dst = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
@@ -126,11 +139,15 @@ def _ping_pong(a: Any, b: Any, system: str, nbytes: int, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _driver_calls(a: Any, b: Any, n: int) -> dict[str, Any]:
+def _driver_calls(a: Any, b: Any, n: int, stages: int = 64, replicas: int = 16, rounds: int = 5) -> dict[str, Any]:
     """What an actor call costs the driver, as a step's calls are made: ``n`` small calls sent
     at once to two actors, then all their answers awaited; the driver process's CPU (its own and
     Ray's threads in it) per call, beside a ``dict`` copy of the same size as the peer (Python's
-    cost for the same bookkeeping, no Ray)."""
+    cost for the same bookkeeping, no Ray). And a step's reports at ``stages`` x ``replicas``
+    (median of ``rounds``): one call per actor (the peer), against one call per replica answered
+    by its stage 0 with the replica's reports in one value (:mod:`elastic_llm.pipeline.relay`),
+    and the same calls answering no reports: their difference over the reports is the driver's
+    CPU per relayed report."""
     import ray
 
     ray.get([h.cpu.remote() for h in (a, b) for _ in range(20)])  # warm
@@ -141,8 +158,26 @@ def _driver_calls(a: Any, b: Any, n: int) -> dict[str, Any]:
     for _ in range(n):
         dict.fromkeys(range(8))
     py = time.process_time() - c1
+
+    def step_cpu(calls: Any) -> float:
+        out = []
+        for _ in range(rounds):
+            time.sleep(0.5)  # the previous round's frees done
+            c = time.process_time()
+            ray.get(calls(), timeout=300)
+            out.append(time.process_time() - c)
+        return float(np.median(out))
+
+    ray.get([a.reports.remote(stages), b.report.remote(0)])  # warm
+    direct = step_cpu(lambda: [(a if i % 2 else b).report.remote(i) for i in range(stages * replicas)])
+    relayed = step_cpu(lambda: [(a if r % 2 else b).reports.remote(stages) for r in range(replicas)])
+    empty = step_cpu(lambda: [(a if r % 2 else b).reports.remote(0) for r in range(replicas)])
     return {"calls": n, "driver_cpu_us_per_call": 1e6 * cpu / n, "wall_us_per_call": 1e6 * wall / n,
-            "python_dict_us_per_call": 1e6 * py / n, "call_vs_dict_cpu": ratio(cpu, py)}
+            "python_dict_us_per_call": 1e6 * py / n, "call_vs_dict_cpu": ratio(cpu, py),
+            "step": {"stages": stages, "replicas": replicas, "rounds": rounds,
+                     "direct_ms": 1e3 * direct, "relayed_ms": 1e3 * relayed, "relay_calls_only_ms": 1e3 * empty,
+                     "direct_vs_relayed_cpu": ratio(direct, relayed)},
+            "relayed_report_us": max(0.0, 1e6 * (relayed - empty) / (stages * replicas))}
 
 
 def _kill_mid_step(repeats: int = 3) -> dict[str, Any]:
@@ -155,11 +190,11 @@ def _kill_mid_step(repeats: int = 3) -> dict[str, Any]:
     from elastic_llm.config import load_config
     from elastic_llm.pipeline.executor import RayStepExecutor, StepFailed
     from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
-    from elastic_llm.pipeline.stage import StageWorker
+    from elastic_llm.pipeline.stage import CONCURRENCY_GROUPS, StageWorker
     from elastic_llm.snapshot.records import ShardKey
 
     cfg = load_config(None, ["model.dim=64", "model.n_heads=4", "model.n_layers=4", "model.seq_len=32", "parallel.stages=4", "parallel.dp=2", "parallel.microbatches=4", "train.batch_size=8"])
-    Stage = ray.remote(num_cpus=0.1, concurrency_groups={"snapshot": 1, "status": 1, "control": 1})(StageWorker)
+    Stage = ray.remote(num_cpus=0.1, concurrency_groups=CONCURRENCY_GROUPS)(StageWorker)
     rng = np.random.default_rng(0)
     victim = ShardKey(2, 1)
     peers_s, driver_s = [], []

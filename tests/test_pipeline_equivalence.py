@@ -2,6 +2,8 @@
 same loss and gradients as the unsplit model: the loss, and every stage's gradient norm (reported
 before clipping, after the replicas' all-reduce), and replicas hold identical bits afterwards."""
 
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -10,7 +12,7 @@ import torch
 from elastic_llm.config import config_from_dict
 from elastic_llm.model import build_full_model, lm_loss
 from elastic_llm.pipeline.executor import RayStepExecutor
-from elastic_llm.pipeline.stage import StageWorker
+from elastic_llm.pipeline.stage import CONCURRENCY_GROUPS, StageWorker
 from elastic_llm.snapshot.records import ShardKey
 
 from .numerics import assert_loss_close, assert_within_envelope, reference_steps
@@ -37,7 +39,7 @@ def full_model_reference(cfg, x, y):
 
 
 def stage_actors(cfg, stages, dp, replicas=None):
-    Actor = ray.remote(concurrency_groups={"snapshot": 1, "status": 1, "control": 1})(StageWorker).options(num_cpus=0.25)
+    Actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageWorker).options(num_cpus=0.25)
     return [[Actor.remote(cfg.to_dict(), s, r, dp) for s in range(stages)] for r in (replicas if replicas is not None else range(dp))]
 
 
@@ -332,3 +334,50 @@ def test_a_width_change_from_two_to_three_replicas_keeps_the_width_one_math(ray_
     finally:
         kill_all(actors)
         kill_all([joined])
+
+
+def test_the_driver_makes_one_call_per_replica_and_a_killed_relay_is_named_while_its_stages_live_on(ray_local):
+    """Each replica's stage 0 relays the step to its stages: the driver makes one call per
+    replica per step. SIGKILL of a relaying stage 0 mid-step: the step fails naming it, its
+    replica's other stages (whose reports went with it) are alive, reset to the step before, and
+the run goes on at width 1."""
+    import os
+    import signal
+
+    from elastic_llm.pipeline.executor import StepFailed
+    from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
+
+    cfg = small_config(4, 2, "1f1b")
+    rng = np.random.default_rng(4)
+    actors = stage_actors(cfg, 4, 2)
+
+    def batch():
+        tokens = rng.integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
+        return tokens[:, :-1].copy(), tokens[:, 1:].copy()
+
+    try:
+        ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches)
+        ex.finish(ex.start(1, *batch()))  # links up
+        before = ex.calls
+        result = ex.finish(ex.start(2, *batch()))
+        assert ex.calls - before == 2, f"{ex.calls - before} driver calls for a step of 2 replicas x 4 stages"
+        assert set(result.reports) == {ShardKey(s, r) for s in range(4) for r in range(2)} and np.isfinite(result.loss)
+
+        head = ShardKey(0, 1)
+        pid = ray.get(actors[1][0].info.remote()).pid
+        pending = ex.start(3, *batch(), faults={head: Fault(Phase.BACKWARD, FaultAction.HOLD)})
+        time.sleep(1.0)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(StepFailed) as err:
+            ex.finish(pending)
+        assert (err.value.stage, err.value.replica) == (0, 1)
+        assert pending.orphaned <= {ShardKey(s, 1) for s in (1, 2, 3)}
+        steps = ray.get([a.reset_step.remote() for a in actors[0] + actors[1][1:]], timeout=60)  # as the controller does after a failed step
+        assert steps == [2] * 7, f"completed steps after the aborted step 3: {steps}"
+
+        # the run goes on without the lost replica: one call for its one replica
+        ray.get([a.set_width.remote(0, 1) for a in actors[0]], timeout=60)
+        ex2 = RayStepExecutor(actors[:1], "1f1b", cfg.parallel.microbatches)
+        assert np.isfinite(ex2.finish(ex2.start(3, *batch())).loss)
+    finally:
+        kill_all(actors)

@@ -3,11 +3,12 @@
 Owns: the :class:`StepExecutor` protocol the controller runs steps through; its Ray
 implementation, :class:`RayStepExecutor` (cutting the global batch into the replicas' shares and
 their microbatches at any width (:mod:`elastic_llm.pipeline.shares`), each replica's schedule for
-its microbatch count, one ``run_step`` call per actor per step, the links of the membership set up before its
-first step and again after any failed step, waiting for the reports, aborting the others at the
-first failure, naming the root cause); and :func:`link_peers`, which actors talk to which (pure).
-The driver makes S x DP calls per step whatever the number of microbatches, and never holds an
-activation or a gradient: they travel between the actors (:mod:`elastic_llm.pipeline.transport`).
+its microbatch count, one call per replica per step to the replica's stage 0, which relays each
+stage its plan and answers with the replica's reports (:mod:`elastic_llm.pipeline.relay`), the
+links of the membership set up before its first step and again after any failed step, waiting
+for the reports, aborting the others at the first failure, naming the root cause); and
+:func:`link_peers`, which actors talk to which (pure). The driver makes DP calls per step whatever
+the number of stages and microbatches, and never holds an activation or a gradient: they travel between the actors (:mod:`elastic_llm.pipeline.transport`).
 Never decides what happens after a failure (the controller does) and never injects faults
 (:class:`~elastic_llm.chaos.ChaosExecutor` wraps this one).
 """
@@ -61,17 +62,29 @@ class StepResult:
 
 @dataclass
 class PendingStep:
-    """A submitted step: its calls, and what came back of them."""
+    """A submitted step: its calls (one per replica, to the replica's stage 0, which relays it to
+    the replica's stages: :mod:`elastic_llm.pipeline.relay`), and what came back of them."""
 
     step: int
     generation: int
     n_stages: int
     dp: int
-    refs: dict[ShardKey, Any]
+    relays: dict[Any, int]  # the relay calls not answered yet: ref -> replica
     micro_sizes: tuple[tuple[int, ...], ...]  # per replica, its microbatches' sizes (as planned)
     started: float = field(default_factory=time.perf_counter)
     reports: dict[ShardKey, StepReport] = field(default_factory=dict)
     lost: dict[ShardKey, BaseException] = field(default_factory=dict)  # calls that raised (the actor died)
+    running: dict[int, tuple[int, ...]] = field(default_factory=dict)  # replica -> its stages still running after an early answer
+    orphaned: set[ShardKey] = field(default_factory=set)  # stages whose relay died with their report (their replica's stage 0)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.lost) or any(not rep.ok for rep in self.reports.values())
+
+    def unanswered(self) -> list[ShardKey]:
+        """The actors whose report has not come back (and will not through a dead relay)."""
+        return [ShardKey(s, r) for r in range(self.dp) for s in range(self.n_stages)
+                if ShardKey(s, r) not in self.reports and ShardKey(s, r) not in self.lost and ShardKey(s, r) not in self.orphaned]
 
     def result(self) -> StepResult:
         """The step's result from the reports that came back: the loss (every microbatch's loss
@@ -190,7 +203,9 @@ class RayStepExecutor:
         peers = link_peers(self.n_stages, self.dp, self.routes, self.redundant)
         calls = {k: self.actor(k).connect_links.remote(self.generation, {p: addresses[p] for p in peers[k]}) for k in keys}
         self._gather(calls, LINK_S)
-        self.calls += 2 * len(keys)
+        heads = {ShardKey(0, r): self.actors[r][0].relay_to.remote(self.generation, self.actors[r]) for r in range(self.dp)}
+        self._gather(heads, LINK_S)
+        self.calls += 2 * len(keys) + self.dp
         self.linked = True
 
     def _gather(self, calls: dict[ShardKey, Any], timeout: float) -> dict[ShardKey, Any]:
@@ -223,13 +238,16 @@ class RayStepExecutor:
         return out
 
     def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: StreamPosition | None = None, faults: Mapping[ShardKey, Fault] | None = None) -> PendingStep:
+        """Submit step ``step``: one call per replica, to its stage 0, carrying every stage's plan."""
         if not self.linked:
             self.connect()
         plans = self.plans(step, x, y, snapshot, faults)
-        refs = {k: self.actor(k).run_step.remote(plan) for k, plan in plans.items()}
-        self.calls += len(refs)
+        relays = {self.actors[r][0].relay_step.options(concurrency_group="relay").remote(
+                      self.generation, [plans[ShardKey(s, r)] for s in range(self.n_stages)]): r
+                  for r in range(self.dp)}
+        self.calls += len(relays)
         sizes = tuple(plans[ShardKey(0, r)].micro_sizes for r in range(self.dp))
-        self.last = PendingStep(step, self.generation, self.n_stages, self.dp, refs, sizes)
+        self.last = PendingStep(step, self.generation, self.n_stages, self.dp, relays, sizes)
         return self.last
 
     def finish(self, pending: PendingStep, timeout: float = STEP_DEADLINE_S) -> StepResult:
@@ -248,55 +266,75 @@ class RayStepExecutor:
         meanwhile). What came back is kept for :meth:`finish`, which aborts the rest of a failed step."""
         import ray
 
-        remaining = self._remaining(pending)
-        if remaining:
-            ready, _ = ray.wait(list(remaining), num_returns=len(remaining), timeout=seconds)
+        if pending.relays:
+            ready, _ = ray.wait(list(pending.relays), num_returns=len(pending.relays), timeout=seconds)
             for ref in ready:
-                self._collect(pending, remaining.pop(ref), ref)
-        return not remaining or bool(pending.lost) or any(not rep.ok for rep in pending.reports.values())
+                self._collect(pending, ref)
+        return not pending.relays or pending.failed
 
-    @staticmethod
-    def _remaining(pending: PendingStep) -> dict[Any, ShardKey]:
-        """The calls of ``pending`` whose report has not come back yet (ref -> actor)."""
-        return {ref: k for k, ref in pending.refs.items() if k not in pending.reports and k not in pending.lost}
-
-    @staticmethod
-    def _collect(pending: PendingStep, key: ShardKey, ref: Any) -> bool:
-        """Keep what the finished call ``ref`` of ``key`` returned (or its error); whether it failed."""
+    def _collect(self, pending: PendingStep, ref: Any) -> None:
+        """Keep what the finished relay call ``ref`` answered: its replica's reports and lost
+        stages, and which still run; a relay that raised lost its own actor (the replica's stage
+        0), and with it the reports of the stages it had not answered for."""
         import ray
 
+        r = pending.relays.pop(ref)
         try:
-            rep = ray.get(ref, timeout=0)
+            got = ray.get(ref, timeout=0)
         except ray.exceptions.RayError as err:
-            pending.lost[key] = err
-            return True
-        pending.reports[key] = rep
-        return not rep.ok
+            head = ShardKey(0, r)
+            if head not in pending.reports:
+                pending.lost[head] = err
+            pending.orphaned |= {ShardKey(s, r) for s in pending.running.pop(r, range(self.n_stages))} - set(pending.reports) - set(pending.lost)
+            return
+        pending.reports.update({ShardKey(s, r): rep for s, rep in got.reports.items()})
+        pending.lost.update({ShardKey(s, r): err for s, err in got.lost.items()})
+        if got.running:
+            pending.running[r] = got.running
+        else:
+            pending.running.pop(r, None)
 
-    def _wait(self, pending: PendingStep, timeout: float) -> bool:
+    def _wait(self, pending: PendingStep, timeout: float, failed: bool = False) -> bool:
+        """Wait for the step's reports; at the first failure abort the actors still in the step and
+        collect what they answer within :data:`SETTLE_S`. Whether the step failed."""
         import ray
 
-        remaining = self._remaining(pending)
         deadline = time.monotonic() + timeout
-        failed = bool(pending.lost) or any(not rep.ok for rep in pending.reports.values())  # seen by wait() already
+        failed = failed or pending.failed  # seen by wait() already
         aborted = False
         while True:
-            if failed and not aborted and remaining:  # wake the others' blocked receives, give them the settling time
+            failed |= bool(pending.running)  # a relay answered before every stage did: one failed, or its wait ran out
+            if failed and not aborted and pending.unanswered():  # wake the others' blocked receives, give them the settling time
                 aborted = True
-                for key in remaining.values():
-                    self.actor(key).abort_step.options(concurrency_group="control").remote(pending.generation)
-                    self.calls += 1
+                self._abort(pending)
                 deadline = time.monotonic() + SETTLE_S
-            if not remaining:
+            for r in list(pending.running):  # collect the rest of the replicas that answered early
+                pending.relays[self.actors[r][0].relay_rest.options(concurrency_group="relay").remote(
+                    pending.generation, max(1.0, deadline - time.monotonic()))] = r
+                del pending.running[r]
+                self.calls += 1
+            if not pending.relays:
                 return failed
             left = deadline - time.monotonic()
-            ready, _ = ray.wait(list(remaining), num_returns=1, timeout=max(0.0, left)) if left > 0 else ([], None)
+            ready, _ = ray.wait(list(pending.relays), num_returns=1, timeout=max(0.0, left)) if left > 0 else ([], None)
             if not ready:
                 if aborted:
-                    return failed
+                    return True
                 failed = True  # a hung step: abort it, then give it the settling time
             for ref in ready:
-                failed |= self._collect(pending, remaining.pop(ref), ref)
+                self._collect(pending, ref)
+            failed |= pending.failed
+
+    def _abort(self, pending: PendingStep) -> None:
+        """Wake every actor of ``pending`` still in the step (its blocked receives fail at once)."""
+        import ray
+
+        for key in pending.unanswered():
+            try:
+                self.actor(key).abort_step.options(concurrency_group="control").remote(pending.generation)
+            except ray.exceptions.RayError:  # its actor is gone: nothing left to abort
+                continue
+            self.calls += 1
 
     def _root_cause(self, pending: PendingStep) -> StepFailed:
         """The first own error (by the time the stage reported it), else a call that raised (the
@@ -332,20 +370,11 @@ class RayStepExecutor:
 
     def settle(self, timeout: float = SETTLE_S) -> None:
         """Make sure no call of the last step still runs (abort it and wait for its reports)."""
-        import ray
-
         p = self.last
-        if p is None:
+        if p is None or not (p.relays or p.running):
             return
-        if len(p.reports) + len(p.lost) < len(p.refs):
-            for k in p.refs:
-                if k not in p.reports and k not in p.lost:
-                    try:
-                        self.actor(k).abort_step.options(concurrency_group="control").remote(p.generation)
-                    except ray.exceptions.RayError:  # its actor is gone: nothing left to abort
-                        continue
-            self.linked = False
-            self._wait(p, timeout)
+        self.linked = False
+        self._wait(p, timeout, failed=True)
 
     def eval_loss(self, x: np.ndarray, y: np.ndarray) -> float:
         """Forward-only loss of a batch (any number of sequences) through replica 0's stages, in

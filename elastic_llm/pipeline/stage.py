@@ -37,6 +37,7 @@ from elastic_llm.pipeline.copies import BackgroundCopies
 from elastic_llm.pipeline.optim import build_optimizer
 from elastic_llm.pipeline.plan import InjectedFault, StepPlan, StepReport, StepStats
 from elastic_llm.pipeline.redundant import Shadow
+from elastic_llm.pipeline.relay import Relay, ReplicaReports
 from elastic_llm.pipeline.sources import OtherSources
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.pipeline.shares import microbatch_sizes
@@ -93,8 +94,9 @@ def stage_seed(seed: int, stage: int, replica: int) -> int:
 # The stage actor's thread groups besides training: "snapshot" serves its node manager's requests
 # for copies (two threads: a request made before a rollback that still waits cannot hold up the
 # requests of the steps run again), "status" the dashboard's state() and "control" the driver's
-# control calls, so none of them waits behind a step.
-CONCURRENCY_GROUPS = {"snapshot": 2, "status": 1, "control": 1}
+# control calls, so none of them waits behind a step; "relay" (stage 0 of a replica) sends the
+# step to its replica's stages and waits for their reports while its own step runs.
+CONCURRENCY_GROUPS = {"snapshot": 2, "status": 1, "control": 1, "relay": 1}
 
 
 class StageWorker(OtherSources):
@@ -108,6 +110,7 @@ class StageWorker(OtherSources):
         self.standby = stage is None
         self.adopted_gpus: tuple[int, ...] = ()  # devices taken over from a dead actor (a GPU run's standby)
         self.metrics = Metrics()
+        self.relay: Any = None  # as stage 0 of a replica: its relay of the steps (relay_to)
         if stage is None:
             self.stage, self.replica, self.dp, self.n_stages = -1, -1, 0, self.cfg.parallel.stages
             self.step_count = 0
@@ -199,6 +202,23 @@ class StageWorker(OtherSources):
         if self.links is None:
             raise RuntimeError(f"stage {self.stage} replica {self.replica}: run_step before connect_links")
         return execute(self, plan, self.links)
+
+    def relay_to(self, generation: int, members: list[Any]) -> None:
+        """As stage 0 of its replica, relay the steps of link generation ``generation`` to
+        ``members`` (the replica's stage actors, in stage order, itself first)
+        (:mod:`elastic_llm.pipeline.relay`)."""
+        self.relay = Relay(generation, members)
+
+    def relay_step(self, generation: int, plans: list[StepPlan]) -> ReplicaReports:
+        """Called in the ``relay`` group: run a step on the replica's stages (``plans[s]`` for
+        stage ``s``); their reports, as soon as all answered or one failed."""
+        if self.relay is None:
+            raise RuntimeError(f"stage {self.stage} replica {self.replica}: relay_step before relay_to")
+        return self.relay.step(generation, plans)
+
+    def relay_rest(self, generation: int, timeout: float) -> ReplicaReports:
+        """Called in the ``relay`` group after an early answer: the reports of the stages that were still running."""
+        return self.relay.rest(generation, timeout) if self.relay is not None else ReplicaReports()
 
     def abort_step(self, generation: int) -> None:
         """Wake this actor's step if it is blocked on a peer (called in the ``control`` group

@@ -44,6 +44,7 @@ class CostModel:
     cores: float = 0.0  # > 0: every simulated node shares this many cores (a loopback cluster on one machine); 0: each actor has its own device
     snapshot_step_s: float = 0.0  # what a step that begins a snapshot version costs beyond a clean one (copies, parity, object moves)
     call_cpu_s: float = 0.0  # the driver's CPU per actor call (bench transport's driver_calls); 0: not charged
+    relayed_cpu_s: float = 0.0  # the driver's CPU per stage report relayed by its replica's stage 0 (bench transport's relayed_report_us)
 
     def step_s(self, stages: int, microbatches: int, batch: int, width: int, snapshot: bool = False) -> float:
         """One 1F1B step: (m + S - 1) slots of a microbatch of batch / (width x m) sequences, or,

@@ -201,7 +201,8 @@ class Simulation:
         training_s = t.seconds_by_state.get("running", 0.0)
         recoveries = [r for r in t.recoveries if r.source != "none"]
         steps_run = len(t.history)
-        calls_stage = sum(h["dp"] for h in t.history) * o.stages / steps_run if steps_run else 0.0
+        calls_stage = sum(h["dp"] for h in t.history) / steps_run if steps_run else 0.0  # one per replica: its stage 0 relays the step
+        relayed = calls_stage * o.stages  # the stages' reports, answered through the relays
         calls_manager = self.charged.calls / steps_run if steps_run else 0.0
         running_cpu = t.cpu_by_state.get("running", 0.0)  # the controller's own: the runtime leaves the simulation's bookkeeping out
         plans = t.plan_cpu_s
@@ -241,13 +242,18 @@ class Simulation:
                 "per_plan_ms_max": round(1e3 * max(plans), 3) if plans else None,
                 "simulation_own_s": round(self.charged.seconds, 3),
                 # actor calls a real run makes that the CPU above leaves out (Ray's own cost per call):
-                # one per stage actor per step, and the snapshot managers' (begin, commit, census, restore) and the monitor feed's
+                # one per replica per step (its stage 0 relays it to the replica's stages and answers with their reports),
+                # and the snapshot managers' (one per erasure group to begin, one per 16 managers to commit; census,
+                # restore) and the monitor feed's
                 "stage_calls_per_step": round(calls_stage, 1) if steps_run else None,
+                "relayed_reports_per_step": round(relayed, 1) if steps_run else None,
                 "manager_calls_per_step": round(calls_manager, 1) if steps_run else None,
-                # the CPU above plus each of those calls at the cost model's driver CPU per call (bench transport)
+                # the CPU above plus each of those calls at the cost model's driver CPU per call, and each relayed
+                # report at its driver CPU per relayed report (bench transport)
                 "call_cpu_us": round(1e6 * self.costs.call_cpu_s, 1),
-                "driver_per_step_ms": (round(1e3 * running_cpu / steps_run + 1e3 * self.costs.call_cpu_s * (calls_stage + calls_manager), 3)
-                                       if steps_run else None),
+                "relayed_cpu_us": round(1e6 * self.costs.relayed_cpu_s, 1),
+                "driver_per_step_ms": (round(1e3 * running_cpu / steps_run + 1e3 * self.costs.call_cpu_s * (calls_stage + calls_manager)
+                                             + 1e3 * self.costs.relayed_cpu_s * relayed, 3) if steps_run else None),
             },
             "real_s": round(real_s, 3),  # machine seconds the simulation took (not deterministic; every other field is)
         }

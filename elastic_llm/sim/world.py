@@ -158,6 +158,19 @@ class SimRef:
         return self.fleet is not None and self.fleet.removed_by(self.node, self.ready_s)
 
 
+@dataclass(eq=False)
+class SimRelayRef(SimRef):
+    """A relay's answer (a group's parts): failed if the relaying node or any part's is gone."""
+
+    parts: tuple[SimRef, ...] = ()
+
+    def failed(self) -> bool:
+        return super().failed() or any(p.failed() for p in self.parts)
+
+    def culprit(self) -> str:
+        return next((p.node for p in self.parts if p.failed()), self.node)
+
+
 class SimCalls:
     """``wait`` / ``get`` over :class:`SimRef`: what is ready at the clock's now; blocking
     advances the clock (the driver waits in simulated time)."""
@@ -191,7 +204,8 @@ class SimCalls:
                 raise TimeoutError("not ready")
             self.clock.advance(ref.ready_s)
         if ref.failed():
-            raise RuntimeError(f"the snapshot manager on {ref.node} died (its node was removed)")
+            node = ref.culprit() if isinstance(ref, SimRelayRef) else ref.node
+            raise RuntimeError(f"the snapshot manager on {node} died (its node was removed)")
         return ref.value
 
 
@@ -220,6 +234,8 @@ class SimManager:
         c = self.world.charged
         self.held = _Call(self._held, c)
         self.snapshot_version = _Call(self._snapshot_version, c)
+        self.relay_versions = _Call(self._relay_versions, c)
+        self.relay = _Call(self._relay, c)
         self.commit = _Call(self._commit, c)
         self.discard = _Call(self._discard, c)
         self.discard_all = _Call(self._discard_all, c)
@@ -242,6 +258,17 @@ class SimManager:
         shards = tuple(ShardInfo(key, plan.version, 0, int(w.shard_mb * 1e6), (), manifest, seconds, self.node) for key, _ in plan.stages)
         self.versions[plan.version] = plan.attempt
         return self._ref(seconds, ManagerPart(self.node, shards, (), 0.0))
+
+    def _relay_versions(self, calls: tuple[tuple["SimManager", ManagerPlan], ...]) -> "SimRelayRef":
+        """The group's parts started by this manager (members' calls are not the driver's): ready
+        when the last is; failed if this node or a member's is gone by then."""
+        parts = tuple(handle._snapshot_version(plan) for handle, plan in calls)
+        return SimRelayRef(max(p.ready_s for p in parts), self.node, tuple(p.value for p in parts), self.world.fleet, parts)
+
+    def _relay(self, method: str, args: tuple[Any, ...], handles: list["SimManager"]) -> SimRef:
+        for h in handles:
+            getattr(h, f"_{method}")(*args)
+        return self._ref(0.0)
 
     def _commit(self, version: int, flush: bool, keep: tuple[int, ...]) -> SimRef:
         self.versions = {v: a for v, a in self.versions.items() if v >= version or v in keep}

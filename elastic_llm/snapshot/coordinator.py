@@ -38,6 +38,7 @@ from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, Sta
 
 log = logging.getLogger("elastic_llm.snapshot")
 AUTO_START = 4  # snapshot.every: auto starts here: snapshot steps and clean steps both get measured
+RELAY_FANOUT = 16  # managers per driver call for a commit or discard (the first passes it on)
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
 WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
 PING_S = 10.0  # a manager that does not answer within this is slow ...
@@ -59,11 +60,15 @@ class _Inflight:
     """A version in flight (driver-side only; never sent to an actor)."""
 
     version: int
-    refs: dict[str, Any]  # node -> ref of its manager's ManagerPart
+    refs: dict[str, Any]  # first node of a group -> ref of its relay's ManagerParts (the group's: relay_versions)
     groups: tuple[tuple[str, ...], ...]
     lost: tuple[ShardKey, ...]  # stages whose node had no manager
     attempt: int = 0  # ManagerPlan.attempt: a step re-run after a rollback is a new attempt at its version
-    results: dict[str, ManagerPart] = field(default_factory=dict)
+    results: dict[str, ManagerPart] = field(default_factory=dict)  # node -> its part
+    answered: set[str] = field(default_factory=set)  # the relays (by first node) that answered
+
+    def waiting(self) -> dict[str, Any]:
+        return {lead: ref for lead, ref in self.refs.items() if lead not in self.answered}
 
 
 @dataclass
@@ -311,7 +316,8 @@ class SnapshotCoordinator:
 
     # ------------------------------------------------------------------ one version
     def begin(self, version: int, stages: list[StageMember]) -> None:
-        """Start snapshot ``version``: one call per manager, which collects its node's stage
+        """Start snapshot ``version``: one call per erasure group, to its first member's manager,
+        which starts every member's part (each collects its node's stage
         copies (the stages' step ``version`` was submitted with ``snapshot=...``), offers chunks
         to parity holders and encodes its parity. Nothing here waits."""
         if not self.can_begin():
@@ -335,7 +341,7 @@ class SnapshotCoordinator:
         domains.update({n: "\0draining" for n in members if n in self._avoid})  # spread over the groups: at most parity in any
         groups = make_groups(members, sn.group_size, sn.parity, domains, seed=version)
         group_of = {node: g for g in groups for node in g}
-        refs = {}
+        by_lead: dict[str, list[tuple[Any, ManagerPlan]]] = {}
         for node, handle in self.managers.items():
             if node in self.avoid and not by_node[node]:
                 continue  # a draining node with nothing of this version: its end must not fail it
@@ -349,7 +355,9 @@ class SnapshotCoordinator:
                 parity=sn.parity,
                 attempt=attempt,
             )
-            refs[node] = handle.snapshot_version.remote(plan)
+            by_lead.setdefault(group[0] if group else node, []).append((handle, plan))
+        # one call per group: its first manager starts the members' parts and answers with all of them
+        refs = {lead: self.managers[lead].relay_versions.remote(tuple(calls)) for lead, calls in by_lead.items()}
         self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt))
         self.last_begin = version
 
@@ -365,7 +373,7 @@ class SnapshotCoordinator:
 
     def busy(self) -> bool:
         """Whether a version is still being worked on by a manager (a part not answered yet). No waiting."""
-        refs = [r for p in self.inflight for node, r in p.refs.items() if node not in p.results]
+        refs = [r for p in self.inflight for r in p.waiting().values()]
         if not refs:
             return False
         ready, _ = self.calls.wait(refs, len(refs), 0)
@@ -381,24 +389,25 @@ class SnapshotCoordinator:
         deadline = self.clock.monotonic() + timeout
         self._drain_dropped()
         while self.inflight:
-            waiting = {ref: (p, node) for p in self.inflight for node, ref in p.refs.items() if node not in p.results}
+            waiting = {ref: (p, lead) for p in self.inflight for lead, ref in p.waiting().items()}
             ready: list[Any] = []
             if waiting:
                 left = max(0.0, deadline - self.clock.monotonic()) if block else 0
                 ready, _ = self.calls.wait(list(waiting), 1 if block else len(waiting), left)
             for ref in ready:
-                p, node = waiting[ref]
+                p, lead = waiting[ref]
                 if p not in self.inflight:
                     continue
                 try:
-                    p.results[node] = self.calls.get(ref)
+                    p.results.update((part.node_id, part) for part in self.calls.get(ref))
+                    p.answered.add(lead)
                 except Exception as e:  # a manager or a stage died mid-snapshot: drop this version
                     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
                     self._discard(p, lines[-1] if lines else type(e).__name__)
             for p in list(self.inflight):
                 if p in self.inflight and p.lost:
                     self._discard(p, f"{', '.join(map(str, p.lost))} had no snapshot manager")
-            done = [p for p in self.inflight if len(p.results) == len(p.refs)]
+            done = [p for p in self.inflight if len(p.answered) == len(p.refs)]
             if done:
                 newest = done[-1]
                 for p in [p for p in self.inflight if p.version < newest.version]:
@@ -417,8 +426,7 @@ class SnapshotCoordinator:
         flush = self.durable is not None and self.durable.wants(record)
         flushing = self.durable.inflight if self.durable is not None else None
         keep = (flushing.record.version,) if flushing is not None else ()
-        for handle in self.managers.values():  # fire and forget: a dead manager is a later failure
-            handle.commit.remote(record.version, flush, keep)  # pinned until its flush is over
+        self._to_all("commit", record.version, flush, keep)  # pinned until its flush is over
         self.committed = record
         self._reprotected(record)
         if self.on_commit is not None:
@@ -478,17 +486,24 @@ class SnapshotCoordinator:
     def _discard(self, p: _Inflight, why: str | None, expected: bool = False) -> None:
         """Drop a version in flight: superseded by a newer complete one (``why`` None) or failed
         (``expected``: because its training step failed, which the controller reports)."""
-        for m in self.managers.values():
-            m.discard.remote(p.version, p.attempt)
+        self._to_all("discard", p.version, p.attempt)
         self.inflight.remove(p)
         self._felt.pop(p.version, None)
-        self._dropped += [ref for node, ref in p.refs.items() if node not in p.results]
+        self._dropped += list(p.waiting().values())
         if why is None:
             self.stats.superseded += 1
             return
         self.stats.discarded += 1
         self.refresh_managers = True  # a manager may have died: re-create before the next version
         (log.info if expected else log.warning)("snapshot of step %d discarded: %s", p.version, why)
+
+    def _to_all(self, method: str, *args: Any) -> None:
+        """Call ``method`` on every manager, fire and forget (a dead manager is a later failure):
+        one driver call per :data:`RELAY_FANOUT` managers, whose first passes it on (``relay``)."""
+        handles = [self.managers[n] for n in sorted(self.managers)]
+        for i in range(0, len(handles), RELAY_FANOUT):
+            chunk = handles[i:i + RELAY_FANOUT]
+            chunk[0].relay.remote(method, args, chunk)
 
     def _drain_dropped(self) -> None:
         """Collect the answers of dropped versions' calls (their failure was already acted on:

@@ -9,8 +9,10 @@ durable flush), rebuilding a lost node's shard from the surviving pieces and par
 its part of a committed version to durable storage (the plan of :mod:`elastic_llm.durable.flush`,
 a layer up, writes; the manager hands it its pieces and does not import it).
 
-A version runs without the driver in the loop: the controller sends every manager one
-``snapshot_version`` call; the manager collects its stages' pieces, offers the data chunks of each
+A version runs without the driver in the loop: the controller sends each erasure group's first
+manager one ``relay_versions`` call, which sends every member its ``snapshot_version`` call and
+answers with the group's parts (commits and discards are relayed too, ~16 managers per driver
+call: ``relay``); the manager collects its stages' pieces, offers the data chunks of each
 region to that region's parity holders (object refs only: holders pull the bytes through the
 object store), and encodes the parity of its own regions once all offers are in. The call returns
 when this node's part of the version is complete.
@@ -42,6 +44,7 @@ from elastic_llm.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 WAIT_S = 600.0  # longest a version waits for a stage's copy or a peer's offer
+RELAYED = frozenset({"commit", "discard"})  # the calls a manager passes on to others for the driver (relay)
 
 
 
@@ -252,6 +255,32 @@ class SnapshotManager:
                 plan.peers[h].offer.remote(version, region, me, refs, pieces, plan.attempt)
         parity = tuple(self._encode(v, version, layout, region, row) for region, row in layout.parity_regions(me))
         return ManagerPart(self.node_id, shards, parity, time.thread_time() - cpu0)
+
+    def relay_versions(self, calls: tuple[tuple[Any, ManagerPlan], ...]) -> tuple[ManagerPart, ...]:
+        """As its group's first member, start the group's parts of a version (``calls``: each
+        member's handle and plan) and answer with all of them in one value, so the driver makes
+        one call per group, not per node. Raises the first member's failure as soon as it comes
+        (the driver then drops the version, which wakes the others)."""
+        import ray
+
+        refs = [handle.snapshot_version.remote(plan) for handle, plan in calls]
+        parts: dict[Any, ManagerPart] = {}
+        waiting = list(refs)
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=WAIT_S)
+            if not ready:
+                raise TimeoutError(f"step {calls[0][1].version}: {len(waiting)} parts of the group not done after {WAIT_S:.0f} s")
+            for ref in ready:
+                parts[ref] = ray.get(ref)
+        return tuple(parts[r] for r in refs)
+
+    def relay(self, method: str, args: tuple[Any, ...], handles: list[Any]) -> None:
+        """Pass a driver's call on to other managers (``commit`` or ``discard`` with ``args``),
+        fire and forget, so the driver makes one call per ~16 managers."""
+        if method not in RELAYED:
+            raise ValueError(f"{method!r} is not relayed (only {sorted(RELAYED)})")
+        for h in handles:
+            getattr(h, method).remote(*args)
 
     @staticmethod
     def _collect(version: int, calls: dict[ShardKey, Any]) -> list[ShardInfo]:
