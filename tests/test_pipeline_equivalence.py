@@ -340,16 +340,16 @@ def test_the_driver_makes_one_call_per_replica_and_a_killed_relay_is_named_while
     """Each replica's stage 0 relays the step to its stages: the driver makes one call per
     replica per step. SIGKILL of a relaying stage 0 mid-step: the step fails naming it, its
     replica's other stages (whose reports went with it) are alive, reset to the step before, and
-the run goes on at width 1."""
+    the run goes on at width 1."""
     import os
     import signal
 
     from elastic_llm.pipeline.executor import StepFailed
     from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
 
-    cfg = small_config(4, 2, "1f1b")
+    cfg = small_config(2, 2, "1f1b")
     rng = np.random.default_rng(4)
-    actors = stage_actors(cfg, 4, 2)
+    actors = stage_actors(cfg, 2, 2)
 
     def batch():
         tokens = rng.integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
@@ -360,8 +360,8 @@ the run goes on at width 1."""
         ex.finish(ex.start(1, *batch()))  # links up
         before = ex.calls
         result = ex.finish(ex.start(2, *batch()))
-        assert ex.calls - before == 2, f"{ex.calls - before} driver calls for a step of 2 replicas x 4 stages"
-        assert set(result.reports) == {ShardKey(s, r) for s in range(4) for r in range(2)} and np.isfinite(result.loss)
+        assert ex.calls - before == 2, f"{ex.calls - before} driver calls for a step of 2 replicas x 2 stages"
+        assert set(result.reports) == {ShardKey(s, r) for s in range(2) for r in range(2)} and np.isfinite(result.loss)
 
         head = ShardKey(0, 1)
         pid = ray.get(actors[1][0].info.remote()).pid
@@ -371,9 +371,9 @@ the run goes on at width 1."""
         with pytest.raises(StepFailed) as err:
             ex.finish(pending)
         assert (err.value.stage, err.value.replica) == (0, 1)
-        assert pending.orphaned <= {ShardKey(s, 1) for s in (1, 2, 3)}
+        assert pending.orphaned <= {ShardKey(1, 1)}
         steps = ray.get([a.reset_step.remote() for a in actors[0] + actors[1][1:]], timeout=60)  # as the controller does after a failed step
-        assert steps == [2] * 7, f"completed steps after the aborted step 3: {steps}"
+        assert steps == [2] * 3, f"completed steps after the aborted step 3: {steps}"
 
         # the run goes on without the lost replica: one call for its one replica
         ray.get([a.set_width.remote(0, 1) for a in actors[0]], timeout=60)
