@@ -133,6 +133,7 @@ class SnapshotManager:
         self.lock = threading.Condition()
         self._codecs: dict[tuple[int, int], ReedSolomon] = {}
         self._pool: dict[int, list[np.ndarray]] = {}  # freed parity buffers by size, reused
+        self._unread: list[Any] = []  # a failed group's members' answers, read later (Ray reports an unread failure as unhandled)
 
     def __repr__(self) -> str:  # Ray's display name of the actor and its log prefix
         return f"SnapshotManager(node {self.node_id[:8]}, run {self.run_id})"
@@ -263,16 +264,40 @@ class SnapshotManager:
         (the driver then drops the version, which wakes the others)."""
         import ray
 
+        self._read_unread()
         refs = [handle.snapshot_version.remote(plan) for handle, plan in calls]
         parts: dict[Any, ManagerPart] = {}
         waiting = list(refs)
-        while waiting:
-            ready, waiting = ray.wait(waiting, num_returns=1, timeout=WAIT_S)
-            if not ready:
-                raise TimeoutError(f"step {calls[0][1].version}: {len(waiting)} parts of the group not done after {WAIT_S:.0f} s")
-            for ref in ready:
-                parts[ref] = ray.get(ref)
+        try:
+            while waiting:
+                ready, waiting = ray.wait(waiting, num_returns=1, timeout=WAIT_S)
+                if not ready:
+                    raise TimeoutError(f"step {calls[0][1].version}: {len(waiting)} parts of the group not done after {WAIT_S:.0f} s")
+                for ref in ready:
+                    parts[ref] = ray.get(ref)
+        except BaseException:
+            with self.lock:
+                self._unread += [r for r in refs if r not in parts]
+            raise
         return tuple(parts[r] for r in refs)
+
+    def _read_unread(self) -> None:
+        """Read the answers of failed groups' other members that have come since (their failure,
+        if any, was the version's, already reported)."""
+        import ray
+
+        with self.lock:
+            unread, self._unread = self._unread, []
+        if not unread:
+            return
+        done, rest = ray.wait(unread, num_returns=len(unread), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayError:  # the version failed for this already: the driver dropped it
+                continue
+        with self.lock:
+            self._unread += rest
 
     def relay(self, method: str, args: tuple[Any, ...], handles: list[Any]) -> None:
         """Pass a driver's call on to other managers (``commit`` or ``discard`` with ``args``),
