@@ -24,6 +24,7 @@ from typing import Any, Iterator, Mapping, Protocol, Sequence
 import numpy as np
 
 from elastic_llm.pipeline.plan import STEP_DEADLINE_S, FailureKind, Fault, StepPlan, StepReport, describe_failure, encode_ops
+from elastic_llm.pipeline.relay import any_failed
 from elastic_llm.pipeline.schedules import Route, build_schedule, routes, submission_order
 from elastic_llm.pipeline.shares import cut, microbatch_sizes, replica_microbatches, weighted_mean
 from elastic_llm.snapshot.records import ShardKey
@@ -79,7 +80,7 @@ class PendingStep:
 
     @property
     def failed(self) -> bool:
-        return bool(self.lost) or any(not rep.ok for rep in self.reports.values())
+        return any_failed(self.reports, self.lost)
 
     def unanswered(self) -> list[ShardKey]:
         """The actors whose report has not come back (and will not through a dead relay)."""

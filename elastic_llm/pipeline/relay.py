@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from elastic_llm.pipeline.plan import STEP_DEADLINE_S, StepPlan, StepReport
+
+
+def any_failed(reports: Mapping[Any, StepReport], lost: Mapping[Any, BaseException]) -> bool:
+    """Whether a step's answers so far say it failed: an actor died, or one reported a failure."""
+    return bool(lost) or any(not rep.ok for rep in reports.values())
 
 
 @dataclass
@@ -37,7 +42,7 @@ class ReplicaReports:
 
     @property
     def failed(self) -> bool:
-        return bool(self.lost) or any(not rep.ok for rep in self.reports.values())
+        return any_failed(self.reports, self.lost)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # every report's op timings cross as one array: Ray sends each array as a buffer of its
