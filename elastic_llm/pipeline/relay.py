@@ -50,8 +50,11 @@ class ReplicaReports:
         stages = tuple(self.reports)
         reps = [self.reports[s] for s in stages]
         ops = np.concatenate([r.op_seconds for r in reps]) if reps else np.zeros(0)
-        bare = tuple(replace(r, op_seconds=None) for r in reps)
+        bare = tuple(replace(r, op_seconds=_NO_OPS) for r in reps)  # one shared empty array: pickled once
         return (_rebuilt, (stages, bare, ops, tuple(len(r.op_seconds) for r in reps), self.lost, self.running))
+
+
+_NO_OPS = np.zeros(0)
 
 
 def _rebuilt(stages: tuple[int, ...], bare: tuple[StepReport, ...], ops: np.ndarray, lengths: tuple[int, ...],

@@ -38,7 +38,6 @@ from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, Sta
 
 log = logging.getLogger("elastic_llm.snapshot")
 AUTO_START = 4  # snapshot.every: auto starts here: snapshot steps and clean steps both get measured
-RELAY_FANOUT = 16  # managers per driver call for a commit or discard (the first passes it on)
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
 WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
 PING_S = 10.0  # a manager that does not answer within this is slow ...
@@ -127,7 +126,6 @@ class ManagerHandle(Protocol):
     held: Remote  # () -> {version: committed}
     snapshot_version: Remote  # (ManagerPlan) -> ManagerPart
     relay_versions: Remote  # ((handle, ManagerPlan), ...) -> the group's ManagerParts (the first member starts the others')
-    relay: Remote  # (method, args, handles) -> None: commit or discard passed on to the handles
     commit: Remote  # (version, flush, keep) -> None
     discard: Remote  # (version, attempt) -> None
     discard_all: Remote  # () -> None
@@ -500,12 +498,10 @@ class SnapshotCoordinator:
         (log.info if expected else log.warning)("snapshot of step %d discarded: %s", p.version, why)
 
     def _to_all(self, method: str, *args: Any) -> None:
-        """Call ``method`` on every manager, fire and forget (a dead manager is a later failure):
-        one driver call per :data:`RELAY_FANOUT` managers, whose first passes it on (``relay``)."""
-        handles = [self.managers[n] for n in sorted(self.managers)]
-        for i in range(0, len(handles), RELAY_FANOUT):
-            chunk = handles[i:i + RELAY_FANOUT]
-            chunk[0].relay.remote(method, args, chunk)
+        """Call ``method`` on every manager, fire and forget (a dead manager is a later failure).
+        Direct, not relayed: a relaying manager that died would leave the others without it."""
+        for handle in self.managers.values():
+            getattr(handle, method).remote(*args)
 
     def _drain_dropped(self) -> None:
         """Collect the answers of dropped versions' calls (their failure was already acted on:

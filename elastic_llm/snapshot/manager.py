@@ -11,8 +11,7 @@ a layer up, writes; the manager hands it its pieces and does not import it).
 
 A version runs without the driver in the loop: the controller sends each erasure group's first
 manager one ``relay_versions`` call, which sends every member its ``snapshot_version`` call and
-answers with the group's parts (commits and discards are relayed too, ~16 managers per driver
-call: ``relay``); the manager collects its stages' pieces, offers the data chunks of each
+answers with the group's parts; the manager collects its stages' pieces, offers the data chunks of each
 region to that region's parity holders (object refs only: holders pull the bytes through the
 object store), and encodes the parity of its own regions once all offers are in. The call returns
 when this node's part of the version is complete.
@@ -44,7 +43,6 @@ from elastic_llm.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 WAIT_S = 600.0  # longest a version waits for a stage's copy or a peer's offer
-RELAYED = frozenset({"commit", "discard"})  # the calls a manager passes on to others for the driver (relay)
 
 
 
@@ -298,14 +296,6 @@ class SnapshotManager:
                 continue
         with self.lock:
             self._unread += rest
-
-    def relay(self, method: str, args: tuple[Any, ...], handles: list[Any]) -> None:
-        """Pass a driver's call on to other managers (``commit`` or ``discard`` with ``args``),
-        fire and forget, so the driver makes one call per ~16 managers."""
-        if method not in RELAYED:
-            raise ValueError(f"{method!r} is not relayed (only {sorted(RELAYED)})")
-        for h in handles:
-            getattr(h, method).remote(*args)
 
     @staticmethod
     def _collect(version: int, calls: dict[ShardKey, Any]) -> list[ShardInfo]:
