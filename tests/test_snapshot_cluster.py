@@ -198,6 +198,28 @@ def test_adjacent_stages_lost_beyond_parity_is_a_clear_error_and_keeps_survivors
         t.shutdown()
 
 
+def test_a_relaying_manager_that_died_is_sent_past_so_every_live_manager_gets_the_call(nodes, corpus_dir):
+    """Commits and discards reach the managers through one of each 16 (``relay``), which answers
+    once all took it. Its manager killed before it relays a discard, the driver reads the relay's
+    failure and sends the others the discard itself: none of them holds the version after."""
+    t = make_trainer(nodes, corpus_dir)
+    try:
+        t.fit(3)
+        sn = t.snapshots
+        v = sn.committed.version
+        sn.settle_relays()  # the last commit's relays answered: every member took it
+        lead, *others = sorted(sn.managers)
+        held = {n: ray.get(sn.managers[n].held.remote()) for n in others}
+        holders = [n for n in others if v in held[n]]
+        assert len(holders) >= 2 and all(held[n][v] for n in holders), held  # committed through the relay
+        ray.kill(sn.managers[lead])
+        sn._to_all("discard", v, None)
+        sn.settle_relays()
+        assert [v in ray.get(sn.managers[n].held.remote()) for n in holders] == [False] * len(holders)
+    finally:
+        t.shutdown()
+
+
 @pytest.mark.slow  # the suite keeps the same recovery struck at the backward, all-reduce and update ops (below)
 def test_lost_replica_is_copied_from_its_data_parallel_peer_without_rollback(nodes, corpus_dir, clean):
     dp = ("parallel.stages=2", "parallel.dp=2")

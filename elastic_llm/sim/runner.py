@@ -243,7 +243,7 @@ class Simulation:
                 "simulation_own_s": round(self.charged.seconds, 3),
                 # actor calls a real run makes that the CPU above leaves out (Ray's own cost per call):
                 # one per replica per step (its stage 0 relays it to the replica's stages and answers with their reports),
-                # and the snapshot managers' (one per erasure group to begin, one per manager to commit; census,
+                # and the snapshot managers' (one per erasure group to begin, one per 16 managers to commit; census,
                 # restore) and the monitor feed's
                 "stage_calls_per_step": round(calls_stage, 1) if steps_run else None,
                 "relayed_reports_per_step": round(relayed, 1) if steps_run else None,

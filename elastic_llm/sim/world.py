@@ -235,6 +235,7 @@ class SimManager:
         self.held = _Call(self._held, c)
         self.snapshot_version = _Call(self._snapshot_version, c)
         self.relay_versions = _Call(self._relay_versions, c)
+        self.relay = _Call(self._relay, c)
         self.commit = _Call(self._commit, c)
         self.discard = _Call(self._discard, c)
         self.discard_all = _Call(self._discard_all, c)
@@ -263,6 +264,19 @@ class SimManager:
         when the last is; failed if this node or a member's is gone by then."""
         parts = tuple(handle._snapshot_version(plan) for handle, plan in calls)
         return SimRelayRef(max(p.ready_s for p in parts), self.node, tuple(p.value for p in parts), self.world.fleet, parts)
+
+    def _relay(self, method: str, args: tuple[Any, ...], handles: list["SimManager"]) -> SimRef:
+        """``commit`` or ``discard`` passed on to ``handles`` (this one first); the members on
+        nodes already gone do not take it, nor any if this node is gone (the driver re-sends)."""
+        if self.world.fleet.removed_by(self.node, self.world.clock.now):
+            return self._ref(0.0)
+        failed = []
+        for i, h in enumerate(handles):
+            if self.world.fleet.removed_by(h.node, self.world.clock.now):
+                failed.append(i)
+                continue
+            getattr(h, f"_{method}")(*args)
+        return self._ref(0.0, tuple(failed))
 
     def _commit(self, version: int, flush: bool, keep: tuple[int, ...]) -> SimRef:
         self.versions = {v: a for v, a in self.versions.items() if v >= version or v in keep}

@@ -13,6 +13,7 @@ Never blocks a training step except when the committed version trails by more th
 (and then with a deadline); never decides recovery: it answers where state is, the controller
 decides what to do with it.
 
+Commits and discards reach the managers ~16 per driver call (:mod:`elastic_llm.snapshot.broadcast`).
 It talks to its managers through :class:`Calls` (Ray's ``wait``/``get``, or a simulation's) and
 reads time from a :class:`~elastic_llm.clock.Clock`: ``elastic-llm simulate`` runs it unchanged.
 
@@ -32,6 +33,7 @@ from elastic_llm.cadence import Ema, snapshot_every
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.sources import Source, SourceLost, UnrecoverableError
+from elastic_llm.snapshot.broadcast import Broadcast
 from elastic_llm.snapshot.groups import exposed, make_groups
 from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
@@ -126,6 +128,7 @@ class ManagerHandle(Protocol):
     held: Remote  # () -> {version: committed}
     snapshot_version: Remote  # (ManagerPlan) -> ManagerPart
     relay_versions: Remote  # ((handle, ManagerPlan), ...) -> the group's ManagerParts (the first member starts the others')
+    relay: Remote  # (method, args, handles) -> positions whose call failed: commit or discard passed on to the handles
     commit: Remote  # (version, flush, keep) -> None
     discard: Remote  # (version, attempt) -> None
     discard_all: Remote  # () -> None
@@ -173,6 +176,7 @@ class SnapshotCoordinator:
         self._avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
         self._reprotect: tuple[float, frozenset[str], int] | None = None  # (when seen, nodes, last version begun then): the committed version is exposed to their end
         self.reprotections: list[dict[str, Any]] = []  # re-protected versions, for the run's metrics (the caller clears it)
+        self.broadcast = Broadcast(self.calls, PING_S)  # commits and discards to every manager
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
         self.durable: Flusher | None = None  # the durable tier: decides at each commit whether to flush it
@@ -215,8 +219,10 @@ class SnapshotCoordinator:
         manager), or a shard of it failed to load there (:meth:`fetch_stage_state`: missing or
         failing its checksum). Asks every manager at once; one that is alive but slow (a loaded
         node) gets a second, longer deadline before it counts as lost, since a manager counted
-        lost can send the run back to the durable tier. Changes nothing."""
+        lost can send the run back to the durable tier. Changes nothing, beyond first delivering
+        the relayed commits and discards (:meth:`settle_relays`)."""
 
+        self.settle_relays()  # every live manager holds the commits sent so far
         why = {n: "its node died" for n in self.managers if n not in alive_nodes}
         pings = {n: h.held.remote() for n, h in self.managers.items() if n not in why}
         ready, slow = self.calls.wait(list(pings.values()), len(pings), PING_S)
@@ -249,6 +255,7 @@ class SnapshotCoordinator:
             self.fleet.end(m)
         self.managers.clear()
         self.inflight.clear()
+        self.broadcast.clear()
 
     # ------------------------------------------------------------------ draining nodes
     @property
@@ -498,10 +505,12 @@ class SnapshotCoordinator:
         (log.info if expected else log.warning)("snapshot of step %d discarded: %s", p.version, why)
 
     def _to_all(self, method: str, *args: Any) -> None:
-        """Call ``method`` on every manager, fire and forget (a dead manager is a later failure).
-        Direct, not relayed: a relaying manager that died would leave the others without it."""
-        for handle in self.managers.values():
-            getattr(handle, method).remote(*args)
+        """Call ``method`` on every manager, ~16 per driver call (:class:`Broadcast`)."""
+        self._dropped += self.broadcast.send(self.managers, method, *args)
+
+    def settle_relays(self, block: bool = True) -> None:
+        """Every live manager holds the commits and discards sent so far (:meth:`Broadcast.settle`)."""
+        self._dropped += self.broadcast.settle(self.managers, block)
 
     def _drain_dropped(self) -> None:
         """Collect the answers of dropped versions' calls (their failure was already acted on:
@@ -526,6 +535,7 @@ class SnapshotCoordinator:
         them all (the next committed version starts the record again)."""
 
         self.abandon_pending()
+        self.settle_relays()
         calls = [m.discard_all.remote() for m in self.managers.values()]
         self.calls.wait(calls, len(calls), PING_S)  # before any new version starts (threaded actors do not keep call order)
         self.committed = None

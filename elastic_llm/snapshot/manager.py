@@ -11,7 +11,9 @@ a layer up, writes; the manager hands it its pieces and does not import it).
 
 A version runs without the driver in the loop: the controller sends each erasure group's first
 manager one ``relay_versions`` call, which sends every member its ``snapshot_version`` call and
-answers with the group's parts; the manager collects its stages' pieces, offers the data chunks of each
+answers with the group's parts (commits and discards are relayed too, ~16 managers per driver
+call: ``relay``, which answers once every member took it, so the driver re-sends a dead relay's
+share itself); the manager collects its stages' pieces, offers the data chunks of each
 region to that region's parity holders (object refs only: holders pull the bytes through the
 object store), and encodes the parity of its own regions once all offers are in. The call returns
 when this node's part of the version is complete.
@@ -43,6 +45,7 @@ from elastic_llm.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 WAIT_S = 600.0  # longest a version waits for a stage's copy or a peer's offer
+RELAYED = frozenset({"commit", "discard"})  # the calls a manager passes on to others for the driver (relay)
 
 
 
@@ -296,6 +299,25 @@ class SnapshotManager:
                 continue
         with self.lock:
             self._unread += rest
+
+    def relay(self, method: str, args: tuple[Any, ...], handles: list[Any]) -> tuple[int, ...]:
+        """Pass a driver's ``commit`` or ``discard`` (with ``args``) on to ``handles`` (this
+        manager's own first) so the driver makes one call per ~16 managers; answers once each
+        has run it, with the positions of those that could not (their actor died). The driver
+        reads the answer: a relay that died before answering is one it re-sends past."""
+        import ray
+
+        if method not in RELAYED:
+            raise ValueError(f"{method!r} is not relayed (only {sorted(RELAYED)})")
+        refs = [getattr(h, method).remote(*args) for h in handles]
+        ray.wait(refs, num_returns=len(refs), timeout=WAIT_S)
+        failed = []
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayError:  # its actor died (or still runs it after WAIT_S)
+                failed.append(i)
+        return tuple(failed)
 
     @staticmethod
     def _collect(version: int, calls: dict[ShardKey, Any]) -> list[ShardInfo]:
