@@ -237,14 +237,16 @@ class DurableFailed(Event):
 @dataclass(frozen=True, kw_only=True)
 class Reprotect(Event):
     """Draining nodes held more of the committed version than its groups' parity covers: a
-    version without that exposure committed ``seconds`` after the notice was seen."""
+    version without that exposure committed ``seconds`` after the notice was seen (or, not
+    ``in_time``, they went ``seconds`` after it, first)."""
 
     kind = Kind.REPROTECT
     step: int = 0
     version: int
     nodes: list[str]
     seconds: float
-    bytes: int  # the draining nodes' shard bytes now protected by groups that outlive them
+    bytes: int  # the draining nodes' shard bytes now protected by groups that outlive them (in_time: False: that they took)
+    in_time: bool = True  # False: they went first, before a version without them committed
 
 
 @dataclass(frozen=True, kw_only=True)

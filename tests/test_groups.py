@@ -115,7 +115,42 @@ def test_a_burst_of_notices_beyond_parity_re_protects_the_committed_version_with
     spread = make_groups(nodes, 3, 1, {"a": "\0draining", "b": "\0draining"}, seed=51)
     assert not exposed(spread, frozenset({"a", "b"}), 1)
     clock.sleep(1.5)
-    coord._reprotected(VersionRecord(51, spread, tuple(shard(i, n, 51) for i, n in enumerate(nodes))))
+    coord.exposure.committed(VersionRecord(51, spread, tuple(shard(i, n, 51) for i, n in enumerate(nodes))), frozenset({"a", "b"}))
     [done] = coord.reprotections
-    assert done == {"version": 51, "nodes": ["a", "b"], "seconds": 1.5, "bytes": 1000 + 2000}
+    assert done == {"version": 51, "nodes": ["a", "b"], "seconds": 1.5, "bytes": 1000 + 2000, "in_time": True}
     assert not coord.due(52)  # done: back to the cadence
+
+
+def _shard(stage, node, version):
+    from elastic_llm.snapshot.records import ShardInfo, ShardKey
+
+    return ShardInfo(ShardKey(stage, 0), version, 0, 1000 * (stage + 1), (), "{}", node_id=node)
+
+
+def test_draining_nodes_that_go_before_a_version_without_them_commits_are_recorded_late():
+    """A version noticed exposed is not re-protected before a and b go: the record says they went
+    first (in_time False), how long after the notice and the bytes of theirs it held; a version
+    begun before a later notice does not end that later exposure: the next one tries again."""
+    from elastic_llm.sim.world import SimClock
+    from elastic_llm.snapshot.exposure import Exposure
+    from elastic_llm.snapshot.records import VersionRecord
+
+    nodes = ["a", "b", "c", "d", "e", "f"]
+    clock = SimClock()
+    ex = Exposure(1, clock)
+    v50 = VersionRecord(50, (("a", "b", "c"), ("d", "e", "f")), tuple(_shard(i, n, 50) for i, n in enumerate(nodes)))
+    ex.notice(frozenset({"a", "b"}), v50, 50)
+    assert ex.pending is not None and ex.pending.nodes == {"a", "b"}
+    clock.sleep(20.0)
+    ex.notice(frozenset(), v50, 51)  # both went: version 51 is still in flight
+    assert ex.pending is None and ex.done == [{"version": 50, "nodes": ["a", "b"], "seconds": 20.0, "bytes": 1000 + 2000, "in_time": False}]
+    ex.done.clear()
+
+    ex.notice(frozenset({"d", "e"}), v50, 52)
+    v53 = VersionRecord(53, (("a", "d", "f"), ("b", "c", "e")), ())  # spreads d and e
+    ex.notice(frozenset({"d", "e", "f"}), v50, 52)  # f noticed after 53 began: 53 has d and f together
+    ex.committed(v53, frozenset({"d", "e"}))
+    assert ex.pending is not None and ex.pending.after == 53 and not ex.done  # the next version tries again
+    clock.sleep(5.0)
+    ex.committed(VersionRecord(54, (("a", "d", "c"), ("b", "e", "f")), ()), frozenset({"d", "e", "f"}))
+    assert ex.pending is None and not ex.done  # 54 could not spread three over two groups of parity 1: given up with a warning

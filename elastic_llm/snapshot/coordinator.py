@@ -34,7 +34,8 @@ from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.sources import Source, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.broadcast import Broadcast
-from elastic_llm.snapshot.groups import exposed, make_groups
+from elastic_llm.snapshot.exposure import Exposure
+from elastic_llm.snapshot.groups import make_groups
 from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
 
@@ -65,6 +66,7 @@ class _Inflight:
     groups: tuple[tuple[str, ...], ...]
     lost: tuple[ShardKey, ...]  # stages whose node had no manager
     attempt: int = 0  # ManagerPlan.attempt: a step re-run after a rollback is a new attempt at its version
+    avoided: frozenset[str] = frozenset()  # the draining nodes its groups were made to spread
     results: dict[str, ManagerPart] = field(default_factory=dict)  # node -> its part
     answered: set[str] = field(default_factory=set)  # the relays (by first node) that answered
 
@@ -173,9 +175,7 @@ class SnapshotCoordinator:
         self._domain_of: dict[str, str] = {}  # node -> failure domain (fleet.domains(), asked again when a new node joins)
         self._domain_seen: set[str] = set()
         self.refresh_managers = False
-        self._avoid: frozenset[str] = frozenset()  # nodes about to go (draining): no parity duties, no new shards
-        self._reprotect: tuple[float, frozenset[str], int] | None = None  # (when seen, nodes, last version begun then): the committed version is exposed to their end
-        self.reprotections: list[dict[str, Any]] = []  # re-protected versions, for the run's metrics (the caller clears it)
+        self.exposure = Exposure(cfg.snapshot.parity, clock)  # nodes about to go (draining): no parity duties, no new shards
         self.broadcast = Broadcast(self.calls, PING_S)  # commits and discards to every manager
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
@@ -260,41 +260,18 @@ class SnapshotCoordinator:
     # ------------------------------------------------------------------ draining nodes
     @property
     def avoid(self) -> frozenset[str]:
-        return self._avoid
+        return self.exposure.draining
 
     @avoid.setter
     def avoid(self, nodes: frozenset[str]) -> None:
         """Nodes about to go. When some group of the committed version would lose more members
         with them than its parity covers (a burst of notices), the next step takes a version
-        whose groups spread the draining nodes (no group holds more of them than its parity):
-        re-protection within the notice."""
-        new = frozenset(nodes) - self._avoid
-        self._avoid = frozenset(nodes)
-        rec = self.committed
-        if new and rec is not None and exposed(rec.groups, self._avoid, self.cfg.snapshot.parity):
-            parity = self.cfg.snapshot.parity
-            held = frozenset(n for g in rec.groups if sum(1 for m in g if m in self._avoid) > parity for n in g if n in self._avoid)
-            since = self._reprotect[0] if self._reprotect is not None else self.clock.perf_counter()
-            self._reprotect = (since, held | (self._reprotect[1] if self._reprotect is not None else frozenset()), self.last_begin)
-            log.info("draining nodes %s are more of their erasure groups in snapshot %d than parity covers: re-protecting it with the next step",
-                     [n[:12] for n in sorted(held)], rec.version)
+        whose groups spread the draining nodes: re-protection within the notice (:mod:`exposure`)."""
+        self.exposure.notice(nodes, self.committed, self.last_begin)
 
-    def _reprotected(self, record: VersionRecord) -> None:
-        """A version committed: if it no longer depends on the draining nodes beyond parity, the
-        re-protection is done (its time since the notice and the bytes it covers are recorded)."""
-        if self._reprotect is None or record.version <= self._reprotect[2]:
-            return
-        since, nodes, _ = self._reprotect
-        self._reprotect = None
-        if exposed(record.groups, self._avoid, self.cfg.snapshot.parity):
-            log.warning("snapshot %d could not spread %d draining nodes so that each group keeps parity %d: too few groups; the "
-                        "next recovery may need the durable tier (add nodes or raise snapshot.parity)", record.version, len(nodes), self.cfg.snapshot.parity)
-            return
-        nbytes = sum(s.nbytes for n in nodes for s in record.infos_on(n))
-        seconds = self.clock.perf_counter() - since
-        self.reprotections.append({"version": record.version, "nodes": sorted(nodes), "seconds": seconds, "bytes": nbytes})
-        log.info("snapshot %d re-protected against the end of %d draining nodes in %.2f s (%.1f MB of their shards)",
-                 record.version, len(nodes), seconds, nbytes / 1e6)
+    @property
+    def reprotections(self) -> list[dict[str, Any]]:
+        return self.exposure.done
 
     # ------------------------------------------------------------------ timing
     def due(self, step: int, last: bool = False) -> bool:
@@ -304,7 +281,7 @@ class SnapshotCoordinator:
         ``last`` step always takes one (waiting likewise): the run's end is what a resume or the
         durable tier's last flush starts from."""
         sn = self.cfg.snapshot
-        if self._reprotect is not None and not self.inflight:  # a burst of notices: re-protect now, whatever the cadence
+        if self.exposure.pending is not None and not self.inflight:  # a burst of notices: re-protect now, whatever the cadence
             return True
         if not last and ((step - self.last_begin < self.every) if self.auto else (step % self.every)):
             return False
@@ -345,7 +322,7 @@ class SnapshotCoordinator:
         # must be covered by a group until they are moved (or it goes and they are rebuilt)
         members = sorted(n for n in self.managers if n not in self.avoid or by_node[n])
         domains = dict(self._domains(members))
-        domains.update({n: "\0draining" for n in members if n in self._avoid})  # spread over the groups: at most parity in any
+        domains.update({n: "\0draining" for n in members if n in self.avoid})  # spread over the groups: at most parity in any
         groups = make_groups(members, sn.group_size, sn.parity, domains, seed=version)
         group_of = {node: g for g in groups for node in g}
         by_lead: dict[str, list[tuple[Any, ManagerPlan]]] = {}
@@ -365,7 +342,7 @@ class SnapshotCoordinator:
             by_lead.setdefault(group[0] if group else node, []).append((handle, plan))
         # one call per group: its first manager starts the members' parts and answers with all of them
         refs = {lead: self.managers[lead].relay_versions.remote(tuple(calls)) for lead, calls in by_lead.items()}
-        self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt))
+        self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt, self.avoid))
         self.last_begin = version
 
     def _domains(self, members: list[str]) -> dict[str, str]:
@@ -435,7 +412,7 @@ class SnapshotCoordinator:
         keep = (flushing.record.version,) if flushing is not None else ()
         self._to_all("commit", record.version, flush, keep)  # pinned until its flush is over
         self.committed = record
-        self._reprotected(record)
+        self.exposure.committed(record, p.avoided)
         if self.on_commit is not None:
             self.on_commit(record)
         self.inflight.remove(p)
