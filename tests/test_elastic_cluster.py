@@ -287,10 +287,19 @@ def test_the_spot_watcher_drains_on_a_notice_so_the_stages_move_first_with_no_ro
         history = run.join()
         # the committed version no longer depends on the victim: no shard or parity of it there, and
         # every stage's committed state comes back from the managers alive (none is rebuilt)
+        # bit for bit the stages' state at the run's last step (which always takes a snapshot)
         rec = t.parts.snapshots.committed
         assert victim not in {s.node_id for s in rec.shards} and not any(victim in g for g in rec.groups)
+        assert rec.version == t.step
         for stage in range(2):
-            assert t.parts.snapshots.fetch_stage_state(stage, 0, frozenset()).source == "local_smp"
+            src = t.parts.snapshots.fetch_stage_state(stage, 0, frozenset())
+            assert src.source == "local_smp"
+            live, _ = ray.get(t.group.actor(ShardKey(stage, 0)).capture_state.remote(), timeout=60)
+            got = np.zeros_like(np.asarray(live).view(np.uint8))
+            for off, part in zip(src.offsets, ray.get(list(src.refs), timeout=60)):
+                part = np.asarray(part).view(np.uint8)
+                got[off:off + len(part)] = part
+            assert np.array_equal(got, np.asarray(live).view(np.uint8)), f"stage {stage}: the committed state differs from the stage's"
     finally:
         if watcher is not None and watcher.poll() is None:
             watcher.kill()
