@@ -15,7 +15,10 @@ then compared with: ``elastic-llm bench simulate``):
   (``network_mb_s``) and restored from its node's manager (``restore_mb_s``);
 - ``bench detect``: a vanished node noticed by the run's node watch (``detect_node_s``);
 - ``bench transport``: the gradient exchange at width 2 over the step's socket links (``allreduce_s``);
-- ``bench durable``: the flush through the managers (``flush_mb_s``).
+- ``bench durable``: the flush through the managers (``flush_mb_s``);
+- :mod:`benchmarks.widths`: the replays' job (``jobs/spot-tiny.yaml``) at a fixed width of 1 and
+  of 2 on 4 one-CPU loopback nodes, no trace: what a second replica adds to a step on the shared
+  cores beyond the exchange (``replica_s``).
 
 Writes the profile (``--out``, default ``elastic_llm/sim/profiles/cpu-2core.yaml``) with its
 provenance (machine, date, which benchmark gave which figure) and the benchmarks' JSON beside it.
@@ -49,8 +52,10 @@ def _median(xs: list[float]) -> float:
 
 def profile_from(runs: dict[str, Any], cores: int, batch: int = 16) -> tuple[dict[str, Any], list[str]]:
     """The cost model's figures from the benchmarks' results (``runs``: snapshot, recovery,
-    detect, transport, durable; tiny's), each with the line saying where it came from. Pure."""
+    detect, transport, durable: tiny's; widths: spot-tiny's), each with the line saying where it
+    came from. Pure."""
     snap, rec, det, tr, du = runs["snapshot"], runs["recovery"], runs["detect"], runs["transport"], runs["durable"]
+    wid = runs.get("widths")
     stages, params = int(snap["stages"]), int(snap["parameters"])
     stage_mb = _stage_mb(params, stages)
     clean, snapped = float(snap["cluster_step_s_without_snapshot"]), float(snap["cluster_step_s_with_snapshot"])
@@ -77,6 +82,7 @@ def profile_from(runs: dict[str, Any], cores: int, batch: int = 16) -> tuple[dic
         "call_cpu_s": float(tr["driver_calls"]["driver_cpu_us_per_call"]) / 1e6 if "driver_calls" in tr else 0.0,
         "relayed_cpu_s": float(tr["driver_calls"].get("relayed_report_us", 0.0)) / 1e6 if "driver_calls" in tr else 0.0,
     }
+    fig["replica_s"] = max(0.0, float(wid["width_2_extra_s"]) - fig["allreduce_s"]) if wid else 0.0
     why = [
         f"seq_stage_s: bench snapshot, tiny's step on a 3-node loopback cluster without snapshots ({clean:.3f} s) x {cores} cores / ({batch} sequences x {stages} stages)",
         f"snapshot_step_s: bench snapshot, the same step with a snapshot every step ({snapped:.3f} s) less without",
@@ -92,6 +98,9 @@ def profile_from(runs: dict[str, Any], cores: int, batch: int = 16) -> tuple[dic
         "call_cpu_s: bench transport, the driver process's CPU per small actor call sent as a step sends them (driver_calls)",
         "relayed_cpu_s: bench transport, the driver process's CPU per step report relayed by a replica's stage 0 (driver_calls' relayed_report_us)",
     ]
+    if wid:
+        why.append(f"replica_s: benchmarks/widths.py, spot-tiny's median step at width 2 ({wid['width_2']['median_step_s']} s) less at width 1 "
+                   f"({wid['width_1']['median_step_s']} s) on {wid['nodes']} one-CPU loopback nodes, less allreduce_s")
     return {k: (round(v, 7 if k in ("call_cpu_s", "relayed_cpu_s") else 4) if isinstance(v, float) else v) for k, v in fig.items()}, why
 
 
@@ -108,6 +117,10 @@ def _run(name: str) -> Any:
         from benchmarks.detect import run_detect_bench
 
         return run_detect_bench(rounds=3)
+    if name == "widths":
+        from benchmarks.widths import run_widths_bench
+
+        return run_widths_bench()
     if name == "transport":
         from benchmarks.transport import run_transport_bench
 
@@ -118,12 +131,12 @@ def _run(name: str) -> Any:
 
 
 def run_calibrate_bench(out: str | None = None, from_dir: str | None = None, results_dir: str | None = None) -> dict[str, Any]:
-    """Run (or read, ``from_dir``) the benchmarks and write the profile to ``out``."""
+    """Run (or read, ``from_dir``: the ones it holds) the benchmarks and write the profile to ``out``."""
     runs: dict[str, Any] = {}
     keep = Path(results_dir or "benchmarks/results/calibration")
     keep.mkdir(parents=True, exist_ok=True)
-    for name in ("snapshot", "recovery", "detect", "transport", "durable"):
-        if from_dir is not None:
+    for name in ("snapshot", "recovery", "detect", "transport", "durable", "widths"):
+        if from_dir is not None and (Path(from_dir) / f"{name}.json").exists():
             runs[name] = json.loads((Path(from_dir) / f"{name}.json").read_text())
         else:
             runs[name] = _run(name)
@@ -135,7 +148,8 @@ def run_calibrate_bench(out: str | None = None, from_dir: str | None = None, res
               "# from this machine's benchmarks of jobs/tiny.yaml (their JSON: benchmarks/results/calibration/), never from a replay:",
               *(f"# - {w}" for w in why)]
     doc = {"name": "cpu-2core", "provenance": f"measured by elastic-llm bench calibrate on {date} ({machine.get('cpu')}, {machine.get('cpu_count')} cores): "
-                                              "bench snapshot, recovery, detect, transport, durable of jobs/tiny.yaml", **fig}
+                                              "bench snapshot, recovery, detect, transport, durable of jobs/tiny.yaml; "
+                                              "benchmarks/widths.py of jobs/spot-tiny.yaml", **fig}
     path = Path(out or PROFILE)
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump(doc, sort_keys=False))
     return {"bench": "calibrate", "machine": machine, "profile": str(path), "figures": fig, "sources": why}

@@ -199,8 +199,8 @@ def test_simulate_cli_refuses_bad_arguments_with_exit_2(tmp_path, capsys, args, 
 def test_cost_profiles_load_and_bad_ones_name_the_field(tmp_path):
     gpu = load_costs("gpu-a100")
     assert "not measured" in gpu.provenance and "measured" in COSTS.provenance
-    # 1F1B: 7 slots of 2 sequences per stage, or (shared cores) the whole step's work over the cores
-    slots, shared = 7 * 2 * COSTS.seq_stage_s, (16 * 4 * COSTS.seq_stage_s / COSTS.cores if COSTS.cores else 0.0)
+    # 1F1B: 7 slots of 2 sequences per stage, or (shared cores) the whole step's work over the cores and the second replica's own
+    slots, shared = 7 * 2 * COSTS.seq_stage_s, (16 * 4 * COSTS.seq_stage_s / COSTS.cores + COSTS.replica_s if COSTS.cores else 0.0)
     assert COSTS.step_s(4, 4, 16, 2) == pytest.approx(max(slots, shared) + COSTS.allreduce_s)
     assert COSTS.step_s(4, 4, 16, 2, snapshot=True) == pytest.approx(COSTS.step_s(4, 4, 16, 2) + COSTS.snapshot_step_s)
     assert COSTS.step_s(4, 4, 16, 1) < COSTS.step_s(4, 4, 16, 2)  # no gradient exchange at width 1
@@ -253,4 +253,26 @@ def test_a_burst_that_takes_a_quarter_of_the_fleet_with_notice_keeps_the_width_a
     assert not {"r0", "r2", "r4", "r6"} & set(t.group.nodes.values())
     assert t.recoveries == [] and sum(d["moved"] for d in t.drains) >= 2  # the actors on them moved before they went
     [done] = events(tmp_path, "reprotect")  # 3 of the 4 were in one group of 8 (parity 2): the next version spread them
-    assert done["version"] > 20 and done["seconds"] < 15.0
+    noticed = min(d["step"] for d in events(tmp_path, "drain"))
+    assert done["version"] >= noticed and done["seconds"] < 15.0 and done["in_time"], (done, noticed)
+
+
+def test_the_calibration_charges_a_second_replica_what_the_widths_benchmark_measured_beyond_the_exchange():
+    """On shared cores a step at width 2 costs the width-1 step, the exchange and ``replica_s``:
+    spot-tiny's width-2 step less its width-1 step less the exchange (benchmarks/widths.py)."""
+    import dataclasses
+    import json
+
+    from benchmarks.calibrate import profile_from
+
+    runs = {n: json.loads(open(os.path.join(REPO, "benchmarks", "results", "calibration", f"{n}.json")).read())
+            for n in ("snapshot", "recovery", "detect", "transport", "durable")}
+    without, _ = profile_from(runs, 2)
+    assert without["replica_s"] == 0.0  # no widths run: nothing charged
+    runs["widths"] = {"width_1": {"median_step_s": 0.8}, "width_2": {"median_step_s": 1.0}, "width_2_extra_s": 0.2, "nodes": 4}
+    fig, why = profile_from(runs, 2)
+    assert fig["replica_s"] == round(0.2 - fig["allreduce_s"], 4) and any(w.startswith("replica_s:") for w in why)
+    costs = dataclasses.replace(COSTS, **{k: fig[k] for k in ("seq_stage_s", "allreduce_s", "replica_s", "snapshot_step_s")})
+    one, two = costs.step_s(4, 4, 16, 1, snapshot=True), costs.step_s(4, 4, 16, 2, snapshot=True)
+    assert abs(two - one - 0.2) < 1e-3  # what the benchmark measured
+    assert dataclasses.replace(costs, cores=0.0).step_s(4, 4, 16, 2) < dataclasses.replace(costs, cores=0.0).step_s(4, 4, 16, 1)  # own devices: no sharing

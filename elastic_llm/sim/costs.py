@@ -45,15 +45,17 @@ class CostModel:
     snapshot_step_s: float = 0.0  # what a step that begins a snapshot version costs beyond a clean one (copies, parity, object moves)
     call_cpu_s: float = 0.0  # the driver's CPU per actor call (bench transport's driver_calls); 0: not charged
     relayed_cpu_s: float = 0.0  # the driver's CPU per stage report relayed by its replica's stage 0 (bench transport's relayed_report_us)
+    replica_s: float = 0.0  # on shared cores: what each replica beyond the first adds to a step besides the exchange (its calls, update, snapshot slice)
 
     def step_s(self, stages: int, microbatches: int, batch: int, width: int, snapshot: bool = False) -> float:
         """One 1F1B step: (m + S - 1) slots of a microbatch of batch / (width x m) sequences, or,
         on shared cores, the whole step's work over the cores when that takes longer (the other
-        actors fill a stage's bubble); then the gradient exchange, and the snapshot's cost."""
+        actors fill a stage's bubble, and each replica beyond the first adds ``replica_s``); then
+        the gradient exchange, and the snapshot's cost."""
         per_mb = batch / (width * microbatches)
         compute = (microbatches + stages - 1) * per_mb * self.seq_stage_s
         if self.cores > 0:
-            compute = max(compute, batch * stages * self.seq_stage_s / self.cores)
+            compute = max(compute, batch * stages * self.seq_stage_s / self.cores + (width - 1) * self.replica_s)
         return compute + (self.allreduce_s if width > 1 else 0.0) + (self.snapshot_step_s if snapshot else 0.0)
 
     def shard_mb(self, parameters: int, stages: int, width: int) -> float:
