@@ -184,6 +184,44 @@ def test_flipped_byte_missing_manifest_foreign_and_pickle_are_refused(trained, t
         fmt.open_checkpoint(str(tmp_path))
 
 
+def test_a_restore_reads_into_the_stage_only_what_its_header_and_manifest_agree_on(trained, tmp_path):
+    """The restore reads tensors from their files straight into the stage's buffer, so the
+    safetensors header is checked first: a truncated copy, a header whose offsets point past the
+    file and a header that renames a tensor are each refused by name, and nothing is loaded."""
+    cfg, workers = trained
+    run = Storage(str(tmp_path))
+    name = write_checkpoint(run, cfg, workers, 2)
+    shard = tmp_path / name / fmt.shard_file(1, 0)
+    good = shard.read_bytes()
+    fresh = StageWorker(cfg, 1, 0)
+    before = state_bytes(fresh)
+    n = int(np.frombuffer(good[:8], "<u8")[0])
+    header = json.loads(good[8 : 8 + n])
+
+    def with_header(h):
+        text = json.dumps(h, separators=(",", ":")).encode().ljust(n)
+        assert len(text) == n
+        return good[:8] + text + good[8 + n :]
+
+    shard.write_bytes(good[:-100])  # a copy that stopped early
+    with pytest.raises(fmt.DurableError, match="bytes, the manifest says .*truncated or replaced"):
+        fresh.load_durable(run.uri, name)
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    far = json.loads(json.dumps(header))
+    far[last]["data_offsets"][1] += 10**6
+    shard.write_bytes(with_header(far))
+    with pytest.raises(fmt.DurableError, match=r"not a safetensors file \(tensor .*data_offsets .* lie outside the file\)"):
+        fresh.load_durable(run.uri, name)
+    renamed = {("param/evil" if k == last else k): v for k, v in header.items()}
+    shard.write_bytes(with_header(renamed))
+    with pytest.raises(fmt.DurableError, match="holds tensor 'param/evil', which the manifest does not list there: foreign file"):
+        fresh.load_durable(run.uri, name)
+    np.testing.assert_array_equal(state_bytes(fresh), before)  # nothing loaded
+    shard.write_bytes(good)
+    assert fresh.load_durable(run.uri, name) == 2
+    np.testing.assert_array_equal(state_bytes(fresh), state_bytes(workers[1]))
+
+
 def test_edited_manifest_and_uncommitted_directories_are_not_trusted(trained, tmp_path):
     cfg, workers = trained
     run = Storage(str(tmp_path))

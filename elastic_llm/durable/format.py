@@ -312,6 +312,84 @@ class Checkpoint:
             out[name] = t
         return out
 
+    def read_into(self, dest: dict[str, np.ndarray]) -> None:
+        """Read the tensors named in ``dest`` (global name -> a writable uint8 array of exactly
+        their bytes) straight from their files into it: the safetensors header is parsed as JSON
+        and checked against the manifest, each tensor's bytes are read at their offset into its
+        destination (no intermediate copy on a local disk) and checked against their CRC-32 there.
+        Raises :class:`DurableError` naming the file for anything that does not match; what is
+        in ``dest`` is then undefined (the caller loads nothing)."""
+        recs = self.manifest["tensors"]
+        missing = sorted(set(dest) - set(recs))
+        if missing:
+            raise DurableError(f"{self.uri} has no tensor(s) {missing[:3]}: it was written by another model")
+        by_file: dict[str, list[str]] = {}
+        for n in dest:
+            by_file.setdefault(recs[n]["file"], []).append(n)
+        for file, names in sorted(by_file.items()):
+            rel = f"{self.name}/{file}"
+            try:
+                self._read_file(rel, names, dest)
+            except FileNotFoundError:
+                raise DurableError(f"{self.storage.display(rel)} is missing: the checkpoint is incomplete, use an older one") from None
+
+    def _read_file(self, rel: str, names: list[str], dest: dict[str, np.ndarray]) -> None:
+        recs = self.manifest["tensors"]
+        file = rel.rsplit("/", 1)[1]
+        with self.storage.reader(rel) as f:
+            header, start = self._header(rel, f)
+            for n in names:
+                at = header.get(n)
+                if at is None:
+                    raise DurableError(f"{self.uri}: tensor {n} listed in the manifest is not in {file}: the checkpoint is damaged")
+                lo, hi = at["data_offsets"]
+                if hi - lo != dest[n].nbytes:
+                    raise DurableError(f"tensor {n} in {self.storage.display(rel)} has {hi - lo} bytes, this stage needs {dest[n].nbytes}")
+                if f.read_at(start + lo, dest[n]) != dest[n].nbytes:
+                    raise DurableError(f"{self.storage.display(rel)} ends inside tensor {n}: truncated, use an older checkpoint")
+                if checksum(dest[n]) != recs[n]["crc32"]:
+                    raise DurableError(f"tensor {n} in {self.storage.display(rel)} fails its CRC-32: the file is corrupted, use an older checkpoint")
+
+    def _header(self, rel: str, f: Any) -> tuple[dict[str, Any], int]:
+        """The safetensors header of the open file ``f`` (``rel``), every entry checked against
+        the manifest, and where the tensor data starts."""
+        size, want = f.size, self.manifest["files"].get(rel.rsplit("/", 1)[1], {}).get("nbytes")
+
+        def refuse(why: str) -> DurableError:
+            return DurableError(f"{self.storage.display(rel)} is not a safetensors file ({why}): refused without running or unpickling anything")
+
+        head = np.zeros(8, np.uint8)
+        if f.read_at(0, head) != 8:
+            raise refuse("shorter than its 8-byte header length")
+        n = int(head.view("<u8")[0])
+        if n > min(size - 8, 100 << 20):
+            raise refuse(f"a header of {n} bytes in a file of {size}")
+        raw = np.zeros(n, np.uint8)
+        f.read_at(8, raw)
+        try:
+            header = json.loads(raw.tobytes())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise refuse(f"its header is not JSON: {e}") from None
+        if not isinstance(header, dict):
+            raise refuse("its header is not a JSON object")
+        if want is not None and size != want:
+            raise DurableError(f"{self.storage.display(rel)} has {size} bytes, the manifest says {want}: truncated or replaced")
+        dtypes = {v: k for k, v in SAFETENSORS_DTYPE.items()}
+        file = rel.rsplit("/", 1)[1]
+        for name, at in header.items():
+            if name == "__metadata__":
+                continue
+            rec = self.manifest["tensors"].get(name)
+            if rec is None or rec["file"] != file:
+                raise DurableError(f"{self.storage.display(rel)} holds tensor {name!r}, which the manifest does not list there: foreign file")
+            if not isinstance(at, dict) or dtypes.get(str(at.get("dtype"))) != rec["dtype"] or at.get("shape") != rec["shape"]:
+                raise DurableError(f"tensor {name} in {self.storage.display(rel)} is {at.get('dtype') if isinstance(at, dict) else at}"
+                                   f"{at.get('shape') if isinstance(at, dict) else ''}, the manifest says {rec['dtype']}{rec['shape']}")
+            lo, hi = at.get("data_offsets", (None, None))
+            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= size - 8 - n):
+                raise refuse(f"tensor {name}'s data_offsets {at.get('data_offsets')} lie outside the file")
+        return header, 8 + n
+
     def tensors(self, names: Iterable[str] | None = None) -> dict[str, Any]:
         """Tensors by global name (all of them, or ``names``), verified."""
         wanted = set(names) if names is not None else set(self.manifest["tensors"])

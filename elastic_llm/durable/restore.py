@@ -17,7 +17,6 @@ import numpy as np
 
 from elastic_llm.config import RunConfig
 from elastic_llm.durable.format import Checkpoint, DurableError, global_name
-from elastic_llm.tensors import host_bytes
 
 
 def check_fits(ck: Checkpoint, cfg: RunConfig) -> list[str]:
@@ -41,13 +40,17 @@ def stage_state(ck: Checkpoint, entries: list[Any], nbytes: int, layer_ids: list
     same stage and replica in the checkpoint (the nearest one if the run was narrower or had
     fewer stages then), with this stage's layout."""
     names = {e.name: global_name(e.name, layer_ids) for e in entries}
-    tensors = ck.tensors(names.values())
-    buffer[:nbytes] = 0
-    for e in entries:
-        t = tensors[names[e.name]]
-        if tuple(t.shape) != tuple(e.shape) or str(t.dtype).removeprefix("torch.") != e.dtype:
-            raise DurableError(f"{ck.uri}: tensor {names[e.name]} is {t.dtype}{list(t.shape)}, this stage needs {e.dtype}{list(e.shape)}")
-        buffer[e.offset : e.offset + e.nbytes] = host_bytes(t)
+    recs = ck.manifest["tensors"]
+    for e in entries:  # before any byte is read: a checkpoint whose tensors do not fit this stage
+        rec = recs.get(names[e.name])
+        if rec is not None and (tuple(rec["shape"]) != tuple(e.shape) or rec["dtype"] != e.dtype):
+            raise DurableError(f"{ck.uri}: tensor {names[e.name]} is {rec['dtype']}{rec['shape']}, this stage needs {e.dtype}{list(e.shape)}")
+    ck.read_into({names[e.name]: buffer[e.offset : e.offset + e.nbytes] for e in entries})  # straight into the buffer, CRC-checked there
+    end = 0
+    for e in sorted(entries, key=lambda e: e.offset):  # the layout's padding, if any
+        buffer[end : e.offset] = 0
+        end = max(end, e.offset + e.nbytes)
+    buffer[end:nbytes] = 0
     states = ck.manifest["states"]
     s = str(stage) if str(stage) in states else str(max(int(k) for k in states))
     by_replica = states[s]

@@ -114,6 +114,22 @@ class Storage:
         with self.fs.open_input_stream(self.path(rel)) as f:
             return f.read()
 
+    @contextmanager
+    def reader(self, rel: str) -> Iterator["Reader"]:
+        """A file open for reads at offsets into caller's buffers (:class:`Reader`)."""
+        if self.local:
+            fd = os.open(self.path(rel), os.O_RDONLY)  # FileNotFoundError: the caller says what is missing
+            try:
+                yield Reader(os.fstat(fd).st_size, fd, None)
+            finally:
+                os.close(fd)
+            return
+        f = self.fs.open_input_file(self.path(rel))
+        try:
+            yield Reader(f.size(), None, f)
+        finally:
+            f.close()
+
     def exists(self, rel: str) -> bool:
         return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
 
@@ -169,6 +185,35 @@ class Writer:
             ahead = self.nbytes / self.max_bps - (time.monotonic() - self._t0)
             if ahead > 0:
                 time.sleep(ahead)
+
+
+class Reader:
+    """Reads of a file at an offset straight into a caller's buffer: ``os.preadv`` on a local
+    disk, pyarrow's ``readinto`` elsewhere."""
+
+    def __init__(self, size: int, fd: int | None, f: Any) -> None:
+        self.size, self.fd, self.f = size, fd, f
+
+    def read_at(self, offset: int, into: Any) -> int:
+        """Fill ``into`` (a writable contiguous buffer) from ``offset``; returns the bytes read
+        (fewer at the end of the file)."""
+        view = memoryview(into).cast("B")
+        if self.fd is not None:
+            done = 0
+            while done < len(view):
+                got = os.preadv(self.fd, [view[done:]], offset + done)
+                if got == 0:
+                    break
+                done += got
+            return done
+        self.f.seek(offset)
+        done = 0
+        while done < len(view):
+            got = self.f.readinto(view[done:])
+            if not got:
+                break
+            done += got
+        return done
 
 
 def fsync_path(path: str) -> None:

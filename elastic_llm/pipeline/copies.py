@@ -51,7 +51,7 @@ class BackgroundCopies:
         self.arena = arena
         self.delay_s = delay_s
         self.device = device
-        self.buffers: list[np.ndarray] = []
+        self.buffers: dict[int, np.ndarray] = {}  # allocated on first use, each on its own (a restore's buffer 2 needs no 0 and 1)
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-copy-{name}")
         self.latest: Future | None = None
         self.held: dict[int, Copy] = {}  # version -> copy (at most one per alternating buffer)
@@ -68,14 +68,14 @@ class BackgroundCopies:
             self.wait_s += time.perf_counter() - t
 
     def buffer(self, i: int) -> np.ndarray:
-        while len(self.buffers) <= i:
+        if i not in self.buffers:
             n = self.arena.layout.nbytes
             if self.device.type == "cuda":
                 buf = host(torch.empty(n, dtype=torch.uint8, pin_memory=True))
             else:
                 buf = np.empty(n, dtype=np.uint8)
             buf.fill(0)  # touch every page once: later copies write warm memory
-            self.buffers.append(buf)
+            self.buffers[i] = buf
         return self.buffers[i]
 
     def start(self, version: int, lo: int, hi: int, manifest: str) -> None:

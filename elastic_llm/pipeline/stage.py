@@ -527,7 +527,7 @@ class StageWorker(OtherSources):
             node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
             return StageState(self.run_id, -1, self.n_stages, -1, 0, "standby", node, os.getpid(), 0, None, False, 0)
         copies = self.copies
-        held = self.arena.layout.nbytes + sum(b.nbytes for b in copies.buffers)
+        held = self.arena.layout.nbytes + sum(b.nbytes for b in copies.buffers.values())
         self.metrics.set("stage_bytes_held", held, run=self.run_id, stage=self.stage, replica=self.replica)
         latest = copies.latest
         return StageState(
