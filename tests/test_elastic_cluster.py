@@ -21,6 +21,7 @@ import ray
 
 from elastic_llm.config import load_config
 from elastic_llm.runtime.ray_runtime import ray_trainer
+from elastic_llm.snapshot.erasure import checksum
 from elastic_llm.runtime.session import add_loopback_node, loopback_cluster
 from elastic_llm.runtime.drains import draining_nodes, request_drain
 from elastic_llm.data import open_run_data
@@ -287,19 +288,22 @@ def test_the_spot_watcher_drains_on_a_notice_so_the_stages_move_first_with_no_ro
         history = run.join()
         # the committed version no longer depends on the victim: no shard or parity of it there, and
         # every stage's committed state comes back from the managers alive (none is rebuilt)
-        # bit for bit the stages' state at the run's last step (which always takes a snapshot)
+        # bit for bit: every piece as recorded when it was committed (and the stages' state, when
+        # the committed version is the run's last step)
         rec = t.parts.snapshots.committed
         assert victim not in {s.node_id for s in rec.shards} and not any(victim in g for g in rec.groups)
-        assert rec.version == t.step
         for stage in range(2):
             src = t.parts.snapshots.fetch_stage_state(stage, 0, frozenset())
             assert src.source == "local_smp"
-            live, _ = ray.get(t.group.actor(ShardKey(stage, 0)).capture_state.remote(), timeout=60)
-            got = np.zeros_like(np.asarray(live).view(np.uint8))
-            for off, part in zip(src.offsets, ray.get(list(src.refs), timeout=60)):
-                part = np.asarray(part).view(np.uint8)
-                got[off:off + len(part)] = part
-            assert np.array_equal(got, np.asarray(live).view(np.uint8)), f"stage {stage}: the committed state differs from the stage's"
+            parts = [np.asarray(p).view(np.uint8) for p in ray.get(list(src.refs), timeout=60)]
+            crcs = [p.crc for info in rec.shards if info.key.stage == stage for p in info.pieces]
+            assert [checksum(p) for p in parts] == crcs, f"stage {stage}: a piece of the committed version differs from what was committed"
+            if rec.version == t.step:
+                live = np.asarray(ray.get(t.group.actor(ShardKey(stage, 0)).capture_state.remote(), timeout=60)[0]).view(np.uint8)
+                got = np.zeros_like(live)
+                for off, part in zip(src.offsets, parts):
+                    got[off:off + len(part)] = part
+                assert np.array_equal(got, live), f"stage {stage}: the committed state differs from the stage's"
     finally:
         if watcher is not None and watcher.poll() is None:
             watcher.kill()

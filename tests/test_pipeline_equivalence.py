@@ -379,3 +379,51 @@ def test_the_driver_makes_one_call_per_replica_and_a_killed_relay_is_named_while
         assert np.isfinite(ex2.finish(ex2.start(3, *batch())).loss)
     finally:
         kill_all(actors)
+
+
+def test_a_stage_killed_mid_step_stops_the_others_inside_their_ops_not_after(ray_local):
+    """4 stages x 2 replicas of a model whose ops take a good part of a second. Replica 0's stage
+    2 is held at its first forward and SIGKILLed one op's time into the step, while replica 1
+    (which does not wait for it before the all-reduce) computes: every other stage is stopped
+    where it is (a peer's lost link, or the driver's abort checked at each layer boundary), not
+    when its op would have ended: each reports its failure within a third of an op's time of the kill."""
+    import os
+    import signal
+    import time
+
+    from elastic_llm.pipeline.executor import StepFailed
+    from elastic_llm.pipeline.plan import FailureKind, Fault, FaultAction, Phase
+
+    cfg = config_from_dict({
+        "model": {"dim": 768, "n_heads": 8, "n_layers": 8, "seq_len": 256},
+        "parallel": {"stages": 4, "dp": 2, "schedule": "1f1b", "microbatches": 2, "cpus_per_actor": 0.25, "threads_per_actor": 1},
+        "train": {"batch_size": 8, "seed": 3},
+    })
+    rng = np.random.default_rng(5)
+    actors = stage_actors(cfg, 4, 2)
+
+    def batch():
+        tokens = rng.integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
+        return tokens[:, :-1].copy(), tokens[:, 1:].copy()
+
+    try:
+        ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches)
+        ex.finish(ex.start(1, *batch()))  # links up, first ops warm
+        ops = np.concatenate([r.op_seconds for r in ex.finish(ex.start(2, *batch())).reports.values()])
+        op_s = float(np.median(ops))
+        victim = ShardKey(2, 0)
+        pid = ray.get(actors[0][2].info.remote()).pid
+        pending = ex.start(3, *batch(), faults={victim: Fault(Phase.FORWARD, FaultAction.HOLD)})
+        assert not ex.wait(pending, op_s), "the step ended while a stage was held"
+        killed = time.time()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(StepFailed) as err:
+            ex.finish(pending)
+        assert (err.value.stage, err.value.replica) == (2, 0)
+        stopped = {k: r.failure for k, r in pending.reports.items() if r.failure is not None}
+        assert set(stopped) == {ShardKey(s, r) for s in range(4) for r in range(2)} - {victim}, sorted(pending.reports)
+        late = {k: round(f.at - killed, 3) for k, f in stopped.items() if f.at - killed > 0.35 * op_s}
+        assert not late, f"stopped after a third of an op ({op_s:.2f} s) past the kill: {late}"
+        assert FailureKind.ERROR not in {f.kind for f in stopped.values()}  # the victim is the one root cause
+    finally:
+        kill_all(actors)

@@ -148,3 +148,38 @@ def test_no_actor_holds_links_to_every_stage_of_every_replica():
     most = max(len(ps) for ps in peers.values())
     assert most <= n + dp, most
     assert len(peers[ShardKey(0, 0)]) == (n - 1) + (dp - 1)
+
+
+def test_an_aborted_step_stops_inside_a_stages_forward_or_backward_at_a_layer_boundary():
+    """The driver's abort reaches a stage that is computing, not only one blocked on a peer: its
+    forward stops before its first layer runs, and its backward before any layer's gradient is
+    computed (the op is left, not finished); a new link generation runs again."""
+    from elastic_llm.config import load_config
+    from elastic_llm.pipeline.stage import StageWorker
+
+    cfg = load_config("jobs/tiny.yaml", ["model.dim=64", "model.n_layers=4", "model.seq_len=16", "parallel.stages=2"])
+    w = StageWorker(cfg, 1, 0)  # the last stage: layers 2 and 3, then the head
+    ran = []
+    for i, layer in enumerate(w.module.layers):
+        layer.register_forward_hook(lambda *_, i=i: ran.append(i))
+    first = linked([ShardKey(1, 0), ShardKey(0, 0)], generation=3)
+    again = linked([ShardKey(1, 0), ShardKey(0, 0)], generation=4)
+    w.links = first[ShardKey(1, 0)]
+    try:
+        x = np.random.default_rng(0).standard_normal((2, 16, 64)).astype(np.float32)
+        targets = np.zeros((2, 16), np.int64)
+        w.set_microbatches((2,), 2)
+        w.links.abort(3)
+        with pytest.raises(Aborted):
+            w.forward(0, x, targets)
+        assert ran == []  # not one layer ran
+        w.links = again[ShardKey(1, 0)]  # the links of the next generation (a reset): it runs again
+        w.forward(0, x, targets)
+        assert ran == [0, 1]
+        w.links.abort(4)
+        with pytest.raises(Aborted):
+            w.backward(0)
+        assert all(p.grad is None for p in w.module.layers.parameters())  # no layer's gradient was computed
+    finally:
+        close(first)
+        close(again)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from elastic_llm.config import RunConfig, config_from_dict
-from elastic_llm.model import build_stage, lm_loss
+from elastic_llm.model import StageModule, build_stage, lm_loss
 from elastic_llm.pipeline.copies import BackgroundCopies
 from elastic_llm.pipeline.optim import build_optimizer
 from elastic_llm.pipeline.plan import InjectedFault, StepPlan, StepReport, StepStats
@@ -143,6 +143,7 @@ class StageWorker(OtherSources):
         torch.set_num_threads(par.threads())
         torch.manual_seed(stage_seed(train.seed, stage, replica))
         self.module = build_stage(self.cfg.model.shape(), par.stages, stage, train.seed).to(self.device)
+        self._check_aborts(self.module)
         self.optimizer, self.scheduler = build_optimizer(self.module, train)
         from elastic_llm.snapshot.state import StateArena
 
@@ -162,6 +163,22 @@ class StageWorker(OtherSources):
         self.copies = BackgroundCopies(self.arena, self.device, f"{stage}-{replica}", self.cfg.chaos.snapshot_delay_s)
         self.injected_error: str | None = None  # chaos: every forward raises this from now on
         self.links: Any = None  # SocketTransport: this actor's links to its step peers
+
+    def _check_aborts(self, module: StageModule) -> None:
+        """An aborted step (another actor of it failed) stops at this stage's next layer
+        boundary, in a forward or a backward, instead of finishing the op it is in."""
+
+        def check(*_: Any) -> None:
+            if self.links is not None:
+                self.links.raise_if_aborted()
+
+        def on_output(_m: Any, _i: Any, out: Any) -> None:
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(check)  # runs when the backward reaches this layer
+
+        for layer in module.layers:
+            layer.register_forward_pre_hook(check)
+            layer.register_forward_hook(on_output)
 
     def __repr__(self) -> str:
         # Ray shows this as the actor's display name (``ray list actors``, the dashboard) and in

@@ -96,6 +96,8 @@ class Transport(Protocol):
 
     def abort(self, generation: int) -> None: ...
 
+    def raise_if_aborted(self) -> None: ...  # Aborted if the running step's generation was aborted
+
     def poison(self) -> None: ...
 
     def sent_bytes(self) -> dict[str, int]: ...
@@ -218,6 +220,12 @@ class SocketTransport:
         except OSError:
             pass
 
+    def raise_if_aborted(self) -> None:
+        """Raise :class:`Aborted` if this generation's step was aborted (the stage checks this
+        between its layers, so an aborted step stops inside an op, not after it)."""
+        if self.aborted_generation >= self.generation:
+            raise Aborted(f"{self.me}: step {self.step} aborted by the driver")
+
     def poison(self) -> None:
         """Close every link (a failed step): peers blocked on this actor see the closed link."""
         for link in self.out.values():
@@ -299,8 +307,7 @@ class SocketTransport:
     def _wait_readable(self, sock: socket.socket, peer: ShardKey) -> None:
         deadline = time.monotonic() + self.deadline_s
         while True:
-            if self.aborted_generation >= self.generation:
-                raise Aborted(f"{self.me}: step {self.step} aborted by the driver")
+            self.raise_if_aborted()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DeadlineExceeded(peer, self.deadline_s)
