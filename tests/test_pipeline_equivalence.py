@@ -41,6 +41,17 @@ def stage_actors(cfg, stages, dp, replicas=None):
     return [[Actor.remote(cfg.to_dict(), s, r, dp) for s in range(stages)] for r in (replicas if replicas is not None else range(dp))]
 
 
+def token_batches(cfg, seed):
+    """A function giving a new random (inputs, targets) batch of ``cfg``'s size at each call."""
+    rng = np.random.default_rng(seed)
+
+    def batch():
+        tokens = rng.integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
+        return tokens[:, :-1].copy(), tokens[:, 1:].copy()
+
+    return batch
+
+
 def kill_all(actors):
     for row in actors:
         for a in row:
@@ -346,12 +357,8 @@ def test_the_driver_makes_one_call_per_replica_and_a_killed_relay_is_named_while
     from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
 
     cfg = small_config(2, 2, "1f1b")
-    rng = np.random.default_rng(4)
+    batch = token_batches(cfg, 4)
     actors = stage_actors(cfg, 2, 2)
-
-    def batch():
-        tokens = rng.integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
-        return tokens[:, :-1].copy(), tokens[:, 1:].copy()
 
     try:
         ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches)
@@ -399,12 +406,8 @@ def test_a_stage_killed_mid_step_stops_the_others_inside_their_ops_not_after(ray
         "parallel": {"stages": 4, "dp": 2, "schedule": "1f1b", "microbatches": 2, "cpus_per_actor": 0.25, "threads_per_actor": 1},
         "train": {"batch_size": 8, "seed": 3},
     })
-    rng = np.random.default_rng(5)
+    batch = token_batches(cfg, 5)
     actors = stage_actors(cfg, 4, 2)
-
-    def batch():
-        tokens = rng.integers(0, 256, size=(cfg.train.batch_size, cfg.model.seq_len + 1))
-        return tokens[:, :-1].copy(), tokens[:, 1:].copy()
 
     try:
         ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches)
