@@ -353,7 +353,8 @@ class Checkpoint:
     def _header(self, rel: str, f: Any) -> tuple[dict[str, Any], int]:
         """The safetensors header of the open file ``f`` (``rel``), every entry checked against
         the manifest, and where the tensor data starts."""
-        size, want = f.size, self.manifest["files"].get(rel.rsplit("/", 1)[1], {}).get("nbytes")
+        file = rel.rsplit("/", 1)[1]
+        size, want = f.size, self.manifest["files"].get(file, {}).get("nbytes")
 
         def refuse(why: str) -> DurableError:
             return DurableError(f"{self.storage.display(rel)} is not a safetensors file ({why}): refused without running or unpickling anything")
@@ -375,7 +376,6 @@ class Checkpoint:
         if want is not None and size != want:
             raise DurableError(f"{self.storage.display(rel)} has {size} bytes, the manifest says {want}: truncated or replaced")
         dtypes = {v: k for k, v in SAFETENSORS_DTYPE.items()}
-        file = rel.rsplit("/", 1)[1]
         for name, at in header.items():
             if name == "__metadata__":
                 continue

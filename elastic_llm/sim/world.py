@@ -268,15 +268,11 @@ class SimManager:
     def _relay(self, method: str, args: tuple[Any, ...], handles: list["SimManager"]) -> SimRef:
         """``commit`` or ``discard`` passed on to ``handles`` (this one first); the members on
         nodes already gone do not take it, nor any if this node is gone (the driver re-sends)."""
-        if self.world.fleet.removed_by(self.node, self.world.clock.now):
-            return self._ref(0.0)
-        failed = []
-        for i, h in enumerate(handles):
-            if self.world.fleet.removed_by(h.node, self.world.clock.now):
-                failed.append(i)
-                continue
-            getattr(h, f"_{method}")(*args)
-        return self._ref(0.0, tuple(failed))
+        if not self.world.fleet.removed_by(self.node, self.world.clock.now):
+            for h in handles:
+                if not self.world.fleet.removed_by(h.node, self.world.clock.now):
+                    getattr(h, f"_{method}")(*args)
+        return self._ref(0.0)
 
     def _commit(self, version: int, flush: bool, keep: tuple[int, ...]) -> SimRef:
         self.versions = {v: a for v, a in self.versions.items() if v >= version or v in keep}

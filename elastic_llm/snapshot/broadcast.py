@@ -65,7 +65,7 @@ class Broadcast:
         for ref in done + (rest if block else []):
             r = by_ref[ref]
             try:
-                self.calls.get(ref, timeout=0)  # members that could not run it are dead: a later failure names them
+                self.calls.get(ref, timeout=0)  # it answered: every live member ran the call
                 continue
             except Exception as e:  # noqa: BLE001 - however the relay failed (died, no answer), its members get the call directly
                 why = type(e).__name__

@@ -130,7 +130,7 @@ class ManagerHandle(Protocol):
     held: Remote  # () -> {version: committed}
     snapshot_version: Remote  # (ManagerPlan) -> ManagerPart
     relay_versions: Remote  # ((handle, ManagerPlan), ...) -> the group's ManagerParts (the first member starts the others')
-    relay: Remote  # (method, args, handles) -> positions whose call failed: commit or discard passed on to the handles
+    relay: Remote  # (method, args, handles) -> None once all ran it: commit or discard passed on to the handles
     commit: Remote  # (version, flush, keep) -> None
     discard: Remote  # (version, attempt) -> None
     discard_all: Remote  # () -> None

@@ -46,12 +46,11 @@ class Exposure:
         p = self.pending
         if p is not None and left & p.nodes:
             late = left & p.nodes
-            rec = committed
-            nbytes = sum(s.nbytes for n in late for s in rec.infos_on(n)) if rec is not None else 0
-            self.done.append({"version": rec.version if rec is not None else 0, "nodes": sorted(late), "seconds": now - p.since,
-                              "bytes": nbytes, "in_time": False})
+            nbytes = sum(s.nbytes for n in late for s in committed.infos_on(n)) if committed is not None else 0
+            version = committed.version if committed is not None else 0
+            self.done.append({"version": version, "nodes": sorted(late), "seconds": now - p.since, "bytes": nbytes, "in_time": False})
             log.warning("draining nodes %s went %.1f s after their notice, before a snapshot without them committed (%.1f MB of "
-                        "their shards in step %s's)", [n[:12] for n in sorted(late)], now - p.since, nbytes / 1e6, rec.version if rec else "-")
+                        "their shards in step %d's)", [n[:12] for n in sorted(late)], now - p.since, nbytes / 1e6, version)
             p = self.pending = replace(p, nodes=p.nodes - late) if p.nodes - late else None
         if new and committed is not None and exposed(committed.groups, nodes, self.parity):
             held = frozenset(n for g in committed.groups if sum(1 for m in g if m in nodes) > self.parity for n in g if n in nodes)

@@ -300,10 +300,10 @@ class SnapshotManager:
         with self.lock:
             self._unread += rest
 
-    def relay(self, method: str, args: tuple[Any, ...], handles: list[Any]) -> tuple[int, ...]:
+    def relay(self, method: str, args: tuple[Any, ...], handles: list[Any]) -> None:
         """Pass a driver's ``commit`` or ``discard`` (with ``args``) on to ``handles`` (this
         manager's own first) so the driver makes one call per ~16 managers; answers once each
-        has run it, with the positions of those that could not (their actor died). The driver
+        has run it (a member whose actor died is left to the failure that names it). The driver
         reads the answer: a relay that died before answering is one it re-sends past."""
         import ray
 
@@ -311,13 +311,11 @@ class SnapshotManager:
             raise ValueError(f"{method!r} is not relayed (only {sorted(RELAYED)})")
         refs = [getattr(h, method).remote(*args) for h in handles]
         ray.wait(refs, num_returns=len(refs), timeout=WAIT_S)
-        failed = []
-        for i, ref in enumerate(refs):
+        for ref in refs:  # read, so Ray reports no unhandled error for a member that died
             try:
                 ray.get(ref, timeout=0)
             except ray.exceptions.RayError:  # its actor died (or still runs it after WAIT_S)
-                failed.append(i)
-        return tuple(failed)
+                continue
 
     @staticmethod
     def _collect(version: int, calls: dict[ShardKey, Any]) -> list[ShardInfo]:
