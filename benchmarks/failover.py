@@ -11,7 +11,10 @@ between rounds) until 2 steps past the kill, and the other from a fresh killed r
 outside (``perf_counter`` around the process): until the resumed driver's metrics file shows its
 first step; also the product's own ``reattach`` / ``resume`` line (``seconds``: the restore), its
 start line (when it came, and its ``setup_s``: where the setup went: Ray, managers, stages), and
-the step each resumed from (memory: the newest committed snapshot; durable: an older one).
+the step each resumed from (memory: the newest committed snapshot; durable: an older one), and
+how many stage processes the resumed driver started anew (memory: its stage actors are taken
+over, so none unless one died; the durable peer's round first ends everything the killed run left,
+as ``recovery.driver_grace_s`` would, and starts all of them).
 Must never reach anything but 127.0.0.1, or judge its result (BENCHMARKS.md does).
 """
 
@@ -72,7 +75,24 @@ def _killed_run(config: str, address: str, work: Path, kill_at: int, sets: list[
     p.send_signal(signal.SIGKILL)
     p.wait()
     (start,) = [ev for ev in map(events.parse, _lines(out)) if isinstance(ev, events.Start)]
-    return start.run_id, max(_steps(out))
+    return start.run_id, max(_steps(out)), _pids(start)
+
+
+def _pids(start: Any) -> dict[str, int]:
+    return {f"{a['stage']}/{a['replica']}": a["pid"] for a in start.actors}
+
+
+def _reclaim(run_id: str) -> None:
+    """End whatever of run ``run_id`` outlived its driver (managers, stage actors, standbys, their
+    placement groups), as their leases would after ``recovery.driver_grace_s``."""
+    import ray
+
+    from elastic_llm.lease import remove_run_groups
+
+    for e in ray.util.list_named_actors(all_namespaces=True):
+        if e["name"].startswith((f"smp-{run_id}-", f"stage-{run_id}-", f"standby-{run_id}-")):
+            ray.kill(ray.get_actor(e["name"], namespace=e["namespace"]))
+    remove_run_groups(run_id)
 
 
 def _resume(config: str, address: str, work: Path, name: str, target: str, steps: int, sets: list[str]) -> dict[str, Any]:
@@ -89,6 +109,8 @@ def _resume(config: str, address: str, work: Path, name: str, target: str, steps
         "first_step_s": first_step_s, "restore_s": line.seconds, "resumed_at": line.step, "how": line.kind.value,
         "to_start_line_s": round(start.time - wall, 3),  # process start to its start line (Python, imports, setup)
         "setup_s": start.setup_s or {},  # the product's own spans of that setup
+        "pids": _pids(start),
+        "kept": getattr(line, "kept", None),  # memory: stage actors taken over with the committed state in place
     }
 
 
@@ -110,14 +132,15 @@ def run_failover_bench(config: str = "jobs/tiny.yaml", rounds: int = 2, kill_at:
                 with tempfile.TemporaryDirectory(prefix="elastic-llm-failover-") as tmp:
                     work = Path(tmp)
                     sets = [*SMALL, f"durable.storage_path={work / 'store'}", "durable.every=2", "durable.run_name=bench"]
-                    run_id, killed = _killed_run(str(REPO / config), cluster.address, work, kill_at, sets)
+                    run_id, killed, pids = _killed_run(str(REPO / config), cluster.address, work, kill_at, sets)
                     target = run_id if how == "memory" else str(work / "store" / "bench")
-                    if how == "durable":  # no managers to find: the peer restarts from storage only
+                    if how == "durable":  # nothing outlives the driver: the peer restarts from storage only
+                        _reclaim(run_id)
                         sets = [*sets, "recovery.driver_grace_s=0"]
-                    runs[how].append({"killed_at": killed, **_resume(str(REPO / config), cluster.address, work, how, target, killed + 2, sets)})
-                    for e in ray.util.list_named_actors(all_namespaces=True):  # the memory round's managers, if any were left
-                        if e["name"].startswith(f"smp-{run_id}-"):
-                            ray.kill(ray.get_actor(e["name"], namespace=e["namespace"]))
+                    got = _resume(str(REPO / config), cluster.address, work, how, target, killed + 2, sets)
+                    got["new_stage_processes"] = sum(1 for k, pid in got["pids"].items() if pids.get(k) != pid)
+                    runs[how].append({"killed_at": killed, **got})
+                    _reclaim(run_id)  # anything left of either round
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -126,6 +149,7 @@ def run_failover_bench(config: str = "jobs/tiny.yaml", rounds: int = 2, kill_at:
             "first_step_s_median": round(statistics.median(x["first_step_s"] for x in rs), 2),
             "restore_s_median": round(statistics.median(x["restore_s"] for x in rs), 3),
             "steps_redone_median": statistics.median(x["killed_at"] - x["resumed_at"] for x in rs),
+            "new_stage_processes_max": max(x["new_stage_processes"] for x in rs),
             "runs": rs,
         }
     result["speedup"] = round(result["durable"]["first_step_s_median"] / result["memory"]["first_step_s_median"], 2)

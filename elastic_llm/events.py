@@ -177,6 +177,8 @@ class Reattach(Event):
     run_id: str
     seconds: float
     managers: int
+    kept: int = 0  # stage actors taken over with the committed state in place (nothing restored)
+    restored: int = 0  # stage actors that restored it from the managers (new ones, or past it)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -227,6 +227,13 @@ class RunConfig:
         return self.snapshot.enabled and self.recovery.mode == Mode.LOSSLESS
 
     @property
+    def outlives_driver(self) -> bool:
+        """Whether the run's actors outlive a dead driver for ``recovery.driver_grace_s`` (its
+        managers, stage actors and standbys detached, kept alive by the driver's keepalive) so that
+        ``train --resume RUN_ID`` can take them over: only a run with in-memory snapshots."""
+        return self.snapshots_on and self.recovery.driver_grace_s > 0
+
+    @property
     def swapped(self) -> bool:
         """Whether odd microbatches run the first two and last two stages in swapped order (CheckFree+)."""
         return self.recovery.mode == Mode.CHECKFREE_PLUS

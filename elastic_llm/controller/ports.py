@@ -104,6 +104,11 @@ class StageActors(Protocol):
     def replicas_on(self, nodes: frozenset[str]) -> list[int]: ...
     def shutdown(self) -> None: ...
 
+    # ---- driver failover (see elastic_llm.runtime.handover)
+    def roster(self) -> dict[str, Any]: ...  # the width's actors as a next driver finds them (JSON)
+    def take_over(self, roster: dict[str, Any]) -> set[ShardKey]: ...  # a dead driver's actors that answer become this group's, state in place; the keys adopted
+    def leased(self) -> list[tuple[Any, str | None]]: ...  # the actors a keepalive must reach (detached ones end without it), with the thread group of the call
+
     # ---- spares
     def start_spare(self) -> Any: ...
     def spare_ready(self, spare: Any) -> bool: ...
@@ -162,6 +167,8 @@ class Standbys(Protocol):
     def count(self) -> tuple[int, int]: ...  # (ready, starting)
     def pids(self, node: str) -> list[int]: ...
     def take(self, node: str) -> Any: ...  # a ready standby on ``node`` (its ``actor`` to adopt), removed from the pool; None if there is none
+    def take_over(self) -> int: ...  # a dead driver's standbys of the run join the pool; how many
+    def actors(self) -> list[Any]: ...  # every standby's actor (a keepalive reaches them)
     def shutdown(self) -> None: ...
 
 
@@ -174,7 +181,9 @@ class RunRegistry(Protocol):
     ``--resume RUN_ID`` (driver failover)."""
 
     def check_same_model(self, run_id: str, config: dict[str, Any]) -> None: ...  # raises ResumeError
-    def retire_old_driver(self, run_id: str) -> None: ...
+    def retire_old_driver(self, run_id: str, keep: frozenset[str] = frozenset(), keep_standbys: bool = False) -> None: ...  # ends what is not taken over
+    def publish_roster(self, run_id: str, roster: dict[str, Any]) -> None: ...
+    def roster(self, run_id: str) -> dict[str, Any] | None: ...  # the dead driver's stage actors (None: none published)
     def find(self, run_id: str) -> tuple[dict[str, Any], VersionRecord | None]: ...  # managers by node, committed record
     def epoch(self, run_id: str) -> int: ...  # drivers the run had so far (0: none known)
     def publish_run(self, run_id: str, config: dict[str, Any], epoch: int) -> None: ...

@@ -87,6 +87,7 @@ class Resumed:
     step: int
     position: StreamPosition | None
     seconds: float
+    kept: int = 0  # stage actors taken over whose state was already the one resumed from (nothing restored)
 
 
 def open_snapshots(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, spans: Spans) -> SnapshotCoordinator | None:
@@ -113,9 +114,10 @@ def open_snapshots(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool
     return sn
 
 
-def publish_run(cfg: RunConfig, runtime: Runtime, run_id: str, sn: SnapshotCoordinator) -> Keepalive | None:
+def publish_run(cfg: RunConfig, runtime: Runtime, run_id: str, sn: SnapshotCoordinator, group: StageActors) -> Keepalive | None:
     """Driver failover (``recovery.driver_grace_s`` > 0): publish the run's config, this driver
-    and each committed record, and keep the managers alive."""
+    and each committed record, and keep the managers and the stage actors alive (the roster of the
+    stage actors is published at every change of membership: :func:`publish_roster`)."""
     if sn.grace_s <= 0:
         return None
     registry = runtime.registry
@@ -123,7 +125,27 @@ def publish_run(cfg: RunConfig, runtime: Runtime, run_id: str, sn: SnapshotCoord
     sn.on_commit = lambda record: registry.publish_committed(run_id, record)
     log.info("run %s: if this driver dies, `elastic-llm train --resume %s` with the same config goes on from its snapshots in memory "
              "within recovery.driver_grace_s=%g s", run_id, run_id, sn.grace_s)
-    return registry.keepalive(lambda: list(sn.managers.values()), min(5.0, sn.grace_s / 4))
+    return registry.keepalive(lambda: [(h, None) for h in list(sn.managers.values())] + group.leased(), min(5.0, sn.grace_s / 4))
+
+
+def publish_roster(runtime: Runtime, run_id: str, parts: RunParts) -> None:
+    """The stage actors of the width as a next driver takes them over (with failover on)."""
+    if parts.keepalive is not None:
+        runtime.registry.publish_roster(run_id, parts.group.roster())
+
+
+def take_over(runtime: Runtime, cfg: RunConfig, parts: RunParts, roster: dict[str, Any] | None) -> set[ShardKey]:
+    """``--resume RUN_ID``: the dead driver's stage actors that answer (and its warm standbys)
+    become this driver's, their state in place; returns the keys adopted (the others are started
+    afresh, and every state past the committed snapshot is rolled back, by :func:`reattach`)."""
+    adopted = parts.group.take_over(roster) if roster else set()
+    if parts.standbys is not None and parts.standbys.enabled:
+        n = parts.standbys.take_over()
+        if n:
+            log.info("--resume: %d warm standbys of the run taken over", n)
+    if roster:
+        log.info("--resume: %d of the run's %d stage actors taken over with their state", len(adopted), len(roster.get("actors", [])))
+    return adopted
 
 
 def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, metrics: MetricsWriter, data_dir: str,
@@ -132,12 +154,12 @@ def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, me
     publisher = Publisher(facts, runtime.monitor, runtime.clock)  # the run's monitor (Ray: the run-<id> actor): its status and metrics
     metrics.observers.append(publisher.on_record)
     sn = open_snapshots(cfg, runtime, run_id, reattach, spans)
-    keepalive = publish_run(cfg, runtime, run_id, sn) if sn is not None else None
     durable = runtime.durable(cfg, sn, data_dir, metrics) if sn is not None else None  # None: the run has no durable tier
     if sn is not None:
         sn.durable = durable
     standbys = runtime.standbys(cfg, run_id)
     group = runtime.group(cfg, run_id, standbys)
+    keepalive = publish_run(cfg, runtime, run_id, sn, group) if sn is not None else None
     checkpoints = None
     if cfg.recovery.mode == Mode.CHECKPOINT:
         checkpoints = CheckpointExecutor(group, cfg.recovery.checkpoint_every, cfg.recovery.checkpoint_dir, runtime.clock)
@@ -149,25 +171,30 @@ def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, me
 
 
 def reattach(runtime: Runtime, run_id: str, group: StageActors, sn: SnapshotCoordinator | None, driver_grace_s: float) -> Resumed:
-    """``--resume RUN_ID``: the fresh stages restore the dead driver's newest committed snapshot
-    from its managers (shards on lost nodes rebuilt from parity). Raises :class:`ResumeError`
-    (nothing in memory) naming why; the caller may fall back to the durable tier."""
+    """``--resume RUN_ID``: every stage actor whose state is not the dead driver's newest committed
+    snapshot (a new one, or one taken over that went past it) restores it from the managers
+    (shards on lost nodes rebuilt from parity); one taken over that holds it keeps its state.
+    Raises :class:`ResumeError` (nothing in memory) naming why; the caller may fall back to the
+    durable tier."""
     t = runtime.clock.perf_counter()
     rec = sn.committed if sn is not None else None
     try:
         if sn is None or rec is None:
             raise UnrecoverableError("its snapshot managers or its committed record are gone")
+        steps = group.reset_survivors(runtime.nodes.alive())  # a step the dead driver left running is dropped
+        need = [k for k in group.keys() if steps.get(k) != rec.version]
         srcs: dict[ShardKey, StageSource] | None = None
         for _ in range(len(sn.managers) + 1):  # a shard that fails to load counts its node lost: look again
             dead = sn.dead_managers(runtime.nodes.alive())
             try:
-                srcs = {k: sn.fetch_stage_state(k.stage, k.replica, dead) for k in group.keys()}
+                srcs = {k: sn.fetch_stage_state(k.stage, k.replica, dead) for k in need}
                 break
             except SourceLost as e:
                 log.warning("--resume %s: %s; looking again", run_id, e)
         if srcs is None:
             raise UnrecoverableError("every snapshot part failed to load")
-        group.load_parts(srcs)
+        if srcs:
+            group.load_parts(srcs)
     except (UnrecoverableError, *runtime.errors) as e:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
         raise ResumeError(
             f"--resume {run_id}: nothing to resume from in memory ({str(e).splitlines()[0]}; its driver died more than "
@@ -175,8 +202,10 @@ def reattach(runtime: Runtime, run_id: str, group: StageActors, sn: SnapshotCoor
         ) from None
     raw = rec.shard(ShardKey(0, 0)).data_position()
     seconds = runtime.clock.perf_counter() - t
-    log.info("resumed run %s from its committed in-memory snapshot of step %d in %.1f s", run_id, rec.version, seconds)
-    return Resumed(rec.version, StreamPosition.of(raw) if raw else None, seconds)
+    kept = len(group.keys()) - len(need)
+    log.info("resumed run %s from its committed in-memory snapshot of step %d in %.1f s (%d stage actors kept their state, %d restored)",
+             run_id, rec.version, seconds, kept, len(need))
+    return Resumed(rec.version, StreamPosition.of(raw) if raw else None, seconds, kept)
 
 
 def resume_durable(runtime: Runtime, group: StageActors, ck: Checkpoint) -> Resumed:
@@ -207,7 +236,8 @@ def start_from(runtime: Runtime, cfg: RunConfig, parts: RunParts, run_id: str, r
                 ck = open_checkpoint(run_storage(cfg).uri)
             else:
                 managers = len(parts.snapshots.managers) if parts.snapshots is not None else 0
-                metrics.emit(events.Reattach(step=at.step, run_id=run_id, seconds=at.seconds, managers=managers))
+                metrics.emit(events.Reattach(step=at.step, run_id=run_id, seconds=at.seconds, managers=managers, kept=at.kept,
+                                             restored=len(parts.group.keys()) - at.kept))
     if ck is not None:
         with spans.span("resume"):
             at = resume_durable(runtime, parts.group, ck)

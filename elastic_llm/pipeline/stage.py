@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from elastic_llm.config import RunConfig, config_from_dict
+from elastic_llm.lease import Lease, remove_run_groups
 from elastic_llm.model import StageModule, build_stage, lm_loss
 from elastic_llm.pipeline.copies import BackgroundCopies
 from elastic_llm.pipeline.optim import build_optimizer
@@ -65,6 +66,7 @@ class StageInfo:
     layers: tuple[int, ...]
     parameters: int
     gpu_ids: tuple[int, ...] = ()  # the devices Ray gave this process (a standby adopted in its place takes them)
+    links: int = -1  # the generation of its links to its step peers (-1: none yet): a new driver aborts a step of it left running
 
 
 def warm_up(cfg: RunConfig) -> None:
@@ -102,11 +104,15 @@ CONCURRENCY_GROUPS = {"snapshot": 2, "status": 1, "control": 1, "relay": 1}
 class StageWorker(OtherSources):
     """Layers + optimizer of (stage, replica). Methods are called in schedule order."""
 
-    def __init__(self, config: dict[str, Any] | RunConfig, stage: int | None, replica: int = 0, dp: int | None = None, run_id: str = "") -> None:
+    def __init__(self, config: dict[str, Any] | RunConfig, stage: int | None, replica: int = 0, dp: int | None = None, run_id: str = "",
+                 grace_s: float = 0.0) -> None:
         """``stage`` None starts a warm standby: the process has torch and the model code imported
-        and warmed up, holds no stage and next to no memory, and becomes a stage on :meth:`adopt`."""
+        and warmed up, holds no stage and next to no memory, and becomes a stage on :meth:`adopt`.
+        ``grace_s`` > 0: a detached actor that outlives its driver, ending itself (and the run's
+        placement groups) once no driver's :meth:`keepalive` came for that long."""
         self.cfg = config if isinstance(config, RunConfig) else config_from_dict(config)
         self.run_id = run_id
+        self.lease = Lease(grace_s, f"stage actor of run {run_id} (pid {os.getpid()})", lambda: remove_run_groups(run_id)) if grace_s > 0 else None
         self.standby = stage is None
         self.adopted_gpus: tuple[int, ...] = ()  # devices taken over from a dead actor (a GPU run's standby)
         self.metrics = Metrics()
@@ -499,6 +505,11 @@ class StageWorker(OtherSources):
         self.replica, self.dp = replica, dp
         return self.step_count
 
+    def keepalive(self) -> None:
+        """A driver of the run lives (``recovery.driver_grace_s``): the lease is renewed."""
+        if self.lease is not None:
+            self.lease.renew()
+
     def inject_error(self, message: str) -> None:
         """Fault injection: from now on every forward raises :class:`InjectedFault` (``message``)."""
         self.injected_error = message
@@ -522,6 +533,7 @@ class StageWorker(OtherSources):
             layers=tuple(self.module.layer_ids),
             parameters=sum(p.numel() for p in self.module.parameters()),
             gpu_ids=self.adopted_gpus or (tuple(int(g) for g in ray.get_gpu_ids()) if ctx else ()),
+            links=self.links.generation if self.links is not None else -1,
         )
 
     def role(self) -> str:

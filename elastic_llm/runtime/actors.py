@@ -22,6 +22,7 @@ from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, Standbys
 from elastic_llm.controller.states import Capacity
+from elastic_llm.runtime import handover
 from elastic_llm.runtime.placement import PLACE_S, Reservations, remove_group
 from elastic_llm.runtime.stage_calls import StateCalls
 from elastic_llm.snapshot.coordinator import StageMember
@@ -81,7 +82,9 @@ class ActorGroup(StateCalls):
         self.clock = clock
         self.spans = Spans(clock.perf_counter)  # "actor" (start or adopt replacements), "state" (copies between actors)
         self.stages = cfg.parallel.stages
-        self.slots = Reservations(cfg, clock)
+        self.slots = Reservations(cfg, clock, run_id)
+        self.grace_s = cfg.recovery.driver_grace_s if cfg.outlives_driver else 0.0  # > 0: detached actors that outlive the driver this long (elastic_llm.lease)
+        self.names: dict[Any, str] = {}  # actor handle -> its Ray name (the roster a next driver takes over)
         self.actors: list[list[Any]] = []  # [replica][stage]; the width is len(actors) once spawned
         self.nodes: dict[ShardKey, str] = {}
         self.pids: dict[ShardKey, int] = {}
@@ -164,6 +167,7 @@ class ActorGroup(StateCalls):
                 if sb is None:
                     raise PlanNotFollowed(f"the plan has stage {key.stage} replica {key.replica} adopt a warm standby on node {node[:12]}, but none is left there")
                 self.actors[key.replica][key.stage] = sb.actor
+                self.names[sb.actor] = sb.name
                 calls[key] = sb.actor.adopt.remote(key.stage, key.replica, self.width, self._devices_for(key))
             self.describe(keys, calls)
             ray.get(widths, timeout=WIDTH_S)
@@ -188,13 +192,17 @@ class ActorGroup(StateCalls):
             self._cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageWorker)
         par = self.cfg.parallel
         self.generation += 1
-        return self._cls.options(
-            name=f"stage-{self.run_id}-{key.stage}-{key.replica}.{self.generation}",
+        name = f"stage-{self.run_id}-{key.stage}-{key.replica}.{self.generation}"
+        actor = self._cls.options(
+            name=name,
             num_cpus=par.cpus_per_actor,
             num_gpus=par.gpus_per_actor,
             max_restarts=0,
+            lifetime="detached" if self.grace_s > 0 else None,  # outlives a dead driver (see elastic_llm.runtime.handover)
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        ).remote(self.cfg, key.stage, key.replica, self.width, self.run_id)
+        ).remote(self.cfg, key.stage, key.replica, self.width, self.run_id, self.grace_s)
+        self.names[actor] = name
+        return actor
 
     def describe(self, keys: list[ShardKey], calls: dict[ShardKey, Any] | None = None) -> list[Any]:
         """Wait (with deadlines) until ``keys`` answer (their ``info``, or the given ``calls``
@@ -233,6 +241,7 @@ class ActorGroup(StateCalls):
         self.ready.discard(key)
         self.fresh.discard(key)
         if old is not None:
+            self.names.pop(old, None)
             kill_actor(old)
 
     def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]:
@@ -332,6 +341,7 @@ class ActorGroup(StateCalls):
             node = where[pg]
             sb = self.pool.take(node) if node is not None and self.pool is not None and self._standby_fits() else None
             if sb is not None:
+                self.names[sb.actor] = sb.name
                 out.append((sb.actor, sb.actor.adopt.remote(key.stage, key.replica, width, None), True))
             else:
                 actor = self._spawn(key, pg)
@@ -480,6 +490,16 @@ class ActorGroup(StateCalls):
             self.fresh.add(key)
             taken.append(key)
         return taken
+
+    # ------------------------------------------------------------------ driver failover (see handover.py)
+    def roster(self) -> dict[str, Any]:
+        return handover.roster(self)
+
+    def take_over(self, roster: dict[str, Any]) -> set[ShardKey]:
+        return handover.take_over(self, roster)
+
+    def leased(self) -> list[tuple[Any, str | None]]:
+        return handover.leased(self)
 
     def shutdown(self) -> None:
         for spare in list(self.spares):

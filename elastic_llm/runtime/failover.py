@@ -1,20 +1,24 @@
 """Driver failover: what lets a new driver pick a run up where a dead one left it.
 
-With ``recovery.driver_grace_s`` > 0 (the default), a run's snapshot managers are detached Ray
-actors: they outlive the driver that started them, holding the run's newest committed in-memory
-snapshot, for ``driver_grace_s`` after the last keepalive of a driver; then each ends itself, so a
-run nobody resumes leaks nothing. ``elastic-llm train --resume RUN_ID`` (or the same command in a
-resubmitted Ray job) starts a driver that finds them, reads the committed version's record and
-restores fresh stage actors from it, as a recovery would; without them it falls back to the run's
+With ``recovery.driver_grace_s`` > 0 (the default), a run's snapshot managers, stage actors (with
+their placement groups), spares and warm standbys are detached Ray actors: they outlive the driver
+that started them, the managers holding the run's newest committed in-memory snapshot and the
+stages their live state, for ``driver_grace_s`` after the last keepalive of a driver; then each
+ends itself (:mod:`elastic_llm.lease`), so a run nobody resumes leaks nothing. ``elastic-llm
+train --resume RUN_ID`` (or the same command in a resubmitted Ray job) starts a driver that takes
+the run's roster over (:mod:`elastic_llm.runtime.handover`: the stage actors that answer keep
+their process and state; those whose state is past the committed snapshot roll back to it) and
+restores only what was lost, as a recovery would; without the managers it falls back to the run's
 newest durable checkpoint.
 
 Owns: the run's entries in Ray's GCS key-value store (namespace ``elastic-llm``:
 ``run/<id>/config``, the run's config as JSON, and ``run/<id>/driver``, its Ray job id, written
-at start; ``run/<id>/committed``, the newest
-committed snapshot version's record as JSON, rewritten at every commit), the :class:`Keepalive`
-thread that tells the run's managers a driver lives, finding a run's surviving managers by their
+at start; ``run/<id>/committed``, the newest committed snapshot version's record as JSON,
+rewritten at every commit; ``run/<id>/roster``, the stage actors of the width by name and
+placement group, rewritten at every change of membership), the :class:`Keepalive` thread that
+tells the run's detached actors a driver lives, finding a run's surviving managers by their
 names (:func:`find_managers`), and retiring a dead driver (:func:`retire_old_driver`: refused
-while its Ray job runs; its leftover actors ended, so their names are free).
+while its Ray job runs; its leftover actors that are not taken over ended, so their names are free).
 Never decides what to restore (the trainer does, from what is found) and never unpickles: the
 records are JSON (:func:`~elastic_llm.snapshot.records.record_from_json`).
 """
@@ -57,7 +61,7 @@ def forget(run_id: str) -> None:
     """A run that ended cleanly: nothing is left to resume."""
     from ray.experimental.internal_kv import _internal_kv_del
 
-    for what in ("config", "driver", "committed", "epoch"):
+    for what in ("config", "driver", "committed", "epoch", "roster"):
         _internal_kv_del(_key(run_id, what), namespace=KV_NAMESPACE)
 
 
@@ -118,10 +122,13 @@ def publish_driver(run_id: str) -> None:
     publish(run_id, "driver", ray.get_runtime_context().get_job_id())
 
 
-def retire_old_driver(namespace: str, run_id: str, seconds: float = OLD_ACTORS_S) -> None:
+def retire_old_driver(namespace: str, run_id: str, keep: frozenset[str] = frozenset(), keep_standbys: bool = False,
+                      seconds: float = OLD_ACTORS_S) -> None:
     """Before a new driver takes run ``run_id`` over: refuse if the old driver's job still runs;
-    else end what is left of its own (not detached) actors (stages, standbys, the run's monitor:
-    Ray ends a dead job's actors, but not always at once) and wait until their names are free."""
+    else end what is left of its actors that the new driver does not take over (the run's
+    monitor, stage actors not named in ``keep`` (the roster's), spares, and the warm standbys
+    unless ``keep_standbys``: Ray ends a dead job's own actors, but not always at once, and never
+    its detached ones) and wait until their names are free."""
     import ray
 
     job = read(run_id, "driver")
@@ -133,10 +140,11 @@ def retire_old_driver(namespace: str, run_id: str, seconds: float = OLD_ACTORS_S
                 f"--resume {run_id}: the run's driver (Ray job {job}) is still running: stop it first "
                 "(`ray job stop`, or kill its process), or let it train"
             )
-    prefixes = (f"stage-{run_id}-", f"run-{run_id}", f"standby-{run_id}-")
+    prefixes = (f"stage-{run_id}-", f"run-{run_id}") + (() if keep_standbys else (f"standby-{run_id}-",))
 
     def left() -> list[str]:
-        return [e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == namespace and e["name"].startswith(prefixes)]
+        return [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                if e["namespace"] == namespace and e["name"].startswith(prefixes) and e["name"] not in keep]
 
     for name in left():
         try:
@@ -151,11 +159,12 @@ def retire_old_driver(namespace: str, run_id: str, seconds: float = OLD_ACTORS_S
 
 
 class Keepalive:
-    """Tells every manager ``handles()`` returns that a driver lives, every ``period_s``, on a
-    thread of its own (fire and forget: a dead manager is a later failure, not this thread's).
-    :meth:`stop` ends the thread and waits for it."""
+    """Tells every actor ``handles()`` returns (with the thread group its call goes to, None: the
+    actor's default) that a driver lives, every ``period_s``, on a thread of its own (fire and
+    forget: a dead actor is a later failure, not this thread's). :meth:`stop` ends the thread and
+    waits for it."""
 
-    def __init__(self, handles: Callable[[], list[Any]], period_s: float) -> None:
+    def __init__(self, handles: Callable[[], list[tuple[Any, str | None]]], period_s: float) -> None:
         self.handles = handles
         self.period_s = period_s
         self.errors = 0
@@ -172,12 +181,12 @@ class Keepalive:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):
-            for h in list(self.handles()):
+            for h, group in list(self.handles()):
                 try:
-                    h.keepalive.remote()
+                    (h.keepalive if group is None else h.keepalive.options(concurrency_group=group)).remote()
                 except Exception as e:  # noqa: BLE001 - the next round tries again; the first error is said
                     if self.errors == 0:
-                        log.warning("keepalive to a snapshot manager failed (%s: %s); it goes on", type(e).__name__, e)
+                        log.warning("keepalive to an actor of the run failed (%s: %s); it goes on", type(e).__name__, e)
                     self.errors += 1
 
 
@@ -187,12 +196,20 @@ class RayRegistry:
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
+        self.driver_epoch = 0  # this driver's epoch once it published the run (elastic_llm.runtime.ray_runtime: link generations)
 
     def check_same_model(self, run_id: str, config: dict[str, Any]) -> None:
         check_same_model(run_id, config)
 
-    def retire_old_driver(self, run_id: str) -> None:
-        retire_old_driver(self.namespace, run_id)
+    def retire_old_driver(self, run_id: str, keep: frozenset[str] = frozenset(), keep_standbys: bool = False) -> None:
+        retire_old_driver(self.namespace, run_id, keep, keep_standbys)
+
+    def publish_roster(self, run_id: str, roster: dict[str, Any]) -> None:
+        publish(run_id, "roster", json.dumps(roster))
+
+    def roster(self, run_id: str) -> dict[str, Any] | None:
+        text = read(run_id, "roster")
+        return json.loads(text) if text is not None else None
 
     def find(self, run_id: str) -> tuple[dict[str, Any], VersionRecord | None]:
         return find_managers(self.namespace, run_id), published_committed(run_id)
@@ -205,11 +222,12 @@ class RayRegistry:
         publish(run_id, "config", json.dumps(config))
         publish(run_id, "epoch", str(epoch))
         publish_driver(run_id)
+        self.driver_epoch = epoch
 
     def publish_committed(self, run_id: str, record: VersionRecord) -> None:
         publish_committed(run_id, record)
 
-    def keepalive(self, handles: Callable[[], list[Any]], period_s: float) -> Keepalive:
+    def keepalive(self, handles: Callable[[], list[tuple[Any, str | None]]], period_s: float) -> Keepalive:
         k = Keepalive(handles, period_s)
         k.start()
         return k

@@ -23,12 +23,14 @@ meanwhile, Ray places it elsewhere).
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.states import Capacity
+from elastic_llm.lease import group_prefix
 from elastic_llm.snapshot.records import ShardKey
 
 log = logging.getLogger("elastic_llm.runtime")
@@ -83,9 +85,14 @@ class Reservations:
     """The one-bundle placement groups of the run's stage actors (``groups``), made like
     ``bundle``; spares' groups are made here and handed over when a spare is adopted."""
 
-    def __init__(self, cfg: RunConfig, clock: Clock) -> None:
+    def __init__(self, cfg: RunConfig, clock: Clock, run_id: str = "") -> None:
         self.cfg = cfg
         self.clock = clock
+        # recovery.driver_grace_s > 0: the groups outlive the driver with the run's stage actors,
+        # named so that leases find them (see elastic_llm.lease) and unique to this driver
+        self.detached = cfg.outlives_driver and bool(run_id)
+        self.name_prefix = f"{group_prefix(run_id)}{secrets.token_hex(3)}."
+        self.made = 0
         self.stages = cfg.parallel.stages
         self.spread = cfg.parallel.placement_strategy in ("SPREAD", "STRICT_SPREAD")
         self.groups: dict[ShardKey, Any] = {}  # the reservation of each actor of the width
@@ -123,7 +130,12 @@ class Reservations:
         from ray.util.placement_group import placement_group
 
         targets = choose_nodes(self.free_per_node(avoid), n, self.spread, prefer)
-        return [placement_group([dict(self.bundle)], strategy="STRICT_PACK", _soft_target_node_id=t) for t in targets]
+        out = []
+        for t in targets:
+            self.made += 1
+            named = {"name": f"{self.name_prefix}{self.made}", "lifetime": "detached"} if self.detached else {}
+            out.append(placement_group([dict(self.bundle)], strategy="STRICT_PACK", _soft_target_node_id=t, **named))
+        return out
 
     def ensure(self, width: int, avoid: frozenset[str] = frozenset()) -> None:
         """Every actor of the first ``width`` replicas has a group (new ones packed per replica)."""

@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from elastic_llm.chaos import Chaos, ChaosExecutor
 from elastic_llm.clock import SYSTEM, Clock
@@ -31,6 +31,8 @@ from elastic_llm.runtime.session import NAMESPACE, start_ray, store_warnings
 from elastic_llm.runtime.managers import RayManagers
 from elastic_llm.sources import Mode
 from elastic_llm.spans import Spans
+
+GENERATION_BITS = 40  # a driver's link generations: its epoch << GENERATION_BITS, then one more per membership
 
 log = logging.getLogger("elastic_llm.runtime")
 
@@ -119,7 +121,14 @@ class RayRuntime:
         self.registry = RayRegistry(NAMESPACE)
         self.faults = ChaosFaults(cfg, cluster)
         self.owns_ray = False
-        self.generations = itertools.count(1)  # link generations: this driver's counter, never the wall clock
+        self.generations = self._generations()  # link generations: this driver's counter, never the wall clock
+
+    def _generations(self) -> Iterator[int]:
+        """Link generations, increasing also across the run's drivers: a driver that took stage
+        actors over (``--resume RUN_ID``) links them anew above anything the dead one used (its
+        epoch, published with the run, in the high bits; as the snapshot coordinator's attempts)."""
+        for n in itertools.count(1):
+            yield (self.registry.driver_epoch << GENERATION_BITS) + n
 
     def start(self, cfg: RunConfig, run_id: str, spans: Spans) -> list[str]:
         import ray

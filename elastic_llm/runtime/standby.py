@@ -77,6 +77,7 @@ class StandbyPool:
         self._pings: dict[Any, Standby] = {}  # liveness calls in flight (see check)
         self._pinged = float("-inf")
         self._cls: Any = None
+        self.grace_s = cfg.recovery.driver_grace_s if cfg.outlives_driver else 0.0  # > 0: detached standbys that outlive the driver this long (elastic_llm.lease)
 
     @property
     def enabled(self) -> bool:
@@ -124,8 +125,9 @@ class StandbyPool:
             num_cpus=0,
             num_gpus=gpus,
             max_restarts=0,
+            lifetime="detached" if self.grace_s > 0 else None,  # outlives a dead driver: the next one takes it over
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(self.cfg, None, run_id=self.run_id)
+        ).remote(self.cfg, None, run_id=self.run_id, grace_s=self.grace_s)
         return Standby(actor, node, name, actor.info.remote(), self.clock.monotonic())
 
     def _forget_dead(self) -> None:
@@ -202,6 +204,43 @@ class StandbyPool:
                 self.adopted += 1
                 return sb
         return None
+
+    def actors(self) -> list[Any]:
+        """Every standby's actor handle (ready or starting)."""
+        return [sb.actor for sbs in list(self.standbys.values()) for sb in list(sbs)]
+
+    def take_over(self) -> int:
+        """The standbys a dead driver of this run left (detached, found by name) join this pool
+        once they answer (within :data:`~elastic_llm.runtime.handover.ANSWER_S`: one still starting
+        then is ended); returns how many. Standbys started later get later names."""
+        import ray
+
+        from elastic_llm.runtime.handover import ANSWER_S, name_generation
+
+        prefix = f"standby-{self.run_id}-"
+        found = {}
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] == self.namespace and entry["name"].startswith(prefix):
+                self.started = max(self.started, name_generation(entry["name"]))
+                try:
+                    found[entry["name"]] = ray.get_actor(entry["name"], namespace=self.namespace)
+                except ValueError:  # gone since it was listed
+                    continue
+        asks = {actor.info.options(concurrency_group="status").remote(): (name, actor) for name, actor in found.items()}
+        ray.wait(list(asks), num_returns=len(asks), timeout=ANSWER_S)
+        n = 0
+        for ref, (name, actor) in asks.items():
+            try:
+                info = ray.get(ref, timeout=0)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self._kill(Standby(actor, "", name, ref, self.clock.monotonic()))
+                continue
+            sb = Standby(actor, info.node_id, name, ref, self.clock.monotonic())
+            self.standbys.setdefault(info.node_id, []).append(sb)
+            self._ready.add(sb)
+            self._info[sb] = info
+            n += 1
+        return n
 
     def count(self) -> tuple[int, int]:
         """(ready, starting) standbys of the run."""

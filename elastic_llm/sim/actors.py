@@ -279,6 +279,16 @@ class SimActors:
     def shutdown(self) -> None:
         pass
 
+    # a simulated run has one driver (SimRegistry): nothing to hand over
+    def roster(self) -> dict[str, Any]:
+        return {}
+
+    def take_over(self, roster: dict[str, Any]) -> set[ShardKey]:
+        return self._unmodelled("taking a dead driver's actors over")
+
+    def leased(self) -> list[tuple[Any, str | None]]:
+        return []
+
     def _shard_size(self) -> None:
         self.world.shard_mb = self.world.costs.shard_mb(self.parameters, self.stages, self.width)
 

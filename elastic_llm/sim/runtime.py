@@ -130,6 +130,12 @@ class SimStandbys:
     def pids(self, node: str) -> list[int]:
         return []
 
+    def take_over(self) -> int:
+        return 0
+
+    def actors(self) -> list[Any]:
+        return []
+
     def shutdown(self) -> None:
         pass
 
@@ -140,8 +146,14 @@ class SimRegistry:
     def check_same_model(self, run_id: str, config: dict[str, Any]) -> None:
         pass
 
-    def retire_old_driver(self, run_id: str) -> None:
+    def retire_old_driver(self, run_id: str, keep: frozenset[str] = frozenset(), keep_standbys: bool = False) -> None:
         pass
+
+    def publish_roster(self, run_id: str, roster: dict[str, Any]) -> None:
+        pass
+
+    def roster(self, run_id: str) -> dict[str, Any] | None:
+        return None
 
     def find(self, run_id: str) -> tuple[dict[str, Any], VersionRecord | None]:
         return {}, None

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from elastic_llm.lease import Lease, remove_run_groups
 from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
 from elastic_llm.snapshot.layout import ParityLayout
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ManagerState, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
@@ -125,9 +126,7 @@ class SnapshotManager:
         self.node_id = node_id
         self.run_id = run_id
         self.grace_s = grace_s  # > 0: a detached manager that ends itself this long after its driver's last keepalive
-        self.contact = time.monotonic()
-        if grace_s > 0:
-            threading.Thread(target=self._reaper, name="smp-reaper", daemon=True).start()
+        self.lease = Lease(grace_s, repr(self), release=lambda: remove_run_groups(run_id)) if grace_s > 0 else None
         self.metrics = Metrics()
         self.codec_backend = codec_backend
         self.versions: dict[int, Version] = {}
@@ -140,18 +139,11 @@ class SnapshotManager:
         return f"SnapshotManager(node {self.node_id[:8]}, run {self.run_id})"
 
     def keepalive(self) -> None:
-        """A driver of the run lives (see ``recovery.driver_grace_s``)."""
-        self.contact = time.monotonic()
-
-    def _reaper(self) -> None:
-        """Ends this (detached) manager once no driver has kept it alive for ``grace_s``: a run
-        whose driver died and was not resumed leaks nothing."""
-        while time.monotonic() - self.contact < self.grace_s:
-            time.sleep(min(1.0, self.grace_s / 4))
-        log.warning("%r: no driver for %.0f s (recovery.driver_grace_s): ending, its snapshots go with it", self, self.grace_s)
-        import os
-
-        os._exit(0)
+        """A driver of the run lives (see ``recovery.driver_grace_s``): its lease is renewed.
+        Once no driver has renewed it for ``grace_s``, the manager ends (its snapshots go with it)
+        after removing the run's leftover placement groups: a run nobody resumes leaks nothing."""
+        if self.lease is not None:
+            self.lease.renew()
 
     def state(self) -> ManagerState:
         """What this manager holds now (``elastic-llm status``)."""
@@ -223,7 +215,6 @@ class SnapshotManager:
     def snapshot_version(self, plan: ManagerPlan) -> ManagerPart:
         """Take this node's part of ``plan.version``: collect its stages' pieces, offer the data
         chunks of each region to that region's parity holders, encode the parity it holds."""
-        import time
 
         cpu0 = time.thread_time()
         version, group, m, me = plan.version, plan.group, plan.parity, plan.me

@@ -1,0 +1,89 @@
+"""The lease of an actor that outlives its driver: it ends itself when no driver renews it.
+
+Owns: :class:`Lease`, what the run's detached actors (snapshot managers, stage actors, warm
+standbys) hold while ``recovery.driver_grace_s`` > 0: a driver's keepalive renews it
+(:meth:`Lease.renew`); once nobody has for ``grace_s`` seconds, the lease releases what the actor
+holds in the cluster (``release``: e.g. its placement group, which Ray keeps after the process
+ends) and ends the process, so a run nobody resumes leaks nothing.
+Never decides how long the grace is (the config does) and never talks to a driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("elastic_llm.lease")
+
+
+class Lease:
+    """Ends this process (``os._exit``) ``grace_s`` seconds after the last :meth:`renew`, first
+    calling ``release`` (its errors are logged: the process ends anyway). Its watch thread is a
+    daemon that either ends the process or is stopped by :meth:`stop` (joined there)."""
+
+    def __init__(self, grace_s: float, what: str, release: Callable[[], object] | None = None, exit: Callable[[int], None] = os._exit) -> None:
+        if grace_s <= 0:
+            raise ValueError(f"a lease needs a grace of more than 0 seconds (got {grace_s}): without one the actor ends with its driver")
+        self.grace_s = grace_s
+        self.what = what
+        self.release = release
+        self.exit = exit  # os._exit; a test passes its own
+        self.contact = time.monotonic()
+        self.expired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="elastic-llm-lease", daemon=True)
+        self._thread.start()
+
+    def renew(self) -> None:
+        self.contact = time.monotonic()
+
+    def left_s(self) -> float:
+        return self.grace_s - (time.monotonic() - self.contact)
+
+    def _watch(self) -> None:
+        while True:
+            left = self.left_s()
+            if left <= 0:
+                break
+            if self._stop.wait(min(left, 1.0)):
+                return
+        self.expired = True
+        log.warning("%s: no driver for %.0f s (recovery.driver_grace_s): ending", self.what, self.grace_s)
+        if self.release is not None:
+            try:
+                self.release()
+            except Exception as e:  # noqa: BLE001 - the process ends either way; what could not be released is said
+                log.warning("%s: could not release what it holds (%s: %s)", self.what, type(e).__name__, e)
+        self.exit(0)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop watching (the actor ends by other means: a clean shutdown, or an in-process test)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
+
+
+def group_prefix(run_id: str) -> str:
+    """The name prefix of run ``run_id``'s detached placement groups (one per stage actor)."""
+    return f"pg-{run_id}-"
+
+
+def remove_run_groups(run_id: str) -> int:
+    """Remove every placement group of run ``run_id`` still in the cluster (a lease's release: Ray
+    keeps a detached group after its actor ended, holding its CPUs). Returns how many."""
+    from ray.util import placement_group_table, remove_placement_group
+    from ray.util.placement_group import PlacementGroup
+    from ray._raylet import PlacementGroupID  # type: ignore[attr-defined]  # a compiled module: no stubs
+
+    n = 0
+    for gid, row in placement_group_table().items():
+        if row.get("name", "").startswith(group_prefix(run_id)) and row.get("state") != "REMOVED":
+            try:
+                remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(gid))))
+                n += 1
+            except ValueError:  # removed meanwhile (by another of the run's leases)
+                continue
+    return n
