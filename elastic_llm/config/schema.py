@@ -127,7 +127,7 @@ class RecoveryConfig:
     node_probe_s: float = 0.25  # the driver probes every worker node's raylet this often (0: no probes; Ray's health checks alone)
     node_probe_failures: int = 3  # probes in a row that time out before a node is a suspect of this run (a refused connection is dead at once)
     node_probe_declare: bool = True  # a node whose raylet refuses connections is declared dead to Ray (false: this run alone treats it as dead)
-    driver_grace_s: float = 120.0  # snapshot managers outlive a dead driver this long for `train --resume RUN_ID` (0: they die with it)
+    driver_grace_s: float = 120.0  # snapshot managers, stage actors and standbys outlive a dead driver this long for `train --resume RUN_ID` (0: they die with it)
 
 
 @dataclass
