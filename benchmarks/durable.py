@@ -97,11 +97,14 @@ def _in_process(config_path: str, overrides: Sequence[str], workdir: str, rounds
     }
 
 
-def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps: int, cluster: Any = None, metrics: Sequence[str | None] = ()) -> tuple[list[float], list[Any]]:
+def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps: int, cluster: Any = None, metrics: Sequence[str | None] = (),
+               after: Any = None) -> tuple[list[float], list[Any], list[list[float]]]:
     """Live Trainers of ``cfgs`` taking turns in blocks of ``block_steps`` steps (``warmup`` steps
     each first, so e.g. ``snapshot.every: auto`` has settled): the median over rounds of each
-    one's tokens/s relative to the first's, the first's median tokens/s, and the Trainers (shut
-    down). Taking turns puts the machine's noise into every run alike."""
+    one's tokens/s relative to the first's, the first's median tokens/s, the Trainers (shut
+    down) and each one's per-block throughput relative to the first's in the same round (the
+    noise). ``after(trainers)`` runs before they shut down. Taking turns puts the machine's noise
+    into every run alike."""
     from elastic_llm.runtime.ray_runtime import ray_trainer
 
     ts = [ray_trainer(c, cluster=cluster, metrics_out=(list(metrics) + [None] * len(cfgs))[i]) for i, c in enumerate(cfgs)]
@@ -123,8 +126,10 @@ def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps:
                 t.snapshots.poll(block=True)
             if t.durable is not None:
                 t.durable.finish()
-        ratios = [statistics.median(rates[i][r] / rates[0][r] for r in range(blocks)) for i in range(len(ts))]
-        return [statistics.median(rates[0])] + ratios[1:], ts
+        per_block = [[rates[i][r] / rates[0][r] for r in range(blocks)] for i in range(len(ts))]
+        if after is not None:
+            after(ts)
+        return [statistics.median(rates[0])] + [statistics.median(x) for x in per_block[1:]], ts, per_block
     finally:
         for t in ts:
             t.shutdown()
@@ -138,12 +143,13 @@ def _embedded(config_path: str, overrides: Sequence[str], workdir: str, steps: i
     try:
         m = os.path.join(workdir, "durable.jsonl")
         cfgs = [load_config(config_path, base), load_config(config_path, [*base, f"durable.storage_path={workdir}/emb", "durable.every=1", "durable.keep_last=2"])]
-        (off, ratio), _ = _alternate(cfgs, warmup=3, blocks=6, block_steps=max(1, steps // 6), metrics=[None, m])
+        side: dict[str, Any] = {}
+        (off, ratio), _, _ = _alternate(cfgs, warmup=3, blocks=6, block_steps=max(1, steps // 6), metrics=[None, m],
+                                        after=lambda ts: side.update(_flush_rounds(ts[1], workdir, FLUSH_ROUNDS)))
         flushes = [ev for ev in events.read_events(m) if isinstance(ev, events.Durable)]
-        final = flushes[-1]  # the end flushes the newest version while nothing trains
-        during = [f for f in flushes[:-1] if f.gbps > 0]
+        during = [f for f in flushes[:-FLUSH_ROUNDS - 1] if f.gbps > 0]
         return {
-            "flush_GBps": final.bytes / final.seconds / 1e9,
+            **side,
             "flush_GBps_during_training": statistics.median(f.gbps for f in during) if during else None,
             "flushes": len(flushes),
             "train_overhead_pct": 100.0 * (1 - ratio),
@@ -152,6 +158,51 @@ def _embedded(config_path: str, overrides: Sequence[str], workdir: str, steps: i
         }
     finally:
         ray.shutdown()
+
+
+FLUSH_ROUNDS = 5
+
+
+def rec_bytes(rec: Any) -> int:
+    """The bytes of a committed version's state (its shards' pieces)."""
+    return int(sum(p.length for sh in rec.shards for p in sh.pieces))
+
+
+def _flush_rounds(t: Any, workdir: str, rounds: int) -> dict[str, Any]:
+    """With training idle: the trainer's durable tier flushes its newest committed snapshot
+    ``rounds`` times (start to committed manifest and marker, through the snapshot managers),
+    alternating with a plain write + fsync of as many bytes (one file, from a warm buffer) into
+    the same directory: the medians, and their ratio (the flush's speed against the disk's)."""
+    import numpy as np
+
+    tier = t.durable
+    tier.finish()
+    rec = t.snapshots.committed
+    flush_s, plain_s, nbytes = [], [], 0
+    data: Any = None
+    for r in range(rounds):
+        for what in (("flush", "plain") if r % 2 == 0 else ("plain", "flush")):
+            if what == "flush":
+                t0 = time.perf_counter()
+                tier.start(rec)
+                tier.poll(block=True)
+                flush_s.append(time.perf_counter() - t0)
+                ckpt = os.path.join(tier.run.root, tier.latest()[1])
+                nbytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))  # shard files, manifest and marker
+            else:
+                if data is None:
+                    data = np.ones(rec_bytes(rec), dtype=np.uint8)  # written once here: warm memory, as the snapshot pieces are
+                path = os.path.join(workdir, "plain.bin")
+                t0 = time.perf_counter()
+                with open(path, "wb") as f:
+                    f.write(memoryview(data)[: nbytes or len(data)])
+                    f.flush()
+                    os.fsync(f.fileno())
+                plain_s.append(time.perf_counter() - t0)
+                os.remove(path)
+    fl, pl = statistics.median(flush_s), statistics.median(plain_s)
+    return {"flush_bytes": nbytes, "flush_GBps": nbytes / fl / 1e9, "flush_rounds_s": [round(x, 4) for x in flush_s],
+            "plain_same_bytes_GBps": nbytes / pl / 1e9, "plain_rounds_s": [round(x, 4) for x in plain_s], "flush_vs_plain": pl / fl}
 
 
 def _auto_on_cluster(config_path: str, overrides: Sequence[str], steps: int, settle: int = 30) -> dict[str, Any]:
@@ -164,9 +215,11 @@ def _auto_on_cluster(config_path: str, overrides: Sequence[str], steps: int, set
     c = loopback_cluster(3, 2)
     try:
         cfgs = [load_config(config_path, [*base, "snapshot.enabled=false"]), load_config(config_path, [*base, "snapshot.every=auto"])]
-        (off, ratio), ts = _alternate(cfgs, warmup=settle, blocks=6, block_steps=max(1, steps // 6), cluster=c)
+        (off, ratio), ts, per_block = _alternate(cfgs, warmup=settle, blocks=6, block_steps=max(1, steps // 6), cluster=c)
         return {
             "auto_overhead_pct": 100.0 * (1 - ratio),
+            "auto_overhead_blocks_pct": [round(100.0 * (1 - x), 2) for x in per_block[1]],  # the noise: each block's
+            "auto_budget_pct": cfgs[1].snapshot.max_overhead_pct,
             "auto_every": ts[1].snapshots.every,
             "auto_why": ts[1].snapshots.why,
             "tokens_per_s_snapshots_off": off,

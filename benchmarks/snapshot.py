@@ -16,6 +16,9 @@ Measures, on the whole model's training state (parameters + AdamW moments) of a 
   version in flight carries on across blocks as in one uninterrupted run): the training stall
   (the stage actors' ``snapshot_wait_s`` plus the controller's ``snapshots.stats.wait_s``), the
   throughput and CPU overhead of snapshots, and versions committed;
+* on the cluster, ``snapshot.every: auto`` against no snapshots (after 30 steps to settle, in
+  blocks of 24 steps): the overhead ``auto`` achieves next to its budget
+  (``snapshot.max_overhead_pct``), per block, and the interval it chose and why;
 * on the cluster: the product's restore on the live Trainer with snapshots, from its committed
   version (``snapshots.fetch_stage_state`` + ``load_parts`` into fresh replacement stage actors,
   every stage), and how long a SnapshotManager takes to collect a whole-model stage's snapshot
@@ -592,9 +595,11 @@ def _cluster_phase(
     repeats: int,
     workers: int,
     state_bytes: int,
+    auto_rounds: int = 3,
 ) -> dict[str, Any]:
     """A loopback ``ray.cluster_utils.Cluster`` (a head without CPUs, where the driver and the
-    hand-off measurement live, + ``workers`` worker nodes, one erasure group): parity runs."""
+    hand-off measurement live, + ``workers`` worker nodes, one erasure group): parity runs, and
+    ``snapshot.every: auto`` against its budget (:func:`_auto_overhead`, ``auto_rounds`` blocks; 0: not run)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -622,6 +627,8 @@ def _cluster_phase(
         )
         out.update(restore)
         out["trainers"] = trainers
+        if auto_rounds:
+            out["auto"] = _auto_overhead(config_path, overrides, extra, cfg_off, auto_rounds, cluster)
         out["trainers"]["cluster"] = {
             "worker_nodes": workers,
             "logical_cpus_per_node": per_node,
@@ -634,6 +641,31 @@ def _cluster_phase(
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
+
+
+AUTO_SETTLE = 30  # steps a snapshot.every: auto run takes first, to measure and choose its interval
+AUTO_BLOCK = 24  # steps per block of the auto comparison: at least two of the intervals auto picks on tiny
+
+
+def _auto_overhead(config_path: str, overrides: Sequence[str], extra: Sequence[str], cfg_off: RunConfig, rounds: int, cluster: Any) -> dict[str, Any]:
+    """``snapshot.every: auto`` against no snapshots, on the same cluster, in ``rounds`` blocks
+    of :data:`AUTO_BLOCK` steps each after :data:`AUTO_SETTLE` steps: the overhead it achieves
+    next to its budget (``snapshot.max_overhead_pct``), per block (the noise) and its choice."""
+    cfg_auto = load_config(config_path, [*overrides, "train.eval_every=0", *extra, "snapshot.enabled=true", "snapshot.every=auto"])
+    cmp, chosen = _compare_trainers(cfg_auto, cfg_off, [AUTO_BLOCK] * rounds, AUTO_SETTLE, cluster=cluster,
+                                    then=lambda t: {"every": t.snapshots.every, "why": t.snapshots.why})
+    on, off = cmp["with_snapshot"]["block_tokens_per_s_steady"], cmp["without_snapshot"]["block_tokens_per_s_steady"]
+    return {
+        "budget_pct": cfg_auto.snapshot.max_overhead_pct,
+        "overhead_pct": cmp["overhead_pct"],
+        "overhead_paired_median_pct": cmp["overhead_paired_median_pct"],
+        "overhead_blocks_pct": [round((1 - a / b) * 100, 2) for a, b in zip(on, off)],
+        "noise_pct": cmp["noise_pct"],
+        "snapshots_committed": cmp["snapshots_committed"],
+        "blocks": rounds,
+        "block_steps": AUTO_BLOCK,
+        **chosen,
+    }
 
 
 def _single_node_phase(config_path: str, overrides: Sequence[str], blocks_plan: list[int], warmup: int) -> dict[str, Any]:
@@ -675,13 +707,15 @@ def run_snapshot_bench(
     workers: int = 3,
     single_node: bool | None = None,
     time_budget_s: float = 240.0,
+    auto_rounds: int = 3,
 ) -> dict[str, Any]:
     """Measure our snapshots against torch.save / DCP async_save on the state of ``config_path``.
 
     ``steps``: timed steps per system (snapshots on / off) in the trainer comparison, split into
     ``rounds`` blocks (see :func:`_block_plan`), after ``warmup`` untimed steps;
     ``repeats``: rounds of the in-process measurements (medians reported); ``workers``: worker
-    nodes of the loopback cluster (= the erasure group). The single-node comparison runs when
+    nodes of the loopback cluster (= the erasure group); ``auto_rounds``: blocks of the
+    ``snapshot.every: auto`` comparison on that cluster (0: none). The single-node comparison runs when
     ``single_node`` is True, or (None) when its estimated duration still fits ``time_budget_s``.
     Returns one JSON-serializable dict (see the module doc); every process, Ray instance,
     process group and temporary file it started is gone when it returns.
@@ -701,7 +735,7 @@ def run_snapshot_bench(
     with tempfile.TemporaryDirectory(prefix="elastic-llm-snapbench-") as workdir:
         inproc, (worker, buf, manifest) = _in_process(cfg1, repeats, workdir, workers)
     state_bytes = inproc["state_bytes"]
-    multi = _cluster_phase(config_path, overrides, cfg1, buf, manifest, blocks_plan, warmup, repeats, workers, state_bytes)
+    multi = _cluster_phase(config_path, overrides, cfg1, buf, manifest, blocks_plan, warmup, repeats, workers, state_bytes, auto_rounds)
     del worker, buf
     tr_multi = multi.pop("trainers")
     tr_single: dict[str, Any] = {}

@@ -363,10 +363,10 @@ def test_the_soaks_flipped_byte_check_catches_a_verifier_that_misses_it(trained,
 
 
 def test_a_piece_that_changes_in_memory_while_it_is_flushed_is_not_flushed(trained, tmp_path, monkeypatch):
-    """The flush streams views of object-store memory: a byte flipped there after the piece's
-    checksum was checked, but before its bytes reached the file, must fail the part (the soak's
-    silent corruption once struck in that window: the checkpoint's own checksums, taken as it
-    was written, vouched for the flipped byte)."""
+    """The flush streams views of object-store memory: a byte flipped there while the part is
+    written (or before), must fail the part (the soak's silent corruption once struck in that
+    window: the checkpoint's own checksums, taken as it was written, vouched for the flipped
+    byte). The pieces are checked against their records once, while the file is fsynced."""
     from elastic_llm.durable import flush
     from elastic_llm.snapshot.erasure import checksum
     from elastic_llm.snapshot.records import Piece
@@ -385,13 +385,45 @@ def test_a_piece_that_changes_in_memory_while_it_is_flushed_is_not_flushed(train
     last = max(tensors, key=lambda t: t.src)
     real = flush.write_shard
 
-    def flip_after_the_first_tensor(storage, rel, specs, read, meta, max_mb_s=0.0):
+    def flip_after_the_first_tensor(storage, rel, specs, read, meta, max_mb_s=0.0, verify=None):
         def reading(lo, hi):
             yield from read(lo, hi)
             if lo == specs[0].src:
-                buf[last.src + last.nbytes // 2] ^= 0xFF  # silent: after the check, before the last tensor goes out
-        return real(storage, rel, specs, reading, meta, max_mb_s)
+                buf[last.src + last.nbytes // 2] ^= 0xFF  # silent: after the first tensor, before the last goes out
+        return real(storage, rel, specs, reading, meta, max_mb_s, verify)
 
     monkeypatch.setattr(flush, "write_shard", flip_after_the_first_tensor)
-    with pytest.raises(RuntimeError, match=r"changed in memory while it was written .*not flushed"):
+    with pytest.raises(RuntimeError, match=r"fails its checksum \(damaged in memory\): not flushed"):
         flush.write_part(plan(4), lambda key: [buf])
+    monkeypatch.setattr(flush, "write_shard", real)
+    with pytest.raises(RuntimeError, match=r"fails its checksum \(damaged in memory\): not flushed"):
+        flush.write_part(plan(5), lambda key: [buf])  # damaged before the flush began: refused as well
+
+
+def test_a_local_write_gathers_small_pieces_writes_large_ones_whole_and_verifies_while_it_syncs(tmp_path):
+    """The local writer's bytes equal what it was given, in order, whatever the mix of sizes (small
+    ones gathered in its reused buffer, large ones from the caller's memory); ``during_sync`` runs
+    once, and an error from it fails the write (nothing says the file was written)."""
+    import numpy as np
+
+    from elastic_llm.durable.storage import GATHER, STAGING, Storage
+
+    rng = np.random.default_rng(0)
+    sizes = [3, GATHER - 1, GATHER, 17, STAGING, 5, STAGING - 2, 1]
+    chunks = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    st = Storage(str(tmp_path))
+    seen = []
+    with st.writer("f") as w:
+        w.during_sync = lambda: seen.append(w.nbytes)
+        for c in chunks:
+            w.write(c)
+    assert (tmp_path / "f").read_bytes() == b"".join(c.tobytes() for c in chunks)
+    assert seen == [sum(sizes)]
+
+    def refuse():
+        raise RuntimeError("a piece fails its checksum")
+
+    with pytest.raises(RuntimeError, match="fails its checksum"):
+        with st.writer("g") as w:
+            w.during_sync = refuse
+            w.write(chunks[0])

@@ -53,6 +53,7 @@ class RunParts:
     elastic: ElasticExecutor
     publisher: Publisher | None
     keepalive: Keepalive | None
+    roster: dict[str, Any] | None = None  # --resume RUN_ID: the dead driver's stage actors, until taken over (take_over)
 
 
 @dataclass(frozen=True)
@@ -128,29 +129,47 @@ def publish_run(cfg: RunConfig, runtime: Runtime, run_id: str, sn: SnapshotCoord
     return registry.keepalive(lambda: [(h, None) for h in list(sn.managers.values())] + group.leased(), min(5.0, sn.grace_s / 4))
 
 
+def retire(runtime: Runtime, cfg: RunConfig, run_id: str, spans: Spans) -> dict[str, Any] | None:
+    """``--resume RUN_ID``, before this driver's actors take the run's names: check the model is
+    the run's, read the dead driver's roster, and end what of its actors is not taken over.
+    Returns the roster (None: none published)."""
+    runtime.registry.check_same_model(run_id, cfg.to_dict())
+    roster = runtime.registry.roster(run_id)
+    keep = frozenset(a["name"] for a in roster["actors"] if a.get("name")) if roster else frozenset()
+    with spans.span("retire"):
+        runtime.registry.retire_old_driver(run_id, keep, keep_standbys=cfg.recovery.standby != 0)
+    return roster
+
+
 def publish_roster(runtime: Runtime, run_id: str, parts: RunParts) -> None:
     """The stage actors of the width as a next driver takes them over (with failover on)."""
     if parts.keepalive is not None:
         runtime.registry.publish_roster(run_id, parts.group.roster())
 
 
-def take_over(runtime: Runtime, cfg: RunConfig, parts: RunParts, roster: dict[str, Any] | None) -> set[ShardKey]:
+def take_over(parts: RunParts) -> set[ShardKey]:
     """``--resume RUN_ID``: the dead driver's stage actors that answer (and its warm standbys)
-    become this driver's, their state in place; returns the keys adopted (the others are started
-    afresh, and every state past the committed snapshot is rolled back, by :func:`reattach`)."""
-    adopted = parts.group.take_over(roster) if roster else set()
+    become this driver's, their state in place (once: the roster is used up); returns the keys
+    adopted (the others are started afresh, and every state past the committed snapshot is rolled
+    back, by :func:`reattach`). Nothing without a roster."""
+    roster, parts.roster = parts.roster, None
+    if roster is None:
+        return set()
+    adopted = parts.group.take_over(roster)
     if parts.standbys is not None and parts.standbys.enabled:
         n = parts.standbys.take_over()
         if n:
             log.info("--resume: %d warm standbys of the run taken over", n)
-    if roster:
-        log.info("--resume: %d of the run's %d stage actors taken over with their state", len(adopted), len(roster.get("actors", [])))
+    log.info("--resume: %d of the run's %d stage actors taken over with their state", len(adopted), len(roster.get("actors", [])))
     return adopted
 
 
 def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, metrics: MetricsWriter, data_dir: str,
                facts: Any, spans: Spans) -> RunParts:
-    """Assemble the run's parts on ``runtime`` (nothing is placed yet: see :meth:`Trainer.setup`)."""
+    """Assemble the run's parts on ``runtime`` (nothing is placed yet: see :meth:`Trainer.setup`);
+    ``reattach`` (``--resume RUN_ID``): first end what of the dead driver's actors is not taken over
+    (:func:`retire`), before this driver's take the run's names."""
+    roster = retire(runtime, cfg, run_id, spans) if reattach else None
     publisher = Publisher(facts, runtime.monitor, runtime.clock)  # the run's monitor (Ray: the run-<id> actor): its status and metrics
     metrics.observers.append(publisher.on_record)
     sn = open_snapshots(cfg, runtime, run_id, reattach, spans)
@@ -167,7 +186,7 @@ def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, me
     options = ModeOptions(Mode(cfg.recovery.mode), cfg.mirrors, cfg.checkfree.lr_scale, checkpoints, durable)
     recovery = RecoveryExecutor(group, sn, cfg.snapshot.parity, min_width, options, runtime.nodes, standbys)
     elastic = ElasticExecutor(group, sn, cfg, runtime.nodes, runtime.clock)
-    return RunParts(group, standbys, sn, durable, checkpoints, recovery, elastic, publisher, keepalive)
+    return RunParts(group, standbys, sn, durable, checkpoints, recovery, elastic, publisher, keepalive, roster)
 
 
 def reattach(runtime: Runtime, run_id: str, group: StageActors, sn: SnapshotCoordinator | None, driver_grace_s: float) -> Resumed:

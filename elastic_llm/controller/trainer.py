@@ -82,7 +82,6 @@ class Trainer:
         start = prepare(cfg, runtime, resume)  # the data, and what a resume names: refused now, before anything starts
         self.data_dir, self.stream, self.val_tokens = start.data.dir, start.data.train, start.data.val
         self.reattach, self.resume_from = start.reattach, start.checkpoint  # --resume RUN_ID (a run whose driver died), --resume CHECKPOINT
-        self._roster: dict[str, Any] | None = None  # --resume RUN_ID: the dead driver's stage actors, until taken over
         self.run_id = start.reattach or self.run_id
         self.metrics = MetricsWriter(metrics_out, self.clock)  # opened (truncated) once the checks above passed
 
@@ -113,21 +112,13 @@ class Trainer:
             for warning in rt.start(self.cfg, self.run_id, spans):
                 log.warning(warning)
                 self.metrics.emit(events.RunWarning(step=self.step, what="object_store", message=warning))
-            if self.reattach is not None:  # before this driver's actors take the run's names
-                rt.registry.check_same_model(self.run_id, self.cfg.to_dict())
-                self._roster = rt.registry.roster(self.run_id)  # the dead driver's stage actors: taken over below
-                keep = frozenset(a["name"] for a in self._roster["actors"] if a.get("name")) if self._roster else frozenset()
-                with spans.span("retire"):
-                    rt.registry.retire_old_driver(self.run_id, keep, keep_standbys=self.cfg.recovery.standby != 0)
             self.parts = open_parts(self.cfg, rt, self.run_id, self.reattach is not None, self.metrics, str(self.data_dir), self.run_facts, spans)
             self.runner = StepRunner(self.cfg, self.clock, self.stream, self.parts, rt.faults, rt.nodes, self.targets, rt.errors)
             self.runner.between = lambda: self.parts.elastic.notice(self.drains_seen)  # type: ignore[union-attr]  # while a step runs: new notices start their spares
             self.jobs = StepJobs(self.cfg, self.clock, self.metrics, self.parts, rt.faults, rt.nodes, self.val_tokens)
         g = self.parts.group
         with spans.span("stages"):
-            if self.reattach is not None and self._roster is not None:
-                take_over(rt, self.cfg, self.parts, self._roster)
-                self._roster = None
+            take_over(self.parts)  # --resume RUN_ID: the dead driver's stage actors that answer
             g.place()
             missing = [k for k in g.keys() if k not in g.ready]
             if missing:

@@ -86,11 +86,12 @@ def plan_parts(
 
 
 class PieceReader:
-    """Byte ranges of a stage's state from the pieces of its slices, fetched on first use and
-    checked against their recorded CRC-32s then, and again by :meth:`recheck` once written: the
-    bytes are views of object-store memory (no copy), so a change between the first check and
-    the write would otherwise reach the file, and the file's own checksums (taken as it is
-    written) would vouch for it."""
+    """Byte ranges of a stage's state from the pieces of its slices, fetched on first use (their
+    lengths checked then) and checked against their recorded CRC-32s by :meth:`recheck` once
+    written, while the file is fsynced: the bytes are views of object-store memory (no copy), so
+    a piece that differs from its record (damaged before or during the write) would otherwise
+    reach the file, and the file's own checksums (taken as it is written) would vouch for it. A
+    part that fails it is never committed."""
 
     def __init__(self, plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | None]) -> None:
         self.pieces = sorted(((p, s) for s in plan.slices for p in s.pieces if p.length), key=lambda ps: ps[0].offset)
@@ -109,8 +110,8 @@ class PieceReader:
                 refs = ray.get(src.manager.shard_parts.remote(self.version, src.key), timeout=600)
                 arrays = [np.asarray(a) for a in ray.get(refs, timeout=600)]
             for arr, piece in zip(arrays, src.pieces):
-                if len(arr) != piece.length or checksum(arr) != piece.crc:
-                    raise RuntimeError(f"a piece of {src.key}, step {self.version} fails its checksum: not flushed")
+                if len(arr) != piece.length:
+                    raise RuntimeError(f"a piece of {src.key}, step {self.version} is {len(arr)} bytes, its record says {piece.length}: not flushed")
             self._arrays[src.key] = arrays
         return self._arrays[src.key]
 
@@ -120,7 +121,7 @@ class PieceReader:
             src = next(s for _, s in self.pieces if s.key == key)
             for arr, piece in zip(arrays, src.pieces):
                 if checksum(arr) != piece.crc:
-                    raise RuntimeError(f"a piece of {key}, step {self.version} changed in memory while it was written (it fails its checksum now): not flushed")
+                    raise RuntimeError(f"a piece of {key}, step {self.version} fails its checksum (damaged in memory): not flushed")
 
     def read(self, lo: int, hi: int) -> Iterator[np.ndarray]:
         for piece, src in self.pieces:
@@ -163,6 +164,5 @@ def _write_part(plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | 
     storage.makedirs(plan.file.rsplit("/", 1)[0])
     reader = PieceReader(plan, local)
     meta = {"format": "pt", "elastic_llm": "checkpoint shard", "stage": str(plan.stage), "part": str(plan.part), "step": str(plan.version)}
-    nbytes, records = write_shard(storage, plan.file, list(plan.tensors), reader.read, meta, plan.max_mb_s)
-    reader.recheck()  # the file is never committed if a piece changed under the write
+    nbytes, records = write_shard(storage, plan.file, list(plan.tensors), reader.read, meta, plan.max_mb_s, verify=reader.recheck)
     return PartResult(plan.stage, plan.part, plan.file.rsplit("/", 1)[1], nbytes, time.perf_counter() - t0, records)

@@ -118,13 +118,16 @@ def safetensors_header(tensors: Iterable[TensorSpec], metadata: dict[str, str]) 
 
 
 def write_shard(
-    storage: Storage, rel: str, tensors: list[TensorSpec], read: Callable[[int, int], Iterator[np.ndarray]], metadata: dict[str, str], max_mb_s: float = 0.0
+    storage: Storage, rel: str, tensors: list[TensorSpec], read: Callable[[int, int], Iterator[np.ndarray]], metadata: dict[str, str], max_mb_s: float = 0.0,
+    verify: Callable[[], None] | None = None,
 ) -> tuple[int, tuple[TensorRecord, ...]]:
     """Stream ``tensors`` into the safetensors file ``rel``: ``read(lo, hi)`` yields the stage
-    state's bytes [lo, hi) in pieces (views, no copies). Returns (bytes written, records with
-    each tensor's CRC-32)."""
+    state's bytes [lo, hi) in pieces (views, no copies), each CRC-32'd as it is written. Returns
+    (bytes written, records with each tensor's CRC-32). ``verify``: run while the file is made
+    durable (it raises to refuse what was written)."""
     records = []
     with storage.writer(rel, max_mb_s) as w:
+        w.during_sync = verify
         w.write(safetensors_header(tensors, metadata))
         for t in tensors:
             crc = 0
@@ -180,7 +183,7 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
 def commit(storage: Storage, ckpt: str, manifest: dict[str, Any]) -> str:
     """Write the manifest, then the marker naming its SHA-256. Returns the digest."""
     data = manifest_bytes(manifest)
-    storage.write_bytes(f"{ckpt}/{MANIFEST}", data, atomic=True)
+    storage.write_bytes(f"{ckpt}/{MANIFEST}", data)  # fsynced; no rename needed: until the marker names it, it is not trusted
     digest = hashlib.sha256(data).hexdigest()
     storage.write_bytes(f"{ckpt}/{MARKER}", json.dumps({"step": manifest["step"], "manifest_sha256": digest}).encode(), atomic=True)
     return digest

@@ -14,15 +14,20 @@ their commit marker (written last, and on a local disk atomically through a rena
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+
+
+GATHER = 1 << 20  # local writes smaller than this gather in a reused buffer (fewer system calls)
+STAGING = 4 << 20  # that buffer's size
 
 
 class StorageError(OSError):
@@ -83,17 +88,21 @@ class Storage:
 
     @contextmanager
     def writer(self, rel: str, max_mb_s: float = 0.0) -> Iterator["Writer"]:
-        """Stream a file; on a local disk it is fsynced before the context ends."""
-        stream = self.fs.open_output_stream(self.path(rel))
-        w = Writer(stream, max_mb_s)
+        """Stream a file. On a local disk: straight to the file descriptor (small writes gathered
+        into one reused buffer, large ones written from the caller's memory), then fsynced before
+        the context ends, with the writer's ``during_sync`` (if set) run meanwhile on this thread.
+        Elsewhere: pyarrow's output stream (``during_sync`` runs after it closed)."""
+        if self.local:
+            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            w: Writer = FileWriter(fd, max_mb_s)
+        else:
+            w = Writer(self.fs.open_output_stream(self.path(rel)), max_mb_s)
         ok = False
         try:
             yield w
             ok = True
         finally:
-            stream.close()
-            if ok and self.local:
-                fsync_path(self.path(rel))
+            w.close(sync=ok)
 
     def write_bytes(self, rel: str, data: bytes, atomic: bool = False) -> None:
         """Write a small file. ``atomic`` on a local disk: through a temporary name and a rename
@@ -170,21 +179,94 @@ class Storage:
 
 
 class Writer:
-    """One open output stream; counts bytes and optionally throttles to ``max_mb_s``."""
+    """One open output stream; counts bytes and optionally throttles to ``max_mb_s``.
+    ``during_sync``: work the caller runs while the file is made durable (see :meth:`Storage.writer`)."""
 
     def __init__(self, stream: Any, max_mb_s: float) -> None:
         self.stream = stream
         self.nbytes = 0
         self.max_bps = max_mb_s * 1e6
+        self.during_sync: Callable[[], None] | None = None
         self._t0 = time.monotonic()
 
     def write(self, data: Any) -> None:
-        self.stream.write(data)
-        self.nbytes += memoryview(data).nbytes
+        self._put(memoryview(data).cast("B"))
+        self._throttle(memoryview(data).nbytes)
+
+    def _put(self, view: memoryview) -> None:
+        self.stream.write(view)
+
+    def _throttle(self, n: int) -> None:
+        self.nbytes += n
         if self.max_bps > 0:
             ahead = self.nbytes / self.max_bps - (time.monotonic() - self._t0)
             if ahead > 0:
                 time.sleep(ahead)
+
+    def close(self, sync: bool) -> None:
+        self.stream.close()
+        if sync and self.during_sync is not None:
+            self.during_sync()
+
+
+_staging = threading.local()  # per writing thread: the reused buffer small writes gather in
+
+
+class FileWriter(Writer):
+    """A local file by its descriptor: writes under :data:`GATHER` bytes gather in a reused
+    buffer of :data:`STAGING` bytes, larger ones go from the caller's memory in one call; the
+    close fsyncs on a helper thread while ``during_sync`` runs on this one (one fsync per file)."""
+
+    def __init__(self, fd: int, max_mb_s: float) -> None:
+        super().__init__(None, max_mb_s)
+        self.fd = fd
+        if getattr(_staging, "buf", None) is None:
+            _staging.buf = bytearray(STAGING)
+        self.buf = memoryview(_staging.buf)
+        self.used = 0
+
+    def _put(self, view: memoryview) -> None:
+        if len(view) < GATHER:
+            if self.used + len(view) > len(self.buf):
+                self._drain()
+            self.buf[self.used : self.used + len(view)] = view
+            self.used += len(view)
+            return
+        self._drain()
+        self._write_all(view)
+
+    def _drain(self) -> None:
+        if self.used:
+            self._write_all(self.buf[: self.used])
+            self.used = 0
+
+    def _write_all(self, view: memoryview) -> None:
+        while len(view):
+            view = view[os.write(self.fd, view) :]
+
+    def close(self, sync: bool) -> None:
+        try:
+            if sync:
+                self._drain()
+                failed: list[OSError] = []
+
+                def fsync() -> None:
+                    try:
+                        os.fsync(self.fd)
+                    except OSError as e:  # raised in the writer's thread below
+                        failed.append(e)
+
+                syncing = threading.Thread(target=fsync, name="elastic-llm-fsync")
+                syncing.start()
+                try:
+                    if self.during_sync is not None:
+                        self.during_sync()
+                finally:
+                    syncing.join()
+                if failed:
+                    raise failed[0]
+        finally:
+            os.close(self.fd)
 
 
 class Reader:

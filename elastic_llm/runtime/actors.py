@@ -496,7 +496,10 @@ class ActorGroup(StateCalls):
         return handover.roster(self)
 
     def take_over(self, roster: dict[str, Any]) -> set[ShardKey]:
-        return handover.take_over(self, roster)
+        adopted, ended = handover.take_over(self, roster)
+        for actor in ended:
+            kill_actor(actor)
+        return adopted
 
     def leased(self) -> list[tuple[Any, str | None]]:
         return handover.leased(self)

@@ -16,12 +16,9 @@ committed snapshot) and never restores anything.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastic_llm.snapshot.records import ShardKey
-
-if TYPE_CHECKING:
-    from elastic_llm.runtime.actors import ActorGroup
 
 log = logging.getLogger("elastic_llm.runtime")
 ANSWER_S = 10.0  # longest an adopted actor may take to say what it is (it answers in its "status" thread, even mid-step)
@@ -34,7 +31,7 @@ def name_generation(name: str) -> int:
     return int(tail) if tail.isdigit() else 0
 
 
-def leased(group: ActorGroup) -> list[tuple[Any, str | None]]:
+def leased(group: Any) -> list[tuple[Any, str | None]]:
     """Every stage-class actor of the run (the width's, spares', stage spares', warm standbys'),
     each with the thread group its keepalive goes to."""
     out = [a for row in list(group.actors) for a in list(row) if a is not None]
@@ -44,7 +41,7 @@ def leased(group: ActorGroup) -> list[tuple[Any, str | None]]:
         out += group.pool.actors()
     return [(a, CONTROL) for a in out]
 
-def roster(group: ActorGroup) -> dict[str, Any]:
+def roster(group: Any) -> dict[str, Any]:
     """The width's actors as a next driver finds them: by name and placement group (JSON)."""
     rows = []
     for k in group.keys():
@@ -53,15 +50,15 @@ def roster(group: ActorGroup) -> dict[str, Any]:
                      "group": pg.id.hex() if pg is not None else None})
     return {"width": group.width, "stages": group.stages, "actors": rows}
 
-def take_over(group: ActorGroup, roster: dict[str, Any]) -> set[ShardKey]:
-    """Make the roster's actors this group's: those that answer within :data:`ANSWER_S` are
-    adopted with their state (a step they still run is aborted), the others are left for
-    :meth:`~elastic_llm.runtime.actors.ActorGroup.replace` (killed, their placement group kept if it lives). Returns the adopted keys."""
+def take_over(group: Any, roster: dict[str, Any]) -> tuple[set[ShardKey], list[Any]]:
+    """Make the roster's actors ``group``'s (an :class:`~elastic_llm.runtime.actors.ActorGroup`):
+    those that answer within :data:`ANSWER_S` are adopted with their state (a step they still run
+    is aborted), the others are left for its ``replace`` (their placement group kept if it
+    lives). Returns the adopted keys and the actors the caller ends (found, but not answering as
+    the roster says)."""
     import ray
     from ray._raylet import PlacementGroupID  # type: ignore[attr-defined]  # a compiled module: no stubs
     from ray.util.placement_group import PlacementGroup
-
-    from elastic_llm.runtime.actors import kill_actor
 
     if roster.get("stages") != group.stages:
         raise ValueError(f"the run's roster has {roster.get('stages')} stages, this driver {group.stages}")
@@ -84,19 +81,19 @@ def take_over(group: ActorGroup, roster: dict[str, Any]) -> set[ShardKey]:
         group.actors[key.replica][key.stage], group.names[actor] = actor, row["name"]
         asks[actor.info.options(concurrency_group="status").remote()] = key
     ray.wait(list(asks), num_returns=len(asks), timeout=ANSWER_S)
-    adopted = set()
+    adopted, ended = set(), []
     for ref, key in asks.items():
         actor = group.actors[key.replica][key.stage]
         try:
             info = ray.get(ref, timeout=0)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             log.info("%s of the run did not answer the new driver (%s): it is replaced", key, type(e).__name__)
-            kill_actor(actor)
+            ended.append(actor)
             group.actors[key.replica][key.stage] = None
             continue
         if (info.stage, info.replica) != (key.stage, key.replica):
             log.warning("%s of the roster says it is stage %d replica %d: it is replaced", key, info.stage, info.replica)
-            kill_actor(actor)
+            ended.append(actor)
             group.actors[key.replica][key.stage] = None
             continue
         if info.links >= 0:  # a step the dead driver left running stops at its next layer or receive
@@ -107,4 +104,4 @@ def take_over(group: ActorGroup, roster: dict[str, Any]) -> set[ShardKey]:
     lost = [k for k in group.keys() if k not in adopted]
     if lost:
         group.slots.renew(lost)  # a group whose node went is made afresh
-    return adopted
+    return adopted, ended
