@@ -432,3 +432,30 @@ def test_a_stage_killed_mid_step_stops_the_others_inside_their_ops_not_after(ray
         assert FailureKind.ERROR not in {f.kind for f in stopped.values()}  # the victim is the one root cause
     finally:
         kill_all(actors)
+
+
+def test_waiting_on_a_step_ends_when_one_replica_failed_not_when_the_others_answered(ray_local):
+    """The controller waits on a step in looks of a second (new drain notices between): a look
+    must end as soon as one replica's relay reports the failure, with the other replica still
+    computing (before, it waited for every relay or the whole look: a killed relay of replica 1
+    was detected a second late on llama-25m)."""
+    import time
+
+    from elastic_llm.pipeline.executor import PendingStep
+    from elastic_llm.pipeline.relay import ReplicaReports
+
+    @ray.remote
+    def relay_died():
+        raise RuntimeError("replica 1's stage 0 died")
+
+    @ray.remote
+    def relay_answers(seconds):
+        time.sleep(seconds)
+        return ReplicaReports()
+
+    ex = RayStepExecutor([[None, None], [None, None]], "1f1b", 2)
+    slow = relay_answers.remote(3.0)
+    pending = PendingStep(1, 1, 2, 2, {relay_died.remote(): 1, slow: 0}, ((1, 1), (1, 1)))
+    assert ex.wait(pending, 20.0)  # the step has ended: it failed
+    assert ShardKey(0, 1) in pending.lost and list(pending.relays) == [slow]  # replica 0 was not waited for
+    ray.get(slow, timeout=30)

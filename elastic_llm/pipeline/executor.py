@@ -264,13 +264,19 @@ class RayStepExecutor:
     def wait(self, pending: PendingStep, seconds: float) -> bool:
         """Whether the step has ended: every report came back, or one says it failed (or its
         actor died), waiting at most ``seconds`` (the controller looks at new drain notices
-        meanwhile). What came back is kept for :meth:`finish`, which aborts the rest of a failed step."""
+        meanwhile) and returning as soon as one replica's answer says it failed (not when the
+        others answered too). What came back is kept for :meth:`finish`, which aborts the rest
+        of a failed step."""
         import ray
 
-        if pending.relays:
-            ready, _ = ray.wait(list(pending.relays), num_returns=len(pending.relays), timeout=seconds)
+        deadline = time.monotonic() + seconds
+        while pending.relays and not pending.failed:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(list(pending.relays), num_returns=1, timeout=max(0.0, left))
             for ref in ready:
                 self._collect(pending, ref)
+            if not ready or left <= 0:
+                break
         return not pending.relays or pending.failed
 
     def _collect(self, pending: PendingStep, ref: Any) -> None:
