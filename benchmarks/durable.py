@@ -74,14 +74,21 @@ def _in_process(config_path: str, overrides: Sequence[str], workdir: str, rounds
         fsync_path(pt)
         res["torch_save"].append(time.perf_counter() - t)
         fresh = StageWorker(one, 0, 0)
-        t = time.perf_counter()
-        fresh.load_durable(run.uri, name)
-        res["restore"].append(time.perf_counter() - t)
-        t = time.perf_counter()
-        loaded = torch.load(pt, weights_only=True)
-        fresh.module.load_state_dict(loaded["model"])
-        fresh.optimizer.load_state_dict(loaded["optim"])
-        res["torch_load"].append(time.perf_counter() - t)
+
+        def ours(fresh: Any = fresh, name: str = name) -> None:
+            t = time.perf_counter()
+            fresh.load_durable(run.uri, name)
+            res["restore"].append(time.perf_counter() - t)
+
+        def peer(fresh: Any = fresh, pt: str = pt) -> None:
+            t = time.perf_counter()
+            loaded = torch.load(pt, weights_only=True)
+            fresh.module.load_state_dict(loaded["model"])
+            fresh.optimizer.load_state_dict(loaded["optim"])
+            res["torch_load"].append(time.perf_counter() - t)
+
+        for go in ((ours, peer) if r % 2 == 0 else (peer, ours)):  # taking turns: the first after the writes pays for fresh memory
+            go()
         for p in (plain, pt):
             os.remove(p)
         run.delete_dir(name)

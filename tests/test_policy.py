@@ -41,6 +41,18 @@ def test_a_rollback_names_the_survivors_that_restore_from_their_own_copy():
     assert no_rollback.rollback_to is None and no_rollback.own_copies == ()  # a peer copy, nobody rolls back
 
 
+def test_a_rollback_restores_only_the_survivors_that_are_not_at_its_step():
+    """Survivors whose completed steps are the committed version's already hold it: the plan
+    keeps them (they restore nothing); one past it (it finished the failed step's update) and
+    the lost stage restore, and an own copy is not used for a survivor already there."""
+    members = pipeline(step=6, dead={(1, 0)})
+    members[3] = Member(3, 0, NODES[3], True, 7)  # stage 3 applied the failed step's update
+    plan = RecoveryPolicy().decide(replace(obs(members, committed=6), own_copies=frozenset({ShardKey(0, 0), ShardKey(3, 0)})))
+    assert plan.rollback_to == 6 and plan.kept == (ShardKey(0, 0), ShardKey(2, 0))
+    assert plan.own_copies == (ShardKey(3, 0),) and "2 survivor(s) already there" in str(plan)
+    assert RecoveryPolicy().decide(obs(pipeline(step=7, dead={(2, 0)}), committed=6)).kept == ()  # everyone past it: everyone restores
+
+
 def test_dp_peer_preferred_when_consistent_and_no_rollback():
     members = pipeline(dead={(3, 1)}, dp=2)
     plan = RecoveryPolicy().decide(obs(members))

@@ -6,7 +6,8 @@ what completed and drop the versions in flight, then look (once) at nodes, actor
 managers and return a frozen :class:`Observation`. Then :meth:`RecoveryExecutor.execute`:
 replace dead managers and lost actors, and restore state from the plan's sources (own copies,
 snapshot managers, parity, data-parallel peers, the neighbours for CheckFree, the predecessor's
-redundant copy, checkpoint files, the durable tier). Never decides: the plan comes from the pure
+redundant copy, checkpoint files, the durable tier; a survivor the plan says already holds the
+rollback's version restores nothing). Never decides: the plan comes from the pure
 :class:`~elastic_llm.recovery.policy.RecoveryPolicy`. A failure inside either step propagates;
 the controller observes again and re-plans.
 """
@@ -249,7 +250,7 @@ class RecoveryExecutor:
             if failed:
                 self.bad_own_copies.update((k, rec.version) for k in failed)
                 raise SourceLost(f"the own copy of step {rec.version} held by {', '.join(map(str, failed))} failed its checksums")
-        mine = set(plan.own_copies)
+        mine = set(plan.own_copies) | set(plan.kept)  # the survivors already at the version restore nothing
         return {k: sn.fetch_stage_state(k.stage, k.replica, obs.dead_managers) for k in self.group.keys() if k not in mine}
 
     def _copy_from_peers(self, plan: RecoveryPlan) -> None:

@@ -114,6 +114,7 @@ class RecoveryPlan:
     rollback_from: RollbackFrom = RollbackFrom.SNAPSHOT  # where everyone's state of rollback_to comes from
     own_copies: tuple[ShardKey, ...] = ()  # a snapshot rollback: survivors that restore from their own background copy (the others: their snapshot managers, parity for lost_shards)
     borrow: tuple[tuple[ShardKey, ShardKey], ...] = ()  # (giver, taker), numbered as observed: a dropped replica's survivor becomes a kept replica's lost actor
+    kept: tuple[ShardKey, ...] = ()  # a snapshot rollback: survivors whose state already is rollback_to's (they restore nothing)
 
     def __str__(self) -> str:
         rb = f"roll back to step {self.rollback_to}" if self.rollback_to is not None else "no rollback"
@@ -121,6 +122,7 @@ class RecoveryPlan:
         if self.borrow:
             drop += f"{len(self.borrow)} of their actor(s) take lost places in kept replicas; "
         own = f" ({len(self.own_copies)} survivor(s) from their own copy)" if self.own_copies else ""
+        own += f" ({len(self.kept)} survivor(s) already there)" if self.kept else ""
         return f"RecoveryPlan({drop}{'; '.join(map(str, self.actions)) or 'nothing lost'}; {rb}{own}; {self.reason})"
 
 
@@ -311,11 +313,19 @@ def _alive_by_stage(alive: list[Member]) -> dict[int, list[Member]]:
     return out
 
 
+def kept_in_rollback(obs: Observation) -> tuple[ShardKey, ...]:
+    """The survivors of a rollback to the committed snapshot that are already there: their
+    completed steps are its step (the failed step's partial work was dropped), so their state is
+    the version's and they restore nothing. Pure."""
+    return tuple(sorted(ShardKey(m.stage, m.replica) for m in obs.members if m.alive and m.step is not None and m.step == obs.committed))
+
+
 def own_copies(obs: Observation) -> tuple[ShardKey, ...]:
     """The survivors a rollback to the committed snapshot restores from their own background
-    copy (observed to hold it); every other actor's state comes through the snapshot managers. Pure."""
+    copy (observed to hold it; not those already there); every other actor's state comes
+    through the snapshot managers. Pure."""
     alive = {ShardKey(m.stage, m.replica) for m in obs.members if m.alive}
-    return tuple(sorted(alive & obs.own_copies))
+    return tuple(sorted((alive & obs.own_copies) - set(kept_in_rollback(obs))))
 
 
 def assign_standbys(plan: RecoveryPlan, obs: Observation) -> RecoveryPlan:
@@ -412,14 +422,14 @@ class RecoveryPolicy:
             reason = f"restored stages come from the snapshot of step {obs.committed}"
             if current is not None and current != obs.committed:
                 reason += f", older than the healthy stages (step {current}): everyone rolls back"
-            return RecoveryPlan(tuple(actions), obs.committed, reason, lost_shards, own_copies=own_copies(obs))
+            return RecoveryPlan(tuple(actions), obs.committed, reason, lost_shards, own_copies=own_copies(obs), kept=kept_in_rollback(obs))
         if not consistent:
             if snap_problem is not None and obs.durable is not None:
                 return self._durable(obs, f"stages disagree on their step ({sorted(steps)}) and {snap_problem}")
             if snap_problem is not None:
                 raise UnrecoverableError(f"stages disagree on their step ({sorted(steps)}) and {snap_problem}")
             return RecoveryPlan(tuple(actions), obs.committed, f"stages disagree on their step ({sorted(steps)}): everyone rolls back", lost_shards,
-                                own_copies=own_copies(obs))
+                                own_copies=own_copies(obs), kept=kept_in_rollback(obs))
         reason = "data-parallel peers hold the same state" if actions else "no stage lost"
         return RecoveryPlan(tuple(actions), None, reason + f"; step {current} is replayed", lost_shards)
 
