@@ -66,6 +66,32 @@ class Lease:
             self._thread.join(timeout=timeout)
 
 
+KV_NAMESPACE = "elastic-llm"  # where a run's records live in Ray's GCS key-value store (elastic_llm.runtime.failover writes them)
+
+
+def run_key(run_id: str, what: str) -> bytes:
+    return f"run/{run_id}/{what}".encode()
+
+
+def read_run(run_id: str, what: str) -> str | None:
+    """Record ``what`` of run ``run_id`` from the GCS key-value store (None: not there)."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    got = _internal_kv_get(run_key(run_id, what), namespace=KV_NAMESPACE)
+    return got.decode() if got is not None else None
+
+
+def driver_alive(run_id: str) -> bool:
+    """Whether the Ray job that last took run ``run_id`` on (``run/<id>/driver``) still runs."""
+    import ray
+
+    job = read_run(run_id, "driver")
+    if job is None:
+        return False
+    info = ray._private.worker.global_worker.gcs_client.get_all_job_info()
+    return any(j.hex() == job and not data.is_dead for j, data in info.items())
+
+
 def group_prefix(run_id: str) -> str:
     """The name prefix of run ``run_id``'s detached placement groups (one per stage actor)."""
     return f"pg-{run_id}-"
@@ -73,11 +99,16 @@ def group_prefix(run_id: str) -> str:
 
 def remove_run_groups(run_id: str) -> int:
     """Remove every placement group of run ``run_id`` still in the cluster (a lease's release: Ray
-    keeps a detached group after its actor ended, holding its CPUs). Returns how many."""
+    keeps a detached group after its actor ended, holding its CPUs), unless a driver of the run
+    runs (a lease that expired unseen by it, e.g. of a manager it did not find, must not take its
+    actors' groups away). Returns how many."""
     from ray.util import placement_group_table, remove_placement_group
     from ray.util.placement_group import PlacementGroup
     from ray._raylet import PlacementGroupID  # type: ignore[attr-defined]  # a compiled module: no stubs
 
+    if driver_alive(run_id):
+        log.warning("run %s has a live driver: its placement groups are left to it", run_id)
+        return 0
     n = 0
     for gid, row in placement_group_table().items():
         if row.get("name", "").startswith(group_prefix(run_id)) and row.get("state") != "REMOVED":

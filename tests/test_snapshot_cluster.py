@@ -145,6 +145,18 @@ def test_two_lost_nodes_with_parity_two(nodes, corpus_dir, clean):
     assert losses == clean(2)
 
 
+def test_a_chunk_holder_lost_after_a_parity_rebuild_was_planned_is_one_more_erasure_with_parity_two(nodes, corpus_dir, clean):
+    """Stage 1's node goes at step 5; once the plan has it rebuilt from parity (stage 3's node
+    named a survivor holding chunks of its group), stage 3's node goes too, before its chunks are
+    pulled. The rebuild counts it as one more erasure (two: parity 2 covers them) and the run,
+    observing stage 3 lost when it fails next, rebuilds it as well: both from parity, bit for bit."""
+    t = make_trainer(nodes, corpus_dir, "snapshot.parity=2",
+                     "chaos.events=[{step: 5, kill: node, stage: 1}, {step: 5, kill: node, stage: 3, during: recovery}]")
+    losses = run(t)
+    assert {(r["stage"], r["source"]) for r in t.recoveries} == {(1, "parity"), (3, "parity")}
+    assert losses == clean(2)
+
+
 @pytest.mark.parametrize("target", ["stage: 1", "node: 2"])
 def test_killed_manager_is_replaced_and_the_next_snapshot_completes(nodes, corpus_dir, clean, target):
     t = make_trainer(nodes, corpus_dir, f"chaos.events=[{{step: 4, kill: smp, {target}}}]")

@@ -33,28 +33,17 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_llm.controller.ports import ResumeError
+from elastic_llm.lease import KV_NAMESPACE, driver_alive, read_run, run_key
 from elastic_llm.snapshot.records import VersionRecord, record_from_json, record_json
 
 log = logging.getLogger("elastic_llm.runtime")
-KV_NAMESPACE = "elastic-llm"
 OLD_ACTORS_S = 30.0  # longest a resuming driver waits for the dead driver's actors to be gone
-
-
-def _key(run_id: str, what: str) -> bytes:
-    return f"run/{run_id}/{what}".encode()
 
 
 def publish(run_id: str, what: str, text: str) -> None:
     from ray.experimental.internal_kv import _internal_kv_put
 
-    _internal_kv_put(_key(run_id, what), text.encode(), overwrite=True, namespace=KV_NAMESPACE)
-
-
-def read(run_id: str, what: str) -> str | None:
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    got = _internal_kv_get(_key(run_id, what), namespace=KV_NAMESPACE)
-    return got.decode() if got is not None else None
+    _internal_kv_put(run_key(run_id, what), text.encode(), overwrite=True, namespace=KV_NAMESPACE)
 
 
 def forget(run_id: str) -> None:
@@ -62,7 +51,7 @@ def forget(run_id: str) -> None:
     from ray.experimental.internal_kv import _internal_kv_del
 
     for what in ("config", "driver", "committed", "epoch", "roster"):
-        _internal_kv_del(_key(run_id, what), namespace=KV_NAMESPACE)
+        _internal_kv_del(run_key(run_id, what), namespace=KV_NAMESPACE)
 
 
 def publish_committed(run_id: str, record: VersionRecord) -> None:
@@ -70,14 +59,14 @@ def publish_committed(run_id: str, record: VersionRecord) -> None:
 
 
 def published_committed(run_id: str) -> VersionRecord | None:
-    text = read(run_id, "committed")
+    text = read_run(run_id, "committed")
     return record_from_json(text) if text is not None else None
 
 
 def check_same_model(run_id: str, config: dict[str, Any]) -> None:
     """Raise :class:`ResumeError` unless run ``run_id`` was started (on this cluster) with the same
     model and stage count as ``config``."""
-    text = read(run_id, "config")
+    text = read_run(run_id, "config")
     if text is None:
         raise ResumeError(
             f"--resume {run_id}: no run {run_id} is known to this Ray cluster (it ended, or ran on another cluster): "
@@ -131,11 +120,9 @@ def retire_old_driver(namespace: str, run_id: str, keep: frozenset[str] = frozen
     its detached ones) and wait until their names are free."""
     import ray
 
-    job = read(run_id, "driver")
+    job = read_run(run_id, "driver")
     if job is not None:
-        info = ray._private.worker.global_worker.gcs_client.get_all_job_info()
-        alive = [j for j, data in info.items() if j.hex() == job and not data.is_dead]
-        if alive:
+        if driver_alive(run_id):
             raise ResumeError(
                 f"--resume {run_id}: the run's driver (Ray job {job}) is still running: stop it first "
                 "(`ray job stop`, or kill its process), or let it train"
@@ -208,14 +195,14 @@ class RayRegistry:
         publish(run_id, "roster", json.dumps(roster))
 
     def roster(self, run_id: str) -> dict[str, Any] | None:
-        text = read(run_id, "roster")
+        text = read_run(run_id, "roster")
         return json.loads(text) if text is not None else None
 
     def find(self, run_id: str) -> tuple[dict[str, Any], VersionRecord | None]:
         return find_managers(self.namespace, run_id), published_committed(run_id)
 
     def epoch(self, run_id: str) -> int:
-        text = read(run_id, "epoch")
+        text = read_run(run_id, "epoch")
         return int(text) if text is not None and text.isdigit() else 0
 
     def publish_run(self, run_id: str, config: dict[str, Any], epoch: int) -> None:
