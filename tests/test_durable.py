@@ -151,12 +151,18 @@ def test_flipped_byte_missing_manifest_foreign_and_pickle_are_refused(trained, t
     name = write_checkpoint(run, cfg, workers, 2)
     d = tmp_path / name
     fresh = StageWorker(cfg, 1, 0)
+    assert fresh.load_durable(run.uri, name) == 2  # a stage holding trained state from here on
     before = state_bytes(fresh)
+    new = StageWorker(cfg, 1, 0)
 
     corrupt(d / fmt.shard_file(1, 0))  # a flipped byte in tensor data
     with pytest.raises(fmt.DurableError, match="fails its CRC-32"):
         fresh.load_durable(run.uri, name)
     np.testing.assert_array_equal(state_bytes(fresh), before)  # nothing loaded
+    assert fresh.step_count == 2
+    with pytest.raises(fmt.DurableError, match="fails its CRC-32"):
+        new.load_durable(run.uri, name)  # a new stage reads straight into its state: refused, it has no step
+    assert new.step_count == -1 and new.info().step == -1
     with pytest.raises(fmt.DurableError, match="fails its CRC-32"):
         fmt.open_checkpoint(str(d)).verify()
 

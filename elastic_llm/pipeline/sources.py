@@ -151,7 +151,12 @@ class OtherSources:
     def load_durable(self, run_uri: str, name: str) -> int:
         """Restore this stage from durable checkpoint ``name`` of the run at ``run_uri``: its
         layers' tensors by global name (any data-parallel width or stage count wrote them), every
-        tensor checked against its CRC-32 first. Returns the step."""
+        tensor checked against its CRC-32 as it is read. A new CPU stage (no step trained or
+        restored: nothing to keep) reads straight into its state, with no buffer (a fresh one of
+        the state's size can cost more to fault in than the whole read); if the checkpoint is
+        refused midway its state is then neither its initial one nor the checkpoint's, so it says
+        it has completed step -1 (any plan restores it again). A stage holding trained state
+        reads into a buffer first: refused, nothing of it is loaded. Returns the step."""
         import json
 
         from elastic_llm.durable.format import Checkpoint
@@ -160,6 +165,12 @@ class OtherSources:
 
         self.copies.wait()
         layout = self.arena.layout
-        buf = self.copies.buffer(2)
-        m = stage_state(Checkpoint(Storage(run_uri), name), layout.entries, layout.nbytes, self.module.layer_ids, self.stage, self.replica, self.cfg.config_hash(), buf)
+        into = self.arena.host_view() if self.step_count == 0 else None
+        buf = into if into is not None else self.copies.buffer(2)
+        try:
+            m = stage_state(Checkpoint(Storage(run_uri), name), layout.entries, layout.nbytes, self.module.layer_ids, self.stage, self.replica, self.cfg.config_hash(), buf)
+        except BaseException:
+            if into is not None:
+                self.step_count = -1
+            raise
         return self.load_parts(json.dumps(m), [0], buf)

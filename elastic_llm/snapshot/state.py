@@ -174,14 +174,22 @@ class StateArena:
             stream.synchronize()
 
     def load(self, parts: list[tuple[int, np.ndarray]]) -> None:
-        """Copy ``parts`` ((offset, bytes) that together cover the whole layout) into the arena."""
+        """Copy ``parts`` ((offset, bytes) that together cover the whole layout) into the arena; a
+        part that is the arena's own memory (read straight into :meth:`host_view`) is in place."""
         for offset, data in parts:
             src = torch.from_numpy(np.asarray(data))
             end = offset + src.numel()
             for _device, a0, b0, block in self.blocks:
                 a, b = max(offset, a0), min(end, b0)
-                if a < b:
+                if a < b and src[a - offset :].data_ptr() != block[a - a0 :].data_ptr():
                     block[a - a0 : b - a0].copy_(src[a - offset : b - offset])
+
+    def host_view(self) -> np.ndarray | None:
+        """The whole state's bytes as one writable numpy view of the arena, when it is one block in
+        host memory (a CPU stage); None otherwise (a GPU stage reads into a host buffer first)."""
+        if len(self.blocks) != 1 or self.blocks[0][0].type != "cpu" or self.blocks[0][1] != 0:
+            return None
+        return self.blocks[0][3].numpy()[: self.layout.nbytes]
 
 
 def json_state(
