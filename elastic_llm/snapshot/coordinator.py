@@ -41,6 +41,7 @@ from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, Sta
 
 log = logging.getLogger("elastic_llm.snapshot")
 AUTO_START = 4  # snapshot.every: auto starts here: snapshot steps and clean steps both get measured
+AUTO_PROBE = 16  # ... and when its interval leaves no step clean, it leaves one clean after this many steps without (a fresh baseline)
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
 WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
 PING_S = 10.0  # a manager that does not answer within this is slow ...
@@ -190,6 +191,7 @@ class SnapshotCoordinator:
         self.cost = Ema(alpha=0.3)  # seconds one version costs the run
         self.step_s = Ema(alpha=0.1)  # every step
         self.clean_s = Ema(alpha=0.1)  # steps with no snapshot begun or in flight
+        self.since_clean = 0  # steps since the last clean one (auto keeps its baseline fresh: AUTO_PROBE)
         self._felt: dict[int, float] = {}  # version -> step time its steps took beyond clean steps
         self.last_begin = 0
         self._attempt = 0  # the newest ManagerPlan.attempt sent
@@ -285,10 +287,12 @@ class SnapshotCoordinator:
             return True
         if not last and ((step - self.last_begin < self.every) if self.auto else (step % self.every)):
             return False
+        lag = step - (self.committed.version if self.committed else 0)
+        if self.auto and not last and self.since_clean >= AUTO_PROBE and lag < sn.max_lag:
+            return False  # no version until a step ran clean: what snapshots cost is measured against a current baseline
         self.poll()
         if self.can_begin():
             return True
-        lag = step - (self.committed.version if self.committed else 0)
         if lag <= sn.max_lag and not last:
             self.stats.skipped += 1
             return False
@@ -432,7 +436,9 @@ class SnapshotCoordinator:
         active = [p.version for p in self.inflight]
         if not active and not began:
             self.clean_s.add(seconds)
+            self.since_clean = 0
             return
+        self.since_clean += 1
         if self.clean_s.value is None or not active:
             return
         excess = max(0.0, seconds - self.clean_s.value) / len(active)
