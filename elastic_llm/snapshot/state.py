@@ -189,7 +189,7 @@ class StateArena:
         host memory (a CPU stage); None otherwise (a GPU stage reads into a host buffer first)."""
         if len(self.blocks) != 1 or self.blocks[0][0].type != "cpu" or self.blocks[0][1] != 0:
             return None
-        return self.blocks[0][3].numpy()[: self.layout.nbytes]
+        return host(self.blocks[0][3])[: self.layout.nbytes]  # a view: the arena's own memory
 
 
 def json_state(
