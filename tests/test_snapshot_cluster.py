@@ -5,6 +5,7 @@ nodes removed by a test are replaced before the next one. Recovery that claims t
 checked bit for bit against an uninterrupted run of the same config and seed.
 """
 
+import logging
 import os
 import signal
 import zlib
@@ -117,17 +118,22 @@ def test_killed_stage_recovers_bit_identically(nodes, corpus_dir, clean, how):
     assert losses == clean(1)
 
 
-def test_a_survivors_own_copy_that_fails_its_checksums_is_left_out_of_the_next_plan(nodes, corpus_dir, clean):
-    """Stage 2 dies; the plan rolls everyone back, stages 0, 1 and 3 from their own copies; then
-    (chaos, after the plan is made) stage 0's copies are corrupted silently. Stage 0's fails its
-    checksums: the executor does not pick another source itself, it raises; the run observes
-    again, and the new plan leaves stage 0's copy out (its state comes through its snapshot
-    manager). Bit for bit."""
+def test_a_survivors_own_copy_that_fails_its_checksums_is_left_out_of_the_next_plan(nodes, corpus_dir, clean, caplog):
+    """Stage 2 dies in its update of step 5, after the barrier: the others finish the step, past
+    the committed version (step 4, the last that stage 2 snapshotted), so the plan rolls them
+    back, stages 0, 1 and 3 from their own copies (a survivor still at the committed step would
+    keep its state and restore nothing); then (chaos, after the plan is made) stage 0's copies are
+    corrupted silently. Stage 0's fails its checksums: the executor does not pick another source
+    itself, it raises; the run observes again, and the new plan leaves stage 0's copy out (its
+    state comes through its snapshot manager; stages 1 and 3, restored from theirs in the first
+    attempt, are at the committed step then and keep it). Bit for bit."""
     t = make_trainer(nodes, corpus_dir, "snapshot.max_lag=1",  # the committed version is one of the two copies a stage holds
-                     "chaos.events=[{step: 5, kill: stage, stage: 2, how: sigkill}, {step: 5, kill: stage, stage: 0, corrupt: true, during: recovery}]")
-    losses = run(t)
+                     "chaos.events=[{step: 5, kill: stage, stage: 2, how: sigkill, op: update}, {step: 5, kill: stage, stage: 0, corrupt: true, during: recovery}]")
+    with caplog.at_level(logging.WARNING, logger="elastic_llm.controller"):
+        losses = run(t)
     assert [(r["stage"], r["source"]) for r in t.recoveries] == [(2, "local_smp")]
-    assert t.recoveries[0]["survivors_restored_from_own_copy"] == 2  # stages 1 and 3
+    assert "the own copy of step 4 held by stage 0 replica 0 failed its checksums; observing again" in caplog.text
+    assert t.recoveries[0]["survivors_restored_from_own_copy"] == 0  # the new plan: stage 0 from its manager, 1 and 3 kept
     assert losses == clean(1)
 
 
