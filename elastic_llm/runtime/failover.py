@@ -120,13 +120,11 @@ def retire_old_driver(namespace: str, run_id: str, keep: frozenset[str] = frozen
     its detached ones) and wait until their names are free."""
     import ray
 
-    job = read_run(run_id, "driver")
-    if job is not None:
-        if driver_alive(run_id):
-            raise ResumeError(
-                f"--resume {run_id}: the run's driver (Ray job {job}) is still running: stop it first "
-                "(`ray job stop`, or kill its process), or let it train"
-            )
+    if driver_alive(run_id):
+        raise ResumeError(
+            f"--resume {run_id}: the run's driver (Ray job {read_run(run_id, 'driver')}) is still running: stop it first "
+            "(`ray job stop`, or kill its process), or let it train"
+        )
     prefixes = (f"stage-{run_id}-", f"run-{run_id}") + (() if keep_standbys else (f"standby-{run_id}-",))
 
     def left() -> list[str]:
