@@ -86,6 +86,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from benchmarks.common import load_at_end, machine_info, ratio
 from elastic_llm import events
 
@@ -218,6 +220,9 @@ def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t
     }
     if recov:
         out["sources"] = sorted({str(ev.source) for ev in recov})
+        streamed = [(int(ev.state_bytes), float(ev.transfer_s)) for ev in recov if ev.state_bytes and ev.transfer_s]
+        if streamed:  # a peer's state over a socket: the largest copy
+            out["transfer"] = {"bytes": max(streamed)[0], "seconds": _r(max(streamed)[1], 4)}
         out["rollback_steps"] = max(int(ev.rollback_steps or 0) for ev in recov)
         out["restored"] = [(ev.stage, ev.replica) for ev in recov if ev.stage is not None]
     if drains:
@@ -269,6 +274,9 @@ def path_result(t: dict[str, Any], adopted: bool | None) -> dict[str, Any]:
         "adopted": adopted,
         "rollback_steps": t.get("rollback_steps", 0),
     }
+    if "transfer" in t:  # bytes and rate of a state streamed from a peer (target's seconds: connection, bytes, restore)
+        tr = t["transfer"]
+        out["transfer"] = {**tr, "gb_s": _r(tr["bytes"] / tr["seconds"] / 1e9) if tr["seconds"] else None}
     # the steps rolled back are trained again: lost too, beyond the issue's measure
     out["lost_incl_rollback_s"] = _r(out["lost_s"] + out["rollback_steps"] * t["steady_step_s"]) if out["lost_s"] is not None else None
     if "drain" in t:
@@ -277,6 +285,37 @@ def path_result(t: dict[str, Any], adopted: bool | None) -> dict[str, Any]:
         out["rollback_steps"] = t["drain"].get("rollback_steps") or 0
         out["steps_trained_before_move"] = t["steps_before_handler"]
     return out
+
+
+def reference_rates(nbytes: int, rounds: int = 5) -> dict[str, Any]:
+    """What moving ``nbytes`` costs on this machine without the product, measured now: a warm
+    ``memcpy`` (numpy ``copyto`` between two touched buffers) and one loopback TCP connection
+    (``sendall`` from a thread into ``recv_into`` a touched buffer): the medians of ``rounds``,
+    in GB/s."""
+    import socket
+
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    copy_s, tcp_s = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        copy_s.append(time.perf_counter() - t0)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        for _ in range(rounds):
+            sender = socket.create_connection(server.getsockname())
+            conn, _ = server.accept()
+            view, got = memoryview(dst), 0
+            thread = threading.Thread(target=sender.sendall, args=(memoryview(src),))
+            t0 = time.perf_counter()
+            thread.start()
+            while got < nbytes:
+                got += conn.recv_into(view[got:], nbytes - got)
+            tcp_s.append(time.perf_counter() - t0)
+            thread.join()
+            sender.close()
+            conn.close()
+    gbs = lambda xs: _r(nbytes / _median(xs) / 1e9)  # noqa: E731
+    return {"bytes": nbytes, "memcpy_gb_s": gbs(copy_s), "loopback_tcp_gb_s": gbs(tcp_s), "rounds": rounds}
 
 
 def full_restart_lost(parts: dict[str, float | None], steady_s: float | None) -> dict[str, Any]:
@@ -752,6 +791,14 @@ def _bench_config(config_path: str, overrides: Sequence[str], warmup: int, after
             if cluster is not None:
                 cluster.shutdown()
     paths = {p: path_result(details[p], details[p]["adopted"]) for p in RUN_ORDER if p in details}
+    streamed = [r["transfer"] for r in paths.values() if "transfer" in r]
+    if streamed:  # the same bytes moved by memcpy and by a bare loopback socket, in this run
+        ref = reference_rates(max(x["bytes"] for x in streamed))
+        for r in paths.values():
+            if "transfer" in r and r["transfer"]["gb_s"]:
+                r["transfer"]["vs_memcpy"] = ratio(r["transfer"]["gb_s"], ref["memcpy_gb_s"], 3)
+                r["transfer"]["vs_loopback_tcp"] = ratio(r["transfer"]["gb_s"], ref["loopback_tcp_gb_s"], 3)
+        details["transfer_reference"] = ref
     for r in paths.values():
         r["speedup_lost"] = ratio(full["lost_s"], r["lost_s"], 2) if r["lost_s"] and r["lost_s"] > 0 else None
     result.update(
@@ -767,6 +814,7 @@ def _bench_config(config_path: str, overrides: Sequence[str], warmup: int, after
         full_restart_details=full,
         breakdown={p: details[p] for p in PATHS if p in details},
         actor_start_probe_s=details.get("actor_start_probe_s"),
+        transfer_reference=details.get("transfer_reference"),
         errors=errors,
         cluster={
             "head_cpus": 0,
@@ -789,6 +837,11 @@ def _bench_config(config_path: str, overrides: Sequence[str], warmup: int, after
 
 def _notes(r: dict[str, Any]) -> list[str]:
     notes = [
+        (
+            "transfer (dp_peer): the peer's whole state streamed over one TCP connection from its memory into the new actor's "
+            "(bytes, the target's seconds: connection, bytes and restore; GB/s); transfer_reference: the same bytes moved in this "
+            "run by a warm memcpy and by a bare loopback TCP connection (medians of 5)."
+        ),
         (
             "lost_s per path: seconds from the failure (chaos line; drain: the drain request) to the completion of the next step "
             "after the controller returned to running, minus one steady step for that step and for every step completed meanwhile; "

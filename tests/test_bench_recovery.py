@@ -10,6 +10,7 @@ from benchmarks.recovery import (
     path_overrides,
     path_result,
     product_spans,
+    reference_rates,
     target_check,
     timeline,
 )
@@ -45,6 +46,23 @@ def test_timeline_of_a_recovery_splits_detection_handling_and_the_next_step():
     assert t["lost_vs_steady_s"] == 2.0  # 3 s for one step of 1 s
     assert t["states"] == ["running->recovering", "recovering->running"]
     assert t["window"] == (10.0, 13.0)
+
+
+def test_a_peer_copy_reports_its_bytes_and_rate_beside_memcpy_and_a_loopback_socket():
+    lines = [
+        {"step": 1}, {"step": 2},
+        {"event": "chaos", "time": 10.0, "step": 3, "kill": "stage"},
+        state(10.2, "running", "recovering"),
+        {"event": "recovery", "stage": 0, "replica": 1, "source": "dp_peer", "rollback_steps": 0, "seconds": 0.5, "state_bytes": 4_000_000, "transfer_s": 0.002},
+        {"event": "recovery", "stage": 1, "replica": 1, "source": "dp_peer", "rollback_steps": 0, "seconds": 0.5, "state_bytes": 8_000_000, "transfer_s": 0.008},
+        state(10.8, "recovering", "running"),
+        {"step": 3},
+    ]
+    t = timeline(lines, steps((1, 3.0, 1.0), (2, 4.0, 1.0), (3, 12.0, 1.0)))
+    assert t["transfer"] == {"bytes": 8_000_000, "seconds": 0.008}  # the largest copy
+    assert path_result(t, True)["transfer"] == {"bytes": 8_000_000, "seconds": 0.008, "gb_s": 1.0}
+    ref = reference_rates(1 << 20, rounds=2)
+    assert ref["bytes"] == 1 << 20 and ref["memcpy_gb_s"] > 0 and ref["loopback_tcp_gb_s"] > 0
 
 
 def test_timeline_of_a_drain_starts_at_the_request_and_skips_the_step_in_flight():

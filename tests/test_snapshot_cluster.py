@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from elastic_llm.config import load_config
+from elastic_llm.model import build_stage
 from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.recovery.policy import UnrecoverableError
 from elastic_llm.snapshot.records import ShardKey
@@ -262,6 +263,23 @@ def test_stage_sigkilled_at_each_op_kind_is_named_and_recovered_bit_identically(
     assert [(r["stage"], r["replica"], r["source"]) for r in t.recoveries] == [(1, 1, "dp_peer")]
     assert t.recoveries[0]["failure"].startswith("step 5, stage 1 replica 1 failed: ActorDiedError"), t.recoveries[0]["failure"]
     assert t.recoveries[0]["rollback_steps"] == 0
+    # the peer's whole state came over one socket (bytes and the target's seconds on the line)
+    params = sum(p.numel() for p in build_stage(t.cfg.model.shape(), 2, 1, 0).parameters())
+    assert t.recoveries[0]["state_bytes"] >= 12 * params and t.recoveries[0]["transfer_s"] > 0, t.recoveries[0]
+    assert losses == clean(1, *dp)
+
+
+@pytest.mark.slow  # ~30 s: the in-recovery kills of the suite are the dp=1 test below
+def test_a_peer_killed_before_it_sends_its_state_fails_the_copy_and_the_run_replans(nodes, corpus_dir, clean):
+    """Stage 1 of replica 1 dies; once the plan names replica 0's stage 1 its source, that peer
+    dies too, before it streams its state. The copy fails, the controller observes again and
+    both come from their snapshot, bit for bit."""
+    dp = ("parallel.stages=2", "parallel.dp=2")
+    chaos = "chaos.events=[{step: 5, kill: stage, stage: 1, replica: 1, how: sigkill}, {step: 5, kill: stage, stage: 1, replica: 0, during: recovery, how: sigkill}]"
+    t = make_trainer(nodes, corpus_dir, *dp, chaos)
+    losses = run(t)
+    assert sorted((r["stage"], r["replica"]) for r in t.recoveries) == [(1, 0), (1, 1)], t.recoveries
+    assert all(r["source"] != "dp_peer" for r in t.recoveries), t.recoveries
     assert losses == clean(1, *dp)
 
 

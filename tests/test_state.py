@@ -2,6 +2,9 @@
 
 import dataclasses
 import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -9,6 +12,8 @@ import torch
 
 from elastic_llm.config import config_from_dict
 from elastic_llm.pipeline.stage import StageWorker
+from elastic_llm.pipeline.transport import HELLO, STATE_COPY, STATE_HEADER, Aborted, PeerLost
+from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.snapshot.state import SnapshotFormatError
 
 
@@ -172,3 +177,68 @@ def test_a_version_record_survives_its_json_form():
     assert back.shard(ShardKey(0, 0)).data_position() == {"i": 3}
     with pytest.raises(ValueError, match="not a snapshot version record"):
         record_from_json('{"version": 1}')
+
+
+def _stream(src, dst):
+    """``src`` streams its state to ``dst`` (both in this process, as two actors would)."""
+    address = dst.link_address()  # first, as the driver asks (an actor's calls do not overlap)
+    with ThreadPoolExecutor(2) as pool:
+        got = pool.submit(dst.receive_state, ShardKey(src.stage, src.replica))
+        sent = pool.submit(src.send_state, address)
+        return sent, got
+
+
+def test_a_state_streamed_over_a_socket_lands_in_the_arena_and_continues_bit_identically():
+    c = cfg()
+    data = list(batches(6))
+    a = StageWorker(c, 0, 0)
+    run_steps(a, data[:3])
+    before = a.capture_state()[0].copy()
+    b = StageWorker(c, 0, 1)  # a fresh actor (another replica's RNG): takes a's state, RNG included
+    arena = b.arena.host_view()
+    sent, got = _stream(a, b)
+    nbytes, seconds = got.result(timeout=60)
+    assert sent.result(timeout=60) == nbytes == a.arena.layout.nbytes and seconds > 0
+    assert b.arena.host_view().ctypes.data == arena.ctypes.data  # read into the arena itself: no buffer between
+    assert b.step_count == 3 and np.array_equal(b.capture_state()[0], before)
+    rng = torch.get_rng_state()  # one process here: each actor's own torch RNG, in turn
+    expected = run_steps(a, data[3:])
+    torch.set_rng_state(rng)
+    assert run_steps(b, data[3:]) == expected
+    for (n, p), (_, q) in zip(a.module.named_parameters(), b.module.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_a_streamed_state_of_another_shape_is_refused_and_a_lost_sender_fails_the_receiver():
+    a = StageWorker(cfg(), 0, 0)
+    wider = {"model": {"dim": 64, "n_heads": 2, "n_layers": 2, "seq_len": 8}, "parallel": {"stages": 1, "microbatches": 2}, "train": {"batch_size": 4}}
+    other = StageWorker(config_from_dict(wider), 0, 0)
+    run_steps(a, list(batches(1)))
+    sent, got = _stream(other, a)
+    with pytest.raises(SnapshotFormatError, match="not the same stage"):
+        got.result(timeout=60)
+    with pytest.raises(PeerLost, match="closed the connection before it had the state"):
+        sent.result(timeout=60)
+    assert a.step_count == 1  # refused before a byte landed: its state is untouched
+    # a sender that dies midway: the receiver's read ends at once, naming it, and holds no step
+    b = StageWorker(cfg(), 0, 1)
+    address = b.link_address()
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(b.receive_state, ShardKey(0, 0))
+        sock = socket.create_connection(address)
+        sock.sendall(HELLO.pack(STATE_COPY, 0, 0) + STATE_HEADER.pack(2, a.arena.layout.nbytes) + b"{}" + b"\0" * 100)
+        sock.close()
+        with pytest.raises(PeerLost, match=r"stage 0 replica 0"):
+            got.result(timeout=60)
+    assert b.step_count == -1
+
+
+def test_a_receive_whose_sender_never_connects_is_cancelled():
+    b = StageWorker(cfg(), 0, 1)
+    b.link_address()
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(b.receive_state, ShardKey(0, 0))
+        time.sleep(0.2)  # the receive is waiting for its sender
+        b.cancel_receive()
+        with pytest.raises(Aborted, match="cancelled"):
+            got.result(timeout=10)

@@ -153,7 +153,8 @@ def test_no_actor_holds_links_to_every_stage_of_every_replica():
 def test_an_aborted_step_stops_inside_a_stages_forward_or_backward_at_a_layer_boundary():
     """The driver's abort reaches a stage that is computing, not only one blocked on a peer: its
     forward stops before its first layer runs, and its backward before any layer's gradient is
-    computed (the op is left, not finished); a new link generation runs again."""
+    computed (the op is left, not finished); a new link generation runs again. An abort that
+    comes once the layers ran stops before the LM head's product."""
     from elastic_llm.config import load_config
     from elastic_llm.pipeline.stage import StageWorker
 
@@ -164,6 +165,7 @@ def test_an_aborted_step_stops_inside_a_stages_forward_or_backward_at_a_layer_bo
         layer.register_forward_hook(lambda *_, i=i: ran.append(i))
     first = linked([ShardKey(1, 0), ShardKey(0, 0)], generation=3)
     again = linked([ShardKey(1, 0), ShardKey(0, 0)], generation=4)
+    third = linked([ShardKey(1, 0), ShardKey(0, 0)], generation=5)
     w.links = first[ShardKey(1, 0)]
     try:
         x = np.random.default_rng(0).standard_normal((2, 16, 64)).astype(np.float32)
@@ -179,7 +181,16 @@ def test_an_aborted_step_stops_inside_a_stages_forward_or_backward_at_a_layer_bo
         w.links.abort(4)
         with pytest.raises(Aborted):
             w.backward(0)
-        assert all(p.grad is None for p in w.module.layers.parameters())  # no layer's gradient was computed
+        assert all(p.grad is None for p in w.module.parameters())  # no gradient was computed, the head's included
+        heads = []
+        w.module.head.register_forward_hook(lambda *_: heads.append(1))
+        w.links = third[ShardKey(1, 0)]
+        w.module.norm.register_forward_hook(lambda *_: w.links.abort(5))  # the abort comes between the layers and the head
+        w.reset_step()
+        with pytest.raises(Aborted):
+            w.forward(0, x, targets)
+        assert ran == [0, 1, 0, 1] and heads == []  # the layers ran again, the LM head did not
     finally:
         close(first)
         close(again)
+        close(third)

@@ -196,8 +196,8 @@ class RecoveryExecutor:
                     return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, len(plan.own_copies), position)
                 done = {m.step for m in obs.members if m.alive and m.step is not None}  # one step (else the plan rolls back)
                 at = max(done) if done else step
-                self._copy_from_peers(plan)
-                details = rebuild_from_neighbours(g, [a for a in plan.actions if a.source in LOSSY], at, self.options.lr_scale)
+                copied = self._copy_from_peers(plan)
+                details = {**copied, **rebuild_from_neighbours(g, [a for a in plan.actions if a.source in LOSSY], at, self.options.lr_scale)}
                 promote_copies(g, [a for a in plan.actions if a.source is Source.REDUNDANT])
         except BaseException:
             for key in lost:
@@ -253,14 +253,15 @@ class RecoveryExecutor:
         mine = set(plan.own_copies) | set(plan.kept)  # the survivors already at the version restore nothing
         return {k: sn.fetch_stage_state(k.stage, k.replica, obs.dead_managers) for k in self.group.keys() if k not in mine}
 
-    def _copy_from_peers(self, plan: RecoveryPlan) -> None:
-        """Lost replicas copy the whole state of a live data-parallel peer."""
+    def _copy_from_peers(self, plan: RecoveryPlan) -> dict[ShardKey, dict[str, Any]]:
+        """Lost replicas copy the whole state of a live data-parallel peer; per copy its bytes
+        and the target's seconds (for the recovery's lines)."""
         pairs = []
         for a in (a for a in plan.actions if a.source is Source.DP_PEER):
             assert a.peer is not None, f"{a}: a dp_peer action names its peer"
             pairs.append((ShardKey(a.stage, a.peer), ShardKey(a.stage, a.replica)))
-        if pairs:
-            self.group.copy_stages(pairs)
+        got = self.group.copy_stages(pairs) if pairs else {}
+        return {k: {"state_bytes": int(n), "transfer_s": float(t)} for k, (n, t) in got.items()}
 
 
 def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: float, committed_lost: int = 0,

@@ -1,9 +1,10 @@
-"""The sources of a stage's state other than its own snapshots: its neighbours, a redundant copy,
-checkpoint files and durable checkpoints.
+"""The sources of a stage's state other than its own snapshots: a live peer, its neighbours, a
+redundant copy, checkpoint files and durable checkpoints.
 
 Owns: what a stage actor does for the recovery modes that do not restore its own snapshot (mixed
 into :class:`~elastic_llm.pipeline.stage.StageWorker`, whose actor methods these are):
-CheckFree / CheckFree+ (its layers for a neighbour to average, the mirror of its neighbour's
+a live actor's whole state streamed over one socket (a data-parallel peer's, for a lost replica
+or a new one; its own, for a stage that moves), CheckFree / CheckFree+ (its layers for a neighbour to average, the mirror of its neighbour's
 embedding or LM head it keeps, rebuilding itself from neighbours' layers with a fresh optimizer
 and a resumed LR schedule), the redundant copy of its successor (``recovery.mode: redundant``),
 checkpoint files (``recovery.mode: checkpoint``) and a durable checkpoint of any width or stage
@@ -12,11 +13,13 @@ count. Never decides which source serves a stage (the recovery plan does).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.tensors import host, host_bytes
 
 
@@ -37,6 +40,13 @@ class OtherSources:
     step_count: int
     mirror: np.ndarray | None
     mirror_step: int
+    links: Any
+
+    def link_address(self) -> tuple[str, int]:
+        raise NotImplementedError  # the stage's
+
+    def state_manifest(self, lo: int, hi: int, data_position: Any = None) -> str:
+        raise NotImplementedError  # the stage's
 
     def capture_state(self, data_position: Any = None, replica_slice: bool = False) -> tuple[np.ndarray, str]:
         raise NotImplementedError  # the stage's
@@ -49,6 +59,50 @@ class OtherSources:
 
     def reset_step(self) -> int:
         raise NotImplementedError  # the stage's
+
+    # ------------------------------------------------------------------ a live actor's state, over a socket
+    def send_state(self, address: tuple[str, int]) -> int:
+        """Stream this stage's whole state to the actor listening at ``address`` (its
+        :meth:`receive_state`): a CPU stage sends its arena's own memory, nothing is copied.
+        Returns the bytes sent."""
+        from elastic_llm.pipeline.transport import send_state
+
+        self.copies.wait()  # no background copy reads the arena while it is sent (nothing writes it: no step runs)
+        view = self.arena.host_view()
+        if view is None:  # a GPU stage: through its reused host buffer
+            view, manifest = self.capture_state()
+        else:
+            manifest = self.state_manifest(0, self.arena.layout.nbytes)
+        return send_state(address, ShardKey(self.stage, self.replica), manifest, view.data.cast("B"))
+
+    def receive_state(self, peer: ShardKey) -> tuple[int, float]:
+        """Take the whole state ``peer`` streams with :meth:`send_state`, read straight into the
+        arena (a CPU stage; a GPU stage's reused host buffer), then restore its optimizer,
+        schedule, RNG and step from the manifest. Until then the stage holds no step (-1): a copy
+        that breaks midway leaves it for any plan to restore. Returns (bytes, seconds)."""
+        from elastic_llm.snapshot.state import SnapshotFormatError
+
+        self.link_address()  # the listener the sender connects to
+        t0 = time.perf_counter()
+        got: dict[str, np.ndarray] = {}
+
+        def into(manifest: str, n: int) -> memoryview:
+            if n != self.arena.layout.nbytes:
+                raise SnapshotFormatError(f"stage {self.stage}: {peer} sent {n} bytes of state, this stage's state is {self.arena.layout.nbytes}: not the same stage")
+            self.copies.wait()
+            self.step_count = -1
+            view = self.arena.host_view()
+            got["view"] = view if view is not None else self.copies.buffer(2)[:n]
+            return got["view"].data.cast("B")
+
+        manifest = self.links.receive_state(peer, into)
+        self.load_parts(manifest, [0], got["view"])
+        return int(got["view"].nbytes), time.perf_counter() - t0
+
+    def cancel_receive(self) -> None:
+        """Called in the control group: end a :meth:`receive_state` whose sender failed before it connected."""
+        if self.links is not None:
+            self.links.cancel_receive()
 
     # ------------------------------------------------------------------ CheckFree / CheckFree+
     def _outer(self) -> list[torch.nn.Parameter]:

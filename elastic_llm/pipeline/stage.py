@@ -171,8 +171,9 @@ class StageWorker(OtherSources):
         self.links: Any = None  # SocketTransport: this actor's links to its step peers
 
     def _check_aborts(self, module: StageModule) -> None:
-        """An aborted step (another actor of it failed) stops at this stage's next layer
-        boundary, in a forward or a backward, instead of finishing the op it is in."""
+        """An aborted step (another actor of it failed) stops at this stage's next matrix
+        product (every linear map and the embedding, the LM head included), in a forward or a
+        backward, instead of finishing the op it is in."""
 
         def check(*_: Any) -> None:
             if self.links is not None:
@@ -182,9 +183,10 @@ class StageWorker(OtherSources):
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(check)  # runs when the backward reaches this layer
 
-        for layer in module.layers:
-            layer.register_forward_pre_hook(check)
-            layer.register_forward_hook(on_output)
+        for part in module.modules():
+            if isinstance(part, (torch.nn.Linear, torch.nn.Embedding)):
+                part.register_forward_pre_hook(check)
+                part.register_forward_hook(on_output)
 
     def __repr__(self) -> str:
         # Ray shows this as the actor's display name (``ray list actors``, the dashboard) and in
@@ -428,16 +430,20 @@ class StageWorker(OtherSources):
         Returns (buffer, manifest JSON). The buffer is overwritten by the next capture: callers
         hand it on (e.g. to a peer) before capturing again.
         """
-        from elastic_llm.snapshot import state as st
-
         self.copies.wait()
         lo, hi = self.arena.layout.slice_bounds(self.replica, self.dp) if replica_slice else (0, self.arena.layout.nbytes)
         buf = self.copies.buffer(2)  # its own buffer: never one a snapshot in flight uses
         self.arena.capture(buf, lo, hi)
+        return buf, self.state_manifest(lo, hi, data_position)
+
+    def state_manifest(self, lo: int, hi: int, data_position: StreamPosition | Mapping[str, Any] | None = None) -> str:
+        """The manifest of bytes [lo, hi) of the state as it is now (layout, optimizer, schedule, RNG, step)."""
+        from elastic_llm.snapshot import state as st
+
         position = StreamPosition.of(data_position).to_dict() if data_position is not None else None
         extra = st.json_state(self.optimizer, self.scheduler, self.step_count, position, self.cfg.config_hash())
         extra["slice"] = [lo, hi]
-        return buf, st.make_manifest(self.arena.layout, extra, self.stage)
+        return st.make_manifest(self.arena.layout, extra, self.stage)
 
     def load_state(self, buffer: np.ndarray, manifest: str) -> int:
         """Restore parameters, optimizer, scheduler and RNG state from one whole-state buffer."""

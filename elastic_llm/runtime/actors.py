@@ -450,15 +450,11 @@ class ActorGroup(StateCalls):
         new links."""
         import ray
 
-        from elastic_llm.runtime.stage_calls import COPY_S
+        from elastic_llm.runtime.stage_calls import stream_states
 
         infos = ray.get([sp.info for sp in spares], timeout=START_S)
         with self.spans.span("state"):
-            loads = []
-            for sp in spares:
-                buf, manifest = self.actor(sp.key).capture_state.options(num_returns=2).remote()
-                loads.append(sp.actor.load_state.remote(buf, manifest))
-            ray.get(loads, timeout=COPY_S)
+            stream_states([(self.actor(sp.key), sp.key, sp.actor) for sp in spares])
         for sp, info in zip(spares, infos):
             key = sp.key
             self._install(sp)

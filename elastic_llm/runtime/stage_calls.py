@@ -3,7 +3,7 @@
 Owns: the :class:`~elastic_llm.controller.ports.StageActors` primitives that carry state, as
 object refs only (the bytes go actor to actor or store to actor; the driver fetches at most a
 gradient norm): copying a live actor's whole state into another (a data-parallel peer, a grow, a
-drain move), loading a snapshot's pieces, restoring an actor's own background copy, loading a
+drain move: streamed over a socket, :func:`stream_states`), loading a snapshot's pieces, restoring an actor's own background copy, loading a
 durable checkpoint (a refused file comes back as its :class:`DurableError`, without Ray's
 wrapping), CheckFree's rebuild from the neighbours' layers, promoting a redundant copy, the
 CheckFree+ mirrors, and the checkpointing baseline's files. Each waits with a deadline.
@@ -12,10 +12,12 @@ Never decides which source serves which actor (the recovery plan does).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from elastic_llm.durable.format import DurableError
+from elastic_llm.runtime.handover import CONTROL
 from elastic_llm.snapshot.records import Piece, ShardKey, StageSource
 from elastic_llm.spans import Spans
 
@@ -32,6 +34,35 @@ def checkpoint_refusal(error: BaseException) -> DurableError | None:
     return DurableError(str(cause)) if isinstance(cause, DurableError) else None
 
 
+def stream_states(copies: list[tuple[Any, ShardKey, Any]]) -> list[tuple[int, float]]:
+    """For each (source actor, its key, target actor): the source streams its whole state to the
+    target over one TCP connection, from its memory into the target's (``send_state`` /
+    ``receive_state``: not through the object store), all copies at once. Returns per copy the
+    bytes and the target's seconds. A source that fails before it connected has its target's
+    wait cancelled (the target's control group), so the target is not left waiting; the first
+    failure raises."""
+    import ray
+
+    if not copies:
+        return []
+    addresses = ray.get([dst.link_address.remote() for _, _, dst in copies], timeout=COPY_S)
+    receives = [dst.receive_state.remote(key) for _, key, dst in copies]
+    sends = {src.send_state.remote(addr): dst for (src, _, dst), addr in zip(copies, addresses)}
+    deadline = time.monotonic() + COPY_S
+    waiting = [*receives, *sends]
+    while waiting:
+        done, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise TimeoutError(f"{len(waiting)} state copies did not end within {COPY_S:.0f} s")
+        try:
+            ray.get(done[0], timeout=0)
+        except ray.exceptions.RayError:
+            if done[0] in sends:
+                sends[done[0]].cancel_receive.options(concurrency_group=CONTROL).remote()
+            raise
+    return [tuple(x) for x in ray.get(receives, timeout=0)]
+
+
 class StateCalls:
     """Mixed into the Ray actor group: needs ``actor(key)``, ``keys()``, ``spans``, ``stages`` and ``width``."""
 
@@ -45,16 +76,12 @@ class StateCalls:
     def keys(self) -> list[ShardKey]:
         raise NotImplementedError  # the group's
 
-    def copy_stages(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
-        """For each (source, target): the target actor takes the whole state of the source."""
-        import ray
-
+    def copy_stages(self, pairs: list[tuple[ShardKey, ShardKey]]) -> dict[ShardKey, tuple[int, float]]:
+        """For each (source, target): the target actor takes the whole state of the source
+        (:func:`stream_states`). Returns per target its bytes and seconds."""
         with self.spans.span("state"):
-            loads = []
-            for src, dst in pairs:
-                buf, manifest = self.actor(src).capture_state.options(num_returns=2).remote()
-                loads.append(self.actor(dst).load_state.remote(buf, manifest))
-            ray.get(loads, timeout=COPY_S)
+            got = stream_states([(self.actor(src), src, self.actor(dst)) for src, dst in pairs])
+        return {dst: g for (_, dst), g in zip(pairs, got)}
 
     def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> None:
         """Each actor loads the pieces of its committed state (straight from the managers' stores)."""

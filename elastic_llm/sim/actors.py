@@ -404,17 +404,19 @@ class SimActors:
         return taken
 
     # ------------------------------------------------------------------ state
-    def copy_stages(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
+    def copy_stages(self, pairs: list[tuple[ShardKey, ShardKey]]) -> dict[ShardKey, tuple[int, float]]:
         """Each target takes its source's state, all copies at once over the network (a source
-        sending to several targets sends one after another)."""
+        sending to several targets sends one after another). Per target: bytes, seconds."""
         if not pairs:
-            return
+            return {}
         fan_out = max(Counter(src for src, _ in pairs).values())
+        seconds = fan_out * self.stage_mb() / self.world.costs.network_mb_s
         with self.spans.span("state"):
-            self.world.clock.sleep(fan_out * self.stage_mb() / self.world.costs.network_mb_s)
+            self.world.clock.sleep(seconds)
         self._check("copying stage state", [self.nodes[k] for pair in pairs for k in pair])
         for src, dst in pairs:
             self.at[dst] = self.at.get(src)
+        return {dst: (int(self.stage_mb() * 1e6), seconds) for _, dst in pairs}
 
     def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> None:
         """Each actor loads its pieces once they are ready (the managers' reads, parity
