@@ -8,7 +8,8 @@ in the tests), live :class:`~elastic_llm.controller.Trainer` runs (snapshots eve
 ``warmup`` steps. After the first step the benchmark waits (between steps, at most
 :data:`STANDBY_WAIT_S`) until every node hosting the run's stages has a started standby (the
 product starts them ahead of time: that is their point; waiting there also keeps their start out
-of the steady steps), notes their pids, and trains on; then, during step ``warmup + 1``:
+of the steady steps, which start at step :data:`STEADY_FROM`), notes their pids, and trains on;
+then, during step ``warmup + 1``:
 
 * ``local_smp``: dp=1, stage 0's process is SIGKILLed as it starts the step's first forward
   (chaos ``kill: stage``, its node lives; stage 0 so that the chaos line, written as the step is
@@ -101,6 +102,11 @@ HANDLING = ("recovering", "draining", "resizing", "waiting_for_capacity")
 DRAIN_DEADLINE_S = 60.0
 DRAIN_AT = 0.5  # the drain notice arrives this fraction of a step into the step
 DRAIN_MAX_STEPS = 30  # a drain run stops one step after the move; this is only a bound
+# the steady step is the median of the steps from this one on, before the failure: step 1 builds
+# the links and faults in memory; step 2 runs while the warm standbys' processes start (Python,
+# torch, the warm-up: seconds of CPU on the 2 cores the loopback nodes share), measured 1.5-1.8x
+# a steady step on llama-25m
+STEADY_FROM = 3
 HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000}
 COMMON = ["train.eval_every=0", "snapshot.enabled=true", "snapshot.every=1", "recovery.capacity_report_s=1"]
 EXPECTED = {"local_smp": "local_smp", "dp_peer": "dp_peer", "parity": "parity"}
@@ -168,7 +174,7 @@ def path_overrides(path: str, fail_step: int, plan: dict[str, int]) -> list[str]
     raise ValueError(f"unknown path {path!r}: one of {PATHS}")
 
 
-def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t0: float | None = None) -> dict[str, Any]:
+def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t0: float | None = None, steady_from: int = 2) -> dict[str, Any]:
     """Seconds from a failure to the next completed step, from one run's metrics lines (in file
     order) and its step completions ``steps`` (``{"step", "t": wall time done, "step_s"}`` in
     order). ``t0``: when the failure (or drain request) happened; default the first ``chaos``
@@ -176,7 +182,7 @@ def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t
     recovering / draining / resizing), ``handler_s`` (until it was back in ``running``),
     ``next_step_s`` (until the next step completed), the product's ``seconds`` and spans
     (:func:`product_spans`) of its recovery / drain / resize lines, what those lines say, and the
-    steady step time before the failure."""
+    steady step time before the failure (the median of the steps from ``steady_from`` on)."""
     typed = [events.parse(x) for x in lines]
     states = [(i, ev) for i, ev in enumerate(typed) if isinstance(ev, events.StateChange)]
     if t0 is None:
@@ -200,7 +206,7 @@ def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t
     drains = [ev for ev in window if isinstance(ev, events.Drain)]
     resizes = [ev for ev in window if isinstance(ev, events.Resize)]
     product = [float(ev.seconds) for ev in (*recov, *drains, *resizes) if ev.seconds is not None]
-    steady = [s["step_s"] for s in steps if s["t"] < t0 and s["step"] > 1]
+    steady = [s["step_s"] for s in steps if s["t"] < t0 and s["step"] >= steady_from]
     steady_s = _median(steady)
     out: dict[str, Any] = {
         "seconds": _r(nxt["t"] - t0),
@@ -457,7 +463,7 @@ def _full_restart(cluster: Any, cfg: Any, warmup: int, rounds: int, workdir: str
         driver_file = os.path.join(workdir, "ckpt-driver.pt")
         torch.save({"step": step, "data_position": position}, driver_file)
         expected_loss = old.run_step()["loss"]  # the undisturbed run's next step
-        steady = _median([cfg.tokens_per_step() / h["tokens_per_s"] for h in old.history[1:]])
+        steady = _median([cfg.tokens_per_step() / h["tokens_per_s"] for h in old.history[STEADY_FROM - 1 :]])
     finally:
         old.shutdown()
     out_rounds = []
@@ -698,7 +704,7 @@ def _run_path(
     lines = events.read_lines(metrics)
     if path == "drain" and ("t0" not in drain or "error" in drain):
         raise RuntimeError(f"the drain was not requested: {drain.get('error', 'the timer did not fire')}")
-    out = timeline(lines, steps, drain.get("t0"))
+    out = timeline(lines, steps, drain.get("t0"), STEADY_FROM)
     out.pop("window")
     out["adopted"] = adopted_standby(seen.get("pids_before", {}), pids_after, seen["standby_pids"])
     out["standby_ready_before"] = seen.get("standby_ready")
@@ -860,8 +866,8 @@ def _notes(r: dict[str, Any]) -> list[str]:
         ),
         (
             "adopted: whether the actor that replaced the lost one runs in a warm standby process seen before the failure "
-            "(pids compared); after step 1 the run waited until every node hosting stages had a ready standby, so the steady "
-            "steps (2..warmup) and the failure find them started. lost_incl_rollback_s adds the rolled-back steps (trained again)."
+            "(pids compared); after step 1 the run waited until every node hosting stages had a ready standby, so the failure "
+            "finds them started; the steady step is the median of steps 3..warmup (step 2 runs beside the standbys' starts). lost_incl_rollback_s adds the rolled-back steps (trained again)."
         ),
         (
             "drain: pause_s = the draining state plus the first step after it, minus one steady step; how = stages (per-stage "
@@ -887,7 +893,7 @@ def run_recovery_bench(
     config_paths: Sequence[str] | None = None,
     overrides: Sequence[str] = (),
     *,
-    warmup: int = 3,
+    warmup: int = 5,
     after: int = 2,
     restarts: int = 2,
     probe_rounds: int = 2,
@@ -900,8 +906,8 @@ def run_recovery_bench(
     and file it started is gone when it returns."""
     from elastic_llm.runtime.session import loopback_env
 
-    if warmup < 2 or after < 1 or restarts < 1:
-        raise ValueError("warmup must be >= 2 (the first step is not steady), after >= 1, restarts >= 1")
+    if warmup < STEADY_FROM or after < 1 or restarts < 1:
+        raise ValueError(f"warmup must be >= {STEADY_FROM} (the steps before it are not steady), after >= 1, restarts >= 1")
     loopback_env()
     configs = list(config_paths) if config_paths else list(DEFAULT_CONFIGS)
     with _stdout_to_stderr():  # Ray prints worker and raylet deaths on stdout; --json prints one line

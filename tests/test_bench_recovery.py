@@ -43,6 +43,7 @@ def test_timeline_of_a_recovery_splits_detection_handling_and_the_next_step():
     assert t["product_seconds"] == 1.5 and t["sources"] == ["local_smp"] and t["rollback_steps"] == 0
     assert t["next_step"] == 4 and t["restored"] == [(1, 0)] and t["steps_before_handler"] == 0
     assert t["steady_step_s"] == 1.0  # median of steps 2 and 3: the first step is not steady
+    assert timeline(lines, done, steady_from=3)["steady_step_s"] == 1.1  # step 3 alone (step 2 ran beside the standbys' starts)
     assert t["lost_vs_steady_s"] == 2.0  # 3 s for one step of 1 s
     assert t["states"] == ["running->recovering", "recovering->running"]
     assert t["window"] == (10.0, 13.0)

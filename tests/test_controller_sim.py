@@ -67,8 +67,8 @@ def fleet(nodes, slots=2, actions=()):
     return World(clock, fl, load_costs("cpu-2core"), Charged())
 
 
-def make(corpus_dir, tmp_path, *extra, fails=None, nodes=("n0", "n1"), actions=()):
-    """A 2-stage run of 2 replicas (no snapshots unless ``extra`` turns them on) on ``nodes`` of 2 slots."""
+def make(corpus_dir, tmp_path, *extra, fails=None, nodes=("n0", "n1"), actions=(), slots=2):
+    """A 2-stage run of 2 replicas (no snapshots unless ``extra`` turns them on) on ``nodes`` of ``slots`` slots."""
     cfg = load_config(
         os.path.join(REPO, "jobs", "tiny.yaml"),
         [
@@ -76,7 +76,7 @@ def make(corpus_dir, tmp_path, *extra, fails=None, nodes=("n0", "n1"), actions=(
             "model.seq_len=16", f"data.dir={corpus_dir}", "recovery.capacity_timeout_s=5", "recovery.driver_grace_s=0", *extra,
         ],
     )
-    rt = ScriptedRuntime(fleet(nodes, actions=actions), fails if fails is not None else {})
+    rt = ScriptedRuntime(fleet(nodes, slots, actions), fails if fails is not None else {})
     return Trainer(cfg, rt, metrics_out=tmp_path / "metrics.jsonl"), rt
 
 
@@ -287,3 +287,16 @@ def test_a_notice_that_arrives_mid_step_starts_its_spare_at_once_so_the_move_mak
     assert [h["step"] for h in history] == list(range(1, 9))
     assert [(d["moved"], d["stayed"], d["how"]) for d in t.drains] == [(1, 0, "stages")]
     assert t.recoveries == [] and "n3" not in t.group.nodes.values()
+
+
+def test_a_used_standby_is_replaced_after_the_first_step_of_the_resumed_run_not_beside_it(corpus_dir, tmp_path):
+    """A recovery adopts a warm standby; the new standby that takes its place starts once the run
+    has completed a step after the recovery (a process start competes with that step's CPU)."""
+    t, rt = make(corpus_dir, tmp_path, "recovery.standby=1", fails={25: (1, ShardKey(1, 1))}, slots=3)  # a free slot per node: a standby each
+    rt.standbys_per_node = 1
+    t.fit(27)  # the standbys are ready long before step 25
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    [rec] = t.recoveries
+    assert rec["source"] == "dp_peer" and rec["actor_s"] < load_costs("cpu-2core").actor_start_s  # the standby was adopted
+    after = [x for x in lines if x.get("event") == "standby" and x.get("started") and x["time"] >= rec["time"]]
+    assert [x["step"] for x in after[:1]] == [25]  # resumed at step 24's boundary; step 25 completed first

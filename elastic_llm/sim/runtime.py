@@ -75,7 +75,8 @@ class _Standby:
 
 class SimStandbys:
     """``per_node`` warm standbys on every node the run asked for them (ready ``start_s`` after
-    that); one adopted is back ``start_s`` later. Their starts run in the background
+    that); one adopted is replaced when the controller next tops the pool up (:meth:`ensure`, as
+    on Ray), ready ``start_s`` after that. Their starts run in the background
     (:meth:`World.starting`)."""
 
     def __init__(self, world: World, per_node: int) -> None:
@@ -85,6 +86,7 @@ class SimStandbys:
         self.start_s = world.costs.actor_start_s
         self.refill: dict[str, list[float]] = {}  # node -> when its used standbys are back
         self.first: dict[str, float] = {}  # node -> when its first standbys started (the run's first look at it)
+        self.used: dict[str, int] = {}  # node -> standbys adopted there and not replaced yet
 
     def _ready_on(self, node: str, now: float) -> int:
         x = self.world.fleet.nodes.get(node)
@@ -92,7 +94,7 @@ class SimStandbys:
             return 0
         back = [t for t in self.refill.get(node, []) if t > now]
         self.refill[node] = back
-        return max(0, self.per_node - len(back))
+        return max(0, self.per_node - len(back) - self.used.get(node, 0))
 
     def check(self) -> int:
         return 0
@@ -101,14 +103,21 @@ class SimStandbys:
         pass
 
     def ensure(self, nodes: Iterable[str]) -> int:
-        """A node's first standbys start when the run first asks for them there (as on Ray); a
-        used one's restart is counted in ready(). Returns how many started."""
+        """A node's first standbys start when the run first asks for them there (as on Ray), and
+        the replacements of those adopted there since. Returns how many started."""
         now = self.world.clock.now
-        new = [n for n in nodes if n not in self.first]
-        for n in new:
-            self.first[n] = now
-            self.world.starting(now, now + self.start_s, self.per_node)
-        return len(new) * self.per_node
+        started = 0
+        for n in nodes:
+            if n not in self.first:
+                self.first[n] = now
+                self.world.starting(now, now + self.start_s, self.per_node)
+                started += self.per_node
+            elif self.used.get(n, 0):
+                k = self.used.pop(n)
+                self.refill.setdefault(n, []).extend([now + self.start_s] * k)
+                self.world.starting(now, now + self.start_s, k)
+                started += k
+        return started
 
     def ready(self) -> dict[str, int]:
         now = self.world.clock.now
@@ -122,8 +131,7 @@ class SimStandbys:
         now = self.world.clock.now
         if self._ready_on(node, now) <= 0:
             return None
-        self.refill.setdefault(node, []).append(now + self.start_s)
-        self.world.starting(now, now + self.start_s, 1)
+        self.used[node] = self.used.get(node, 0) + 1
         self.adopted += 1
         return _Standby()
 
