@@ -108,8 +108,10 @@ def test_manager_keeps_a_shard_after_the_sending_stage_is_sigkilled(nodes):
     ray.kill(smp)
 
 
-# ray.kill of a stage stays in the suite through the CheckFree and during-recovery tests (their default)
-@pytest.mark.parametrize("how", [pytest.param("ray_kill", marks=pytest.mark.slow), "sigkill"])
+# slow (the suite's 25 minutes): ray.kill of a stage stays in the suite through the CheckFree and
+# during-recovery tests (their default), a SIGKILLed stage restored from its local manager with the
+# survivors from their own copies through the own-copy test below and the standby adoption tests
+@pytest.mark.parametrize("how", [pytest.param("ray_kill", marks=pytest.mark.slow), pytest.param("sigkill", marks=pytest.mark.slow)])
 def test_killed_stage_recovers_bit_identically(nodes, corpus_dir, clean, how):
     t = make_trainer(nodes, corpus_dir, f"chaos.events=[{{step: 5, kill: stage, stage: 2, how: {how}}}]")
     losses = run(t)
@@ -146,6 +148,7 @@ def test_lost_node_is_rebuilt_from_parity_bit_identically(nodes, corpus_dir, cle
     assert losses == clean(1)
 
 
+@pytest.mark.slow  # the suite rebuilds two stages from parity 2 in the chunk-holder test below
 def test_two_lost_nodes_with_parity_two(nodes, corpus_dir, clean):
     t = make_trainer(nodes, corpus_dir, "snapshot.parity=2", "chaos.events=[{step: 5, kill: node, stage: 0}, {step: 5, kill: node, stage: 3}]")
     losses = run(t)
