@@ -509,34 +509,25 @@ class SnapshotManager:
         rs = self._codec(layout.k, m)
         mine_infos = sorted(infos[target], key=lambda s: s.key)
         pieces: list[np.ndarray] = []
-        for c in range(layout.k):
+        # every surviving symbol of every codeword is asked for at once and its pieces' transfer
+        # started (the members answer, and the bytes travel, in parallel); each codeword is then
+        # decoded as soon as its own symbols are in, while the later ones still arrive
+        words = [layout.codeword(layout.region_of(target, c)) for c in range(layout.k)]
+        asks: list[list[Any]] = []
+        for c, word in enumerate(words):
             region = layout.region_of(target, c)
-            word = layout.codeword(region)
-            lengths = [sum(p.length for p in chunk_pieces(infos[s.node], s.chunk)) for s in word if s.chunk is not None]
-            length = max(lengths, default=0)
-            shards: list[np.ndarray | None] = []
+            row: list[Any] = []
             for sym in word:
-                peer = peers[sym.node]
-                if sym.node in lost_set or peer is None:
-                    shards.append(None)
-                    continue
-                try:
-                    if sym.chunk is None:
-                        shards.append(np.asarray(ray.get(peer.get_parity.remote(version, region), timeout=WAIT_S)))
-                        continue
-                    meta = chunk_pieces(infos[sym.node], sym.chunk)
-                    refs = ray.get(peer.chunk_parts.remote(version, sym.chunk), timeout=WAIT_S)
-                    sym_buf = np.zeros(length, dtype=np.uint8)
-                    pos = 0
-                    for piece, arr in zip(meta, ray.get(refs, timeout=WAIT_S)):
-                        arr = np.asarray(arr)
-                        if len(arr) != piece.length or checksum(arr) != piece.crc:
-                            raise SnapshotMissingError(f"a piece of member {sym.node} fails its checksum")
-                        sym_buf[pos : pos + piece.length] = arr
-                        pos += piece.length
-                    shards.append(sym_buf)
-                except Exception:  # a member died or a piece failed its checksum: one more erasure
-                    shards.append(None)
+                peer = None if sym.node in lost_set else peers[sym.node]
+                row.append(None if peer is None else peer.get_parity.remote(version, region) if sym.chunk is None else peer.chunk_parts.remote(version, sym.chunk))
+            asks.append(row)
+        parts = [[self._piece_refs(ref) if ref is not None and sym.chunk is not None else ref for ref, sym in zip(row, word)] for row, word in zip(asks, words)]
+        flat = [r for row in parts for got in row if isinstance(got, list) for r in got]
+        if flat:  # start every piece's transfer to this node now (returns at once)
+            ray.wait(flat, num_returns=len(flat), timeout=0, fetch_local=True)
+        for c, word in enumerate(words):
+            lengths = [sum(p.length for p in chunk_pieces(infos[s.node], s.chunk)) for s in word if s.chunk is not None]
+            shards = [self._symbol(got, sym, infos, max(lengths, default=0)) for got, sym in zip(parts[c], word)]
             data = rs.decode(shards)
             mine = next(i for i, s in enumerate(word) if s.node == target)
             pos = 0
@@ -550,6 +541,40 @@ class SnapshotManager:
                 pos += want.length
         shard = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint8)
         return [ray.put(shard)]
+
+    @staticmethod
+    def _piece_refs(call: Any) -> list[Any] | None:
+        """A member's answer to ``chunk_parts`` (its pieces' refs); None if it died meanwhile."""
+        import ray
+
+        try:
+            return list(ray.get(call, timeout=WAIT_S))
+        except Exception:  # the member died: one more erasure
+            return None
+
+    @staticmethod
+    def _symbol(got: Any, sym: Any, infos: list[tuple[ShardInfo, ...]], length: int) -> np.ndarray | None:
+        """One symbol of a codeword: a parity region (``got`` its call), or a data chunk (``got``
+        its pieces' refs) checked piece by piece and zero-padded to ``length``; None for an erasure
+        (a lost or dead member, a piece that fails its checksum)."""
+        import ray
+
+        if got is None:
+            return None
+        try:
+            if sym.chunk is None:
+                return np.asarray(ray.get(got, timeout=WAIT_S))
+            meta = chunk_pieces(infos[sym.node], sym.chunk)
+            buf, pos = np.zeros(length, dtype=np.uint8), 0
+            for piece, arr in zip(meta, ray.get(got, timeout=WAIT_S)):
+                arr = np.asarray(arr)
+                if len(arr) != piece.length or checksum(arr) != piece.crc:
+                    raise SnapshotMissingError(f"a piece of member {sym.node} fails its checksum")
+                buf[pos : pos + piece.length] = arr
+                pos += piece.length
+            return buf
+        except Exception:  # a member died or a piece failed its checksum: one more erasure
+            return None
 
     # ------------------------------------------------------------------ fault injection
     def corrupt_shard(self, key: ShardKey) -> list[int]:
