@@ -51,6 +51,7 @@ HELLO = struct.Struct("<qii")  # generation, stage, replica of the connecting pe
 HEADER = struct.Struct("<qqiii i4q")  # generation, step, kind, microbatch, hop, ndim, shape (up to 4 dims)
 STATE_COPY = -2  # the HELLO's generation of a connection that carries one whole state, not a step's link
 STATE_HEADER = struct.Struct("<qq")  # manifest bytes, state bytes
+STATE_WAIT_S = 600.0  # how late a state's sender may connect (one sending to several targets sends one after another); a dead one's wait is cancelled sooner
 
 
 class Msg(enum.IntEnum):
@@ -318,7 +319,7 @@ class SocketTransport:
                 raise ProtocolError(f"{self.me} got message kind {k} mb {m} hop {h} of step {step} twice from {peer}")
             early[(k, m, h)] = out
 
-    def receive_state(self, peer: ShardKey, into: Callable[[str, int], memoryview], timeout: float = CONNECT_S) -> str:
+    def receive_state(self, peer: ShardKey, into: Callable[[str, int], memoryview], timeout: float = STATE_WAIT_S) -> str:
         """The whole state ``peer`` sends with :func:`send_state`: waits (at most ``timeout``, or
         until :meth:`cancel_receive`) for its connection, reads the manifest, asks ``into(manifest,
         nbytes)`` where the bytes go (it raises to refuse them) and reads them straight there,
