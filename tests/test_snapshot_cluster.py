@@ -168,7 +168,7 @@ def test_a_chunk_holder_lost_after_a_parity_rebuild_was_planned_is_one_more_eras
     assert losses == clean(2)
 
 
-@pytest.mark.parametrize("target", ["stage: 1", "node: 2"])
+@pytest.mark.parametrize("target", ["stage: 1", pytest.param("node: 2", marks=pytest.mark.slow)])  # both kill a node's manager: the suite keeps one
 def test_killed_manager_is_replaced_and_the_next_snapshot_completes(nodes, corpus_dir, clean, target):
     t = make_trainer(nodes, corpus_dir, f"chaos.events=[{{step: 4, kill: smp, {target}}}]")
     t.setup()
