@@ -147,7 +147,8 @@ class StepJobs:
         if lost:
             self.metrics.emit(events.Standby(step=step, lost=lost, ready=pool.count()[0]))
         if pool.adopted != self._adopted_seen and not lost:
-            self._resumed_at = step if self._resumed_at is None else self._resumed_at
+            if self._resumed_at is None:
+                self._resumed_at = step
             if step <= self._resumed_at:
                 return
         now = self.clock.monotonic()

@@ -25,6 +25,7 @@ from elastic_llm.config import RunConfig
 from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, Standbys
 from elastic_llm.controller.states import Capacity
 from elastic_llm.model import count_parameters
+from elastic_llm.sim.costs import MB
 from elastic_llm.sim.world import SimRef, World
 from elastic_llm.snapshot.coordinator import StageMember
 from elastic_llm.snapshot.records import Piece, ShardKey, StageSource
@@ -416,7 +417,7 @@ class SimActors:
         self._check("copying stage state", [self.nodes[k] for pair in pairs for k in pair])
         for src, dst in pairs:
             self.at[dst] = self.at.get(src)
-        return {dst: (int(self.stage_mb() * 1e6), seconds) for _, dst in pairs}
+        return {dst: (int(self.stage_mb() * MB), seconds) for _, dst in pairs}
 
     def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> None:
         """Each actor loads its pieces once they are ready (the managers' reads, parity
