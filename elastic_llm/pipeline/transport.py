@@ -390,8 +390,8 @@ def send_state(address: tuple[str, int], me: ShardKey, manifest: str, state: mem
             sock.sendall(HELLO.pack(STATE_COPY, me.stage, me.replica) + STATE_HEADER.pack(len(data), state.nbytes) + data)
             sock.sendall(state)
             _read_exact(sock, 1)
-    except EOFError:
-        raise PeerLost(peer, f"the receiver at {address[0]}:{address[1]} closed the connection before it had the state (it refused it or died)") from None
+    except (EOFError, BrokenPipeError, ConnectionResetError) as e:  # closed while we sent, or before it answered
+        raise PeerLost(peer, f"the receiver at {address[0]}:{address[1]} closed the connection before it had the state (it refused it or died: {type(e).__name__})") from None
     except OSError as e:
         raise PeerLost(peer, f"sending the state to {address[0]}:{address[1]}: {type(e).__name__}: {e}") from None
     return state.nbytes
