@@ -280,7 +280,7 @@ def path_result(t: dict[str, Any], adopted: bool | None) -> dict[str, Any]:
         "adopted": adopted,
         "rollback_steps": t.get("rollback_steps", 0),
     }
-    if "transfer" in t:  # bytes and rate of a state streamed from a peer (target's seconds: connection, bytes, restore)
+    if "transfer" in t:  # bytes and rate of a state streamed from a peer (target's seconds: connection, bytes, restore) or rebuilt from parity
         tr = t["transfer"]
         out["transfer"] = {**tr, "gb_s": _r(tr["bytes"] / tr["seconds"] / 1e9) if tr["seconds"] else None}
     # the steps rolled back are trained again: lost too, beyond the measure
@@ -846,7 +846,9 @@ def _notes(r: dict[str, Any]) -> list[str]:
         (
             "transfer (dp_peer): the peer's whole state streamed over one TCP connection from its memory into the new actor's "
             "(bytes, the target's seconds: connection, bytes and restore; GB/s); transfer_reference: the same bytes moved in this "
-            "run by a warm memcpy and by a bare loopback TCP connection (medians of 5)."
+            "run by a warm memcpy and by a bare loopback TCP connection (medians of 5). transfer (parity): the lost stage's state "
+            "rebuilt by the snapshot manager on the adopting node (bytes rebuilt; seconds from asking the group's members for their "
+            "pieces and parity, the pulls, the decode, until the rebuilt shard is in that node's object store)."
         ),
         (
             "lost_s per path: seconds from the failure (chaos line; drain: the drain request) to the completion of the next step "

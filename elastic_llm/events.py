@@ -129,8 +129,8 @@ class Recovery(Event):
     params_crc32: int | None = optional()  # CheckFree: CRC-32 of the rebuilt parameters
     mirror: bool | None = optional()  # CheckFree+: whether the embedding / head came from a mirror
     lr_scale: float | None = optional()  # CheckFree: the rebuilt stage's learning-rate scale
-    state_bytes: int | None = optional()  # dp_peer: the bytes of the state streamed from the peer
-    transfer_s: float | None = optional()  # dp_peer: the target's seconds to take them (connection, bytes, restore)
+    state_bytes: int | None = optional()  # dp_peer: the bytes of the state streamed from the peer; parity: the bytes rebuilt
+    transfer_s: float | None = optional()  # dp_peer: the target's seconds to take them (connection, bytes, restore); parity: the rebuild's (pulls, decode)
     spans: dict[str, float] = flat()  # plan_s, actor_s, state_s, ...
 
 

@@ -290,6 +290,30 @@ def test_encode_and_decode_into_out(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_row_is_one_row_of_decode_for_every_erasure_pattern(backend):
+    rs = make_rs(backend, 4, 2)
+    d = random_shards(4, 513, 17)
+    full = d + rs.encode(d)
+    for lost in itertools.combinations(range(6), 2):
+        shards = erase(full, list(lost))
+        for row in range(4):
+            out = np.full(513, 0xEE, dtype=np.uint8)
+            assert rs.decode_row(shards, row, out) is out
+            assert np.array_equal(out, d[row]), (lost, row)
+            seg = np.full(200, 0xEE, dtype=np.uint8)  # segments of the shards (views) decode to that segment
+            rs.decode_row([None if x is None else x[100:300] for x in shards], row, seg)
+            assert np.array_equal(seg, d[row][100:300])
+    with pytest.raises(TooManyErasuresError):
+        rs.decode_row(erase(full, [0, 1, 2]), 0, np.zeros(513, dtype=np.uint8))
+    with pytest.raises(CodeParametersError, match="data row"):
+        rs.decode_row(full, 4, np.zeros(513, dtype=np.uint8))
+    with pytest.raises(ShardLengthError):
+        rs.decode_row(erase(full, [0]), 0, np.zeros(10, dtype=np.uint8))
+    with pytest.raises(BufferOverlapError):
+        rs.decode_row(erase(full, [0]), 0, full[4])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_encode_row_is_one_row_of_encode(backend):
     rs = make_rs(backend, 5, 3)
     d = random_shards(5, 777, 13)

@@ -145,6 +145,9 @@ def test_lost_node_is_rebuilt_from_parity_bit_identically(nodes, corpus_dir, cle
     t = make_trainer(nodes, corpus_dir, "snapshot.parity=1", "chaos.events=[{step: 5, kill: node, stage: 1}]")
     losses = run(t)
     assert {(r["stage"], r["source"]) for r in t.recoveries} == {(1, "parity")}
+    # the line says how many bytes were rebuilt and how long the rebuild took
+    params = sum(p.numel() for p in build_stage(t.cfg.model.shape(), 4, 1, 0).parameters())
+    assert t.recoveries[0]["state_bytes"] >= 12 * params and t.recoveries[0]["transfer_s"] > 0, t.recoveries[0]
     assert losses == clean(1)
 
 

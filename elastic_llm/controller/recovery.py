@@ -193,7 +193,8 @@ class RecoveryExecutor:
                     raw = rec.shard(ShardKey(0, 0)).data_position() if rec else None
                     position = StreamPosition.of(raw) if raw else None
                     sources = tuple((k, src.source) for k, src in fetched.items())
-                    return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, len(plan.own_copies), position)
+                    rebuilt = tuple((k, {"state_bytes": src.rebuilt[0], "transfer_s": src.rebuilt[1]}) for k, src in fetched.items() if src.rebuilt[0])
+                    return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, len(plan.own_copies), position, rebuilt)
                 done = {m.step for m in obs.members if m.alive and m.step is not None}  # one step (else the plan rolls back)
                 at = max(done) if done else step
                 copied = self._copy_from_peers(plan)
@@ -251,7 +252,8 @@ class RecoveryExecutor:
                 self.bad_own_copies.update((k, rec.version) for k in failed)
                 raise SourceLost(f"the own copy of step {rec.version} held by {', '.join(map(str, failed))} failed its checksums")
         mine = set(plan.own_copies) | set(plan.kept)  # the survivors already at the version restore nothing
-        return {k: sn.fetch_stage_state(k.stage, k.replica, obs.dead_managers) for k in self.group.keys() if k not in mine}
+        near = {ShardKey(a.stage, a.replica): a.adopt for a in plan.actions}  # a lost actor's standby: its node rebuilds its shard
+        return {k: sn.fetch_stage_state(k.stage, k.replica, obs.dead_managers, near.get(k)) for k in self.group.keys() if k not in mine}
 
     def _copy_from_peers(self, plan: RecoveryPlan) -> dict[ShardKey, dict[str, Any]]:
         """Lost replicas copy the whole state of a live data-parallel peer; per copy its bytes

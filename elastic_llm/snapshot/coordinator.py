@@ -524,11 +524,12 @@ class SnapshotCoordinator:
         self.committed = None
 
     # ------------------------------------------------------------------ restore
-    def fetch_stage_state(self, stage: int, replica: int, lost_nodes: set[str] | frozenset[str]) -> StageSource:
+    def fetch_stage_state(self, stage: int, replica: int, lost_nodes: set[str] | frozenset[str], near: str | None = None) -> StageSource:
         """Where the committed state of ``stage`` is (all its data-parallel slices, as many as
         the run had replicas when the version was taken), with the manifest of ``replica`` (its
         RNG; the last one recorded if the run was narrower then), as the plan has it: shards on
-        ``lost_nodes`` (the plan's lost parts) rebuilt from parity, every other shard from its
+        ``lost_nodes`` (the plan's lost parts) rebuilt from parity (on node ``near``, where the
+        restored actor will run, when that node is in the shard's group), every other shard from its
         node's manager, which checks its pieces. A shard that fails to load on its node is news
         to the plan: it is recorded (:meth:`lost_parts` counts it from then on) and
         :class:`SourceLost` raised, so the controller observes again and re-plans; this never
@@ -541,13 +542,16 @@ class SnapshotCoordinator:
         offsets: list[int] = []
         refs: list[Any] = []
         sources: list[Source] = []
+        rebuilt, rebuild_s = 0, 0.0
         slices = [info for info in rec.shards if info.key.stage == stage]
         for info in slices:
             node = info.node_id
             if node in lost_nodes or node not in self.managers:
+                t0 = self.clock.perf_counter()
                 offsets.append(info.lo)
-                refs.append(self._rebuild_shard(info.key, set(lost_nodes) | {node}))
+                refs.append(self._rebuild_shard(info.key, set(lost_nodes) | {node}, near))
                 sources.append(Source.PARITY)
+                rebuilt, rebuild_s = rebuilt + info.nbytes, rebuild_s + self.clock.perf_counter() - t0
                 continue
             try:
                 got = self.calls.get(self.managers[node].shard_parts.remote(rec.version, info.key), timeout=WAIT_S)
@@ -560,17 +564,20 @@ class SnapshotCoordinator:
             refs += got
             sources.append(Source.LOCAL_SMP)
         manifest = slices[min(replica, len(slices) - 1)].manifest
-        return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources))
+        return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources), (rebuilt, rebuild_s))
 
-    def _rebuild_shard(self, key: ShardKey, lost_nodes: set[str]) -> Any:
-
+    def _rebuild_shard(self, key: ShardKey, lost_nodes: set[str], near: str | None) -> Any:
+        """The ref of ``key``'s shard rebuilt from parity by a surviving member of its group: the
+        one on node ``near`` (where the restored actor will run: the rebuilt bytes are then read
+        there in place) if it is a member, else the first survivor."""
         rec = self.committed
         assert rec is not None
         node = rec.shard(key).node_id
         group = rec.group_of(node)
         if group is not None:
             lost = [i for i, n in enumerate(group) if n in lost_nodes or n not in self.managers]
-            helper = next((self.managers[n] for i, n in enumerate(group) if i not in lost), None)
+            alive = [n for i, n in enumerate(group) if i not in lost]
+            helper = self.managers[near if near in alive else alive[0]] if alive else None
             if helper is not None and len(lost) <= self.cfg.snapshot.parity:
                 peers = [None if i in lost else self.managers[n] for i, n in enumerate(group)]
                 infos = [rec.infos_on(n) for n in group]

@@ -41,6 +41,7 @@ import numpy as np
 from elastic_llm.lease import Lease, remove_run_groups
 from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
 from elastic_llm.snapshot.layout import ParityLayout
+from elastic_llm.snapshot.rebuild import decode_range
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ManagerState, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
 from elastic_llm.telemetry import Metrics
 
@@ -508,10 +509,11 @@ class SnapshotManager:
             raise TooManyErasuresError(layout.k, m, sorted(lost_set), [])
         rs = self._codec(layout.k, m)
         mine_infos = sorted(infos[target], key=lambda s: s.key)
-        pieces: list[np.ndarray] = []
+        mine = next(i for i in mine_infos if i.key == key)
         # every surviving symbol of every codeword is asked for at once and its pieces' transfer
         # started (the members answer, and the bytes travel, in parallel); each codeword is then
-        # decoded as soon as its own symbols are in, while the later ones still arrive
+        # decoded as soon as its own symbols are in, while the later ones still arrive, from the
+        # pieces in place (no staging copy) straight into the rebuilt shard's buffer
         words = [layout.codeword(layout.region_of(target, c)) for c in range(layout.k)]
         asks: list[list[Any]] = []
         for c, word in enumerate(words):
@@ -525,21 +527,16 @@ class SnapshotManager:
         flat = [r for row in parts for got in row if isinstance(got, list) for r in got]
         if flat:  # start every piece's transfer to this node now (returns at once)
             ray.wait(flat, num_returns=len(flat), timeout=0, fetch_local=True)
+        shard = np.empty(sum(p.length for p in mine.pieces), dtype=np.uint8)
+        base = 0
         for c, word in enumerate(words):
-            lengths = [sum(p.length for p in chunk_pieces(infos[s.node], s.chunk)) for s in word if s.chunk is not None]
-            shards = [self._symbol(got, sym, infos, max(lengths, default=0)) for got, sym in zip(parts[c], word)]
-            data = rs.decode(shards)
-            mine = next(i for i, s in enumerate(word) if s.node == target)
-            pos = 0
-            for info in mine_infos:
-                want = info.pieces[c]
-                if info.key == key:
-                    rebuilt = data[mine][pos : pos + want.length]
-                    if checksum(rebuilt) != want.crc:
-                        raise SnapshotMissingError(f"piece {c} of shard {key}, version {version} fails its checksum after decoding")
-                    pieces.append(rebuilt)
-                pos += want.length
-        shard = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint8)
+            want = mine.pieces[c]
+            lo = sum(i.pieces[c].length for i in mine_infos if i.key < key)  # where key's piece starts in the chunk
+            symbols = [self._symbol(got, sym, infos) for got, sym in zip(parts[c], word)]
+            out = decode_range(rs, symbols, next(i for i, s in enumerate(word) if s.node == target), lo, shard[base : base + want.length])
+            if checksum(out) != want.crc:
+                raise SnapshotMissingError(f"piece {c} of shard {key}, version {version} fails its checksum after decoding")
+            base += want.length
         return [ray.put(shard)]
 
     @staticmethod
@@ -553,26 +550,25 @@ class SnapshotManager:
             return None
 
     @staticmethod
-    def _symbol(got: Any, sym: Any, infos: list[tuple[ShardInfo, ...]], length: int) -> np.ndarray | None:
-        """One symbol of a codeword: a parity region (``got`` its call), or a data chunk (``got``
-        its pieces' refs) checked piece by piece and zero-padded to ``length``; None for an erasure
-        (a lost or dead member, a piece that fails its checksum)."""
+    def _symbol(got: Any, sym: Any, infos: list[tuple[ShardInfo, ...]]) -> list[tuple[int, np.ndarray]] | None:
+        """One symbol of a codeword as runs of bytes, read in place: a parity region (``got`` its
+        call), or a data chunk (``got`` its pieces' refs) whose pieces are checked and laid end to
+        end; None for an erasure (a lost or dead member, a piece that fails its checksum)."""
         import ray
 
         if got is None:
             return None
         try:
             if sym.chunk is None:
-                return np.asarray(ray.get(got, timeout=WAIT_S))
-            meta = chunk_pieces(infos[sym.node], sym.chunk)
-            buf, pos = np.zeros(length, dtype=np.uint8), 0
-            for piece, arr in zip(meta, ray.get(got, timeout=WAIT_S)):
+                return [(0, np.asarray(ray.get(got, timeout=WAIT_S)))]
+            runs, pos = [], 0
+            for piece, arr in zip(chunk_pieces(infos[sym.node], sym.chunk), ray.get(got, timeout=WAIT_S)):
                 arr = np.asarray(arr)
                 if len(arr) != piece.length or checksum(arr) != piece.crc:
                     raise SnapshotMissingError(f"a piece of member {sym.node} fails its checksum")
-                buf[pos : pos + piece.length] = arr
+                runs.append((pos, arr))
                 pos += piece.length
-            return buf
+            return runs
         except Exception:  # a member died or a piece failed its checksum: one more erasure
             return None
 

@@ -140,12 +140,15 @@ class VersionRecord:
 class StageSource:
     """Where the committed state of one stage (all its DP slices) can be read: ``refs[i]`` holds
     the bytes at ``offsets[i]``; ``manifest`` is the restored replica's; ``sources`` says per
-    slice whether it came from its manager (``local_smp``) or was rebuilt (``parity``)."""
+    slice whether it came from its manager (``local_smp``) or was rebuilt (``parity``);
+    ``rebuilt``: the bytes rebuilt from parity and the seconds the rebuilds took (asking the
+    members, pulling their pieces, decoding), (0, 0.0) when none was."""
 
     offsets: tuple[int, ...]
     refs: tuple[Any, ...]
     manifest: str
     sources: tuple[Source, ...]
+    rebuilt: tuple[int, float] = (0, 0.0)
 
     @property
     def source(self) -> Source:

@@ -313,6 +313,32 @@ class ReedSolomon:
                     np.copyto(outs[i], shards[i])
         return list(result)
 
+    def decode_row(self, shards: Sequence[Optional[np.ndarray]], row: int, out: np.ndarray) -> np.ndarray:
+        """Data shard ``row`` alone, written into ``out`` (what a rebuild of one lost member
+        needs): equals ``decode(shards)[row]`` at the cost of one output row, with no other
+        buffer allocated. The first k present shards are used, data first; an intact ``row``
+        is copied. Raises :class:`TooManyErasuresError` if fewer than k shards are present."""
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.k:
+            raise CodeParametersError(f"data row must be an int in [0, {self.k}), got {row!r}")
+        shards = _check_list(shards, self.n, "shards")
+        present = [i for i, s in enumerate(shards) if s is not None]
+        for i in present:
+            _check_array(shards[i], f"shard {i}")
+            if shards[i].shape[0] != shards[present[0]].shape[0]:
+                raise ShardLengthError(f"shard {i} has {shards[i].shape[0]} bytes, shard {present[0]} has {shards[present[0]].shape[0]}")
+        _check_array(out, "data out buffer", writable=True)
+        if present and out.shape[0] != shards[present[0]].shape[0]:
+            raise ShardLengthError(f"data out buffer has {out.shape[0]} bytes, shards have {shards[present[0]].shape[0]}")
+        if len(present) < self.k:
+            raise TooManyErasuresError(self.k, self.m, [i for i, s in enumerate(shards) if s is None], [])
+        chosen = tuple(present[: self.k])
+        if row in chosen:
+            np.copyto(out, shards[row])
+            return out
+        _check_no_overlap([("data out buffer", out)], [(f"shard {c}", shards[c]) for c in chosen])
+        self._codec.apply(self._decode_plan(chosen, row), [shards[c] for c in chosen], [out])
+        return out
+
     def decode_matrix(self, chosen: Sequence[int]) -> np.ndarray:
         """Coefficients (lost data rows x k) expressing the data shards missing
         from ``chosen`` (k distinct shard indices, sorted) in terms of the
@@ -344,17 +370,24 @@ class ReedSolomon:
                 coeffs[:, col[d]] = qd[:, t]
         return coeffs
 
-    def _decode_plan(self, chosen: tuple[int, ...]) -> Any:
+    def _decode_plan(self, chosen: tuple[int, ...], row: Optional[int] = None) -> Any:
+        """The prepared kernel for the data rows missing from ``chosen`` (all of them, or only
+        ``row``), from the LRU cache."""
+        key = chosen if row is None else (*chosen, -1 - row)  # chosen indices are >= 0: no clash
         with self._cache_lock:
-            plan = self._cache.get(chosen)
+            plan = self._cache.get(key)
             if plan is not None:
-                self._cache.move_to_end(chosen)
+                self._cache.move_to_end(key)
                 return plan
-        plan = self._codec.prepare(self.decode_matrix(chosen))
+        matrix = self.decode_matrix(chosen)
+        if row is not None:
+            lost = [i for i in range(self.k) if i not in set(chosen)]
+            matrix = np.ascontiguousarray(matrix[lost.index(row) : lost.index(row) + 1])
+        plan = self._codec.prepare(matrix)
         if self._cache_size:
             with self._cache_lock:
-                self._cache[chosen] = plan
-                self._cache.move_to_end(chosen)
+                self._cache[key] = plan
+                self._cache.move_to_end(key)
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
                 # tables are built lazily, so re-measure; always keep the newest
