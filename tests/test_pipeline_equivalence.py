@@ -434,6 +434,43 @@ def test_a_stage_killed_mid_step_stops_the_others_inside_their_ops_not_after(ray
         kill_all(actors)
 
 
+@pytest.mark.parametrize("victim", [ShardKey(2, 0), ShardKey(0, 1)])  # a stage the relay waits on; a relay itself
+def test_a_stage_whose_node_the_run_judged_dead_is_lost_at_once_not_when_ray_fails_its_call(ray_local, victim):
+    """The victim is held in its first forward (alive: Ray would not fail its call) when the run's
+    node watch judges its node dead: the step fails at the driver's next look, naming the victim
+    (NodeLost), the others aborted, without waiting for the victim's call (its relay skips it; a
+    victim that is a replica's relay loses that replica's reports)."""
+    import time
+
+    from elastic_llm.pipeline.executor import NodeLost, StepFailed
+    from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
+
+    cfg = small_config(4, 2, "1f1b", micro=2)
+    batch = token_batches(cfg, 6)
+    actors = stage_actors(cfg, 4, 2)
+    dead: set[str] = set()
+    try:
+        ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches, dead_nodes=lambda: set(dead),
+                             node_of=lambda k: "gone" if k == victim else f"node-{k.stage}-{k.replica}")
+        ex.finish(ex.start(1, *batch()))
+        pending = ex.start(2, *batch(), faults={victim: Fault(Phase.FORWARD, FaultAction.HOLD)})
+        assert not ex.wait(pending, 1.0), "the step ended while a stage was held"
+        dead.add("gone")
+        t0 = time.monotonic()
+        with pytest.raises(StepFailed) as err:
+            ex.finish(pending)
+        took = time.monotonic() - t0
+        assert (err.value.stage, err.value.replica) == (victim.stage, victim.replica) and isinstance(err.value.cause, NodeLost), err.value
+        assert took < 10, took  # not the victim's hold (120 s): its call was not waited for
+        answered = {k for k, r in pending.reports.items() if r.failure is not None}
+        others = {ShardKey(s, r) for s in range(4) for r in range(2)} - {victim}
+        assert others - answered <= pending.orphaned and (victim.stage != 0 or pending.orphaned), (sorted(answered), pending.orphaned)
+        # the survivors are out of the step: each answers a reset at once (an orphaned stage too)
+        assert all(ray.get(actors[k.replica][k.stage].reset_step.remote(), timeout=5) == 1 for k in others)
+    finally:
+        kill_all(actors)
+
+
 def test_waiting_on_a_step_ends_when_one_replica_failed_not_when_the_others_answered(ray_local):
     """The controller waits on a step in looks of a second (new drain notices between): a look
     must end as soon as one replica's relay reports the failure, with the other replica still

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
@@ -252,6 +252,6 @@ class Runtime(Protocol):
     def group(self, cfg: RunConfig, run_id: str, standbys: Standbys | None) -> StageActors: ...
     def monitor(self, status: RunStatus) -> Any: ...  # the run's monitor, holding its first status (see elastic_llm.monitor.Publisher)
     def durable(self, cfg: RunConfig, snapshots: Any, data_dir: str, metrics: Any) -> DurableTier | None: ...  # None: no durable tier
-    def executor(self, actors: list[list[Any]], cfg: RunConfig) -> StepExecutor: ...
+    def executor(self, actors: list[list[Any]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None) -> StepExecutor: ...  # node_of: where each actor runs
     def cpu(self) -> float: ...  # the controller's own CPU seconds so far (a simulation leaves out its own bookkeeping)
     def shutdown(self) -> None: ...

@@ -145,7 +145,7 @@ class Trainer:
     def _new_executor(self) -> None:
         """A step executor over the current membership (its links are set up before its first step)."""
         assert self.parts is not None
-        self.executor = self.runtime.faults.wrap(self.runtime.executor(self.parts.group.actors, self.cfg), self.targets)
+        self.executor = self.runtime.faults.wrap(self.runtime.executor(self.parts.group.actors, self.cfg, self.parts.group.nodes.get), self.targets)
         publish_roster(self.runtime, self.run_id, self.parts)  # the membership a next driver takes over
 
     # ------------------------------------------------------------------ one step

@@ -19,7 +19,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.stream import StreamPosition
 
 SETTLE_S = 120.0  # after a failure, how long the step's other calls get to finish or fail
+LOOK_S = 0.05  # while a step runs, how often the driver looks at the nodes it judged dead (with a node watch)
 LINK_S = 60.0  # deadline for setting up the links of a membership
 GENERATIONS = itertools.count(1)  # link generations of executors built without a counter of their own (tests, benchmarks)
 
@@ -42,6 +43,11 @@ class StepFailed(RuntimeError):
     def __init__(self, cause: BaseException, stage: int | None, replica: int | None, op: str = "") -> None:
         self.cause, self.stage, self.replica, self.op = cause, stage, replica, op
         super().__init__(str(cause))
+
+
+class NodeLost(RuntimeError):
+    """An actor of the step whose node the run judged dead (its raylet refused the driver's
+    probe): lost at once, before Ray's own view of the node follows."""
 
 
 class StageError(RuntimeError):
@@ -163,9 +169,14 @@ class RayStepExecutor:
     """Runs steps on ``actors[replica][stage]`` (Ray actor handles of StageWorker)."""
 
     def __init__(self, actors: Sequence[Sequence[Any]], schedule: str, n_micro: int, swapped: bool = False, redundant: bool = False,
-                 generations: Iterator[int] | None = None) -> None:
+                 generations: Iterator[int] | None = None, dead_nodes: Callable[[], set[str]] | None = None,
+                 node_of: Callable[[ShardKey], str | None] | None = None) -> None:
         """``generations``: the counter link generations come from (the controller's, shared by its
-        executors so that a later membership's links are always newer; default: this process's)."""
+        executors so that a later membership's links are always newer; default: this process's).
+        ``dead_nodes``: the nodes the run judged dead (its node watch), looked at every
+        :data:`LOOK_S` while a step runs; ``node_of``: where an actor runs. An actor of the step on
+        a dead node is lost then, without waiting for Ray to fail its call."""
+        self.dead_nodes, self.node_of = dead_nodes, node_of
         self.actors = [list(r) for r in actors]
         self.dp, self.n_stages = len(self.actors), len(self.actors[0])
         self.n_micro = n_micro  # the most microbatches a replica runs (fewer when its share has fewer sequences)
@@ -272,12 +283,42 @@ class RayStepExecutor:
         deadline = time.monotonic() + seconds
         while pending.relays and not pending.failed:
             left = deadline - time.monotonic()
-            ready, _ = ray.wait(list(pending.relays), num_returns=1, timeout=max(0.0, left))
+            look = self._look(left)
+            ready, _ = ray.wait(list(pending.relays), num_returns=1, timeout=max(0.0, look))
             for ref in ready:
                 self._collect(pending, ref)
-            if not ready or left <= 0:
+            self._node_losses(pending)
+            if (not ready and look >= left) or left <= 0:
                 break
         return not pending.relays or pending.failed
+
+    def _look(self, left: float) -> float:
+        """How long one wait for reports may block: until the next look at the dead nodes."""
+        return min(left, LOOK_S) if self.dead_nodes is not None and self.node_of is not None else left
+
+    def _node_losses(self, pending: PendingStep) -> None:
+        """The actors of ``pending`` still in the step whose node the run judged dead are lost
+        now; a replica whose stage 0 (its relay) is among them loses the reports it relays."""
+        if self.dead_nodes is None or self.node_of is None:
+            return
+        dead = self.dead_nodes()
+        if not dead:
+            return
+        for key in pending.unanswered():
+            node = self.node_of(key)
+            if node is None or node not in dead:
+                continue
+            pending.lost[key] = NodeLost(f"{key}'s node {node[:12]} died (its raylet refused the driver's probe)")
+            if key.stage == 0:  # its replica's reports are lost with it; its other stages are told to stop
+                r = key.replica
+                for ref in [ref for ref, rr in pending.relays.items() if rr == r]:
+                    del pending.relays[ref]
+                pending.running.pop(r, None)
+                orphans = {ShardKey(s, r) for s in range(self.n_stages)} - set(pending.reports) - set(pending.lost) - pending.orphaned
+                pending.orphaned |= orphans
+                for k in orphans:
+                    self.actor(k).abort_step.options(concurrency_group="control").remote(pending.generation)
+                    self.calls += 1
 
     def _collect(self, pending: PendingStep, ref: Any) -> None:
         """Keep what the finished relay call ``ref`` answered: its replica's reports and lost
@@ -315,21 +356,24 @@ class RayStepExecutor:
                 aborted = True
                 self._abort(pending)
                 deadline = time.monotonic() + SETTLE_S
-            for r in list(pending.running):  # collect the rest of the replicas that answered early
+            for r in list(pending.running):  # collect the rest of the replicas that answered early (not the stages known lost)
+                skip = tuple(k.stage for k in pending.lost if k.replica == r)
                 pending.relays[self.actors[r][0].relay_rest.options(concurrency_group="relay").remote(
-                    pending.generation, max(1.0, deadline - time.monotonic()))] = r
+                    pending.generation, max(1.0, deadline - time.monotonic()), skip)] = r
                 del pending.running[r]
                 self.calls += 1
             if not pending.relays:
                 return failed
             left = deadline - time.monotonic()
-            ready, _ = ray.wait(list(pending.relays), num_returns=1, timeout=max(0.0, left)) if left > 0 else ([], None)
-            if not ready:
+            look = self._look(left)
+            ready, _ = ray.wait(list(pending.relays), num_returns=1, timeout=max(0.0, look)) if left > 0 else ([], None)
+            if not ready and look >= left:  # the deadline passed
                 if aborted:
                     return True
                 failed = True  # a hung step: abort it, then give it the settling time
             for ref in ready:
                 self._collect(pending, ref)
+            self._node_losses(pending)
             failed |= pending.failed
 
     def _abort(self, pending: PendingStep) -> None:

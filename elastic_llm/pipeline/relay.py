@@ -71,6 +71,7 @@ class Relay:
         self.generation = generation
         self.members = list(members)
         self.calls: dict[Any, int] = {}  # the step's calls not answered yet: ref -> stage
+        self.dropped: list[Any] = []  # calls the driver said to skip (their node died), read once they end
 
     def step(self, generation: int, plans: Sequence[StepPlan], timeout: float = STEP_DEADLINE_S) -> ReplicaReports:
         """Send each stage its plan (``plans[s]``) and answer when every stage has, or as soon as
@@ -79,15 +80,31 @@ class Relay:
             raise RuntimeError(f"a step of link generation {generation} reached a relay of generation {self.generation}: links not set up")
         if len(plans) != len(self.members):
             raise ValueError(f"{len(plans)} plans for a replica of {len(self.members)} stages")
+        self._forget_dropped()
         self.calls = {m.run_step.remote(plan): s for s, (m, plan) in enumerate(zip(self.members, plans))}
         return self._gather(timeout, stop_at_failure=True)
 
-    def rest(self, generation: int, timeout: float) -> ReplicaReports:
+    def rest(self, generation: int, timeout: float, skip: Sequence[int] = ()) -> ReplicaReports:
         """The answers of the last step's stages still running (all of them, however they end,
-        waiting at most ``timeout`` seconds)."""
+        waiting at most ``timeout`` seconds), but for those in ``skip`` (the driver knows them
+        lost: their node died; their calls end once Ray's view follows, unread)."""
         if generation != self.generation:
             return ReplicaReports()
+        for ref in [ref for ref, s in self.calls.items() if s in skip]:
+            del self.calls[ref]
+            self.dropped.append(ref)
         return self._gather(timeout, stop_at_failure=False)
+
+    def _forget_dropped(self) -> None:
+        """Read the skipped calls that have ended (their errors would be reported as unhandled)."""
+        import ray
+
+        done, self.dropped = ray.wait(self.dropped, num_returns=len(self.dropped), timeout=0) if self.dropped else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayError:  # the skipped stage's death, as expected
+                continue
 
     def _gather(self, timeout: float, stop_at_failure: bool) -> ReplicaReports:
         import ray

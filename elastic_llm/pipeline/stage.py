@@ -241,9 +241,9 @@ class StageWorker(OtherSources):
             raise RuntimeError(f"stage {self.stage} replica {self.replica}: relay_step before relay_to")
         return self.relay.step(generation, plans)
 
-    def relay_rest(self, generation: int, timeout: float) -> ReplicaReports:
-        """Called in the ``relay`` group after an early answer: the reports of the stages that were still running."""
-        return self.relay.rest(generation, timeout) if self.relay is not None else ReplicaReports()
+    def relay_rest(self, generation: int, timeout: float, skip: tuple[int, ...] = ()) -> ReplicaReports:
+        """Called in the ``relay`` group after an early answer: the reports of the stages that were still running (but ``skip``)."""
+        return self.relay.rest(generation, timeout, skip) if self.relay is not None else ReplicaReports()
 
     def abort_step(self, generation: int) -> None:
         """Wake this actor's step if it is blocked on a peer (called in the ``control`` group

@@ -189,6 +189,11 @@ class NodeWatch:
         with self._lock:
             return set(self._table) - self._declared
 
+    def dead(self) -> set[str]:
+        """Nodes judged dead (a refused probe), whether or not Ray's view has followed yet."""
+        with self._lock:
+            return set(self._declared)
+
     def suspects(self) -> set[str]:
         """Nodes whose last ``failures`` probes or more timed out (never declared to Ray)."""
         with self._lock:

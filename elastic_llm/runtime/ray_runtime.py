@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from elastic_llm.chaos import Chaos, ChaosExecutor
 from elastic_llm.clock import SYSTEM, Clock
@@ -29,6 +29,7 @@ from elastic_llm.runtime.failover import RayRegistry
 from elastic_llm.runtime.liveness import NodeWatch, RayNodeTable
 from elastic_llm.runtime.session import NAMESPACE, start_ray, store_warnings
 from elastic_llm.runtime.managers import RayManagers
+from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.sources import Mode
 from elastic_llm.spans import Spans
 
@@ -51,9 +52,13 @@ class RayNodes:
             self.watch.start()
 
     def alive(self) -> set[str]:
+        """Nodes Ray lists alive, less those the node watch judged dead (Ray's view follows)."""
         import ray
 
-        return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"]} - self.dead()
+
+    def dead(self) -> set[str]:
+        return self.watch.dead() if self.watch is not None else set()
 
     def with_slots(self) -> list[str]:
         import ray
@@ -155,8 +160,9 @@ class RayRuntime:
 
         return Tier(cfg, snapshots, data_dir, metrics, self.clock) if cfg.durable.storage_path else None
 
-    def executor(self, actors: list[list[Any]], cfg: RunConfig) -> StepExecutor:
-        return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.recovery.mode == Mode.REDUNDANT, self.generations)
+    def executor(self, actors: list[list[Any]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None) -> StepExecutor:
+        return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.recovery.mode == Mode.REDUNDANT, self.generations,
+                               self.nodes.dead if self.nodes.watch is not None else None, node_of)
 
     def cpu(self) -> float:
         return time.process_time()

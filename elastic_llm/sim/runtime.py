@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -303,7 +303,7 @@ class SimRuntime:
         self.tier = SimFlusher(self.world, self.durable_every) if self.durable_every > 0 else None
         return self.tier
 
-    def executor(self, actors: list[list[Any]], cfg: RunConfig) -> StepExecutor:
+    def executor(self, actors: list[list[Any]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None) -> StepExecutor:
         assert self.group_made is not None
         return SimExecutor(self.group_made, cfg)
 
