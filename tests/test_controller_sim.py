@@ -56,7 +56,7 @@ class ScriptedRuntime(SimRuntime):
         super().__init__(world)
         self.fails, self.log, self.executors = fails, [], []
 
-    def executor(self, actors, cfg):
+    def executor(self, actors, cfg, node_of=None):
         self.executors.append(ScriptedExecutor(self, cfg))
         return self.executors[-1]
 

@@ -123,6 +123,7 @@ class RecoveryExecutor:
         sn = self.snapshots
         dead_managers: frozenset[str] = frozenset()
         if sn is not None:
+            sn.note_alive(alive_nodes)  # no commit or discard waits on a manager of a dead node
             sn.abandon_pending(from_version=failed_step)  # the failed step's snapshot cannot complete
             sn.poll(block=True, timeout=COMMIT_S)  # commit what completed before the failure
             sn.abandon_pending()

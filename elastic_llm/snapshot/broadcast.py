@@ -50,18 +50,25 @@ class Broadcast:
             self.pending.append(Relayed(ref, chunk, method, args))
         return resent
 
-    def settle(self, managers: dict[str, Any], block: bool = True) -> list[Any]:
+    def settle(self, managers: dict[str, Any], block: bool = True, gone: frozenset[str] = frozenset()) -> list[Any]:
         """Read the relays' answers; where one failed (its manager died, or with ``block`` did not
         answer within ``wait_s``), send its other members the call directly. ``block`` also
-        waits for those calls, so every live manager holds what was sent when it returns.
-        Returns the refs of the calls sent directly (the caller reads them, so Ray reports no
-        unhandled error for a member that died too)."""
+        waits for those calls, so every live manager holds what was sent when it returns; a
+        relay with a member on a node in ``gone`` (known dead: the relay would answer only once
+        Ray fails the call to it) is not waited for, its live members get the call directly.
+        Returns the refs of the calls sent directly and of the relays passed over (the caller
+        reads them, so Ray reports no unhandled error for a member that died too)."""
         if not self.pending:
             return []
+        stuck = [r.ref for r in self.pending if block and gone.intersection(r.nodes)]
         by_ref = {r.ref: r for r in self.pending}
-        done, rest = self.calls.wait(list(by_ref), len(by_ref), self.wait_s if block else 0)
+        live = [ref for ref in by_ref if ref not in stuck]
+        done, rest = self.calls.wait(live, len(live), self.wait_s if block else 0) if live else ([], [])
         self.pending = [] if block else [by_ref[ref] for ref in rest]
-        resent: list[Any] = []
+        resent: list[Any] = list(stuck)
+        for ref in stuck:
+            r = by_ref[ref]
+            resent += [getattr(managers[n], r.method).remote(*r.args) for n in r.nodes if n in managers and n not in gone]
         for ref in done + (rest if block else []):
             r = by_ref[ref]
             try:
@@ -69,12 +76,13 @@ class Broadcast:
                 continue
             except Exception as e:  # noqa: BLE001 - however the relay failed (died, no answer), its members get the call directly
                 why = type(e).__name__
-            live = [n for n in r.nodes[1:] if n in managers]
+            others = [n for n in r.nodes[1:] if n in managers and n not in gone]
             log.info("relayed %s of step %s through %s failed (%s): sent directly to its %d other managers",
-                     r.method, r.args[0] if r.args else "?", r.nodes[0][:12], why, len(live))
-            resent += [getattr(managers[n], r.method).remote(*r.args) for n in live]
-        if block and resent:
-            self.calls.wait(resent, len(resent), self.wait_s)
+                     r.method, r.args[0] if r.args else "?", r.nodes[0][:12], why, len(others))
+            resent += [getattr(managers[n], r.method).remote(*r.args) for n in others]
+        direct = [ref for ref in resent if ref not in stuck]
+        if block and direct:
+            self.calls.wait(direct, len(direct), self.wait_s)
         return resent
 
     def clear(self) -> None:

@@ -176,6 +176,7 @@ class SnapshotCoordinator:
         self._domain_of: dict[str, str] = {}  # node -> failure domain (fleet.domains(), asked again when a new node joins)
         self._domain_seen: set[str] = set()
         self.refresh_managers = False
+        self.gone: set[str] = set()  # nodes known dead (:meth:`note_alive`): their managers get no broadcast
         self.exposure = Exposure(cfg.snapshot.parity, clock)  # nodes about to go (draining): no parity duties, no new shards
         self.broadcast = Broadcast(self.calls, PING_S)  # commits and discards to every manager
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
@@ -224,6 +225,7 @@ class SnapshotCoordinator:
         lost can send the run back to the durable tier. Changes nothing, beyond first delivering
         the relayed commits and discards (:meth:`settle_relays`)."""
 
+        self.note_alive(alive_nodes)
         self.settle_relays()  # every live manager holds the commits sent so far
         why = {n: "its node died" for n in self.managers if n not in alive_nodes}
         pings = {n: h.held.remote() for n, h in self.managers.items() if n not in why}
@@ -488,12 +490,17 @@ class SnapshotCoordinator:
         (log.info if expected else log.warning)("snapshot of step %d discarded: %s", p.version, why)
 
     def _to_all(self, method: str, *args: Any) -> None:
-        """Call ``method`` on every manager, ~16 per driver call (:class:`Broadcast`)."""
-        self._dropped += self.broadcast.send(self.managers, method, *args)
+        """Call ``method`` on every manager not on a node known dead, ~16 per driver call (:class:`Broadcast`)."""
+        self._dropped += self.broadcast.send({n: h for n, h in self.managers.items() if n not in self.gone}, method, *args)
 
     def settle_relays(self, block: bool = True) -> None:
         """Every live manager holds the commits and discards sent so far (:meth:`Broadcast.settle`)."""
-        self._dropped += self.broadcast.settle(self.managers, block)
+        self._dropped += self.broadcast.settle(self.managers, block, frozenset(self.gone))
+
+    def note_alive(self, alive_nodes: set[str] | frozenset[str]) -> None:
+        """The managers on nodes not in ``alive_nodes`` are dead (the run judged their node dead,
+        perhaps before Ray did): no commit or discard goes to them, none is waited for."""
+        self.gone |= {n for n in self.managers if n not in alive_nodes}
 
     def _drain_dropped(self) -> None:
         """Collect the answers of dropped versions' calls (their failure was already acted on:

@@ -1,0 +1,81 @@
+"""Broadcast: commits and discards relayed to every snapshot manager, and delivered past a relay
+that cannot answer. Driver-side logic over a Calls seam; here with calls that record what was
+waited for and handles that record what they were asked."""
+
+from __future__ import annotations
+
+import itertools
+
+from elastic_llm.snapshot.broadcast import Broadcast
+
+
+class Ref:
+    ids = itertools.count()
+
+    def __init__(self, done: bool = True) -> None:
+        self.id, self.done = next(self.ids), done
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.waits: list[tuple[list[Ref], float]] = []
+
+    def wait(self, refs, n, timeout):
+        self.waits.append((list(refs), timeout))
+        return [r for r in refs if r.done], [r for r in refs if not r.done]
+
+    def get(self, ref, timeout=None):
+        if not ref.done:
+            raise TimeoutError("no answer")
+        return None
+
+
+class Method:
+    def __init__(self, log: list, node: str, name: str, answers: bool) -> None:
+        self.log, self.node, self.name, self.answers = log, node, name, answers
+
+    def remote(self, *args):
+        self.log.append((self.node, self.name, args[:2] if self.name == "relay" else args))
+        return Ref(done=self.answers)
+
+
+class Manager:
+    def __init__(self, log: list, node: str, relay_answers: bool = True) -> None:
+        self.relay = Method(log, node, "relay", relay_answers)
+        self.discard = Method(log, node, "discard", True)
+
+
+def test_a_relay_with_a_member_on_a_dead_node_is_not_waited_for_its_live_members_get_the_call():
+    log: list = []
+    calls = Calls()
+    managers = {n: Manager(log, n, relay_answers=False) for n in ("a", "b", "c")}  # a's relay waits on c, whose node died
+    b = Broadcast(calls, wait_s=10.0)
+    b.send(managers, "discard", 7, 1)
+    assert [(n, m) for n, m, _ in log] == [("a", "relay")]
+    log.clear()
+    resent = b.settle(managers, block=True, gone=frozenset({"c"}))
+    assert sorted((n, m, args) for n, m, args in log) == [("a", "discard", (7, 1)), ("b", "discard", (7, 1))]  # not c
+    assert not any(10.0 == t and any(not r.done for r in refs) for refs, t in calls.waits)  # the stuck relay was not waited for
+    assert len(resent) == 3 and b.pending == []  # the relay's ref and the two direct calls, for the caller to read
+
+
+def test_without_a_dead_node_a_relay_that_does_not_answer_is_waited_for_then_passed():
+    log: list = []
+    calls = Calls()
+    managers = {n: Manager(log, n, relay_answers=False) for n in ("a", "b", "c")}
+    b = Broadcast(calls, wait_s=10.0)
+    b.send(managers, "discard", 7, 1)
+    log.clear()
+    b.settle(managers, block=True)
+    assert calls.waits[-2][1] == 10.0 and not calls.waits[-2][0][0].done  # waited its wait_s for the relay
+    assert sorted(n for n, m, _ in log) == ["b", "c"]  # then its other members got the call directly
+
+
+def test_a_relay_that_answered_needs_nothing_more():
+    log: list = []
+    calls = Calls()
+    managers = {n: Manager(log, n) for n in ("a", "b")}
+    b = Broadcast(calls, wait_s=10.0)
+    b.send(managers, "discard", 3, 0)
+    log.clear()
+    assert b.settle(managers, block=True, gone=frozenset({"z"})) == [] and log == [] and b.pending == []
