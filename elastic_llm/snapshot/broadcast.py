@@ -65,10 +65,10 @@ class Broadcast:
         live = [ref for ref in by_ref if ref not in stuck]
         done, rest = self.calls.wait(live, len(live), self.wait_s if block else 0) if live else ([], [])
         self.pending = [] if block else [by_ref[ref] for ref in rest]
-        resent: list[Any] = list(stuck)
+        direct: list[Any] = []
         for ref in stuck:
             r = by_ref[ref]
-            resent += [getattr(managers[n], r.method).remote(*r.args) for n in r.nodes if n in managers and n not in gone]
+            direct += [getattr(managers[n], r.method).remote(*r.args) for n in r.nodes if n in managers and n not in gone]
         for ref in done + (rest if block else []):
             r = by_ref[ref]
             try:
@@ -79,11 +79,10 @@ class Broadcast:
             others = [n for n in r.nodes[1:] if n in managers and n not in gone]
             log.info("relayed %s of step %s through %s failed (%s): sent directly to its %d other managers",
                      r.method, r.args[0] if r.args else "?", r.nodes[0][:12], why, len(others))
-            resent += [getattr(managers[n], r.method).remote(*r.args) for n in others]
-        direct = [ref for ref in resent if ref not in stuck]
+            direct += [getattr(managers[n], r.method).remote(*r.args) for n in others]
         if block and direct:
             self.calls.wait(direct, len(direct), self.wait_s)
-        return resent
+        return stuck + direct
 
     def clear(self) -> None:
         self.pending.clear()
