@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -191,6 +192,8 @@ def _flush_rounds(t: Any, workdir: str, rounds: int) -> dict[str, Any]:
     for r in range(rounds):
         for what in (("flush", "plain") if r % 2 == 0 else ("plain", "flush")):
             if what == "flush":
+                if tier.latest() is not None:  # the previous round's files go first, as the plain file does: both write new files
+                    shutil.rmtree(os.path.join(tier.run.root, tier.latest()[1]), ignore_errors=True)
                 before = tier.stats.seconds
                 tier.start(rec)
                 tier.poll(block=True)

@@ -391,12 +391,12 @@ def test_a_piece_that_changes_in_memory_while_it_is_flushed_is_not_flushed(train
     last = max(tensors, key=lambda t: t.src)
     real = flush.write_shard
 
-    def flip_after_the_first_tensor(storage, rel, specs, read, meta, max_mb_s=0.0, verify=None):
+    def flip_after_the_first_tensor(storage, rel, specs, read, meta, max_mb_s=0.0, verify=None, syncs=None):
         def reading(lo, hi):
             yield from read(lo, hi)
             if lo == specs[0].src:
                 buf[last.src + last.nbytes // 2] ^= 0xFF  # silent: after the first tensor, before the last goes out
-        return real(storage, rel, specs, reading, meta, max_mb_s, verify)
+        return real(storage, rel, specs, reading, meta, max_mb_s, verify, syncs)
 
     monkeypatch.setattr(flush, "write_shard", flip_after_the_first_tensor)
     with pytest.raises(RuntimeError, match=r"fails its checksum \(damaged in memory\): not flushed"):
@@ -408,23 +408,29 @@ def test_a_piece_that_changes_in_memory_while_it_is_flushed_is_not_flushed(train
 
 def test_a_local_write_gathers_small_pieces_writes_large_ones_whole_and_verifies_while_it_syncs(tmp_path):
     """The local writer's bytes equal what it was given, in order, whatever the mix of sizes (small
-    ones gathered in its reused buffer, large ones from the caller's memory); ``during_sync`` runs
-    once, and an error from it fails the write (nothing says the file was written)."""
+    ones gathered into writes of many at once, more of them than one writev takes, large ones from
+    the caller's memory in calls of KICK bytes); on Linux the device was asked to write all but the
+    last KICK bytes before the close; ``during_sync`` runs once, and an error from it fails the
+    write (nothing says the file was written)."""
     import numpy as np
 
-    from elastic_llm.durable.storage import GATHER, STAGING, Storage
+    from elastic_llm.durable import storage as stm
+    from elastic_llm.durable.storage import GATHER, IOV_MAX, KICK, Storage
 
     rng = np.random.default_rng(0)
-    sizes = [3, GATHER - 1, GATHER, 17, STAGING, 5, STAGING - 2, 1]
+    sizes = [3, GATHER - 1, GATHER, 17, 2 * KICK + 5, 5, KICK - 2, 1] + [7] * (IOV_MAX + 3) + [KICK // 2] * 3
     chunks = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     st = Storage(str(tmp_path))
-    seen = []
+    seen, kicked = [], []
     with st.writer("f") as w:
         w.during_sync = lambda: seen.append(w.nbytes)
         for c in chunks:
             w.write(c)
+        kicked.append(w.kicked)
     assert (tmp_path / "f").read_bytes() == b"".join(c.tobytes() for c in chunks)
     assert seen == [sum(sizes)]
+    if stm._writeback is not None:
+        assert sum(sizes) - 2 * KICK <= kicked[0] <= sum(sizes)
 
     def refuse():
         raise RuntimeError("a piece fails its checksum")
@@ -433,3 +439,93 @@ def test_a_local_write_gathers_small_pieces_writes_large_ones_whole_and_verifies
         with st.writer("g") as w:
             w.during_sync = refuse
             w.write(chunks[0])
+
+
+def test_files_written_with_syncs_are_checked_only_when_the_syncs_finish_and_one_refusal_fails_them_all(tmp_path):
+    """A node's parts: each file's check waits for :meth:`Syncs.finish` (the fsyncs and checks of
+    all files together), runs once per file, and a refusal from any raises there; the descriptors
+    are closed either way (as many open files after as before)."""
+    from elastic_llm.durable.storage import Storage, Syncs
+
+    st = Storage(str(tmp_path))
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for refuse_second in (False, True):
+        checked: list[str] = []
+        syncs = Syncs()
+        for name in ("a", "b", "c"):
+            with st.writer(f"{refuse_second}-{name}", syncs=syncs) as w:
+                w.write(name.encode() * 1000)
+
+                def check(name: str = name, refuse: bool = refuse_second, checked: list[str] = checked) -> None:
+                    checked.append(name)
+                    if refuse and name == "b":
+                        raise RuntimeError("b fails its checksum")
+                w.during_sync = check
+        assert checked == []  # nothing checked before finish
+        if refuse_second:
+            with pytest.raises(RuntimeError, match="b fails its checksum"):
+                syncs.finish()
+        else:
+            syncs.finish()
+            assert checked == ["a", "b", "c"]
+            assert (tmp_path / "False-c").read_bytes() == b"c" * 1000
+    abandoned = Syncs()
+    with st.writer("d", syncs=abandoned) as w:
+        w.write(b"d")
+    abandoned.abandon()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_a_node_writes_its_parts_one_after_the_other_and_a_damaged_piece_in_any_fails_the_node(trained, tmp_path):
+    """One call per node (:class:`NodeFlush`): every part's file holds its tensors, each part's
+    seconds run until all are durable; a piece damaged in memory in the last part fails the whole
+    call (the tier then commits nothing)."""
+    from elastic_llm.durable import flush
+    from elastic_llm.snapshot.erasure import checksum
+    from elastic_llm.snapshot.records import Piece
+
+    cfg, workers = trained
+    plans, bufs = [], {}
+    for stage in (0, 1):
+        buf, manifest = workers[stage].capture_state({"epoch": 0, "index": 7})
+        bufs[ShardKey(stage, 0)] = buf = buf.copy()
+        tensors = tuple(stage_tensors(manifest, list(stage_layer_range(cfg.model.n_layers, cfg.parallel.stages, stage))))
+        src = flush.SliceSource(ShardKey(stage, 0), 0, (Piece(0, len(buf), checksum(buf)),), None, "node")
+        plans.append(flush.FlushPlan(3, str(tmp_path), stage, 0, f"{fmt.checkpoint_dir(3)}/{fmt.shard_file(stage, 0)}", tensors, (src,), nice=0))
+    batch = flush.by_node([("node", p) for p in plans])["node"]
+    written = batch.write(lambda key: [bufs[key]])
+    assert [(r.stage, r.part) for r in written] == [(0, 0), (1, 0)]
+    assert len({r.seconds for r in written}) == 1
+    for r in written:
+        assert (tmp_path / fmt.checkpoint_dir(3) / r.file).stat().st_size == r.nbytes
+    bufs[ShardKey(1, 0)][5] ^= 0xFF
+    with pytest.raises(RuntimeError, match=r"fails its checksum \(damaged in memory\): not flushed"):
+        batch.write(lambda key: [bufs[key]])
+
+
+def test_the_commit_marker_is_renamed_into_place_only_after_the_manifest_and_it_are_on_disk(tmp_path, monkeypatch):
+    """:meth:`Storage.write_then_mark`: both files' bytes are fsynced before the marker's rename
+    (a crash in between leaves no marker), no temporary file stays behind, and a failed fsync
+    leaves neither the marker nor its temporary file."""
+    from elastic_llm.durable.storage import Storage
+
+    st = Storage(str(tmp_path))
+    synced, renamed = [], []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append((len(synced), b)), real_replace(a, b))[1])
+    st.write_then_mark("manifest.json", b"{}", "COMMITTED", b"ok")
+    assert (tmp_path / "COMMITTED").read_bytes() == b"ok" and (tmp_path / "manifest.json").read_bytes() == b"{}"
+    n, target = renamed[0]
+    assert target == str(tmp_path / "COMMITTED")
+    assert {os.path.basename(p).split(".")[0] for p in synced[:n]} >= {"manifest", "COMMITTED"}
+    assert sorted(os.listdir(tmp_path)) == ["COMMITTED", "manifest.json"]
+
+    def failing(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        st.write_then_mark("sub-manifest.json", b"{}", "SUB", b"ok")
+    assert not (tmp_path / "SUB").exists()
+    assert sorted(os.listdir(tmp_path)) == ["COMMITTED", "manifest.json", "sub-manifest.json"]

@@ -3,8 +3,9 @@
 Owns: cutting a committed version into shard files (:func:`plan_parts`, pure: stage ``s``'s
 tensors go into as many parts as the version has data-parallel slices, part ``r`` holding the
 tensors that start in slice ``r``, written by the manager that holds that slice), the
-:class:`FlushPlan` a manager receives, and :func:`write_part`, which a snapshot manager runs to
-stream its part from the snapshot pieces in the object store into one safetensors file.
+:class:`NodeFlush` a manager receives (its node's :class:`FlushPlan` s, one call per node), and
+:func:`write_part`, which a snapshot manager runs to stream a part from the snapshot pieces in
+the object store into one safetensors file (a node's parts one after the other, made durable together).
 
 Memory: the manager maps its own pieces (zero-copy views of the object store) and pulls only the
 pieces of other nodes' slices that its tensors overlap (a tensor crossing a slice boundary), so
@@ -19,13 +20,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from elastic_llm.durable.format import PartResult, TensorSpec, checkpoint_dir, global_name, shard_file, write_shard
-from elastic_llm.durable.storage import Storage
+from elastic_llm.durable.storage import Storage, Syncs
 from elastic_llm.snapshot.erasure import checksum
 from elastic_llm.snapshot.records import Piece, ShardKey, VersionRecord
 
@@ -57,6 +58,26 @@ class FlushPlan:
         """Carried out by the snapshot manager holding the part's slice (see :func:`write_part`):
         the manager is handed the plan and never imports this module."""
         return write_part(self, local)
+
+
+@dataclass(frozen=True)
+class NodeFlush:
+    """One node's parts of a flush: what its snapshot manager is sent (one call, not one per part)."""
+
+    version: int
+    plans: tuple[FlushPlan, ...]
+
+    def write(self, local: Callable[[ShardKey], list[np.ndarray] | None]) -> list[PartResult]:
+        """Carried out by the node's snapshot manager (:func:`write_parts`)."""
+        return write_parts(self.plans, local)
+
+
+def by_node(plans: list[tuple[str, FlushPlan]]) -> dict[str, NodeFlush]:
+    """The plans of :func:`plan_parts` gathered per writing node."""
+    nodes: dict[str, list[FlushPlan]] = {}
+    for node, plan in plans:
+        nodes.setdefault(node, []).append(plan)
+    return {node: NodeFlush(ps[0].version, tuple(ps)) for node, ps in nodes.items()}
 
 
 def stage_tensors(manifest: str, layer_ids: list[int]) -> list[TensorSpec]:
@@ -137,32 +158,53 @@ def write_part(plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | N
     on a thread of its own at niceness ``plan.nice`` (Linux sets it per thread; the kernel's copy
     into the page cache is charged to that thread too). ``local(key)``: this manager's own pieces
     of ``key`` (None if it does not hold them)."""
+    return write_parts((plan,), local)[0]
+
+
+def write_parts(plans: tuple[FlushPlan, ...], local: Callable[[ShardKey], list[np.ndarray] | None]) -> list[PartResult]:
+    """:func:`write_part` of every plan, one after the other on one thread at the plans'
+    niceness, each file's bytes sent on to the device as they are written
+    (:meth:`~elastic_llm.durable.storage.Storage.writer`) and every file fsynced at the end,
+    together, while the pieces are checked against their records (one wait for the disk per
+    node, not one per part: on a 2-core VM four parts in parallel took 35-40 ms where one writer
+    took 22 ms). A part's ``seconds`` run until all are durable. The thread is joined before an
+    error is raised."""
     out: list[Any] = []
 
     def run() -> None:
         try:
-            if plan.nice > 0 and hasattr(os, "setpriority"):
+            nice = max(p.nice for p in plans)
+            if nice > 0 and hasattr(os, "setpriority"):
                 try:
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), plan.nice)
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
                 except OSError:
                     pass  # not permitted here: write at normal priority
-            out.append(_write_part(plan, local))
+            t0 = time.perf_counter()
+            syncs = Syncs()
+            try:
+                written = [_write_part(plan, local, syncs) for plan in plans]
+            except BaseException:
+                syncs.abandon()
+                raise
+            syncs.finish()
+            seconds = time.perf_counter() - t0
+            out.extend(replace(r, seconds=seconds) for r in written)
         except BaseException as e:  # re-raised in the caller's thread
             out.append(e)
 
-    worker = threading.Thread(target=run, name=f"flush-{plan.stage}-{plan.part}", daemon=True)
+    worker = threading.Thread(target=run, name=f"flush-{plans[0].version}", daemon=True)
     worker.start()
     worker.join()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
+    if out and isinstance(out[-1], BaseException):
+        raise out[-1]
+    return out
 
 
-def _write_part(plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | None]) -> PartResult:
+def _write_part(plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | None], syncs: Syncs | None = None) -> PartResult:
     t0 = time.perf_counter()
     storage = Storage(plan.storage_uri)
     storage.makedirs(plan.file.rsplit("/", 1)[0])
     reader = PieceReader(plan, local)
     meta = {"format": "pt", "elastic_llm": "checkpoint shard", "stage": str(plan.stage), "part": str(plan.part), "step": str(plan.version)}
-    nbytes, records = write_shard(storage, plan.file, list(plan.tensors), reader.read, meta, plan.max_mb_s, verify=reader.recheck)
+    nbytes, records = write_shard(storage, plan.file, list(plan.tensors), reader.read, meta, plan.max_mb_s, verify=reader.recheck, syncs=syncs)
     return PartResult(plan.stage, plan.part, plan.file.rsplit("/", 1)[1], nbytes, time.perf_counter() - t0, records)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from elastic_llm.stream import TOKENIZER_FILE
-from elastic_llm.durable.storage import Storage, StorageError
+from elastic_llm.durable.storage import Storage, StorageError, Syncs
 from elastic_llm.snapshot.erasure import checksum
 from elastic_llm.tensors import host_bytes
 
@@ -119,14 +119,15 @@ def safetensors_header(tensors: Iterable[TensorSpec], metadata: dict[str, str]) 
 
 def write_shard(
     storage: Storage, rel: str, tensors: list[TensorSpec], read: Callable[[int, int], Iterator[np.ndarray]], metadata: dict[str, str], max_mb_s: float = 0.0,
-    verify: Callable[[], None] | None = None,
+    verify: Callable[[], None] | None = None, syncs: Syncs | None = None,
 ) -> tuple[int, tuple[TensorRecord, ...]]:
     """Stream ``tensors`` into the safetensors file ``rel``: ``read(lo, hi)`` yields the stage
     state's bytes [lo, hi) in pieces (views, no copies), each CRC-32'd as it is written. Returns
     (bytes written, records with each tensor's CRC-32). ``verify``: run while the file is made
-    durable (it raises to refuse what was written)."""
+    durable (it raises to refuse what was written); ``syncs``: the file is durable (and
+    verified) only once they are finished (:meth:`Storage.writer`)."""
     records = []
-    with storage.writer(rel, max_mb_s) as w:
+    with storage.writer(rel, max_mb_s, syncs) as w:
         w.during_sync = verify
         w.write(safetensors_header(tensors, metadata))
         for t in tensors:
@@ -177,15 +178,17 @@ def make_manifest(cfg: Any, step: int, run_name: str, states: list[tuple[int, in
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
-    return json.dumps(manifest, indent=1, sort_keys=True).encode()
+    """Compact JSON (``json``'s C encoder; indenting falls back to its Python one, 2-3 ms of a
+    52 MB flush's commit). ``python -m json.tool manifest.json`` shows it indented."""
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
 def commit(storage: Storage, ckpt: str, manifest: dict[str, Any]) -> str:
-    """Write the manifest, then the marker naming its SHA-256. Returns the digest."""
+    """Write the manifest, then the marker naming its SHA-256 (never durable before the manifest;
+    no rename of the manifest needed: until the marker names it, it is not trusted). Returns the digest."""
     data = manifest_bytes(manifest)
-    storage.write_bytes(f"{ckpt}/{MANIFEST}", data)  # fsynced; no rename needed: until the marker names it, it is not trusted
     digest = hashlib.sha256(data).hexdigest()
-    storage.write_bytes(f"{ckpt}/{MARKER}", json.dumps({"step": manifest["step"], "manifest_sha256": digest}).encode(), atomic=True)
+    storage.write_then_mark(f"{ckpt}/{MANIFEST}", data, f"{ckpt}/{MARKER}", json.dumps({"step": manifest["step"], "manifest_sha256": digest}).encode())
     return digest
 
 

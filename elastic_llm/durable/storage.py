@@ -26,8 +26,37 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 
-GATHER = 1 << 20  # local writes smaller than this gather in a reused buffer (fewer system calls)
-STAGING = 4 << 20  # that buffer's size
+GATHER = 1 << 20  # local writes smaller than this are gathered and go to the file together (fewer system calls)
+IOV_MAX = 512  # at most this many of them in one writev (Linux takes 1024)
+KICK = 4 << 20  # a local file's written bytes are sent on to the device every this many (see _writeback)
+
+
+def _start_writeback() -> Callable[[int, int, int], bool] | None:
+    """Linux's ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)``: start writing a
+    range of a file's dirty pages to the device and return at once (no waiting, no metadata).
+    A writer that calls it every :data:`KICK` bytes has the device write while it copies the
+    next bytes, so the final fsync waits only for the tail, where a plain write + fsync copies
+    everything first and then waits for the device to write it all. Returns False when the call
+    failed (the file's final fsync still makes it durable); None where libc has no such call."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    write_only = 2  # SYNC_FILE_RANGE_WRITE
+
+    def kick(fd: int, offset: int, nbytes: int) -> bool:
+        return bool(fn(fd, offset, nbytes, write_only) == 0)
+
+    return kick
+
+
+_writeback = _start_writeback()
 
 
 class StorageError(OSError):
@@ -87,14 +116,16 @@ class Storage:
         self.fs.create_dir(self.path(rel), recursive=True)
 
     @contextmanager
-    def writer(self, rel: str, max_mb_s: float = 0.0) -> Iterator["Writer"]:
+    def writer(self, rel: str, max_mb_s: float = 0.0, syncs: "Syncs | None" = None) -> Iterator["Writer"]:
         """Stream a file. On a local disk: straight to the file descriptor (small writes gathered
         into one reused buffer, large ones written from the caller's memory), then fsynced before
-        the context ends, with the writer's ``during_sync`` (if set) run meanwhile on this thread.
-        Elsewhere: pyarrow's output stream (``during_sync`` runs after it closed)."""
+        the context ends, with the writer's ``during_sync`` (if set) run meanwhile on this thread;
+        given ``syncs``, the fsync (and ``during_sync``) wait for :meth:`Syncs.finish` instead, so
+        a writer of several files waits for the disk once. Elsewhere: pyarrow's output stream
+        (``during_sync`` runs after it closed)."""
         if self.local:
             fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            w: Writer = FileWriter(fd, max_mb_s)
+            w: Writer = FileWriter(fd, max_mb_s, syncs)
         else:
             w = Writer(self.fs.open_output_stream(self.path(rel)), max_mb_s)
         ok = False
@@ -117,6 +148,35 @@ class Storage:
 
         write_atomic(Path(self.path(rel)), "wb", lambda f: f.write(data), fsync=True)
         fsync_path(os.path.dirname(self.path(rel)))
+
+    def write_then_mark(self, rel: str, data: bytes, marker: str, mark: bytes) -> None:
+        """Write file ``rel`` and then the marker ``marker`` that vouches for it, the marker never
+        durable before the file. On a local disk both are written first and fsynced together (the
+        marker under a temporary name), then the marker is renamed into place and the directory
+        fsynced: two waits for the disk where writing one after the other takes three. Elsewhere:
+        one upload after the other (each is atomic)."""
+        if not self.local:
+            self.write_bytes(rel, data)
+            self.write_bytes(marker, mark)
+            return
+        path, final = self.path(rel), self.path(marker)
+        tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
+        syncs = Syncs()
+        try:
+            for p, b in ((path, data), (tmp, mark)):
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                syncs.add(fd, None)
+                view = memoryview(b)
+                while len(view):
+                    view = view[os.write(fd, view) :]
+            syncs.finish()
+            os.replace(tmp, final)
+        except BaseException:
+            syncs.abandon()
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        fsync_path(os.path.dirname(final))
 
     # ------------------------------------------------------------------ reading
     def read_bytes(self, rel: str) -> bytes:
@@ -209,64 +269,112 @@ class Writer:
             self.during_sync()
 
 
-_staging = threading.local()  # per writing thread: the reused buffer small writes gather in
-
-
 class FileWriter(Writer):
-    """A local file by its descriptor: writes under :data:`GATHER` bytes gather in a reused
-    buffer of :data:`STAGING` bytes, larger ones go from the caller's memory in one call; the
-    close fsyncs on a helper thread while ``during_sync`` runs on this one (one fsync per file)."""
+    """A local file by its descriptor: writes under :data:`GATHER` bytes are gathered (the
+    caller's views, no copy) and go to the file in one ``writev`` of up to :data:`KICK` bytes,
+    larger ones from the caller's memory in calls of :data:`KICK` bytes; after each, the device
+    is asked to start writing what was just written (:func:`_start_writeback`). The caller's
+    buffers must stay unchanged until the writer is closed. The close hands the file to
+    ``syncs`` (or to a :class:`Syncs` of its own, finished at once): one fsync per file."""
 
-    def __init__(self, fd: int, max_mb_s: float) -> None:
+    def __init__(self, fd: int, max_mb_s: float, syncs: "Syncs | None" = None) -> None:
         super().__init__(None, max_mb_s)
         self.fd = fd
-        if getattr(_staging, "buf", None) is None:
-            _staging.buf = bytearray(STAGING)
-        self.buf = memoryview(_staging.buf)
-        self.used = 0
+        self.syncs = syncs
+        self.gathered: list[memoryview] = []
+        self.used = 0  # bytes gathered
+        self.offset = 0  # bytes written to the file so far
+        self.kicked = 0  # of which the device was asked to write this many
+        self.kick = _writeback
 
     def _put(self, view: memoryview) -> None:
         if len(view) < GATHER:
-            if self.used + len(view) > len(self.buf):
-                self._drain()
-            self.buf[self.used : self.used + len(view)] = view
+            self.gathered.append(view)
             self.used += len(view)
+            if self.used >= KICK or len(self.gathered) >= IOV_MAX:
+                self._drain()
             return
         self._drain()
-        self._write_all(view)
+        while len(view):
+            n = os.write(self.fd, view[:KICK])
+            view = view[n:]
+            self._written(n)
 
     def _drain(self) -> None:
-        if self.used:
-            self._write_all(self.buf[: self.used])
-            self.used = 0
+        views = self.gathered
+        while views:
+            n = os.writev(self.fd, views)
+            self._written(n)
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        self.used = 0
 
-    def _write_all(self, view: memoryview) -> None:
-        while len(view):
-            view = view[os.write(self.fd, view) :]
+    def _written(self, n: int) -> None:
+        self.offset += n
+        if self.kick is not None and self.offset - self.kicked >= KICK:
+            if not self.kick(self.fd, self.kicked, self.offset - self.kicked):
+                self.kick = None  # refused here (not a regular file?): the fsync alone then
+            self.kicked = self.offset
 
     def close(self, sync: bool) -> None:
-        try:
-            if sync:
+        if sync:
+            try:
                 self._drain()
-                failed: list[OSError] = []
-
-                def fsync() -> None:
-                    try:
-                        os.fsync(self.fd)
-                    except OSError as e:  # raised in the writer's thread below
-                        failed.append(e)
-
-                syncing = threading.Thread(target=fsync, name="elastic-llm-fsync")
-                syncing.start()
-                try:
-                    if self.during_sync is not None:
-                        self.during_sync()
-                finally:
-                    syncing.join()
-                if failed:
-                    raise failed[0]
-        finally:
+            except BaseException:
+                os.close(self.fd)
+                raise
+            syncs = self.syncs if self.syncs is not None else Syncs()
+            syncs.add(self.fd, self.during_sync)  # the descriptor is the Syncs' to close now
+            if self.syncs is None:
+                syncs.finish()
+        else:
             os.close(self.fd)
+
+
+class Syncs:
+    """Local files written and not yet durable, made durable together by :meth:`finish`: each
+    file's fsync on a helper thread of its own (the device writes their tails at once) while each
+    file's ``during_sync`` check runs on the caller's thread; every descriptor is closed and the
+    first error raised once all have ended. :meth:`abandon` closes them without waiting."""
+
+    def __init__(self) -> None:
+        self.files: list[tuple[int, Callable[[], None] | None]] = []
+
+    def add(self, fd: int, during_sync: Callable[[], None] | None) -> None:
+        self.files.append((fd, during_sync))
+
+    def finish(self) -> None:
+        files, self.files = self.files, []
+        failed: list[OSError] = []
+
+        def fsync(fd: int) -> None:
+            try:
+                os.fsync(fd)
+            except OSError as e:  # raised in the caller's thread below
+                failed.append(e)
+
+        threads = [threading.Thread(target=fsync, args=(fd,), name="elastic-llm-fsync") for fd, _ in files]
+        for t in threads:
+            t.start()
+        try:
+            for _, check in files:
+                if check is not None:
+                    check()
+        finally:
+            for t in threads:
+                t.join()
+            for fd, _ in files:
+                os.close(fd)
+        if failed:
+            raise failed[0]
+
+    def abandon(self) -> None:
+        files, self.files = self.files, []
+        for fd, _ in files:
+            os.close(fd)
 
 
 class Reader:

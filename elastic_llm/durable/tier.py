@@ -19,7 +19,7 @@ from elastic_llm import cadence, events
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.durable import format as fmt
-from elastic_llm.durable.flush import plan_parts
+from elastic_llm.durable.flush import by_node, plan_parts
 from elastic_llm.durable.storage import Storage, StorageError
 from elastic_llm.model import stage_layer_range
 from elastic_llm.snapshot.records import VersionRecord
@@ -55,7 +55,7 @@ class Snapshots(Protocol):
 @dataclass
 class _Flush:
     record: VersionRecord
-    refs: dict[Any, Any]  # ref -> (node, plan)
+    refs: dict[Any, Any]  # ref -> (node, NodeFlush): one call per writing node
     started: float
     results: list[Any] = field(default_factory=list)
 
@@ -144,11 +144,11 @@ class DurableTier:
         du = self.cfg.durable
         plans = plan_parts(record, self.run.uri, lambda s: list(stage_layer_range(n, stages, s)), managers, du.max_write_mb_s, du.flush_nice)
         refs = {}
-        for node, plan in plans:
+        for node, batch in by_node(plans).items():
             if node not in managers:
                 self._fail(record, f"the snapshot manager of node {node[:12]} is gone")
                 return
-            refs[managers[node].flush_part.remote(plan)] = (node, plan)
+            refs[managers[node].flush_part.remote(batch)] = (node, batch)
         self.inflight = _Flush(record, refs, self.clock.perf_counter())
 
     def poll(self, block: bool = False, timeout: float = FLUSH_S) -> None:
@@ -179,7 +179,7 @@ class DurableTier:
         rec = f.record
         ckpt = fmt.checkpoint_dir(rec.version)
         states = [(s.key.stage, s.key.replica, s.manifest) for s in rec.shards]
-        parts = [part for _, part in f.results]
+        parts = [part for _, written in f.results for part in written]
         manifest = fmt.make_manifest(self.cfg, rec.version, self.run.root.rsplit("/", 1)[-1], states, parts, self._copy_tokenizer(ckpt))
         files = manifest["files"]
         fmt.commit(self.run, ckpt, manifest)
@@ -243,7 +243,7 @@ class DurableTier:
         if f is None:
             return None
         ready, _ = self.coordinator.calls.wait(list(f.refs), len(f.refs), 0)
-        return f.record.version, sorted({n for n, _ in f.refs.values()}), len(f.refs) - len(ready)
+        return f.record.version, sorted({n for n, _ in f.refs.values()}), sum(len(b.plans) for r, (_, b) in f.refs.items() if r not in ready)
 
     def checkpoint(self, name: str) -> tuple[str, StreamPosition | None]:
         """(the run directory's URI, the data position) of committed checkpoint ``name``."""

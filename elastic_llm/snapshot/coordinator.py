@@ -137,7 +137,7 @@ class ManagerHandle(Protocol):
     discard_all: Remote  # () -> None
     shard_parts: Remote  # (version, key) -> refs of its pieces
     rebuild_shard: Remote  # (version, key, n, parity, lost, index, peers, infos) -> [ref]
-    flush_part: Remote  # (FlushPlan) -> written part
+    flush_part: Remote  # (NodeFlush) -> the node's written parts
     unpin: Remote  # (version) -> None
     keepalive: Remote  # () -> None
 

@@ -52,12 +52,12 @@ RELAYED = frozenset({"commit", "discard"})  # the calls a manager passes on to o
 
 
 class PartWriter(Protocol):
-    """A durable flush's part as the manager sees it (the durable tier, a layer up, makes it)."""
+    """This node's parts of a durable flush as the manager sees them (the durable tier, a layer up, makes them)."""
 
     version: int
 
     def write(self, local: Callable[[ShardKey], list[np.ndarray] | None]) -> Any:
-        """Write the part; ``local(key)``: this manager's own pieces of ``key`` (None if not held)."""
+        """Write the parts; ``local(key)``: this manager's own pieces of ``key`` (None if not held)."""
         ...
 
 class SnapshotMissingError(LookupError):
@@ -420,8 +420,8 @@ class SnapshotManager:
 
     # ------------------------------------------------------------------ durable flush
     def flush_part(self, plan: "PartWriter") -> Any:
-        """Write this node's part of a committed version to durable storage: the durable tier's
-        plan (:class:`~elastic_llm.durable.flush.FlushPlan`) writes, this hands it the pieces."""
+        """Write this node's parts of a committed version to durable storage: the durable tier's
+        plan (:class:`~elastic_llm.durable.flush.NodeFlush`) writes, this hands it the pieces."""
         def local(key: ShardKey) -> list[np.ndarray] | None:
             with self.lock:
                 v = self.versions.get(plan.version)
