@@ -15,6 +15,8 @@ import sys
 from collections.abc import Collection
 from typing import Any
 
+MID_RUN = "train.max_steps=1000000"  # a trainer's timed steps are a run's middle: past train.max_steps every step is its last (and snapshots)
+
 
 def main(name: str) -> int:
     """``python -m benchmarks.<name> [options]``: exactly ``elastic-llm bench <name> [options]``."""

@@ -31,10 +31,11 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from benchmarks.common import MID_RUN
 from elastic_llm import events
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.durable.storage import fsync_path
@@ -105,14 +106,14 @@ def _in_process(config_path: str, overrides: Sequence[str], workdir: str, rounds
     }
 
 
-def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps: int, cluster: Any = None, metrics: Sequence[str | None] = (),
-               after: Any = None) -> tuple[list[float], list[Any], list[list[float]]]:
+def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps: int | Callable[[list[Any]], int], cluster: Any = None,
+               metrics: Sequence[str | None] = (), after: Any = None) -> tuple[list[float], list[Any], list[list[float]]]:
     """Live Trainers of ``cfgs`` taking turns in blocks of ``block_steps`` steps (``warmup`` steps
     each first, so e.g. ``snapshot.every: auto`` has settled): the median over rounds of each
     one's tokens/s relative to the first's, the first's median tokens/s, the Trainers (shut
     down) and each one's per-block throughput relative to the first's in the same round (the
-    noise). ``after(trainers)`` runs before they shut down. Taking turns puts the machine's noise
-    into every run alike."""
+    noise). ``block_steps`` may be a function of the Trainers after their warm-up. ``after(trainers)``
+    runs before they shut down. Taking turns puts the machine's noise into every run alike."""
     from elastic_llm.runtime.ray_runtime import ray_trainer
 
     ts = [ray_trainer(c, cluster=cluster, metrics_out=(list(metrics) + [None] * len(cfgs))[i]) for i, c in enumerate(cfgs)]
@@ -121,6 +122,8 @@ def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps:
             t.setup()
             for _ in range(warmup):
                 t.run_step()
+        if callable(block_steps):
+            block_steps = block_steps(ts)
         rates: list[list[float]] = [[] for _ in ts]
         for r in range(blocks):
             order = list(range(len(ts))) if r % 2 == 0 else list(reversed(range(len(ts))))
@@ -146,7 +149,7 @@ def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps:
 def _embedded(config_path: str, overrides: Sequence[str], workdir: str, steps: int) -> dict[str, Any]:
     import ray
 
-    base = [*overrides, "train.eval_every=0"]
+    base = [*overrides, "train.eval_every=0", MID_RUN]
     ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     try:
         m = os.path.join(workdir, "durable.jsonl")
@@ -216,18 +219,29 @@ def _flush_rounds(t: Any, workdir: str, rounds: int) -> dict[str, Any]:
             "plain_same_bytes_GBps": nbytes / pl / 1e9, "plain_rounds_s": [round(x, 4) for x in plain_s], "flush_vs_plain": pl / fl}
 
 
+AUTO_BLOCKS = 3  # blocks of the auto comparison (its median is the figure) ...
+AUTO_CYCLES = 2  # ... each at least this many of the intervals auto chose (a block shorter than one says nothing)
+
+
 def _auto_on_cluster(config_path: str, overrides: Sequence[str], steps: int, settle: int = 30) -> dict[str, Any]:
     import ray
 
     from elastic_llm.runtime.session import loopback_cluster
 
-    base = [*overrides, "train.eval_every=0", "snapshot.group_size=3", "snapshot.parity=1", "parallel.placement_strategy=SPREAD",
+    base = [*overrides, "train.eval_every=0", MID_RUN, "snapshot.group_size=3", "snapshot.parity=1", "parallel.placement_strategy=SPREAD",
             "parallel.cpus_per_actor=0.5"]
     c = loopback_cluster(3, 2)
     try:
         cfgs = [load_config(config_path, [*base, "snapshot.enabled=false"]), load_config(config_path, [*base, "snapshot.every=auto"])]
-        (off, ratio), ts, per_block = _alternate(cfgs, warmup=settle, blocks=6, block_steps=max(1, steps // 6), cluster=c)
+        chosen: list[int] = []
+
+        def block_steps(ts: list[Any]) -> int:
+            chosen.append(max(steps // AUTO_BLOCKS, AUTO_CYCLES * ts[1].snapshots.every))
+            return chosen[0]
+
+        (off, ratio), ts, per_block = _alternate(cfgs, warmup=settle, blocks=AUTO_BLOCKS, block_steps=block_steps, cluster=c)
         return {
+            "auto_block_steps": chosen[0],
             "auto_overhead_pct": 100.0 * (1 - ratio),
             "auto_overhead_blocks_pct": [round(100.0 * (1 - x), 2) for x in per_block[1]],  # the noise: each block's
             "auto_budget_pct": cfgs[1].snapshot.max_overhead_pct,

@@ -17,7 +17,7 @@ Measures, on the whole model's training state (parameters + AdamW moments) of a 
   (the stage actors' ``snapshot_wait_s`` plus the controller's ``snapshots.stats.wait_s``), the
   throughput and CPU overhead of snapshots, and versions committed;
 * on the cluster, ``snapshot.every: auto`` against no snapshots (after 30 steps to settle, in
-  blocks of 24 steps): the overhead ``auto`` achieves next to its budget
+  blocks of 24 steps or two of the intervals it chose, if longer): the overhead ``auto`` achieves next to its budget
   (``snapshot.max_overhead_pct``), per block, and the interval it chose and why;
 * on the cluster: the product's restore on the live Trainer with snapshots, from its committed
   version (``snapshots.fetch_stage_state`` + ``load_parts`` into fresh replacement stage actors,
@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import free_port, load_at_end, machine_busy_s, machine_info, outside_share, process_tree_cpu, ratio
+from benchmarks.common import MID_RUN, free_port, load_at_end, machine_busy_s, machine_info, outside_share, process_tree_cpu, ratio
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.runtime.session import NAMESPACE, loopback_env
 from elastic_llm.controller.trainer import Trainer
@@ -477,13 +477,14 @@ def _block_plan(steps: int, rounds: int) -> list[int]:
 def _compare_trainers(
     cfg_on: RunConfig,
     cfg_off: RunConfig,
-    blocks_plan: list[int],
+    blocks_plan: list[int] | Callable[[Trainer], list[int]],
     warmup: int,
     cluster: Any = None,
     then: Callable[[Trainer], dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Two live Trainers on the running Ray (snapshots on / off) taking turns, one block of
-    ``blocks_plan[r]`` steps each in round r (the order alternates every round). Returns the
+    ``blocks_plan[r]`` steps each in round r (the order alternates every round; a function of
+    the trainer with snapshots after the warm-up gives the plan then). Returns the
     comparison and what ``then`` measured on the trainer with snapshots afterwards (before either
     shuts down, its last version committed)."""
     on, off = ray_trainer(cfg_on, cluster=cluster), ray_trainer(cfg_off, cluster=cluster)
@@ -495,6 +496,8 @@ def _compare_trainers(
         if warmup:
             on.fit(warmup)
             off.fit(warmup)
+        if callable(blocks_plan):
+            blocks_plan = blocks_plan(on)
         waits0, stats0 = _actor_waits(on), asdict(on.snapshots.stats)
         busy0, wall0 = machine_busy_s(), time.perf_counter()
         blocks: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
@@ -578,7 +581,7 @@ def _compare_trainers(
 
 
 def _trainer_configs(config_path: str, overrides: Sequence[str], extra: Sequence[str]) -> tuple[RunConfig, RunConfig]:
-    common = [*overrides, "train.eval_every=0", *extra]
+    common = [*overrides, "train.eval_every=0", MID_RUN, *extra]
     on = load_config(config_path, [*common, "snapshot.enabled=true", "snapshot.every=1"])
     off = load_config(config_path, [*common, "snapshot.enabled=false"])
     return on, off
@@ -644,15 +647,23 @@ def _cluster_phase(
 
 
 AUTO_SETTLE = 30  # steps a snapshot.every: auto run takes first, to measure and choose its interval
-AUTO_BLOCK = 24  # steps per block of the auto comparison: at least two of the intervals auto picks on tiny
+AUTO_BLOCK = 24  # steps per block of the auto comparison at least ...
+AUTO_CYCLES = 2  # ... and at least this many of the intervals auto chose (a block shorter than one says nothing)
 
 
 def _auto_overhead(config_path: str, overrides: Sequence[str], extra: Sequence[str], cfg_off: RunConfig, rounds: int, cluster: Any) -> dict[str, Any]:
     """``snapshot.every: auto`` against no snapshots, on the same cluster, in ``rounds`` blocks
-    of :data:`AUTO_BLOCK` steps each after :data:`AUTO_SETTLE` steps: the overhead it achieves
-    next to its budget (``snapshot.max_overhead_pct``), per block (the noise) and its choice."""
-    cfg_auto = load_config(config_path, [*overrides, "train.eval_every=0", *extra, "snapshot.enabled=true", "snapshot.every=auto"])
-    cmp, chosen = _compare_trainers(cfg_auto, cfg_off, [AUTO_BLOCK] * rounds, AUTO_SETTLE, cluster=cluster,
+    of :data:`AUTO_BLOCK` steps each (or :data:`AUTO_CYCLES` of the interval it chose, if longer)
+    after :data:`AUTO_SETTLE` steps: the overhead it achieves next to its budget
+    (``snapshot.max_overhead_pct``), per block (the noise) and its choice."""
+    cfg_auto = load_config(config_path, [*overrides, "train.eval_every=0", MID_RUN, *extra, "snapshot.enabled=true", "snapshot.every=auto"])
+    block: list[int] = []
+
+    def plan(t: Trainer) -> list[int]:
+        block.append(max(AUTO_BLOCK, AUTO_CYCLES * (t.snapshots.every if t.snapshots is not None else 1)))
+        return [block[0]] * rounds
+
+    cmp, chosen = _compare_trainers(cfg_auto, cfg_off, plan, AUTO_SETTLE, cluster=cluster,
                                     then=lambda t: {"every": t.snapshots.every, "why": t.snapshots.why})
     on, off = cmp["with_snapshot"]["block_tokens_per_s_steady"], cmp["without_snapshot"]["block_tokens_per_s_steady"]
     return {
@@ -663,7 +674,7 @@ def _auto_overhead(config_path: str, overrides: Sequence[str], extra: Sequence[s
         "noise_pct": cmp["noise_pct"],
         "snapshots_committed": cmp["snapshots_committed"],
         "blocks": rounds,
-        "block_steps": AUTO_BLOCK,
+        "block_steps": block[0],
         **chosen,
     }
 

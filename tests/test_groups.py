@@ -158,24 +158,29 @@ def test_draining_nodes_that_go_before_a_version_without_them_commits_are_record
 
 def test_auto_at_an_interval_that_leaves_no_step_clean_leaves_one_clean_to_keep_its_baseline():
     """snapshot.every: auto measures what a snapshot costs against clean steps (no version in
-    flight): at an interval of 1 none would come again and the baseline would go stale (on
-    llama-25m auto stayed at every 1 while snapshots cost 4% of a 2% budget). After AUTO_PROBE
-    steps without a clean one, it begins no version until a step ran clean; then every step again."""
+    flight, none ended in the last SETTLE steps): at an interval of 1 none would come again and
+    the baseline would go stale (on llama-25m auto stayed at every 1 while snapshots cost 4% of a
+    2% budget). After AUTO_PROBE steps without a clean one, it begins no version until a step ran
+    clean; then every step again."""
+    from elastic_llm.cadence import AUTO_PROBE, COLD, SETTLE
     from elastic_llm.config import load_config
     from elastic_llm.sim.world import SimClock
-    from elastic_llm.snapshot.coordinator import AUTO_PROBE, SnapshotCoordinator
+    from elastic_llm.snapshot.coordinator import SnapshotCoordinator
     from elastic_llm.snapshot.records import VersionRecord
 
     from .conftest import REPO
 
     cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["snapshot.every=auto"])
     coord = SnapshotCoordinator(cfg, _NoFleet(), "probe", SimClock())
-    coord.every, coord.last_begin = 1, 100
+    assert coord.costs is not None
+    coord.costs.every, coord.last_begin = 1, 100
     coord.committed = VersionRecord(100, (("a", "b", "c"),), (_shard(0, "a", 100),))  # the committed version trails by a step
-    coord.since_clean = AUTO_PROBE - 1
+    coord.costs.since_clean, coord.costs.steps = AUTO_PROBE - 1, COLD  # past the run's cold first steps
     assert coord.due(101)  # within the probe's period: every step
     coord.observe_step(1.0, began=True)  # a step with a version: not clean
-    assert coord.since_clean == AUTO_PROBE and not coord.due(102)  # the period is over: a step is left clean
+    assert coord.costs.since_clean == AUTO_PROBE and not coord.due(102)  # the period is over: a step is left clean
+    coord.costs.since_end = SETTLE  # the last version ended long enough ago
     coord.observe_step(0.9)  # nothing in flight, nothing begun: the baseline is sampled
-    assert coord.since_clean == 0 and coord.clean_s.value == 0.9 and coord.due(103)
-    assert not SnapshotCoordinator(load_config(f"{REPO}/jobs/tiny.yaml", ["snapshot.every=1"]), _NoFleet(), "fixed", SimClock()).auto
+    assert coord.costs.since_clean == 0 and coord.costs.clean_s.value == 0.9 and coord.due(103)
+    fixed = SnapshotCoordinator(load_config(f"{REPO}/jobs/tiny.yaml", ["snapshot.every=1"]), _NoFleet(), "fixed", SimClock())
+    assert not fixed.auto and fixed.costs is None and fixed.every == 1

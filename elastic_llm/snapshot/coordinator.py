@@ -17,7 +17,7 @@ Commits and discards reach the managers ~16 per driver call (:mod:`elastic_llm.s
 It talks to its managers through :class:`Calls` (Ray's ``wait``/``get``, or a simulation's) and
 reads time from a :class:`~elastic_llm.clock.Clock`: ``elastic-llm simulate`` runs it unchanged.
 
-Why ~500 lines: the two-phase commit, the cadence it is driven by (the cost model itself is in
+Why ~500 lines: the two-phase commit, the cadence it is driven by (the cost model and its bookkeeping are in
 :mod:`elastic_llm.cadence`), the lost-part census a recovery observes and the restore that follows
 a plan all read and change the same in-flight and committed records; split apart, each would need
 the others' bookkeeping.
@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from elastic_llm.cadence import Ema, snapshot_every
+from elastic_llm.cadence import SnapshotCost
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.sources import Source, SourceLost, UnrecoverableError
@@ -40,8 +40,6 @@ from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
 
 log = logging.getLogger("elastic_llm.snapshot")
-AUTO_START = 4  # snapshot.every: auto starts here: snapshot steps and clean steps both get measured
-AUTO_PROBE = 16  # ... and when its interval leaves no step clean, it leaves one clean after this many steps without (a fresh baseline)
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
 WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
 PING_S = 10.0  # a manager that does not answer within this is slow ...
@@ -187,17 +185,11 @@ class SnapshotCoordinator:
         self.name_tag = ""  # a resuming driver's managers get names of their own (the old ones may still hold theirs)
         sn = cfg.snapshot
         self.auto = sn.every == "auto"
-        self.every = AUTO_START if self.auto else int(sn.every)  # auto: leaves steps without snapshots, to compare
-        self.why = "auto: measuring the cost" if self.auto else f"snapshot.every={sn.every}"
-        self.cost = Ema(alpha=0.3)  # seconds one version costs the run
-        self.step_s = Ema(alpha=0.1)  # every step
-        self.clean_s = Ema(alpha=0.1)  # steps with no snapshot begun or in flight
-        self.since_clean = 0  # steps since the last clean one (auto keeps its baseline fresh: AUTO_PROBE)
-        self._felt: dict[int, float] = {}  # version -> step time its steps took beyond clean steps
+        self.costs = SnapshotCost(sn.max_overhead_pct) if self.auto else None  # auto: what versions cost the steps, and the interval
+        self._every = 0 if self.auto else int(sn.every)  # auto: costs.every
         self.last_begin = 0
         self._attempt = 0  # the newest ManagerPlan.attempt sent
         self.unloadable: dict[str, int] = {}  # node -> committed version whose shard there failed to load
-        self.changes: list[dict[str, Any]] = []  # snapshot.every: auto decisions, for the metrics file
 
     # ------------------------------------------------------------------ managers
     def ensure_managers(self) -> dict[str, ManagerHandle]:
@@ -254,6 +246,20 @@ class SnapshotCoordinator:
                     why.setdefault(n, f"a shard of step {v} failed to load there")
         return why
 
+    @property
+    def every(self) -> int:
+        """Steps between versions: ``snapshot.every``, or what ``auto`` chose last."""
+        return self.costs.every if self.costs is not None else self._every
+
+    @property
+    def why(self) -> str:
+        return self.costs.why if self.costs is not None else f"snapshot.every={self._every}"
+
+    @property
+    def changes(self) -> list[dict[str, Any]]:
+        """``snapshot.every: auto`` decisions not reported yet (the caller clears the list)."""
+        return self.costs.changes if self.costs is not None else []
+
     def shutdown(self) -> None:
         for m in self.managers.values():
             self.fleet.end(m)
@@ -290,7 +296,7 @@ class SnapshotCoordinator:
         if not last and ((step - self.last_begin < self.every) if self.auto else (step % self.every)):
             return False
         lag = step - (self.committed.version if self.committed else 0)
-        if self.auto and not last and self.since_clean >= AUTO_PROBE and lag < sn.max_lag:
+        if self.costs is not None and not last and self.costs.probing() and lag < sn.max_lag:
             return False  # no version until a step ran clean: what snapshots cost is measured against a current baseline
         self.poll()
         if self.can_begin():
@@ -350,6 +356,8 @@ class SnapshotCoordinator:
         refs = {lead: self.managers[lead].relay_versions.remote(tuple(calls)) for lead, calls in by_lead.items()}
         self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt, self.avoid))
         self.last_begin = version
+        if self.costs is not None:
+            self.costs.began(version)
 
     def _domains(self, members: list[str]) -> dict[str, str]:
         """The failure domains of ``members``, asked of the fleet only when a member is new."""
@@ -423,64 +431,24 @@ class SnapshotCoordinator:
             self.on_commit(record)
         self.inflight.remove(p)
         self.stats.committed += 1
-        if choose:
-            self._choose(p)
-        else:
-            self._felt.pop(p.version, None)
+        if self.costs is not None:  # what its parts took: the busiest node's stage copies and manager CPU time
+            self.costs.ended(p.version, max((part.cost_s() for part in p.results.values()), default=0.0) if choose else None)
         if flush and self.durable is not None:
             self.durable.start(record)
 
     def observe_step(self, seconds: float, began: bool = False) -> None:
         """A training step's wall time, before this step's :meth:`poll`; ``began``: the step began
-        a version. Steps with no version begun or in flight are the clean baseline; what the
-        others took beyond it is charged to the versions in flight (the cost the run felt)."""
-        self.step_s.add(seconds)
-        active = [p.version for p in self.inflight]
-        if not active and not began:
-            self.clean_s.add(seconds)
-            self.since_clean = 0
-            return
-        self.since_clean += 1
-        if self.clean_s.value is None or not active:
-            return
-        excess = max(0.0, seconds - self.clean_s.value) / len(active)
-        for v in active:
-            self._felt[v] = self._felt.get(v, 0.0) + excess
-
-    def _choose(self, p: _Inflight) -> None:
-        """``snapshot.every: auto``: the smallest interval whose cost per version stays under
-        ``snapshot.max_overhead_pct`` of a clean step's time. A version's cost is the larger of
-        what its parts took (the busiest node's stage copies and manager CPU time) and what the
-        run felt (its steps' time beyond clean steps: parity exchange, object store, contention).
-        The first version is not counted (its buffers are cold)."""
-        felt = self._felt.pop(p.version, None)
-        if not self.auto:
-            return
-        parts = max((part.cost_s() for part in p.results.values()), default=0.0)
-        base = self.clean_s.value or self.step_s.value
-        if self.stats.committed <= 1 or base is None:
-            return
-        self.cost.add(max(parts, felt or 0.0))
-        pct = self.cfg.snapshot.max_overhead_pct
-        every = snapshot_every(self.cost.value or 0.0, base, pct)
-        felt_txt = f"{felt:.3f}" if felt is not None else "unmeasured"
-        self.why = (
-            f"auto: {self.cost.value:.3f} s per snapshot (parts {parts:.3f} s, felt {felt_txt} s), {base:.3f} s per clean step, "
-            f"budget {pct:g}% -> every {every}"
-        )
-        if every != self.every:
-            self.changes.append({
-                "every": every, "previous": self.every, "cost_s": self.cost.value, "step_s": base, "parts_s": parts, "felt_s": felt,
-                "max_overhead_pct": pct, "why": self.why, "version": p.version,
-            })
-            self.every = every
+        a version. ``auto`` charges what versions cost from it (:class:`~elastic_llm.cadence.SnapshotCost`)."""
+        if self.costs is not None:
+            self.costs.step(seconds, [p.version for p in self.inflight], began)
 
     def _discard(self, p: _Inflight, why: str | None, expected: bool = False) -> None:
         """Drop a version in flight: superseded by a newer complete one (``why`` None) or failed
         (``expected``: because its training step failed, which the controller reports)."""
         self._to_all("discard", p.version, p.attempt)
         self.inflight.remove(p)
-        self._felt.pop(p.version, None)
+        if self.costs is not None:
+            self.costs.ended(p.version, None)
         self._dropped += list(p.waiting().values())
         if why is None:
             self.stats.superseded += 1
