@@ -10,13 +10,15 @@ Measures, in one run (peers side by side, medians of rounds; compare ratios, the
   verify every CRC, load into the stage) -> ``restore_s``; ``torch.load`` + ``load_state_dict`` of
   the torch.save file -> ``torch_load_s``;
 * on an embedded Ray, the flush through the snapshot managers (a Trainer with
-  ``durable.every: 1``): ``flush_GBps`` of the final flush (training idle) and
-  ``flush_GBps_during_training``; ``train_overhead_pct``: tokens/s of that run vs the same run
+  ``durable.every: 1``): ``flush_GBps`` of the final flush (training idle; 5 rounds alternating
+  with a plain write + fsync of as many bytes, each writing new files: the previous round's are
+  deleted first, untimed, for both) and ``flush_GBps_during_training``; ``train_overhead_pct``: tokens/s of that run vs the same run
   with no durable tier (both live, taking turns in blocks of steps);
 * on a loopback cluster of 3 worker nodes (``snapshot.group_size=3``, parity 1, SPREAD): a run
   with ``snapshot.every: auto`` (after 30 steps to settle) against the same run with
-  ``snapshot.enabled: false``, taking turns in blocks:
-  ``auto_overhead_pct``, ``auto_every`` and ``auto_why``.
+  ``snapshot.enabled: false``, taking turns in 3 blocks of at least two of the intervals auto
+  chose: ``auto_overhead_pct`` (the median block), every block's, ``auto_every`` and ``auto_why``.
+  Every trainer runs as a run's middle (``train.max_steps`` far past the timed steps).
 
 Must never: copy product code (it calls the writer, the restore and the Trainer), judge results
 (targets live in BENCHMARKS.md), leave Ray, clusters or files behind, or reach beyond 127.0.0.1.
