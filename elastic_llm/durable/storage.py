@@ -118,7 +118,7 @@ class Storage:
     @contextmanager
     def writer(self, rel: str, max_mb_s: float = 0.0, syncs: "Syncs | None" = None) -> Iterator["Writer"]:
         """Stream a file. On a local disk: straight to the file descriptor (small writes gathered
-        into one reused buffer, large ones written from the caller's memory), then fsynced before
+        into one ``writev``, large ones written from the caller's memory), then fsynced before
         the context ends, with the writer's ``during_sync`` (if set) run meanwhile on this thread;
         given ``syncs``, the fsync (and ``during_sync``) wait for :meth:`Syncs.finish` instead, so
         a writer of several files waits for the disk once. Elsewhere: pyarrow's output stream
@@ -160,7 +160,7 @@ class Storage:
             self.write_bytes(marker, mark)
             return
         path, final = self.path(rel), self.path(marker)
-        tmp = f"{final}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{uuid.uuid4().hex[:8]}.tmp")
         syncs = Syncs()
         try:
             for p, b in ((path, data), (tmp, mark)):
