@@ -54,11 +54,6 @@ class FlushPlan:
     max_mb_s: float = 0.0
     nice: int = 10  # the writing thread's niceness: training on the same cores goes first
 
-    def write(self, local: Callable[[ShardKey], list[np.ndarray] | None]) -> PartResult:
-        """Carried out by the snapshot manager holding the part's slice (see :func:`write_part`):
-        the manager is handed the plan and never imports this module."""
-        return write_part(self, local)
-
 
 @dataclass(frozen=True)
 class NodeFlush:
@@ -68,7 +63,8 @@ class NodeFlush:
     plans: tuple[FlushPlan, ...]
 
     def write(self, local: Callable[[ShardKey], list[np.ndarray] | None]) -> list[PartResult]:
-        """Carried out by the node's snapshot manager (:func:`write_parts`)."""
+        """Carried out by the node's snapshot manager (:func:`write_parts`): the manager is handed
+        this and never imports this module."""
         return write_parts(self.plans, local)
 
 

@@ -159,22 +159,20 @@ class Storage:
             self.write_bytes(rel, data)
             self.write_bytes(marker, mark)
             return
-        path, final = self.path(rel), self.path(marker)
-        tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{uuid.uuid4().hex[:8]}.tmp")
+        final = self.path(marker)
+        head, name = os.path.split(marker)
+        tmp = os.path.join(head, f".{name}.{uuid.uuid4().hex[:8]}.tmp")  # beside it, hidden (as write_atomic's)
         syncs = Syncs()
         try:
-            for p, b in ((path, data), (tmp, mark)):
-                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                syncs.add(fd, None)
-                view = memoryview(b)
-                while len(view):
-                    view = view[os.write(fd, view) :]
+            for r, b in ((rel, data), (tmp, mark)):
+                with self.writer(r, syncs=syncs) as w:
+                    w.write(b)
             syncs.finish()
-            os.replace(tmp, final)
+            os.replace(self.path(tmp), final)
         except BaseException:
             syncs.abandon()
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            if os.path.exists(self.path(tmp)):
+                os.remove(self.path(tmp))
             raise
         fsync_path(os.path.dirname(final))
 
