@@ -32,7 +32,9 @@ Measured per path, from the run's own metrics lines (``chaos``, ``state``, ``rec
 ``lost_s`` = seconds from the failure (the chaos line, written just before the strike, or the
 drain request) to the completion of the next step after the controller went back to ``running``,
 minus one steady step for that step and for every step completed meanwhile (they were useful);
-its breakdown ``detect_s`` (until the controller entered recovering / draining / resizing),
+its breakdown ``strike_s`` (the chaos line until the victim's process ended, seen from outside the
+product by a pidfd: :class:`DeathWitness`; for a node removal its raylet's end), ``detect_s`` (from that end, or from the drain request,
+until the controller entered recovering / draining / resizing),
 ``plan_s`` / ``actor_s`` / ``state_s`` (the product's own spans on its recovery / drain / resize
 lines: observe + decide; adopting a standby or starting actor processes until they answer; state
 transfer), ``first_step_s`` (back in running until the next step completed); ``adopted``: whether
@@ -110,6 +112,7 @@ STEADY_FROM = 3
 HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000}
 COMMON = ["train.eval_every=0", "snapshot.enabled=true", "snapshot.every=1", "recovery.capacity_report_s=1"]
 EXPECTED = {"local_smp": "local_smp", "dp_peer": "dp_peer", "parity": "parity"}
+VICTIM = {"local_smp": (0, 0), "dp_peer": (0, 1), "parity": (1, 0), "shrink": (0, 1)}  # (stage, replica) path_overrides strikes
 WAIT_S = 120.0
 
 
@@ -174,12 +177,16 @@ def path_overrides(path: str, fail_step: int, plan: dict[str, int]) -> list[str]
     raise ValueError(f"unknown path {path!r}: one of {PATHS}")
 
 
-def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t0: float | None = None, steady_from: int = 2) -> dict[str, Any]:
+def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t0: float | None = None, steady_from: int = 2,
+             died_at: float | None = None) -> dict[str, Any]:
     """Seconds from a failure to the next completed step, from one run's metrics lines (in file
     order) and its step completions ``steps`` (``{"step", "t": wall time done, "step_s"}`` in
     order). ``t0``: when the failure (or drain request) happened; default the first ``chaos``
-    line's time. Returns the total and its parts: ``to_handler_s`` (until the controller entered
-    recovering / draining / resizing), ``handler_s`` (until it was back in ``running``),
+    line's time. ``died_at``: when the victim's process ended (a :class:`DeathWitness`; the chaos
+    line is written as the step is planned, the strike lands when the victim starts its op or
+    its node's processes are killed). Returns the total and its parts: ``strike_s`` (chaos line
+    to the victim's death), ``to_handler_s`` (from the death, else from ``t0``, until the
+    controller entered recovering / draining / resizing), ``handler_s`` (until it was back in ``running``),
     ``next_step_s`` (until the next step completed), the product's ``seconds`` and spans
     (:func:`product_spans`) of its recovery / drain / resize lines, what those lines say, and the
     steady step time before the failure (the median of the steps from ``steady_from`` on)."""
@@ -210,7 +217,8 @@ def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t
     steady_s = _median(steady)
     out: dict[str, Any] = {
         "seconds": _r(nxt["t"] - t0),
-        "to_handler_s": _r(t_enter - t0),
+        "strike_s": _r(died_at - t0) if died_at is not None else None,
+        "to_handler_s": _r(t_enter - (died_at if died_at is not None else t0)),
         "handler_s": _r(t_back - t_enter),
         "next_step_s": _r(nxt["t"] - t_back),
         "product_seconds": _r(max(product)) if product else None,
@@ -270,6 +278,7 @@ def path_result(t: dict[str, Any], adopted: bool | None) -> dict[str, Any]:
     out = {
         "lost_s": t["lost_vs_steady_s"],
         "detect_s": t["to_handler_s"],
+        "strike_s": t.get("strike_s"),
         "plan_s": t.get("plan_s"),
         "actor_s": t.get("actor_s"),
         "state_s": t.get("state_s"),
@@ -322,6 +331,34 @@ def reference_rates(nbytes: int, rounds: int = 5) -> dict[str, Any]:
             conn.close()
     gbs = lambda xs: _r(nbytes / _median(xs) / 1e9)  # noqa: E731
     return {"bytes": nbytes, "memcpy_gb_s": gbs(copy_s), "loopback_tcp_gb_s": gbs(tcp_s), "rounds": rounds}
+
+
+class DeathWitness:
+    """When a process ended, seen from outside the product: a pidfd (``os.pidfd_open``, Linux
+    5.3+) turns readable as the process exits, a thread waits on it and notes the wall time.
+    :meth:`close` stops the thread (joined) and closes the descriptors; ``at`` is None if the
+    process outlived the watch."""
+
+    def __init__(self, pid: int) -> None:
+        import select
+
+        self.at: float | None = None
+        self._fd = os.pidfd_open(pid)
+        self._stop_r, self._stop_w = os.pipe()
+
+        def wait() -> None:
+            ready, _, _ = select.select([self._fd, self._stop_r], [], [])
+            if self._fd in ready:
+                self.at = time.time()
+
+        self._thread = threading.Thread(target=wait, name="bench-death-witness", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join()
+        for fd in (self._fd, self._stop_r, self._stop_w):
+            os.close(fd)
 
 
 def full_restart_lost(parts: dict[str, float | None], steady_s: float | None) -> dict[str, Any]:
@@ -635,6 +672,21 @@ def _wait_for_standbys(trainer: Any) -> float | None:
     return time.perf_counter() - t
 
 
+def _victim_pid(cluster: Any, trainer: Any, path: str) -> int:
+    """The process whose end is the failure of ``path``: the killed stage's, or for a node removal
+    the raylet of the stage's node (``Cluster.remove_node`` kills it first; Ray then takes the
+    node for dead, while its workers exit a moment later)."""
+    from ray._private import ray_constants
+
+    from elastic_llm.snapshot.records import ShardKey
+
+    key = ShardKey(*VICTIM[path])
+    if path not in ("parity", "shrink"):
+        return int(trainer.group.pids[key])
+    node = next(n for n in cluster.worker_nodes if n.node_id == trainer.group.nodes[key])
+    return int(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+
+
 def _run_path(
     cluster: Any, path: str, config_path: str, overrides: Sequence[str], plan: dict[str, int], warmup: int, after: int, workdir: str, node_args: dict[str, Any]
 ) -> dict[str, Any]:
@@ -672,6 +724,8 @@ def _run_path(
             seen["standby_wait_s"] = _wait_for_standbys(trainer)
         if rec["step"] == warmup and "pids_before" not in seen:
             seen["pids_before"] = dict(trainer.group.pids)
+            if path in VICTIM:  # the victim's process (a removed node's: its raylet, killed first): its end is the failure's moment
+                seen["witness"] = DeathWitness(_victim_pid(cluster, trainer, path))
             seen["standby_ready"] = dict(pool.ready()) if pool is not None else None
         if pool is not None:
             for node in set(trainer.group.nodes.values()) | set(pool.ready()):
@@ -700,11 +754,16 @@ def _run_path(
     finally:
         if timer is not None:
             timer.join(timeout=30)
+        if "witness" in seen:
+            seen["witness"].close()
         trainer.shutdown()
     lines = events.read_lines(metrics)
     if path == "drain" and ("t0" not in drain or "error" in drain):
         raise RuntimeError(f"the drain was not requested: {drain.get('error', 'the timer did not fire')}")
-    out = timeline(lines, steps, drain.get("t0"), STEADY_FROM)
+    died_at = seen["witness"].at if "witness" in seen else None
+    if path in VICTIM and died_at is None:
+        raise RuntimeError(f"{path}: the victim {VICTIM[path]}'s process outlived the run: the fault did not strike it")
+    out = timeline(lines, steps, drain.get("t0"), STEADY_FROM, died_at)
     out.pop("window")
     out["adopted"] = adopted_standby(seen.get("pids_before", {}), pids_after, seen["standby_pids"])
     out["standby_ready_before"] = seen.get("standby_ready")
@@ -856,7 +915,9 @@ def _notes(r: dict[str, Any]) -> list[str]:
             "one failure per path (single shot)."
         ),
         (
-            "breakdown: detect_s = failure until the controller left running (for the drain: the wait for the step boundary and "
+            "breakdown: strike_s = the chaos line (written as the failed step is planned) until the victim's process ended (seen "
+            "from outside by a pidfd: the kill lands when the victim starts its first op; a removed node ends with its raylet, "
+            "killed first); detect_s = that end until the controller left running (for the drain: the request until then, i.e. the wait for the step boundary and "
             "the spare's start, training on); plan_s / actor_s / state_s = the product's own spans on its recovery/drain/resize "
             "lines (max over the lines of one recovery); first_step_s = back to running until the next step completed. "
             "detect + handling + first step = seconds; plan/actor/state are parts of the handling."

@@ -8,7 +8,10 @@ carried out). Kills *during* a step come from :class:`ChaosExecutor`, which wrap
 executor and keeps chaos out of its hot path: a stage kill rides in the victim's plan as a
 :class:`~elastic_llm.pipeline.plan.Fault` (the actor strikes itself when it starts its first op of
 the event's ``op`` kind, so kills land at a chosen point reproducibly); a node removal holds the
-victim at that op, then removes its node. Each event fires once.
+victim at that op, then removes its node on a thread of its own (a node does not die on the
+driver's thread: the driver goes on noticing the failure meanwhile), joined before the recovery
+observes the cluster (:meth:`ChaosExecutor.settle`), when the step ends, and at shutdown. Each
+event fires once.
 
 Failures at a rate (``chaos.failure_prob_per_step``, or ``chaos.failure_rate_per_hour`` turned
 into a per-step probability once the first steps were timed) come from :func:`failures_at`, a
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +81,35 @@ class Chaos:
         self.shape = (cfg.parallel.stages, cfg.parallel.dp)
         self.rate_fired: set[int] = set()  # steps whose rate failure fired (a retried step is not hit again)
         self.step_times: list[float] = []
+        self.removals: list[tuple[threading.Thread, list[BaseException]]] = []  # node removals under way (remove_later)
+
+    def remove_later(self, evs: list[ChaosEvent], step: int, t: ChaosTargets) -> None:
+        """Strike node removals on a thread: their chaos lines now, the removals (one after the
+        other, each until Ray sees its node dead) meanwhile; :meth:`join_removals` waits for them."""
+        nodes, errors = [], []
+        for ev in evs:
+            self.record(ev, step, t.metrics)
+            nodes.append(self._node(ev, t))
+
+        def remove() -> None:
+            try:
+                for node in nodes:
+                    self._remove_node(node)
+            except BaseException as e:  # noqa: BLE001 - handed to join_removals, which raises it on the driver's thread
+                errors.append(e)
+
+        thread = threading.Thread(target=remove, name="elastic-llm-chaos-node", daemon=True)
+        thread.start()
+        self.removals.append((thread, errors))
+
+    def join_removals(self) -> None:
+        """Wait until every node removal under way is over; raise the first one's error."""
+        removals, self.removals = self.removals, []
+        for thread, _ in removals:
+            thread.join()
+        for _, errors in removals:
+            if errors:
+                raise errors[0]
 
     def observe_step(self, step: int, seconds: float, width: int) -> float | None:
         """Time a finished step; with ``failure_rate_per_hour`` the probability is set after
@@ -146,15 +179,19 @@ class Chaos:
             for pid in pool.pids(self._node(ev, t)) if pool is not None else []:
                 os.kill(pid, signal.SIGKILL)
 
-    def _remove_node(self, node_id: str) -> None:
+    @staticmethod
+    def ray_lists_alive(node_id: str) -> bool:
         import ray
 
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+    def _remove_node(self, node_id: str) -> None:
         victim = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
         if victim is None:
             raise RuntimeError(f"chaos: node {node_id[:12]} is not a worker node of the test cluster: it cannot be removed")
         self.cluster.remove_node(victim, allow_graceful=False)
         deadline = time.monotonic() + NODE_GONE_S  # the event is over once Ray has seen the node die
-        while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        while self.ray_lists_alive(node_id):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"chaos: Ray still reports node {node_id[:12]} alive {NODE_GONE_S:.0f} s after its removal")
             time.sleep(0.1)
@@ -198,16 +235,26 @@ class ChaosExecutor:
                 later.append(ev)
         pending = self.inner.start(step, x, y, snapshot, planned)
         for ev in later:
-            self.chaos.strike(ev, step, self.targets())
+            if ev.kill != "node":
+                self.chaos.strike(ev, step, self.targets())
+        nodes = [ev for ev in later if ev.kill == "node"]
+        if nodes:
+            self.chaos.remove_later(nodes, step, self.targets())
         return pending
 
     def finish(self, pending: Any, timeout: float | None = None) -> Any:
-        return self.inner.finish(pending) if timeout is None else self.inner.finish(pending, timeout)
+        """The step's result; a node removal of the step is over when it returns (not when it
+        raises: the failure is the driver's to notice while the node goes, and the recovery's
+        :meth:`settle` waits for it)."""
+        result = self.inner.finish(pending) if timeout is None else self.inner.finish(pending, timeout)
+        self.chaos.join_removals()
+        return result
 
     def wait(self, pending: Any, seconds: float) -> bool:
         return bool(self.inner.wait(pending, seconds))
 
     def settle(self) -> None:
+        self.chaos.join_removals()  # the recovery observes a cluster whose node is gone, as Ray sees it
         self.inner.settle()
 
     def eval_loss(self, x: Any, y: Any) -> float:

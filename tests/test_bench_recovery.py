@@ -199,3 +199,45 @@ def test_path_overrides_load_as_valid_configs(path):
     assert cfg.parallel.dp == (2 if path in ("dp_peer", "shrink") else 1)
     assert bool(cfg.chaos.events) == (path not in ("drain", "restart"))
     assert (cfg.recovery.standby == 0) == (path == "restart")  # the restart peer starts no warm standbys
+
+
+def test_detection_is_timed_from_the_victims_death_when_a_witness_saw_it():
+    lines = [
+        {"event": "chaos", "time": 10.0, "step": 4, "kill": "stage"},
+        state(10.5, "running", "recovering"),
+        state(11.0, "recovering", "running"),
+    ]
+    done = steps((2, 8.0, 1.0), (3, 9.0, 1.0), (4, 12.0, 1.0))
+    t = timeline(lines, done, died_at=10.3)
+    assert t["strike_s"] == 0.3 and t["to_handler_s"] == 0.2  # the kill landed 0.3 s into the step
+    assert t["lost_vs_steady_s"] == 1.0  # the lost time still counts from the step's start
+    assert path_result(t, True)["detect_s"] == 0.2 and path_result(t, True)["strike_s"] == 0.3
+    untimed = timeline(lines, done)
+    assert untimed["strike_s"] is None and untimed["to_handler_s"] == 0.5
+
+
+def test_the_death_witness_notes_when_a_process_ends_and_nothing_for_one_that_lives():
+    import signal
+    import subprocess
+    import time
+
+    from benchmarks.recovery import DeathWitness
+
+    victim = subprocess.Popen(["sleep", "30"])
+    witness = DeathWitness(victim.pid)
+    before = time.time()
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    deadline = time.time() + 5
+    while witness.at is None and time.time() < deadline:
+        time.sleep(0.01)
+    witness.close()
+    assert witness.at is not None and before <= witness.at <= time.time()
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        w = DeathWitness(alive.pid)
+        w.close()  # returns at once: the thread is stopped, not left waiting
+        assert w.at is None
+    finally:
+        alive.kill()
+        alive.wait()

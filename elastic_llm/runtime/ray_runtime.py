@@ -170,10 +170,13 @@ class RayRuntime:
     def shutdown(self) -> None:
         import ray
 
-        self.nodes.stop()
-        if self.owns_ray and ray.is_initialized():
-            ray.shutdown()
-        self.owns_ray = False
+        try:
+            self.faults.chaos.join_removals()  # a node removal still under way ends before Ray does
+        finally:
+            self.nodes.stop()
+            if self.owns_ray and ray.is_initialized():
+                ray.shutdown()
+            self.owns_ray = False
 
 
 def ray_trainer(cfg: RunConfig, address: str | None = None, metrics_out: str | Path | None = None, progress: bool = False,
