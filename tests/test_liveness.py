@@ -133,3 +133,81 @@ def test_tcp_probe_on_loopback_sockets():
 def test_bad_probe_settings_are_refused_naming_the_field(field, value):
     with pytest.raises(ConfigError, match=f"recovery.{field}"):
         load_config(None, [f"recovery.{field}={value}"])
+
+
+class LoopbackRaylet:
+    """A stand-in raylet on 127.0.0.1: accepts connections and greets each (as gRPC's server
+    sends its settings at once); :meth:`die` closes everything as a killed process would."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            try:
+                conn.sendall(b"settings")
+            except OSError:  # a probe, closed already
+                conn.close()
+                continue
+            self.conns.append(conn)
+
+    def close_idle(self) -> None:
+        """Close the connections it holds, listening on (gRPC's handshake timeout)."""
+        conns, self.conns = self.conns, []
+        for c in conns:
+            c.close()
+
+    def die(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept: a bare close would leave it listening
+        except OSError:  # died already
+            pass
+        self.listener.close()
+        self.close_idle()
+        self.thread.join(5)
+
+
+def _until(cond, seconds=5.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "the condition did not come true in time"
+        time.sleep(0.005)
+
+
+def test_a_held_connection_that_closes_starts_the_next_round_at_once():
+    """Rounds every 60 s: a node is judged dead within the test's seconds only because the watch
+    probed again when its held connection closed. A raylet that only closes an idle connection
+    answers that probe and is held again; its greeting bytes are no death either."""
+    from elastic_llm.runtime.liveness import tcp_hold
+
+    raylet, other = LoopbackRaylet(), LoopbackRaylet()
+    table = FakeTable({"a": ("127.0.0.1", raylet.port), "b": ("127.0.0.1", other.port)})
+    w = NodeWatch(table, period_s=60.0, failures=3, hold=tcp_hold)
+    w.start()
+    try:
+        _until(lambda: raylet.accepted == other.accepted == 2)  # the first round's probe and the held connection
+        other.close_idle()
+        _until(lambda: w.early == 1 and other.accepted == 4)  # probed at once, answered, held again
+        assert table.declared == [] and w.errors == 0
+        raylet.die()
+        _until(lambda: [d.node for d in table.declared] == ["a"])
+        assert w.early == 2 and w.dead() == {"a"} and w.watching() == {"b"}
+    finally:
+        w.stop()
+        raylet.die()
+        other.die()
+    assert w._thread is None and w._held == {}  # joined, and every held connection closed

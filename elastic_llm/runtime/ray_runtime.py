@@ -26,7 +26,7 @@ from elastic_llm.monitor import RunStatus, start_monitor
 from elastic_llm.pipeline.executor import RayStepExecutor, StepExecutor
 from elastic_llm.runtime.actors import ActorGroup
 from elastic_llm.runtime.failover import RayRegistry
-from elastic_llm.runtime.liveness import NodeWatch, RayNodeTable
+from elastic_llm.runtime.liveness import NodeWatch, RayNodeTable, tcp_hold
 from elastic_llm.runtime.session import NAMESPACE, start_ray, store_warnings
 from elastic_llm.runtime.managers import RayManagers
 from elastic_llm.snapshot.records import ShardKey
@@ -48,7 +48,7 @@ class RayNodes:
 
     def start(self, period_s: float, failures: int, declare: bool) -> None:
         if period_s > 0 and self.watch is None:  # before any actor: a node that dies from now on is noticed
-            self.watch = NodeWatch(RayNodeTable(), period_s, failures, declare=declare)
+            self.watch = NodeWatch(RayNodeTable(), period_s, failures, declare=declare, hold=tcp_hold)
             self.watch.start()
 
     def alive(self) -> set[str]:
