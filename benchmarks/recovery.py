@@ -29,9 +29,11 @@ then, during step ``warmup + 1``:
 
 Measured per path, from the run's own metrics lines (``chaos``, ``state``, ``recovery``,
 ``drain``, ``resize``) and the step completions it reports to ``fit(on_step=...)``:
-``lost_s`` = seconds from the failure (the chaos line, written just before the strike, or the
-drain request) to the completion of the next step after the controller went back to ``running``,
-minus one steady step for that step and for every step completed meanwhile (they were useful);
+``lost_s`` = seconds from the failure (the victim's death, or the drain request) to the completion
+of the next step after the controller went back to ``running``, minus one steady step for that
+step and for every step completed meanwhile (they were useful); ``lost_from_step_start_s`` the
+same from the chaos line (written as the failed step is planned: it adds the step's work before
+the strike, lost whatever recovers it, and left out of the full restart's measure too);
 its breakdown ``strike_s`` (the chaos line until the victim's process ended, seen from outside the
 product by a pidfd: :class:`DeathWitness`; for a node removal its raylet's end), ``detect_s`` (from that end, or from the drain request,
 until the controller entered recovering / draining / resizing),
@@ -228,6 +230,10 @@ def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t
         "steady_step_s": _r(steady_s),
         # wall time not spent training at the steady pace: the window minus its completed steps at steady_step_s
         "lost_vs_steady_s": _r(nxt["t"] - t0 - steady_s * (1 + sum(1 for s in steps if t0 < s["t"] < t_enter))) if steady_s else None,
+        # the same from the victim's death: the failed step's work before it is lost whatever recovers
+        # (a full restart too, whose measure starts at the restart), so the paths are compared from there
+        "lost_from_death_s": _r(nxt["t"] - died_at - steady_s * (1 + sum(1 for s in steps if died_at < s["t"] < t_enter)))
+        if steady_s and died_at is not None else None,
         **product_spans([ev for ev in window if ev is not None]),
         "states": [f"{ev.old}->{ev.new}" for _, ev in states if t0 <= ev.time <= t_back],
         "window": (t0, nxt["t"]),
@@ -276,7 +282,8 @@ def path_result(t: dict[str, Any], adopted: bool | None) -> dict[str, Any]:
     ``state_s``, ``first_step_s`` (back to running until the next step completed); for a drain
     also ``pause_s`` (the draining state plus the first step after it, minus one steady step)."""
     out = {
-        "lost_s": t["lost_vs_steady_s"],
+        "lost_s": t["lost_from_death_s"] if t.get("lost_from_death_s") is not None else t["lost_vs_steady_s"],
+        "lost_from_step_start_s": t["lost_vs_steady_s"],
         "detect_s": t["to_handler_s"],
         "strike_s": t.get("strike_s"),
         "plan_s": t.get("plan_s"),
@@ -386,8 +393,10 @@ def target_check(full_lost_s: float | None, paths: dict[str, dict[str, Any]], ta
     out: dict[str, Any] = {}
     for p in IN_MEMORY:
         lost = (paths.get(p) or {}).get("lost_s")
-        sp = ratio(full_lost_s, lost, 2) if lost is not None and lost > 0 else None
-        out[p] = {"met": sp is not None and sp >= target, "speedup_lost": sp, "target": f">= {target:g}x less lost than the full restart"}
+        sp = ratio(full_lost_s, lost, 2) if lost is not None and lost > 0 else None  # none at or below 0: no loss the steps' noise shows
+        met = lost is not None and full_lost_s is not None and lost * target <= full_lost_s
+        out[p] = {"met": met, "lost_s": lost, "speedup_lost": sp, "bound_s": _r(full_lost_s / target) if full_lost_s is not None else None,
+                  "target": f"lost_s <= the full restart's / {target:g}"}
     d = paths.get("drain") or {}
     pause, steady = d.get("pause_s"), d.get("steady_step_s")
     out["drain"] = {"met": pause is not None and steady is not None and pause <= steady and d.get("rollback_steps") == 0,
@@ -910,9 +919,12 @@ def _notes(r: dict[str, Any]) -> list[str]:
             "pieces and parity, the pulls, the decode, until the rebuilt shard is in that node's object store)."
         ),
         (
-            "lost_s per path: seconds from the failure (chaos line; drain: the drain request) to the completion of the next step "
-            "after the controller returned to running, minus one steady step for that step and for every step completed meanwhile; "
-            "one failure per path (single shot)."
+            "lost_s per path: seconds from the failure (the victim's death, seen by a pidfd; drain: the drain request) to the "
+            "completion of the next step after the controller returned to running, minus one steady step for that step and for "
+            "every step completed meanwhile; one failure per path (single shot). lost_from_step_start_s counts from the chaos line "
+            "instead (the failed step's plan): it adds the step's work before the strike (strike_s), lost whatever recovers it "
+            "(the full restart's measure leaves it out too). At or below 0 the loss is within the steps' noise: no speedup is "
+            "given and the target (lost_s <= the full restart's / 15) holds."
         ),
         (
             "breakdown: strike_s = the chaos line (written as the failed step is planned) until the victim's process ended (seen "
