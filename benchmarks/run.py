@@ -90,7 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "durable":
         result = bench.run_durable_bench(args.config or "jobs/tiny.yaml", overrides=args.set or [])
     elif args.what == "recovery":
-        result = bench.run_recovery_bench([args.config] if args.config else None, overrides=args.set or [])
+        result = bench.run_recovery_bench([args.config] if args.config else None, overrides=args.set or [], shots=args.steps or 3)
     elif args.what == "transport":
         result = bench.run_transport_bench(rounds=args.steps or 200)
     elif args.what == "detect":
@@ -124,7 +124,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml)")
     b.add_argument("--steps", type=int, default=None, help=(
         "timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips "
-        "for transport, 200; node removals per setting for detect, 3; driver kills per resume kind for failover, 2)"))
+        "for transport, 200; node removals per setting for detect, 3; driver kills per resume kind for failover, 2; failures per "
+        "in-memory path for recovery, 3)"))
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
     b.add_argument("--sweep", action="store_true", help="pipeline: driver cost over stages x microbatches x replicas (micro and tiny models) instead of the peer comparison")

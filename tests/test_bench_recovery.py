@@ -243,3 +243,13 @@ def test_the_death_witness_notes_when_a_process_ends_and_nothing_for_one_that_li
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_the_median_shot_stands_for_a_path():
+    from benchmarks.recovery import median_shot
+
+    assert median_shot([0.9, 0.2, 0.5]) == 2  # lost 0.5 is the median
+    assert median_shot([0.4, 0.1]) == 1  # an even count takes the lower middle
+    assert median_shot([None, 0.3, 0.7]) == 1  # a shot without a figure does not count
+    assert median_shot([-0.2, 0.1, 0.05]) == 2
+    assert median_shot([None]) == 0
