@@ -105,6 +105,7 @@ class _Open:
 
     felt: float = 0.0  # its steps' time beyond clean steps, so far
     measured: bool = True  # False: one of its steps came before any clean baseline
+    in_flight: int = 0  # steps it was in flight
     parts_s: float | None = None  # what its parts reported, once it committed
     ended: bool = False
 
@@ -124,7 +125,8 @@ class SnapshotCost:
     copies) is a sample of the cost, and the interval is chosen again: the smallest that keeps
     the cost within ``max_overhead_pct`` of the clean steps' time (:func:`snapshot_every`), the
     cost taken as the samples' moving average plus one deviation (a budget is a bound: aimed at
-    the average, half the intervals would cost more). The
+    the average, half the intervals would cost more), and never shorter than :meth:`floor`, which
+    leaves a clean step in every interval (the baseline stays current). The
     first version is not a sample (cold buffers), and the run's first :data:`COLD` steps count for
     nothing. Pure: the coordinator tells it what happened.
     """
@@ -134,6 +136,7 @@ class SnapshotCost:
         self.every = every
         self.why = "auto: measuring the cost"
         self.cost = Ema(alpha=0.3)  # seconds one version costs the run
+        self.span = Ema(alpha=0.3)  # steps one version is in flight
         self.clean_s = Median()  # clean steps: the baseline
         self.since_clean = 0  # steps since the last clean one (auto keeps its baseline fresh: AUTO_PROBE)
         self.since_end = SETTLE  # steps since a version last ended
@@ -142,6 +145,15 @@ class SnapshotCost:
         self.finals = 0  # versions whose cost became final
         self.steps = 0
         self.changes: list[dict[str, float | int | str | None]] = []  # decisions that changed the interval
+
+    def floor(self) -> int:
+        """The shortest interval that leaves a clean step between versions: the steps a version is
+        in flight (their moving average plus one deviation, rounded up), the :data:`SETTLE` steps
+        after it, and one. Shorter, no step would be clean, the baseline would never move again
+        (a run's slow first steps, standbys starting beside them, would stay the baseline, every
+        version's felt cost would read as nothing, and the interval would shrink to its parts';
+        measured: every 3 at 25% overhead on the 3-node loopback cluster, against a 2% budget)."""
+        return math.ceil(self.span.high or 1) + SETTLE + 1
 
     def probing(self) -> bool:
         """No version should begin: too long without a clean step (its baseline would go stale)."""
@@ -183,6 +195,9 @@ class SnapshotCost:
                 self._final(v)
             return
         self.since_clean += 1
+        for v in active:
+            if v in self.open:
+                self.open[v].in_flight += 1
         charged = [v for v in active if v in self.open] or ([self.newest] if self.newest in self.open else [])
         for v in charged:
             o = self.open[v]
@@ -202,12 +217,17 @@ class SnapshotCost:
             return
         felt = max(0.0, o.felt) if o.measured else None
         self.cost.add(max(o.parts_s, felt or 0.0))
+        self.span.add(max(1, o.in_flight))
         cost = self.cost.high or 0.0
-        every = snapshot_every(cost, base, self.pct)
+        budget = snapshot_every(cost, base, self.pct)
+        floor = self.floor()
+        every = max(budget, floor)
         felt_txt = f"{felt:.3f}" if felt is not None else "unmeasured"
         self.why = (
             f"auto: {cost:.3f} s per snapshot (average {self.cost.value:.3f} s + one deviation; this one's parts {o.parts_s:.3f} s, "
-            f"felt {felt_txt} s over its steps and the {SETTLE} after it), {base:.3f} s per clean step, budget {self.pct:g}% -> every {every}"
+            f"felt {felt_txt} s over its steps and the {SETTLE} after it), {base:.3f} s per clean step, budget {self.pct:g}% -> every {budget}"
+            + (f"; at least {floor} (a version's {floor - SETTLE - 1} step(s) in flight, the {SETTLE} after it and one clean step "
+               f"to measure against) -> every {every}" if floor > budget else "")
         )
         if every != self.every:
             self.changes.append({
