@@ -2,9 +2,9 @@
 ``Cluster.remove_node(allow_graceful=False)``, so nothing tells the GCS) until Ray reports it dead,
 with Ray's default health checks (the peer), with the settings ``cluster.yaml`` passes to the
 head's ``ray start --system-config`` (read from the file), and with those settings plus the run's
-own node watch (:class:`~elastic_llm.runtime.liveness.NodeWatch` at the config's default
-``recovery.node_probe_s`` / ``node_probe_failures``, as a Trainer runs it: it probes the raylet and
-declares the node dead to the GCS), side by side in one run on loopback
+own node watch (:class:`~elastic_llm.runtime.ray_runtime.RayNodes` at the config's defaults, as a
+Trainer runs it: it probes the raylets, holds a connection to each between rounds, and declares a
+node whose raylet refuses connections dead to the GCS), side by side in one run on loopback
 ``ray.cluster_utils.Cluster``s (a head without CPUs, one 1-CPU node added and removed per round).
 On loopback a killed raylet's port refuses connections; a machine that vanished from a real
 network answers nothing, and the watch then needs ``node_probe_failures`` timed-out probes
@@ -46,25 +46,28 @@ def _rounds(system_config: dict[str, Any], rounds: int, watch: bool = False) -> 
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastic_llm.runtime.liveness import REFRESH_S, NodeWatch, RayNodeTable
+    from elastic_llm.runtime.liveness import REFRESH_S
+    from elastic_llm.runtime.ray_runtime import RayNodes
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": dict(system_config)})
     w = None
     try:
         ray.init(address=c.address, logging_level="ERROR")
-        if watch:
-            rc = RecoveryConfig()
-            w = NodeWatch(RayNodeTable(), rc.node_probe_s, rc.node_probe_failures)
-            w.start()
+        rc = RecoveryConfig()
+        if watch:  # the run's own: probes every period, holds a connection to each raylet between rounds
+            w = RayNodes()
+            w.start(rc.node_probe_s, rc.node_probe_failures, rc.node_probe_declare)
         out = []
         for _ in range(rounds):
             node = c.add_node(num_cpus=1)
             c.wait_for_nodes()
             seen_by = time.monotonic() + 10 * REFRESH_S
-            while w is not None and node.node_id not in w.watching():  # a run's nodes are watched long before they die
+            while w is not None and w.watch is not None and node.node_id not in w.watch.watching():  # a run's nodes are watched long before they die
                 if time.monotonic() > seen_by:
                     raise TimeoutError(f"the node watch did not pick up the new node within {10 * REFRESH_S:.0f} s")
                 time.sleep(0.05)
+            if w is not None:
+                time.sleep(2 * rc.node_probe_s)  # a round after the one that found it: its connection is held
             t = time.monotonic()
             c.remove_node(node, allow_graceful=False)
             while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):

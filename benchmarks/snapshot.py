@@ -16,7 +16,7 @@ Measures, on the whole model's training state (parameters + AdamW moments) of a 
   version in flight carries on across blocks as in one uninterrupted run): the training stall
   (the stage actors' ``snapshot_wait_s`` plus the controller's ``snapshots.stats.wait_s``), the
   throughput and CPU overhead of snapshots, and versions committed;
-* on the cluster, ``snapshot.every: auto`` against no snapshots (after 30 steps to settle, in
+* on the cluster, ``snapshot.every: auto`` against no snapshots (after 60 steps to settle, in
   blocks of 24 steps or two of the intervals it chose, if longer): the overhead ``auto`` achieves next to its budget
   (``snapshot.max_overhead_pct``), per block, and the interval it chose and why;
 * on the cluster: the product's restore on the live Trainer with snapshots, from its committed
@@ -493,9 +493,9 @@ def _compare_trainers(
         on.setup()
         off.setup()
         setup_s = time.perf_counter() - t0
-        if warmup:
-            on.fit(warmup)
-            off.fit(warmup)
+        for _ in range(warmup):  # run_step, as the blocks: fit(warmup) would make every later step the run's last (a snapshot each)
+            on.run_step()
+            off.run_step()
         if callable(blocks_plan):
             blocks_plan = blocks_plan(on)
         waits0, stats0 = _actor_waits(on), asdict(on.snapshots.stats)
@@ -646,7 +646,10 @@ def _cluster_phase(
             cluster.shutdown()
 
 
-AUTO_SETTLE = 30  # steps a snapshot.every: auto run takes first, to measure and choose its interval
+# steps a snapshot.every: auto run takes first, to measure and choose its interval: on the 3-node
+# cluster its baseline leaves the first steps' (standbys starting beside them) by step ~45 and the
+# interval grows from there (30 left the first block mid-way: 6.8%, then 4.4%, 1.2%)
+AUTO_SETTLE = 60
 AUTO_BLOCK = 24  # steps per block of the auto comparison at least ...
 AUTO_CYCLES = 2  # ... and at least this many of the intervals auto chose (a block shorter than one says nothing)
 
