@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks: CPU accounting from /proc, the machine, a free loopback port,
-ratios, and the ``python -m benchmarks.<name>`` entry point.
+ratios, stdout kept for the result, and the ``python -m benchmarks.<name>`` entry point.
 
 Owns: reading per-process and whole-machine CPU time on Linux (None elsewhere), describing the
 machine, picking a free TCP port on 127.0.0.1. Never measures anything itself and never copies
@@ -8,11 +8,12 @@ product code.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import socket
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any
 
 MID_RUN = "train.max_steps=1000000"  # a trainer's timed steps are a run's middle: past train.max_steps every step is its last (and snapshots)
@@ -129,3 +130,18 @@ def load_at_end(machine: dict[str, Any]) -> None:
     """Add the 1-minute load average at the end of a run to ``machine`` (where the OS has one)."""
     if hasattr(os, "getloadavg"):
         machine["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 at stderr meanwhile (Python and C writers alike: Ray's raylets and
+    workers print on the driver's stdout), so that ``--json`` leaves the result alone on stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -81,21 +81,19 @@ but 127.0.0.1.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import math
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from benchmarks.common import load_at_end, machine_info, ratio
+from benchmarks.common import load_at_end, machine_info, ratio, stdout_to_stderr
 from elastic_llm import events
 
 DEFAULT_CONFIGS = ("jobs/tiny.yaml", "jobs/llama-25m.yaml")
@@ -1010,22 +1008,8 @@ def run_recovery_bench(
         raise ValueError(f"warmup must be >= {STEADY_FROM} (the steps before it are not steady), after >= 1, restarts >= 1, shots >= 1")
     loopback_env()
     configs = list(config_paths) if config_paths else list(DEFAULT_CONFIGS)
-    with _stdout_to_stderr():  # Ray prints worker and raylet deaths on stdout; --json prints one line
+    with stdout_to_stderr():  # Ray prints worker and raylet deaths on stdout; --json prints one line
         return [_bench_config(c, overrides, warmup, after, restarts, probe_rounds, shots) for c in configs]
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Point file descriptor 1 at stderr meanwhile (Python and C writers alike)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from benchmarks.common import stdout_to_stderr
+
 EXIT_USAGE = 2
 
 
@@ -71,6 +73,33 @@ def _bench_sweep(bench: ModuleType, args: argparse.Namespace) -> int:
 LEAST_STEPS = {"snapshot": 2}  # blocks of at least 2 steps: the first of each is not steady state
 
 
+def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark ``args.what`` with the command line's settings."""
+    if args.what == "pipeline":
+        return bench.run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 6, overrides=args.set or [])
+    if args.what == "snapshot":
+        return bench.run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 12, overrides=args.set or [])
+    if args.what == "erasure":
+        return bench.run_erasure_bench(size_mib=args.size_mib)
+    if args.what == "durable":
+        return bench.run_durable_bench(args.config or "jobs/tiny.yaml", overrides=args.set or [])
+    if args.what == "recovery":
+        return bench.run_recovery_bench([args.config] if args.config else None, overrides=args.set or [], shots=args.steps or 3)
+    if args.what == "transport":
+        return bench.run_transport_bench(rounds=args.steps or 200)
+    if args.what == "detect":
+        return bench.run_detect_bench(rounds=args.steps or 3)
+    if args.what == "failover":
+        return bench.run_failover_bench(config=args.config or "jobs/tiny.yaml", rounds=args.steps or 2)
+    if args.what == "simulate":
+        return bench.run_simulate_bench(loopback=args.loopback, out_dir=args.out)
+    if args.what == "fleet":
+        return bench.run_fleet_bench(out_dir=args.out)
+    if args.what == "calibrate":
+        return bench.run_calibrate_bench(out=args.out, from_dir=args.from_dir)
+    raise AssertionError(args.what)  # argparse restricts choices
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """``elastic-llm bench WHAT``: run one benchmark; its result as JSON on stdout."""
     least = LEAST_STEPS.get(args.what, 1)
@@ -81,30 +110,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bench = importlib.import_module(f"benchmarks.{'pipeline_sweep' if args.sweep else args.what}")
     if args.sweep:
         return _bench_sweep(bench, args)
-    if args.what == "pipeline":
-        result = bench.run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 6, overrides=args.set or [])
-    elif args.what == "snapshot":
-        result = bench.run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 12, overrides=args.set or [])
-    elif args.what == "erasure":
-        result = bench.run_erasure_bench(size_mib=args.size_mib)
-    elif args.what == "durable":
-        result = bench.run_durable_bench(args.config or "jobs/tiny.yaml", overrides=args.set or [])
-    elif args.what == "recovery":
-        result = bench.run_recovery_bench([args.config] if args.config else None, overrides=args.set or [], shots=args.steps or 3)
-    elif args.what == "transport":
-        result = bench.run_transport_bench(rounds=args.steps or 200)
-    elif args.what == "detect":
-        result = bench.run_detect_bench(rounds=args.steps or 3)
-    elif args.what == "failover":
-        result = bench.run_failover_bench(config=args.config or "jobs/tiny.yaml", rounds=args.steps or 2)
-    elif args.what == "simulate":
-        result = bench.run_simulate_bench(loopback=args.loopback, out_dir=args.out)
-    elif args.what == "fleet":
-        result = bench.run_fleet_bench(out_dir=args.out)
-    elif args.what == "calibrate":
-        result = bench.run_calibrate_bench(out=args.out, from_dir=args.from_dir)
-    else:  # argparse restricts choices
-        raise AssertionError(args.what)
+    with stdout_to_stderr():  # Ray's raylets and workers print on stdout: the result alone goes there
+        result = _run_one(bench, args)
     if args.json:
         print(json.dumps(result))
     else:

@@ -253,3 +253,17 @@ def test_the_median_shot_stands_for_a_path():
     assert median_shot([None, 0.3, 0.7]) == 1  # a shot without a figure does not count
     assert median_shot([-0.2, 0.1, 0.05]) == 2
     assert median_shot([None]) == 0
+
+
+def test_a_benchmarks_stdout_holds_its_result_alone(capfd):
+    """Ray's raylets and workers write on the driver's stdout (file descriptor 1, from C): while a
+    benchmark runs that goes to stderr, so ``--json > out.json`` is one JSON line."""
+    import os
+
+    from benchmarks.common import stdout_to_stderr
+
+    with stdout_to_stderr():
+        os.write(1, b"(raylet) a worker died\n")
+    os.write(1, b'{"bench": "x"}\n')
+    out, err = capfd.readouterr()
+    assert out == '{"bench": "x"}\n' and "(raylet) a worker died" in err
