@@ -30,9 +30,10 @@ Without the watch (``recovery.node_probe_s: 0``), Ray's health checks notice a d
 
 Never probes the head node (if it died, the GCS went with it: that is driver failover's business),
 never decides how to recover, and never touches an actor. Cost: one ``ray.nodes()`` every
-:data:`REFRESH_S` and one TCP connect per worker node per round (sequential; a node that times
-out holds the round up by ``timeout_s``). The Ray side (node table, the GCS call,
-the socket probe) sits behind the small :class:`NodeTable` and :data:`Probe` seams, so the rule and
+:data:`REFRESH_S`, one TCP connect per worker node per round (sequential; a node that times
+out holds the round up by ``timeout_s``) and one idle connection held per worker node. The Ray side
+(node table, the GCS call, the socket probe, the held connection) sits behind the small
+:class:`NodeTable`, :data:`Probe` and :data:`Hold` seams, so the rule and
 the watch run with fakes.
 """
 
