@@ -195,10 +195,10 @@ class SnapshotCost:
                 self._final(v)
             return
         self.since_clean += 1
-        for v in active:
-            if v in self.open:
-                self.open[v].in_flight += 1
-        charged = [v for v in active if v in self.open] or ([self.newest] if self.newest in self.open else [])
+        flying = [v for v in active if v in self.open]
+        for v in flying:
+            self.open[v].in_flight += 1
+        charged = flying or ([self.newest] if self.newest in self.open else [])
         for v in charged:
             o = self.open[v]
             if self.clean_s.value is None:

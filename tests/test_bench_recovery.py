@@ -16,7 +16,7 @@ from benchmarks.recovery import (
 )
 from elastic_llm.config import load_config
 
-from .conftest import REPO
+from .conftest import REPO, wait_until
 
 
 def state(t, old, new):
@@ -230,9 +230,7 @@ def test_the_death_witness_notes_when_a_process_ends_and_nothing_for_one_that_li
     before = time.time()
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    deadline = time.time() + 5
-    while witness.at is None and time.time() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: witness.at is not None, 5, "the witness noting the death", every=0.01)
     witness.close()
     assert witness.at is not None and before <= witness.at <= time.time()
     alive = subprocess.Popen(["sleep", "30"])

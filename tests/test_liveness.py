@@ -9,6 +9,8 @@ from elastic_llm.config import ConfigError, load_config
 from elastic_llm.controller.drains import NodeDeath, Outcome
 from elastic_llm.runtime.liveness import NodeWatch, judge, tcp_probe
 
+from .conftest import wait_until
+
 ADDR = {"a": "10.0.0.1:7000", "b": "10.0.0.2:7000"}
 
 
@@ -179,15 +181,6 @@ class LoopbackRaylet:
         self.thread.join(5)
 
 
-def _until(cond, seconds=5.0):
-    import time
-
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, "the condition did not come true in time"
-        time.sleep(0.005)
-
-
 def test_a_held_connection_that_closes_starts_the_next_round_at_once():
     """Rounds every 60 s: a node is judged dead within the test's seconds only because the watch
     probed again when its held connection closed. A raylet that only closes an idle connection
@@ -199,12 +192,12 @@ def test_a_held_connection_that_closes_starts_the_next_round_at_once():
     w = NodeWatch(table, period_s=60.0, failures=3, hold=tcp_hold)
     w.start()
     try:
-        _until(lambda: raylet.accepted == other.accepted == 2)  # the first round's probe and the held connection
+        wait_until(lambda: raylet.accepted == other.accepted == 2, 5, "the first round's probe and hold", every=0.005)  # the first round's probe and the held connection
         other.close_idle()
-        _until(lambda: w.early == 1 and other.accepted == 4)  # probed at once, answered, held again
+        wait_until(lambda: w.early == 1 and other.accepted == 4, 5, "a probe after the closed connection", every=0.005)  # probed at once, answered, held again
         assert table.declared == [] and w.errors == 0
         raylet.die()
-        _until(lambda: [d.node for d in table.declared] == ["a"])
+        wait_until(lambda: [d.node for d in table.declared] == ["a"], 5, "the dead raylet declared", every=0.005)
         assert w.early == 2 and w.dead() == {"a"} and w.watching() == {"b"}
     finally:
         w.stop()
