@@ -189,12 +189,12 @@ class RecoveryExecutor:
                 if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.DURABLE:
                     return self._from_durable(plan, step)
                 if plan.rollback_to is not None:
-                    g.load_parts(fetched)
+                    decoded = g.load_parts(fetched)
                     rec = self.snapshots.committed if self.snapshots else None
                     raw = rec.shard(ShardKey(0, 0)).data_position() if rec else None
                     position = StreamPosition.of(raw) if raw else None
                     sources = tuple((k, src.source) for k, src in fetched.items())
-                    rebuilt = tuple((k, {"state_bytes": src.rebuilt[0], "transfer_s": src.rebuilt[1]}) for k, src in fetched.items() if src.rebuilt[0])
+                    rebuilt = tuple((k, {"state_bytes": n, "transfer_s": s}) for k, (n, s) in decoded.items() if n)
                     return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, len(plan.own_copies), position, rebuilt)
                 done = {m.step for m in obs.members if m.alive and m.step is not None}  # one step (else the plan rolls back)
                 at = max(done) if done else step
@@ -240,8 +240,8 @@ class RecoveryExecutor:
         that a source found gone re-plans at once: the survivors the plan names restore from their
         own background copy (checked against the recorded checksums; one that fails is left out of
         later observations), and where the committed state of every other actor is (its snapshot
-        managers' pieces; for the shards on nodes the plan counts lost, pieces rebuilt from
-        parity). Raises :class:`SourceLost` for a copy or piece that fails where the plan
+        managers' pieces; for the shards on nodes the plan counts lost, the recipes of their parity
+        rebuilds, which the restored stages follow). Raises :class:`SourceLost` for a copy or piece that fails where the plan
         expected it."""
         sn = self.snapshots
         assert sn is not None and sn.committed is not None, "a rollback plan needs a committed snapshot"
@@ -253,8 +253,7 @@ class RecoveryExecutor:
                 self.bad_own_copies.update((k, rec.version) for k in failed)
                 raise SourceLost(f"the own copy of step {rec.version} held by {', '.join(map(str, failed))} failed its checksums")
         mine = set(plan.own_copies) | set(plan.kept)  # the survivors already at the version restore nothing
-        near = {ShardKey(a.stage, a.replica): a.adopt for a in plan.actions}  # a lost actor's standby: its node rebuilds its shard
-        return {k: sn.fetch_stage_state(k.stage, k.replica, obs.dead_managers, near.get(k)) for k in self.group.keys() if k not in mine}
+        return {k: sn.fetch_stage_state(k.stage, k.replica, obs.dead_managers) for k in self.group.keys() if k not in mine}
 
     def _copy_from_peers(self, plan: RecoveryPlan) -> dict[ShardKey, dict[str, Any]]:
         """Lost replicas copy the whole state of a live data-parallel peer; per copy its bytes

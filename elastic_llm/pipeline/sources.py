@@ -1,9 +1,10 @@
-"""The sources of a stage's state other than its own snapshots: a live peer, its neighbours, a
-redundant copy, checkpoint files and durable checkpoints.
+"""The sources of a stage's state other than its own snapshots' pieces: a shard rebuilt from
+parity, a live peer, its neighbours, a redundant copy, checkpoint files and durable checkpoints.
 
 Owns: what a stage actor does for the recovery modes that do not restore its own snapshot (mixed
 into :class:`~elastic_llm.pipeline.stage.StageWorker`, whose actor methods these are):
-a live actor's whole state streamed over one socket (a data-parallel peer's, for a lost replica
+the shards of its committed snapshot whose nodes are lost, rebuilt by the stage itself from their
+erasure groups' survivors and decoded straight into its own state (a new stage's), a live actor's whole state streamed over one socket (a data-parallel peer's, for a lost replica
 or a new one; its own, for a stage that moves), CheckFree / CheckFree+ (its layers for a neighbour to average, the mirror of its neighbour's
 embedding or LM head it keeps, rebuilding itself from neighbours' layers with a fresh optimizer
 and a resumed LR schedule), the redundant copy of its successor (``recovery.mode: redundant``),
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elastic_llm.snapshot.records import ShardKey
+from elastic_llm.snapshot.records import Rebuild, ShardKey
 from elastic_llm.tensors import host, host_bytes
 
 
@@ -59,6 +60,39 @@ class OtherSources:
 
     def reset_step(self) -> int:
         raise NotImplementedError  # the stage's
+
+    # ------------------------------------------------------------------ shards rebuilt from parity
+    def load_rebuilt(self, manifest: str, offsets: list[int], rebuilds: list[Rebuild], *parts: np.ndarray) -> tuple[int, int, float]:
+        """Restore from the managers' pieces (``parts[i]`` at ``offsets[i]``) and the shards
+        ``rebuilds`` names, each rebuilt from its erasure group's survivors
+        (:func:`~elastic_llm.snapshot.rebuild.rebuild_into`: the members' pieces pulled in
+        parallel, decoded as they arrive). A new CPU stage (no step trained or restored: nothing to
+        keep) decodes straight into its state, with no buffer and no copy after; if a rebuild
+        fails midway its state is neither its initial one nor the snapshot's, so it says it has
+        completed step -1 (any plan restores it again). A stage holding trained state decodes into
+        a reused buffer first: a failed rebuild leaves it as it was. Returns (step, bytes rebuilt,
+        seconds the rebuilds took)."""
+        from elastic_llm.snapshot.erasure import ReedSolomon
+        from elastic_llm.snapshot.rebuild import rebuild_into
+
+        self.copies.wait()  # no background copy reads the state while it is written
+        into = self.arena.host_view() if self.step_count == 0 else None
+        buf = into if into is not None else self.copies.buffer(2)
+        t0 = time.perf_counter()
+        codecs: dict[tuple[int, int], ReedSolomon] = {}
+        try:
+            for r in rebuilds:
+                k = r.n - r.parity
+                rs = codecs.setdefault((k, r.parity), ReedSolomon(k, r.parity, backend=self.cfg.snapshot.codec))
+                rebuild_into(rs, r, buf[r.lo : r.lo + r.nbytes])
+        except BaseException:
+            if into is not None:
+                self.step_count = -1
+            raise
+        seconds = time.perf_counter() - t0
+        rebuilt = [(r.lo, buf[r.lo : r.lo + r.nbytes]) for r in rebuilds]
+        step = self.load_parts(manifest, [*offsets, *(lo for lo, _ in rebuilt)], *parts, *(b for _, b in rebuilt))
+        return step, sum(r.nbytes for r in rebuilds), seconds
 
     # ------------------------------------------------------------------ a live actor's state, over a socket
     def send_state(self, address: tuple[str, int]) -> int:

@@ -83,12 +83,19 @@ class StateCalls:
             got = stream_states([(self.actor(src), src, self.actor(dst)) for src, dst in pairs])
         return {dst: g for (_, dst), g in zip(pairs, got)}
 
-    def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> None:
-        """Each actor loads the pieces of its committed state (straight from the managers' stores)."""
+    def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> dict[ShardKey, tuple[int, float]]:
+        """Each actor loads the pieces of its committed state (straight from the managers'
+        stores); one with shards to rebuild from parity decodes them into its own state first.
+        Returns, per actor that rebuilt, the bytes rebuilt and the seconds the rebuilds took."""
         import ray
 
-        calls = [self.actor(k).load_parts.remote(src.manifest, list(src.offsets), *src.refs) for k, src in sources.items()]
-        ray.get(calls, timeout=RESTORE_S)
+        calls = {
+            k: self.actor(k).load_rebuilt.remote(src.manifest, list(src.offsets), list(src.rebuilds), *src.refs)
+            if src.rebuilds else self.actor(k).load_parts.remote(src.manifest, list(src.offsets), *src.refs)
+            for k, src in sources.items()
+        }
+        got = ray.get(list(calls.values()), timeout=RESTORE_S)
+        return {k: (int(g[1]), float(g[2])) for k, g in zip(calls, got) if sources[k].rebuilds}
 
     def holds_own_copy(self, keys: list[ShardKey], version: int) -> set[ShardKey]:
         """Those of ``keys`` whose own background copy holds version ``version`` (one deadline;

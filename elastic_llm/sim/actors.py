@@ -419,15 +419,30 @@ class SimActors:
             self.at[dst] = self.at.get(src)
         return {dst: (int(self.stage_mb() * MB), seconds) for _, dst in pairs}
 
-    def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> None:
-        """Each actor loads its pieces once they are ready (the managers' reads, parity
-        rebuilds); a piece whose node went before it was ready fails the load."""
+    def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> dict[ShardKey, tuple[int, float]]:
+        """Each actor loads its pieces once they are ready (the managers' reads) after rebuilding
+        the shards its source names from parity, one after another (pulling the survivors' chunks
+        at the network's rate, decoding at the codec's; a survivor whose node goes meanwhile is one
+        more erasure); a piece whose node went before it was ready, or more erasures than a
+        rebuild's parity, fails the load. Per actor that rebuilt: bytes, seconds."""
         if not sources:
-            return
-        clock = self.world.clock
+            return {}
+        clock, w = self.world.clock, self.world
+        rebuilt: dict[ShardKey, tuple[int, float]] = {}
         with self.spans.span("state"):
+            start = clock.now
+            for k, src in sources.items():
+                end = start
+                for r in src.rebuilds:
+                    end += w.shard_mb * (r.n - len(r.lost)) / w.costs.network_mb_s + w.shard_mb * r.n / w.costs.parity_mb_s
+                    gone = [p.node for p in r.peers if p is not None and w.fleet.removed_by(p.node, end)]
+                    if len(r.lost) + len(gone) > r.parity:
+                        clock.advance(max(end, clock.now))
+                        raise SimLost(f"simulated: node {gone[0]} went while a shard of {k} was rebuilt from it, more erasures than parity {r.parity}")
+                if src.rebuilds:
+                    rebuilt[k] = (sum(r.nbytes for r in src.rebuilds), end - start)
             ready = max((p.ready_s for src in sources.values() for p in src.refs), default=clock.now)
-            clock.advance(max(ready, clock.now))
+            clock.advance(max(ready, start + max((s for _, s in rebuilt.values()), default=0.0), clock.now))
             bad = [p for src in sources.values() for p in src.refs if isinstance(p, SimRef) and p.failed()]
             if bad:
                 raise SimLost(f"simulated: a snapshot piece on node {bad[0].node} was lost before it was read")
@@ -435,6 +450,7 @@ class SimActors:
         self._check("loading snapshot pieces", [self.nodes[k] for k in sources])
         for k, src in sources.items():
             self.at[k] = int(json.loads(src.manifest).get("step", 0)) if src.manifest else None
+        return rebuilt
 
     def holds_own_copy(self, keys: list[ShardKey], version: int) -> set[ShardKey]:
         return set()  # the simulated stages keep no background copy: a rollback reads the managers

@@ -3,8 +3,8 @@
 Owns: :class:`SimManagers` (the :class:`~elastic_llm.snapshot.coordinator.ManagerFleet` the real
 :class:`~elastic_llm.snapshot.coordinator.SnapshotCoordinator` runs on: one simulated manager per
 live node, so its two-phase commits, erasure groups, census of lost parts and restores run as they
-do on Ray), the simulated managers' restore calls (their shards, a parity rebuild, each ready
-after the cost model's time) and :class:`SimFlusher` (the durable tier: which commits are flushed,
+do on Ray), the simulated managers' restore calls (their shards, ready after the cost model's
+time) and :class:`SimFlusher` (the durable tier: which commits are flushed,
 how long a flush takes, the newest durable checkpoint). Never decides which version to keep or
 restore: the coordinator and the recovery policy do.
 """
@@ -101,20 +101,14 @@ class SimFlusher:
 
 
 class _RestoringManager(SimManager):
-    """A simulated manager that also answers a restore's calls (its shards, a parity rebuild)."""
+    """A simulated manager that also answers a restore's calls (its shards; a parity rebuild is
+    the restored stage's, :meth:`~elastic_llm.sim.actors.SimActors.load_parts`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.shard_parts = _Call(self._shard_parts, self.world.charged)
-        self.rebuild_shard = _Call(self._rebuild_shard, self.world.charged)
 
     def _shard_parts(self, version: int, key: ShardKey) -> SimRef:
         c = self.world.costs
         piece = SimRef(self.world.clock.now + self.world.shard_mb / c.restore_mb_s, self.node, None, self.world.fleet)
-        return self._ref(0.0, [piece])
-
-    def _rebuild_shard(self, version: int, key: ShardKey, n: int, parity: int, lost: list[int], index: int, peers: list[Any], infos: list[Any]) -> SimRef:
-        c = self.world.costs
-        seconds = self.world.shard_mb * (n - len(lost)) / c.network_mb_s + self.world.shard_mb * n / c.parity_mb_s
-        piece = SimRef(self.world.clock.now + seconds, self.node, None, self.world.fleet)
         return self._ref(0.0, [piece])

@@ -5,7 +5,8 @@ Owns: one SnapshotManager actor per node (named ``smp-<run>-<node>``), when a sn
 (:func:`elastic_llm.cadence.snapshot_every`), and ``snapshot.max_lag``: how far the committed version may trail training
 before a step waits for it), the erasure groups of each version, the versions in flight (shards
 in -> parity encoded -> committed), the record of the latest committed version, and fetching a
-stage's committed state back from the managers, rebuilding lost shards from parity. A cluster of
+stage's committed state back from the managers (a lost shard as the recipe the restored stage
+follows to rebuild it from parity, :class:`~elastic_llm.snapshot.records.Rebuild`). A cluster of
 several nodes too small for one erasure group of ``snapshot.parity`` is refused when the run
 starts (:func:`check_parity_fits`).
 
@@ -37,7 +38,7 @@ from elastic_llm.snapshot.broadcast import Broadcast
 from elastic_llm.snapshot.exposure import Exposure
 from elastic_llm.snapshot.groups import make_groups
 from elastic_llm.snapshot.layout import LayoutError
-from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardKey, StageSource, VersionRecord
+from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, Rebuild, ShardInfo, ShardKey, StageSource, VersionRecord
 
 log = logging.getLogger("elastic_llm.snapshot")
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
@@ -134,7 +135,8 @@ class ManagerHandle(Protocol):
     discard: Remote  # (version, attempt) -> None
     discard_all: Remote  # () -> None
     shard_parts: Remote  # (version, key) -> refs of its pieces
-    rebuild_shard: Remote  # (version, key, n, parity, lost, index, peers, infos) -> [ref]
+    chunk_parts: Remote  # (version, chunk) -> refs of the pieces of its data chunk (a rebuild's)
+    get_parity: Remote  # (version, region) -> its parity of the region (a rebuild's)
     flush_part: Remote  # (NodeFlush) -> the node's written parts
     unpin: Remote  # (version) -> None
     keepalive: Remote  # () -> None
@@ -499,34 +501,30 @@ class SnapshotCoordinator:
         self.committed = None
 
     # ------------------------------------------------------------------ restore
-    def fetch_stage_state(self, stage: int, replica: int, lost_nodes: set[str] | frozenset[str], near: str | None = None) -> StageSource:
+    def fetch_stage_state(self, stage: int, replica: int, lost_nodes: set[str] | frozenset[str]) -> StageSource:
         """Where the committed state of ``stage`` is (all its data-parallel slices, as many as
         the run had replicas when the version was taken), with the manifest of ``replica`` (its
         RNG; the last one recorded if the run was narrower then), as the plan has it: shards on
-        ``lost_nodes`` (the plan's lost parts) rebuilt from parity (on node ``near``, where the
-        restored actor will run, when that node is in the shard's group), every other shard from its
-        node's manager, which checks its pieces. A shard that fails to load on its node is news
-        to the plan: it is recorded (:meth:`lost_parts` counts it from then on) and
-        :class:`SourceLost` raised, so the controller observes again and re-plans; this never
-        switches source on its own. The refs go straight to the stage being restored: no bytes
-        pass through the driver."""
+        ``lost_nodes`` (the plan's lost parts) as recipes the restored stage follows to rebuild
+        them from parity into its own state (:class:`Rebuild`), every other shard from its node's
+        manager, which checks its pieces. A shard that fails to load on its node is news to the
+        plan: it is recorded (:meth:`lost_parts` counts it from then on) and :class:`SourceLost`
+        raised, so the controller observes again and re-plans; this never switches source on its
+        own. The refs go straight to the stage being restored: no bytes pass through the driver."""
 
         rec = self.committed
         if rec is None:
             raise UnrecoverableError("no snapshot has been committed yet")
         offsets: list[int] = []
         refs: list[Any] = []
+        rebuilds: list[Rebuild] = []
         sources: list[Source] = []
-        rebuilt, rebuild_s = 0, 0.0
         slices = [info for info in rec.shards if info.key.stage == stage]
         for info in slices:
             node = info.node_id
             if node in lost_nodes or node not in self.managers:
-                t0 = self.clock.perf_counter()
-                offsets.append(info.lo)
-                refs.append(self._rebuild_shard(info.key, set(lost_nodes) | {node}, near))
+                rebuilds.append(self._rebuild(info, set(lost_nodes) | {node}))
                 sources.append(Source.PARITY)
-                rebuilt, rebuild_s = rebuilt + info.nbytes, rebuild_s + self.clock.perf_counter() - t0
                 continue
             try:
                 got = self.calls.get(self.managers[node].shard_parts.remote(rec.version, info.key), timeout=WAIT_S)
@@ -539,27 +537,22 @@ class SnapshotCoordinator:
             refs += got
             sources.append(Source.LOCAL_SMP)
         manifest = slices[min(replica, len(slices) - 1)].manifest
-        return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources), (rebuilt, rebuild_s))
+        return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources), tuple(rebuilds))
 
-    def _rebuild_shard(self, key: ShardKey, lost_nodes: set[str], near: str | None) -> Any:
-        """The ref of ``key``'s shard rebuilt from parity by a surviving member of its group: the
-        one on node ``near`` (where the restored actor will run: the rebuilt bytes are then read
-        there in place) if it is a member, else the first survivor."""
+    def _rebuild(self, info: ShardInfo, lost_nodes: set[str]) -> Rebuild:
+        """The recipe for rebuilding shard ``info`` from its erasure group's survivors (their
+        managers, the shards each holds); :class:`UnrecoverableError` if more of the group is
+        lost than the parity covers (found here, before any process starts)."""
         rec = self.committed
         assert rec is not None
-        node = rec.shard(key).node_id
-        group = rec.group_of(node)
+        group = rec.group_of(info.node_id)
         if group is not None:
-            lost = [i for i, n in enumerate(group) if n in lost_nodes or n not in self.managers]
-            alive = [n for i, n in enumerate(group) if i not in lost]
-            helper = self.managers[near if near in alive else alive[0]] if alive else None
-            if helper is not None and len(lost) <= self.cfg.snapshot.parity:
-                peers = [None if i in lost else self.managers[n] for i, n in enumerate(group)]
-                infos = [rec.infos_on(n) for n in group]
-                call = helper.rebuild_shard.remote(rec.version, key, len(group), self.cfg.snapshot.parity, lost, group.index(node), peers, infos)
-                [ref] = self.calls.get(call, timeout=WAIT_S)
-                return ref
+            lost = tuple(i for i, n in enumerate(group) if n in lost_nodes or n not in self.managers)
+            if len(lost) < len(group) and len(lost) <= self.cfg.snapshot.parity:
+                peers = tuple(None if i in lost else self.managers[n] for i, n in enumerate(group))
+                infos = tuple(rec.infos_on(n) for n in group)
+                return Rebuild(rec.version, info.key, len(group), self.cfg.snapshot.parity, lost, group.index(info.node_id), peers, infos, info.lo, info.nbytes)
         raise UnrecoverableError(
-            f"{key}, step {rec.version}: its snapshot cannot be rebuilt: more nodes of its erasure group are lost than "
+            f"{info.key}, step {rec.version}: its snapshot cannot be rebuilt: more nodes of its erasure group are lost than "
             f"snapshot.parity={self.cfg.snapshot.parity} covers"
         )

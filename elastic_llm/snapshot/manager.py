@@ -5,8 +5,8 @@ Owns: the pieces of every stage shard on its node (collected from the stages wit
 node's object store owned by this actor and outlive the stage that produced them), their
 checksums, the parity this node holds for its erasure group (in reused, preallocated buffers),
 versions (in flight until the controller commits one; older ones freed then, unless pinned for a
-durable flush), rebuilding a lost node's shard from the surviving pieces and parity, and writing
-its part of a committed version to durable storage (the plan of :mod:`elastic_llm.durable.flush`,
+durable flush), handing its pieces and parity to a stage that rebuilds a lost node's shard
+(:mod:`elastic_llm.snapshot.rebuild`, which runs in the restored stage), and writing its part of a committed version to durable storage (the plan of :mod:`elastic_llm.durable.flush`,
 a layer up, writes; the manager hands it its pieces and does not import it).
 
 A version runs without the driver in the loop: the controller sends each erasure group's first
@@ -18,11 +18,11 @@ region to that region's parity holders (object refs only: holders pull the bytes
 object store), and encodes the parity of its own regions once all offers are in. The call returns
 when this node's part of the version is complete.
 
-Never decides anything: the controller tells it which version to take, commit or rebuild.
+Never decides anything: the controller tells it which version to take, commit or hand out.
 Never unpickles data it did not produce: pieces are numpy arrays, manifests JSON text.
 
 Why ~500 lines: it is one Ray actor, and everything it does (collect, offer, encode, commit,
-pin and free, rebuild, hand out pieces, flush) works on the same versions under one lock, with
+pin and free, hand out pieces and parity, flush) works on the same versions under one lock, with
 buffers it preallocates and reuses; the erasure code itself is in :mod:`elastic_llm.snapshot.erasure`.
 """
 
@@ -39,9 +39,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from elastic_llm.lease import Lease, remove_run_groups
-from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
+from elastic_llm.snapshot.erasure import ReedSolomon, checksum
 from elastic_llm.snapshot.layout import ParityLayout
-from elastic_llm.snapshot.rebuild import decode_range
+from elastic_llm.snapshot.rebuild import SnapshotMissingError
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ManagerState, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
 from elastic_llm.telemetry import Metrics
 
@@ -59,10 +59,6 @@ class PartWriter(Protocol):
     def write(self, local: Callable[[ShardKey], list[np.ndarray] | None]) -> Any:
         """Write the parts; ``local(key)``: this manager's own pieces of ``key`` (None if not held)."""
         ...
-
-class SnapshotMissingError(LookupError):
-    """The requested snapshot version, shard or parity is not held here (or fails its checksum)."""
-
 
 @dataclass
 class Shard:
@@ -482,95 +478,6 @@ class SnapshotManager:
         if checksum(arr) != crc:
             raise SnapshotMissingError(f"parity of region {region}, version {version} on {self.node_id} fails its checksum")
         return arr
-
-    def rebuild_shard(
-        self,
-        version: int,
-        key: ShardKey,
-        n: int,
-        m: int,
-        lost: list[int],
-        target: int,
-        peers: list[Any | None],
-        infos: list[tuple[ShardInfo, ...]],
-    ) -> list[Any]:
-        """Reconstruct shard ``key`` of group member ``target`` from the surviving members.
-
-        ``lost``: members that are gone (``peers[j]`` is None for them); ``infos[j]``: the shard
-        infos member j holds for ``version`` (from the controller's record). Returns [ref] of the
-        rebuilt shard, put into this node's object store (owned here), after checking every
-        rebuilt piece against its recorded checksum.
-        """
-        import ray
-
-        layout = ParityLayout(n, m)
-        lost_set = set(lost)
-        if not layout.recoverable(lost_set):
-            raise TooManyErasuresError(layout.k, m, sorted(lost_set), [])
-        rs = self._codec(layout.k, m)
-        mine_infos = sorted(infos[target], key=lambda s: s.key)
-        mine = next(i for i in mine_infos if i.key == key)
-        # every surviving symbol of every codeword is asked for at once and its pieces' transfer
-        # started (the members answer, and the bytes travel, in parallel); each codeword is then
-        # decoded as soon as its own symbols are in, while the later ones still arrive, from the
-        # pieces in place (no staging copy) straight into the rebuilt shard's buffer
-        words = [layout.codeword(layout.region_of(target, c)) for c in range(layout.k)]
-        asks: list[list[Any]] = []
-        for c, word in enumerate(words):
-            region = layout.region_of(target, c)
-            row: list[Any] = []
-            for sym in word:
-                peer = None if sym.node in lost_set else peers[sym.node]
-                row.append(None if peer is None else peer.get_parity.remote(version, region) if sym.chunk is None else peer.chunk_parts.remote(version, sym.chunk))
-            asks.append(row)
-        parts = [[self._piece_refs(ref) if ref is not None and sym.chunk is not None else ref for ref, sym in zip(row, word)] for row, word in zip(asks, words)]
-        flat = [r for row in parts for got in row if isinstance(got, list) for r in got]
-        if flat:  # start every piece's transfer to this node now (returns at once)
-            ray.wait(flat, num_returns=len(flat), timeout=0, fetch_local=True)
-        shard = np.empty(sum(p.length for p in mine.pieces), dtype=np.uint8)
-        base = 0
-        for c, word in enumerate(words):
-            want = mine.pieces[c]
-            lo = sum(i.pieces[c].length for i in mine_infos if i.key < key)  # where key's piece starts in the chunk
-            symbols = [self._symbol(got, sym, infos) for got, sym in zip(parts[c], word)]
-            out = decode_range(rs, symbols, next(i for i, s in enumerate(word) if s.node == target), lo, shard[base : base + want.length])
-            if checksum(out) != want.crc:
-                raise SnapshotMissingError(f"piece {c} of shard {key}, version {version} fails its checksum after decoding")
-            base += want.length
-        return [ray.put(shard)]
-
-    @staticmethod
-    def _piece_refs(call: Any) -> list[Any] | None:
-        """A member's answer to ``chunk_parts`` (its pieces' refs); None if it died meanwhile."""
-        import ray
-
-        try:
-            return list(ray.get(call, timeout=WAIT_S))
-        except Exception:  # the member died: one more erasure
-            return None
-
-    @staticmethod
-    def _symbol(got: Any, sym: Any, infos: list[tuple[ShardInfo, ...]]) -> list[tuple[int, np.ndarray]] | None:
-        """One symbol of a codeword as runs of bytes, read in place: a parity region (``got`` its
-        call), or a data chunk (``got`` its pieces' refs) whose pieces are checked and laid end to
-        end; None for an erasure (a lost or dead member, a piece that fails its checksum)."""
-        import ray
-
-        if got is None:
-            return None
-        try:
-            if sym.chunk is None:
-                return [(0, np.asarray(ray.get(got, timeout=WAIT_S)))]
-            runs, pos = [], 0
-            for piece, arr in zip(chunk_pieces(infos[sym.node], sym.chunk), ray.get(got, timeout=WAIT_S)):
-                arr = np.asarray(arr)
-                if len(arr) != piece.length or checksum(arr) != piece.crc:
-                    raise SnapshotMissingError(f"a piece of member {sym.node} fails its checksum")
-                runs.append((pos, arr))
-                pos += piece.length
-            return runs
-        except Exception:  # a member died or a piece failed its checksum: one more erasure
-            return None
 
     # ------------------------------------------------------------------ fault injection
     def corrupt_shard(self, key: ShardKey) -> list[int]:

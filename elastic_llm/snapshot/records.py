@@ -3,8 +3,9 @@
 Owns: the names of things (a shard is a :class:`ShardKey`, never a ``"stage/replica"`` string),
 what a stage reports about one snapshot copy (:class:`ShardInfo`), what the coordinator tells a
 manager to do for one version (:class:`ManagerPlan`), what a manager reports back
-(:class:`ManagerPart`), what a manager holds (:class:`ManagerState`), the record of a committed version (:class:`VersionRecord`) and where a
-stage's committed state can be read from (:class:`StageSource`).
+(:class:`ManagerPart`), what a manager holds (:class:`ManagerState`), the record of a committed version (:class:`VersionRecord`), where a
+stage's committed state can be read from (:class:`StageSource`) and how a lost shard of it is rebuilt
+from parity (:class:`Rebuild`, the recipe the restored stage follows).
 Never does I/O, never talks to Ray and never holds bytes: the pieces travel as separate objects.
 """
 
@@ -137,18 +138,38 @@ class VersionRecord:
 
 
 @dataclass(frozen=True)
+class Rebuild:
+    """How the stage being restored rebuilds shard ``key`` of version ``version`` from parity:
+    the shard was held by member ``target`` of an erasure group of ``n`` nodes with ``parity``
+    parity chunks; ``lost`` are the members gone (``peers[j]`` is None for them, else member j's
+    manager, asked for its chunks or parity); ``infos[j]``: the shards member j holds for the
+    version (from the committed record). The rebuilt bytes are the state's ``[lo, lo + nbytes)``."""
+
+    version: int
+    key: ShardKey
+    n: int
+    parity: int
+    lost: tuple[int, ...]
+    target: int
+    peers: tuple[Any, ...]
+    infos: tuple[tuple[ShardInfo, ...], ...]
+    lo: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class StageSource:
     """Where the committed state of one stage (all its DP slices) can be read: ``refs[i]`` holds
-    the bytes at ``offsets[i]``; ``manifest`` is the restored replica's; ``sources`` says per
-    slice whether it came from its manager (``local_smp``) or was rebuilt (``parity``);
-    ``rebuilt``: the bytes rebuilt from parity and the seconds the rebuilds took (asking the
-    members, pulling their pieces, decoding), (0, 0.0) when none was."""
+    the bytes at ``offsets[i]`` (its managers' pieces); ``rebuilds``: the slices whose node is lost,
+    each rebuilt from parity by the stage itself, decoded into its own state; ``manifest`` is the
+    restored replica's; ``sources`` says per slice whether it came from its manager
+    (``local_smp``) or was rebuilt (``parity``)."""
 
     offsets: tuple[int, ...]
     refs: tuple[Any, ...]
     manifest: str
     sources: tuple[Source, ...]
-    rebuilt: tuple[int, float] = (0, 0.0)
+    rebuilds: tuple[Rebuild, ...] = ()
 
     @property
     def source(self) -> Source:
