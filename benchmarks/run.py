@@ -82,7 +82,7 @@ def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "erasure":
         return bench.run_erasure_bench(size_mib=args.size_mib)
     if args.what == "durable":
-        return bench.run_durable_bench(args.config or "jobs/tiny.yaml", overrides=args.set or [])
+        return bench.run_durable_bench(args.config or "jobs/tiny.yaml", overrides=args.set or [], auto_only=args.auto_only)
     if args.what == "recovery":
         return bench.run_recovery_bench([args.config] if args.config else None, overrides=args.set or [], shots=args.steps or 3)
     if args.what == "transport":
@@ -103,7 +103,11 @@ def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
 def cmd_bench(args: argparse.Namespace) -> int:
     """``elastic-llm bench WHAT``: run one benchmark; its result as JSON on stdout."""
     least = LEAST_STEPS.get(args.what, 1)
-    problem = _sweep_problem(args) or (f"--steps={args.steps} must be >= {least}" if args.steps is not None and args.steps < least else None)
+    problem = (
+        _sweep_problem(args)
+        or (f"--steps={args.steps} must be >= {least}" if args.steps is not None and args.steps < least else None)
+        or ("--auto-only is only for `bench durable`" if args.auto_only and args.what != "durable" else None)
+    )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_USAGE
@@ -135,6 +139,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "in-memory path for recovery, 3)"))
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
+    b.add_argument("--auto-only", action="store_true", help="durable: only snapshot.every: auto against no snapshots on the 3-node loopback cluster")
     b.add_argument("--sweep", action="store_true", help="pipeline: driver cost over stages x microbatches x replicas (micro and tiny models) instead of the peer comparison")
     b.add_argument("--models", help="--sweep: comma-separated models, from micro,tiny (default: both)")
     b.add_argument("--plot", help="--sweep: PNG of driver CPU per step against microbatches (default: bench-pipeline-sweep.png)")
