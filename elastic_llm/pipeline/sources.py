@@ -2,14 +2,15 @@
 parity, a live peer, its neighbours, a redundant copy, checkpoint files and durable checkpoints.
 
 Owns: what a stage actor does for the recovery modes that do not restore its own snapshot (mixed
-into :class:`~elastic_llm.pipeline.stage.StageWorker`, whose actor methods these are):
-the shards of its committed snapshot whose nodes are lost, rebuilt by the stage itself from their
-erasure groups' survivors and decoded straight into its own state (a new stage's), a live actor's whole state streamed over one socket (a data-parallel peer's, for a lost replica
-or a new one; its own, for a stage that moves), CheckFree / CheckFree+ (its layers for a neighbour to average, the mirror of its neighbour's
-embedding or LM head it keeps, rebuilding itself from neighbours' layers with a fresh optimizer
-and a resumed LR schedule), the redundant copy of its successor (``recovery.mode: redundant``),
-checkpoint files (``recovery.mode: checkpoint``) and a durable checkpoint of any width or stage
-count. Never decides which source serves a stage (the recovery plan does).
+into :class:`~elastic_llm.pipeline.stage.StageWorker`, whose actor methods these are): the shards
+of its committed snapshot whose nodes are lost, rebuilt by the stage itself from their erasure
+groups' survivors and decoded straight into its own state (a new stage's), a live actor's whole
+state streamed over one socket (a data-parallel peer's, for a lost replica or a new one; its
+own, for a stage that moves), CheckFree / CheckFree+ (its layers for a neighbour to average, the
+mirror of its neighbour's embedding or LM head it keeps, rebuilding itself from neighbours' layers
+with a fresh optimizer and a resumed LR schedule), the redundant copy of its successor
+(``recovery.mode: redundant``), checkpoint files (``recovery.mode: checkpoint``) and a durable
+checkpoint of any width or stage count. Never decides which source serves a stage (the recovery plan does).
 """
 
 from __future__ import annotations
