@@ -289,9 +289,11 @@ def run_durable_bench(config_path: str = "jobs/tiny.yaml", overrides: Sequence[s
             out["flush_vs_disk"] = out["flush_GBps"] / out["disk_write_GBps"]
             out["write_vs_disk"] = out["write_GBps"] / out["disk_write_GBps"]
         out.update(_auto_on_cluster(config_path, overrides, cluster_steps))
-    out["notes"] = (
+    auto_note = ("auto_overhead_pct: snapshot.every=auto against snapshots off, two live Trainers on the 3-node loopback cluster taking "
+                 "turns in 6 blocks (order alternating), median of the per-block throughput ratio; auto after 30 steps to settle")
+    out["notes"] = auto_note if auto_only else (
         "write_GBps: the product's shard writer on the whole state in process; flush_GBps: the final flush through the snapshot "
-        "managers (training idle; includes the manifest + marker commit); train_overhead_pct and auto_overhead_pct: two live "
-        "Trainers taking turns in 6 blocks (order alternating), median of the per-block throughput ratio; auto after 30 steps to settle"
+        "managers (training idle; includes the manifest + marker commit); train_overhead_pct: durable.every=1 against no durable "
+        "tier, two live Trainers taking turns in blocks of steps; " + auto_note
     )
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
