@@ -4,13 +4,14 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
 from elastic_llm.data import load_split, prepare, read_meta
+
+from .conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,16 +27,18 @@ def s3():
     port = free_port()
     env = dict(os.environ, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1")
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def listening():
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
+            return True
         except OSError:
-            time.sleep(0.1)
-    else:
+            return False
+
+    try:
+        wait_until(listening, 30, "the moto server's start")
+    except AssertionError:
         proc.kill()
-        pytest.fail("moto server did not start")
+        raise
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_EC2_METADATA_DISABLED")}
     os.environ.update(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_EC2_METADATA_DISABLED="true")
     fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1", allow_bucket_creation=True)

@@ -96,9 +96,7 @@ def test_a_slow_declaration_or_probe_never_holds_the_training_thread():
     sweeper = threading.Thread(target=w.sweep)
     sweeper.start()
     try:
-        deadline = time.monotonic() + 10
-        while not w._deaths and time.monotonic() < deadline:  # the verdict is in, the declaration hangs
-            time.sleep(0.01)
+        wait_until(lambda: w._deaths, 10, "the verdict", every=0.01)  # the verdict is in, the declaration hangs
         t = time.monotonic()
         assert [d.node for d in w.take()] == ["b"] and w.suspects() == {"a"}
         assert time.monotonic() - t < 1.0

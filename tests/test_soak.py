@@ -13,7 +13,7 @@ from elastic_llm.soak.plan import GAP, MOMENTS, RESIZES, Fault, FaultKind, Momen
 from elastic_llm.soak.report import Injection, TrialRun, build_report, judge_trial, render_markdown
 from elastic_llm.soak.runner import Soak, SoakOptions, hook_events
 
-from .conftest import FOUR_SMALL_STAGES, REPO, loopback_cluster_fixture
+from .conftest import FOUR_SMALL_STAGES, REPO, loopback_cluster_fixture, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 ALL = tuple(FaultKind)
@@ -217,9 +217,7 @@ def test_a_run_waiting_on_a_harness_that_failed_is_let_go():
     trial = _Trial(None, TrialPlan(0, (), 5), SimpleNamespace(observers=[]))
     waiting = threading.Thread(target=trial.on_step, args=({"step": 1},))
     waiting.start()
-    deadline = time.monotonic() + 5
-    while trial.asks.empty() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: not trial.asks.empty(), 5, "the trial's ask to the harness", every=0.01)
     assert not trial.asks.empty() and waiting.is_alive()  # waits for the harness
     trial.close()
     waiting.join(5)
