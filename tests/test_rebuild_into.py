@@ -16,7 +16,7 @@ from elastic_llm.pipeline.stage import StageWorker
 from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
 from elastic_llm.snapshot.layout import ParityLayout
 from elastic_llm.snapshot.manager import encode_pieces
-from elastic_llm.snapshot.records import Piece, Rebuild, ShardInfo, ShardKey, chunk_pieces
+from elastic_llm.snapshot.records import Piece, ParityRebuild, ShardInfo, ShardKey, chunk_pieces
 
 from .test_state import batches, cfg, run_steps
 
@@ -84,15 +84,15 @@ def group(ray_local):
     return infos, pieces, parity, state, manifest, after
 
 
-def recipe(group, *, dead=(), corrupt=()) -> Rebuild:
+def recipe(group, *, dead=(), corrupt=()) -> ParityRebuild:
     """Rebuild member 0's shard (member 0 lost); members in ``dead`` are killed before the
     rebuild asks them (the plan still names them), those in ``corrupt`` serve a flipped byte."""
-    infos, pieces, parity, state, manifest, _ = group
+    infos, pieces, parity, _, _, _ = group
     peers = [None] + [Member.remote(pieces[j], parity[j], j in corrupt) for j in range(1, N)]
     ray.get([p.chunk_parts.remote(VERSION, 0) for p in peers[1:]])  # every member is up
     for j in dead:
         ray.kill(peers[j])
-    return Rebuild(VERSION, ShardKey(0, 0), N, M, (0,), 0, tuple(peers), tuple(infos), 0, len(state))
+    return ParityRebuild(VERSION, ShardKey(0, 0), N, M, (0,), 0, tuple(peers), tuple(infos))
 
 
 def test_a_new_stage_decodes_a_lost_shard_into_its_own_state_and_continues_bit_identically(group):

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elastic_llm.snapshot.records import Rebuild, ShardKey
+from elastic_llm.snapshot.records import ParityRebuild, ShardKey
 from elastic_llm.tensors import host, host_bytes
 
 
@@ -63,7 +63,7 @@ class OtherSources:
         raise NotImplementedError  # the stage's
 
     # ------------------------------------------------------------------ shards rebuilt from parity
-    def load_rebuilt(self, manifest: str, offsets: list[int], rebuilds: list[Rebuild], *parts: np.ndarray) -> tuple[int, int, float]:
+    def load_rebuilt(self, manifest: str, offsets: list[int], rebuilds: list[ParityRebuild], *parts: np.ndarray) -> tuple[int, int, float]:
         """Restore from the managers' pieces (``parts[i]`` at ``offsets[i]``) and the shards
         ``rebuilds`` names, each rebuilt from its erasure group's survivors
         (:func:`~elastic_llm.snapshot.rebuild.rebuild_into`: the members' pieces pulled in
@@ -80,20 +80,21 @@ class OtherSources:
         into = self.arena.host_view() if self.step_count == 0 else None
         buf = into if into is not None else self.copies.buffer(2)
         t0 = time.perf_counter()
+        shards = [r.shard for r in rebuilds]
+        views = [buf[s.lo : s.lo + s.nbytes] for s in shards]
         codecs: dict[tuple[int, int], ReedSolomon] = {}
         try:
-            for r in rebuilds:
+            for r, view in zip(rebuilds, views):
                 k = r.n - r.parity
                 rs = codecs.setdefault((k, r.parity), ReedSolomon(k, r.parity, backend=self.cfg.snapshot.codec))
-                rebuild_into(rs, r, buf[r.lo : r.lo + r.nbytes])
+                rebuild_into(rs, r, view)
         except BaseException:
             if into is not None:
                 self.step_count = -1
             raise
         seconds = time.perf_counter() - t0
-        rebuilt = [(r.lo, buf[r.lo : r.lo + r.nbytes]) for r in rebuilds]
-        step = self.load_parts(manifest, [*offsets, *(lo for lo, _ in rebuilt)], *parts, *(b for _, b in rebuilt))
-        return step, sum(r.nbytes for r in rebuilds), seconds
+        step = self.load_parts(manifest, [*offsets, *(s.lo for s in shards)], *parts, *views)
+        return step, sum(s.nbytes for s in shards), seconds
 
     # ------------------------------------------------------------------ a live actor's state, over a socket
     def send_state(self, address: tuple[str, int]) -> int:

@@ -440,7 +440,7 @@ class SimActors:
                         clock.advance(max(end, clock.now))
                         raise SimLost(f"simulated: node {gone[0]} went while a shard of {k} was rebuilt from it, more erasures than parity {r.parity}")
                 if src.rebuilds:
-                    rebuilt[k] = (sum(r.nbytes for r in src.rebuilds), end - start)
+                    rebuilt[k] = (sum(r.shard.nbytes for r in src.rebuilds), end - start)
             ready = max((p.ready_s for src in sources.values() for p in src.refs), default=clock.now)
             clock.advance(max(ready, start + max((s for _, s in rebuilt.values()), default=0.0), clock.now))
             bad = [p for src in sources.values() for p in src.refs if isinstance(p, SimRef) and p.failed()]

@@ -6,7 +6,7 @@ Owns: one SnapshotManager actor per node (named ``smp-<run>-<node>``), when a sn
 before a step waits for it), the erasure groups of each version, the versions in flight (shards
 in -> parity encoded -> committed), the record of the latest committed version, and fetching a
 stage's committed state back from the managers (a lost shard as the recipe the restored stage
-follows to rebuild it from parity, :class:`~elastic_llm.snapshot.records.Rebuild`). A cluster of
+follows to rebuild it from parity, :class:`~elastic_llm.snapshot.records.ParityRebuild`). A cluster of
 several nodes too small for one erasure group of ``snapshot.parity`` is refused when the run
 starts (:func:`check_parity_fits`).
 
@@ -38,7 +38,7 @@ from elastic_llm.snapshot.broadcast import Broadcast
 from elastic_llm.snapshot.exposure import Exposure
 from elastic_llm.snapshot.groups import make_groups
 from elastic_llm.snapshot.layout import LayoutError
-from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, Rebuild, ShardInfo, ShardKey, StageSource, VersionRecord
+from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ParityRebuild, ShardInfo, ShardKey, StageSource, VersionRecord
 
 log = logging.getLogger("elastic_llm.snapshot")
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
@@ -506,7 +506,7 @@ class SnapshotCoordinator:
         the run had replicas when the version was taken), with the manifest of ``replica`` (its
         RNG; the last one recorded if the run was narrower then), as the plan has it: shards on
         ``lost_nodes`` (the plan's lost parts) as recipes the restored stage follows to rebuild
-        them from parity into its own state (:class:`Rebuild`), every other shard from its node's
+        them from parity into its own state (:class:`ParityRebuild`), every other shard from its node's
         manager, which checks its pieces. A shard that fails to load on its node is news to the
         plan: it is recorded (:meth:`lost_parts` counts it from then on) and :class:`SourceLost`
         raised, so the controller observes again and re-plans; this never switches source on its
@@ -517,7 +517,7 @@ class SnapshotCoordinator:
             raise UnrecoverableError("no snapshot has been committed yet")
         offsets: list[int] = []
         refs: list[Any] = []
-        rebuilds: list[Rebuild] = []
+        rebuilds: list[ParityRebuild] = []
         sources: list[Source] = []
         slices = [info for info in rec.shards if info.key.stage == stage]
         for info in slices:
@@ -539,7 +539,7 @@ class SnapshotCoordinator:
         manifest = slices[min(replica, len(slices) - 1)].manifest
         return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources), tuple(rebuilds))
 
-    def _rebuild(self, info: ShardInfo, lost_nodes: set[str]) -> Rebuild:
+    def _rebuild(self, info: ShardInfo, lost_nodes: set[str]) -> ParityRebuild:
         """The recipe for rebuilding shard ``info`` from its erasure group's survivors (their
         managers, the shards each holds); :class:`UnrecoverableError` if more of the group is
         lost than the parity covers (found here, before any process starts)."""
@@ -551,7 +551,7 @@ class SnapshotCoordinator:
             if len(lost) < len(group) and len(lost) <= self.cfg.snapshot.parity:
                 peers = tuple(None if i in lost else self.managers[n] for i, n in enumerate(group))
                 infos = tuple(rec.infos_on(n) for n in group)
-                return Rebuild(rec.version, info.key, len(group), self.cfg.snapshot.parity, lost, group.index(info.node_id), peers, infos, info.lo, info.nbytes)
+                return ParityRebuild(rec.version, info.key, len(group), self.cfg.snapshot.parity, lost, group.index(info.node_id), peers, infos)
         raise UnrecoverableError(
             f"{info.key}, step {rec.version}: its snapshot cannot be rebuilt: more nodes of its erasure group are lost than "
             f"snapshot.parity={self.cfg.snapshot.parity} covers"

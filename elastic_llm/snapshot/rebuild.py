@@ -1,6 +1,6 @@
 """Rebuilding a lost shard from its erasure group's survivors, straight into the caller's buffer.
 
-Owns: :func:`rebuild_into` (what the stage being restored runs for each :class:`Rebuild` of its
+Owns: :func:`rebuild_into` (what the stage being restored runs for each :class:`ParityRebuild` of its
 plan: it asks every surviving member for its symbols at once, pulls their pieces to its own node
 in parallel, checks them, decodes each codeword as soon as its symbols are in and checks every
 decoded piece against its recorded checksum; a member that dies meanwhile, or a piece that fails
@@ -25,7 +25,7 @@ import numpy as np
 
 from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
 from elastic_llm.snapshot.layout import ParityLayout
-from elastic_llm.snapshot.records import Rebuild, ShardInfo, chunk_pieces
+from elastic_llm.snapshot.records import ParityRebuild, ShardInfo, chunk_pieces
 
 Runs = Sequence[tuple[int, np.ndarray]]  # (offset within the symbol, bytes), ascending, not overlapping
 WAIT_S = 600.0  # longest a member's answer or pieces are waited for
@@ -35,8 +35,8 @@ class SnapshotMissingError(LookupError):
     """The requested snapshot version, shard or parity is not held here (or fails its checksum)."""
 
 
-def rebuild_into(rs: ReedSolomon, r: Rebuild, out: np.ndarray) -> np.ndarray:
-    """Shard ``r.key`` of version ``r.version`` decoded into ``out`` (``r.nbytes`` long), every
+def rebuild_into(rs: ReedSolomon, r: ParityRebuild, out: np.ndarray) -> np.ndarray:
+    """Shard ``r.key`` of version ``r.version`` decoded into ``out`` (``r.shard.nbytes`` long), every
     decoded piece checked against its recorded checksum. ``rs``: the codec of the group's
     ``(n - parity, parity)``. Raises :class:`TooManyErasuresError` when more members are lost
     (or die, or hold corrupted pieces) than ``r.parity`` covers, :class:`SnapshotMissingError`
@@ -47,10 +47,10 @@ def rebuild_into(rs: ReedSolomon, r: Rebuild, out: np.ndarray) -> np.ndarray:
     lost = set(r.lost)
     if not layout.recoverable(lost):
         raise TooManyErasuresError(layout.k, r.parity, sorted(lost), [])
-    if len(out) != r.nbytes:
-        raise ValueError(f"{r.key}'s shard is {r.nbytes} bytes, the buffer given for it {len(out)}")
+    mine = r.shard
+    if len(out) != mine.nbytes:
+        raise ValueError(f"{r.key}'s shard is {mine.nbytes} bytes, the buffer given for it {len(out)}")
     mine_infos = sorted(r.infos[r.target], key=lambda s: s.key)
-    mine = next(i for i in mine_infos if i.key == r.key)
     # every surviving symbol of every codeword is asked for at once and its pieces' transfer
     # started (the members answer, and the bytes travel, in parallel); each codeword is then
     # decoded as soon as its own symbols are in, while the later ones still arrive, from the

@@ -5,7 +5,7 @@ what a stage reports about one snapshot copy (:class:`ShardInfo`), what the coor
 manager to do for one version (:class:`ManagerPlan`), what a manager reports back
 (:class:`ManagerPart`), what a manager holds (:class:`ManagerState`), the record of a committed version (:class:`VersionRecord`), where a
 stage's committed state can be read from (:class:`StageSource`) and how a lost shard of it is rebuilt
-from parity (:class:`Rebuild`, the recipe the restored stage follows).
+from parity (:class:`ParityRebuild`, the recipe the restored stage follows).
 Never does I/O, never talks to Ray and never holds bytes: the pieces travel as separate objects.
 """
 
@@ -138,12 +138,13 @@ class VersionRecord:
 
 
 @dataclass(frozen=True)
-class Rebuild:
+class ParityRebuild:
     """How the stage being restored rebuilds shard ``key`` of version ``version`` from parity:
     the shard was held by member ``target`` of an erasure group of ``n`` nodes with ``parity``
     parity chunks; ``lost`` are the members gone (``peers[j]`` is None for them, else member j's
     manager, asked for its chunks or parity); ``infos[j]``: the shards member j holds for the
-    version (from the committed record). The rebuilt bytes are the state's ``[lo, lo + nbytes)``."""
+    version (from the committed record); :attr:`shard`: what the rebuilt bytes are (the state's
+    ``[shard.lo, shard.lo + shard.nbytes)``)."""
 
     version: int
     key: ShardKey
@@ -153,8 +154,11 @@ class Rebuild:
     target: int
     peers: tuple[Any, ...]
     infos: tuple[tuple[ShardInfo, ...], ...]
-    lo: int
-    nbytes: int
+
+    @property
+    def shard(self) -> ShardInfo:
+        """The lost shard as its holder reported it (its byte range, pieces and checksums)."""
+        return next(i for i in self.infos[self.target] if i.key == self.key)
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,7 @@ class StageSource:
     refs: tuple[Any, ...]
     manifest: str
     sources: tuple[Source, ...]
-    rebuilds: tuple[Rebuild, ...] = ()
+    rebuilds: tuple[ParityRebuild, ...] = ()
 
     @property
     def source(self) -> Source:
