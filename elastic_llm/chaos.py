@@ -35,7 +35,7 @@ from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.stream import StreamPosition
 
-POINTS = ("before_step", "recovery")
+POINTS = ("before_step", "recovery", "resize")
 NODE_GONE_S = 60.0  # how long a node removal waits for Ray to see the node dead
 CALIBRATION_STEPS = 3  # steps timed (after the first) before failure_rate_per_hour becomes a per-step probability
 
@@ -124,8 +124,8 @@ class Chaos:
         return self.prob
 
     def _point(self, ev: ChaosEvent) -> str:
-        if ev.during == "recovery":
-            return "recovery"
+        if ev.during in ("recovery", "resize"):
+            return ev.during
         return "before_step" if ev.kill in ("error", "standby") else "in_step"
 
     def due(self, point: str, step: int) -> list[ChaosEvent]:
@@ -137,7 +137,8 @@ class Chaos:
                 self.rate_fired.add(step)
                 out.append(ChaosEvent(step, "stage", stage, replica, how=self.how))
         for i, ev in enumerate(self.events):
-            if ev.step == step and i not in self.fired and self._point(ev) == point:
+            when = ev.step <= step if point == "resize" else ev.step == step  # resize: the first one after step ``ev.step``
+            if when and i not in self.fired and self._point(ev) == point:
                 self.fired.add(i)
                 out.append(ev)
         return out
@@ -202,6 +203,8 @@ class Chaos:
         id) or else the node hosting the event's stage/replica."""
         import ray
 
+        if ev.node is None and ev.during == "resize":  # the node of the joining replica's stage
+            return t.group.nodes[ShardKey(ev.stage, t.group.width - 1)]
         if ev.node is None:
             return t.group.nodes[ShardKey(ev.stage, ev.replica)]
         alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0)

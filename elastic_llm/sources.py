@@ -1,10 +1,10 @@
 """Where a recovered stage's state comes from, where a rollback's comes from, the recovery modes,
-and the two ways a source can fail: the words the recovery policy, the snapshot layer and the controller share.
+and the ways a source or a placement can fail: the words the recovery policy, the snapshot layer and the controller share.
 
 Owns :class:`Source` (what the policy writes into each action of a plan, the executor follows and
 the metrics line reports), :class:`Mode` (``recovery.mode``), :class:`RollbackFrom`, and the errors :class:`UnrecoverableError` (no
-lossless source survives) and :class:`SourceLost` (a source the plan named was gone when the
-plan was carried out). Their values are the words the metrics file, logs and reports have always
+lossless source survives), :class:`SourceLost` (a source the plan named was gone when the
+plan was carried out) and :class:`NodeGone` (a node the plan placed something on is gone). Their values are the words the metrics file, logs and reports have always
 used, so a value written out reads back the same. It sits below both ``snapshot`` and
 ``recovery`` (each imports it, neither imports the other for it). Pure: imports nothing of the
 project.
@@ -73,3 +73,15 @@ class SourceLost(RuntimeError):
     """A source the plan named turned out to be gone while the plan was carried out (a shard
     failed to load where the plan expected it): the controller observes again, which now sees it
     gone, and re-plans."""
+
+
+class NodeGone(RuntimeError):
+    """Nodes that something was being placed on (a stage, a spare, a standby, a snapshot manager,
+    a parity piece's home) turned out to be gone: Ray's scheduler refused to place there (the
+    refusal is the declaration of the node's death), or the node died while the plan was being
+    carried out. Not a failure of the run: the controller declares the nodes lost and plans again
+    without them, charging nothing (each node once: a node that keeps coming back is a loop)."""
+
+    def __init__(self, nodes: frozenset[str], why: str) -> None:
+        self.nodes, self.why = frozenset(nodes), why
+        super().__init__(f"node(s) {', '.join(sorted(n[:12] for n in self.nodes)) or '?'} gone: {why}")

@@ -21,6 +21,7 @@ from elastic_llm.pipeline.executor import StepFailed
 from elastic_llm.replay.trace import ReplayAction
 from elastic_llm.sim.costs import load_costs
 from elastic_llm.sim.runtime import SimExecutor, SimRuntime
+from elastic_llm.sim.snapshots import SimManagers
 from elastic_llm.sim.world import Charged, Fleet, SimClock, World
 from elastic_llm.snapshot.records import ShardKey
 
@@ -300,3 +301,52 @@ def test_a_used_standby_is_replaced_after_the_first_step_of_the_resumed_run_not_
     assert rec["source"] == "dp_peer" and rec["actor_s"] < load_costs("cpu-2core").actor_start_s  # the standby was adopted
     after = [x for x in lines if x.get("event") == "standby" and x.get("started") and x["time"] >= rec["time"]]
     assert [x["step"] for x in after[:1]] == [25]  # resumed at step 24's boundary; step 25 completed first
+
+
+class _RemovingFaults:
+    """Fault injection's ``recovery`` point, simulated: the node ``pick()`` names goes at once
+    (between the recovery's plan and its execution), while Ray's node table (``StaleManagers``)
+    still lists it."""
+
+    def __init__(self, world, pick) -> None:
+        self.world, self.pick, self.removed = world, pick, None
+
+    def fire(self, point, step, targets):
+        if point == "recovery" and self.removed is None:
+            fleet = self.world.fleet
+            self.removed = self.pick()
+            fleet.nodes[self.removed].removed_s = fleet.clock.now
+            fleet.removal_of[self.removed] = fleet.clock.now
+            fleet._alive = None
+
+    def observe_step(self, step, seconds, width):
+        return None
+
+    def wrap(self, executor, targets):
+        return executor
+
+
+class StaleManagers(SimManagers):
+    """Ray's node table as it lags: a removed node is still listed (the scheduler knows better)."""
+
+    def nodes(self):
+        return set(self.world.fleet.nodes)
+
+
+def test_a_node_that_goes_while_a_recovery_is_carried_out_is_planned_around_and_charged_to_nothing(corpus_dir, tmp_path):
+    """A stage process dies (a fault: charged, and recovery.max_failures=1 allows no second one).
+    Between the recovery's plan and its execution a node that holds only a snapshot manager goes;
+    Ray's node table still lists it, so a new manager is started there and the scheduler refuses
+    it. The refusal is the node's death: the plan is made again without it, at once, and the
+    budget is not charged (before, every attempt re-placed the manager there and was charged)."""
+    t, rt = make(corpus_dir, tmp_path, "snapshot.enabled=true", "snapshot.every=1", "snapshot.group_size=5", "snapshot.parity=1",
+                 "recovery.max_failures=1", nodes=("n0", "n1", "n2", "n3", "n4"), slots=1, fails={5: (1, ShardKey(1, 1))})
+    rt.fleet = StaleManagers(rt.world, rt.fleet.calls)
+    rt.faults = faults = _RemovingFaults(rt.world, lambda: min(set(rt.world.fleet.alive()) - set(t.group.nodes.values())))
+    history = t.fit(8)
+    assert [h["step"] for h in history][-4:] == [5, 6, 7, 8]
+    gone = faults.removed
+    assert gone is not None and gone not in rt.nodes.alive() and gone not in t.snapshots.managers
+    assert t.budget.total == 1 and t.failures == 1  # the process death alone
+    assert [r["source"] for r in t.recoveries] == ["dp_peer"]
+    assert states(tmp_path).count(("recovering", "recovering")) == 1  # planned once more, without the node

@@ -325,6 +325,56 @@ def test_the_spot_watcher_drains_on_a_notice_so_the_stages_move_first_with_no_ro
     assert {h["step"]: h["loss"] for h in history} == {k: v for k, v in clean_dp1["losses"].items() if k <= len(history)}
 
 
+def test_a_node_removed_while_a_recovery_is_planned_onto_it_is_planned_around_with_no_charge_and_identical_losses(nodes, corpus_dir, tmp_path, clean_dp1):
+    """Stage 0's actor is killed at step 6 (a fault: charged; recovery.max_failures=1 allows no
+    other). The recovery plans to restore it where it was, on its node (its slot and snapshot
+    manager are there); after the plan is made and before it is carried out, that node is
+    removed. The node's loss is planned around at once and charged to nothing: stage 0 comes
+    back from parity on another node, the run goes on with no committed step lost and the
+    losses of the undisturbed run, bit for bit."""
+    events_ = "{step: 6, kill: stage, stage: 0}, {step: 6, kill: node, stage: 0, during: recovery}"
+    t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=1", "recovery.max_failures=1",
+                     "snapshot.every=1", "snapshot.max_lag=1", f"chaos.events=[{events_}]")  # max_lag: a version of step 4 or later is committed by step 6
+    try:
+        t.setup()
+        victim = t.group.nodes[ShardKey(0, 0)]
+        history = t.fit(10)
+    finally:
+        t.shutdown()
+    assert victim not in t.group.nodes.values()
+    assert t.budget.total == 1 and t.committed_steps_lost == 0
+    assert [s for s in (x["new"] for x in events(tmp_path, "state"))].count("recovering") >= 2  # planned again without the node
+    [rec] = [r for r in events(tmp_path, "recovery") if r["stage"] == 0]
+    assert rec["source"] == "parity" and rec["committed_steps_lost"] == 0
+    losses = {h["step"]: h["loss"] for h in history}
+    assert losses == {k: v for k, v in clean_dp1["losses"].items() if k <= 10}
+
+
+def test_a_node_removed_while_a_resize_places_a_replica_on_it_is_charged_to_nothing_and_the_run_stays_bit_identical(nodes, corpus_dir, tmp_path, clean_dp1):
+    """A dp=1 run with room for a second replica grows into it; once the spare joined the width
+    and before its state is copied, the node of its stage 0 is removed. recovery.max_failures=0
+    stops a run at its first charged failure: the node's loss is not one. The broken replica is
+    dropped, there is no room for another, and the run goes on at width 1 with no committed step
+    lost and the losses of the undisturbed width-1 run, bit for bit."""
+    t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=2", "recovery.max_failures=0",
+                     "snapshot.every=1", "chaos.events=[{step: 1, kill: node, stage: 0, during: resize}]")
+    run = Background(t, 10**6)  # stopped below, a few steps after the strike
+    try:
+        wait_until(lambda: events(tmp_path, "chaos") or "error" in run.result, 120, "the grow and its strike")
+        struck = t.step
+        wait_until(lambda: t.step >= struck + 3 or "error" in run.result, 60, "three steps after the strike")
+        t.request_stop()
+        history = run.join()
+    finally:
+        t.shutdown()
+    [chaos] = events(tmp_path, "chaos")
+    assert chaos["during"] == "resize" and chaos["kill"] == "node"
+    assert t.budget.total == 0 and t.failures == 0 and t.committed_steps_lost == 0 and t.group.width == 1
+    assert live_workers() == WORKERS - 1
+    assert len(history) <= CLEAN_STEPS, "the undisturbed run is too short to compare with"
+    assert {h["step"]: h["loss"] for h in history} == {k: v for k, v in clean_dp1["losses"].items() if k <= len(history)}
+
+
 class Busy:
     def node(self):
         return ray.get_runtime_context().get_node_id()

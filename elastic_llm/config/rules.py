@@ -185,6 +185,8 @@ def _validate_chaos(c: RunConfig) -> list[str]:
             p.append(f"{where}.op=allreduce needs parallel.dp >= 2 (one replica has no gradient all-reduce): use forward, backward or update")
         if ev.during == "recovery" and ev.kill not in ("stage", "node", "standby"):
             p.append(f"{where}: during: recovery goes with kill: stage, node or standby, not kill: {ev.kill}")
+        if ev.during == "resize" and ev.kill != "node":
+            p.append(f"{where}: during: resize goes with kill: node (the node of a joining replica's stage), not kill: {ev.kill}")
         if ev.kill == "standby" and c.recovery.standby == 0:
             p.append(f"{where}: kill: standby needs warm standbys: set recovery.standby >= 1 or auto")
         if ev.step < 1:

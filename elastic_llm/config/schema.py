@@ -163,7 +163,7 @@ class ElasticConfig:
 
 ChaosKill = Literal["stage", "node", "smp", "error", "standby"]
 ChaosHow = Literal["ray_kill", "sigkill"]
-ChaosDuring = Literal["step", "recovery"]
+ChaosDuring = Literal["step", "recovery", "resize"]
 ChaosOp = Literal["forward", "backward", "allreduce", "update"]
 CHAOS_KINDS: tuple[str, ...] = typing.get_args(ChaosKill)  # the words a config may use (checked by validate)
 CHAOS_HOW: tuple[str, ...] = typing.get_args(ChaosHow)
@@ -182,7 +182,9 @@ class ChaosEvent:
     # during=recovery: a byte of each of the stage's own background copies, after the plan that may name them
     corrupt: bool = False
     node: int | None = None  # kill=node / smp: the node-th live node with CPUs (by node id), not the one hosting stage/replica
-    during: ChaosDuring = "step"  # step | recovery: after the recovery plan of step `step`'s failure is made, before it is carried out
+    # step | recovery: after the recovery plan of step `step`'s failure is made, before it is carried out | resize: in the
+    # first grow after step `step`, once its spares joined, before their state is copied (kill: node: the joining replica's stage `stage`'s node)
+    during: ChaosDuring = "step"
     op: ChaosOp = "forward"  # kill: stage: strike when the actor starts its first op of this kind in the step (forward | backward | allreduce | update)
 
 

@@ -24,11 +24,13 @@ class Drain:
 
 
 class Outcome(Enum):
-    """What one connection attempt to a node's raylet gave."""
+    """What one connection attempt to a node's raylet gave (or, for ``UNSCHEDULABLE``, what
+    decided a node's death without one)."""
 
     OK = "ok"
     REFUSED = "refused"  # the machine answered: nothing listens there (the raylet process is gone)
     TIMEOUT = "timeout"  # no answer at all (or the network is unreachable)
+    UNSCHEDULABLE = "unschedulable"  # no probe: Ray's scheduler refused to place something pinned to the node (it is gone)
 
 
 @dataclass(frozen=True)
@@ -40,5 +42,7 @@ class NodeDeath:
     suspect_s: float  # seconds from the first of those failed probes to the decision
 
     def reason(self) -> str:
+        if self.outcome is Outcome.UNSCHEDULABLE:
+            return f"elastic-llm: Ray's scheduler refused to place on node {self.node[:12]} ({self.address})"
         what = "refused the connection" if self.outcome is Outcome.REFUSED else f"did not answer {self.failures} probes in a row"
         return f"elastic-llm node watch: the raylet at {self.address} {what}"

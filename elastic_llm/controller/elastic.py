@@ -26,7 +26,7 @@ import enum
 import logging
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from elastic_llm import events
 from elastic_llm.clock import Clock
@@ -264,6 +264,7 @@ class ElasticExecutor:
         self._last_grow_look = float("-inf")
         self.timer = LookTimer()
         self.noticed: set[str] = set()  # draining nodes acted on between steps (notice)
+        self.joined: Callable[[], None] = lambda: None  # called once a grow's spares joined the width, before their state is copied (fault injection's ``resize`` point)
 
     def look(self, seen: set[str] | frozenset[str]) -> tuple[tuple[Drain, ...], int | None]:
         """One cheap look at the cluster at a step boundary: :meth:`observe`, the pure
@@ -357,16 +358,17 @@ class ElasticExecutor:
         if not ready:
             raise CapacityUnavailable(self.group.capacity(replicas=1))
         self._settle_snapshots()
-        self._join(ready, [i % width for i in range(len(ready))])
+        self._join(ready, [i % width for i in range(len(ready))], self.joined)
         return ResizeOutcome(width, self.group.width, self.clock.perf_counter() - t0, "capacity")
 
-    def _join(self, spares: list[Any], sources: list[int]) -> list[int]:
+    def _join(self, spares: list[Any], sources: list[int], joined: Callable[[], None] = lambda: None) -> list[int]:
         """Adopt ``spares`` as the last replicas, each with the state of its replica in
-        ``sources`` (different ones spread the copies' fan-out)."""
+        ``sources`` (different ones spread the copies' fan-out); ``joined`` is called between."""
         new: list[int] = []
         try:
             for spare in spares:
                 new.append(self.group.adopt(spare))
+            joined()
             self.group.copy_stages([(ShardKey(s, src), ShardKey(s, r)) for r, src in zip(new, sources) for s in range(self.group.stages)])
             self.group.set_width()
         except BaseException:

@@ -146,6 +146,7 @@ class Nodes(Protocol):
     def reclaimed(self) -> set[str]: ...  # nodes whose end was a reclaim (announced, or known as one): their failures are not charged to the failure budget
     def suspects(self) -> set[str]: ...  # nodes that stopped answering the driver's probes (nothing new is placed there)
     def sweep(self) -> None: ...  # look once more now (before a recovery observes)
+    def declare_gone(self, nodes: frozenset[str], why: str) -> None: ...  # nodes found gone another way (Ray's scheduler refused them): dead in this run's view from now on
     def deaths(self) -> list[NodeDeath]: ...  # deaths declared since the last call
     def stop(self) -> None: ...
 

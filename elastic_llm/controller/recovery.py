@@ -7,7 +7,8 @@ managers and return a frozen :class:`Observation`. Then :meth:`RecoveryExecutor.
 replace dead managers and lost actors, and restore state from the plan's sources (own copies,
 snapshot managers, parity, data-parallel peers, the neighbours for CheckFree, the predecessor's
 redundant copy, checkpoint files, the durable tier; a survivor the plan says already holds the
-rollback's version restores nothing). Never decides: the plan comes from the pure
+rollback's version restores nothing). A node found gone on the way (Ray's scheduler refuses to
+place a manager there) raises :class:`~elastic_llm.sources.NodeGone` before anything starts. Never decides: the plan comes from the pure
 :class:`~elastic_llm.recovery.policy.RecoveryPolicy`. A failure inside either step propagates;
 the controller observes again and re-plans.
 """
@@ -26,7 +27,7 @@ from elastic_llm.recovery.failure import StepFailure
 from elastic_llm.recovery.policy import LOSSY, Member, Mode, Observation, RecoveryPlan, RollbackFrom, Source
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.records import ShardKey, StageSource
-from elastic_llm.sources import SourceLost
+from elastic_llm.sources import NodeGone, SourceLost
 from elastic_llm.stream import StreamPosition
 
 log = logging.getLogger("elastic_llm.controller")
@@ -173,7 +174,9 @@ class RecoveryExecutor:
             g.drop_replicas(plan.drop_replicas)
         lost = [ShardKey(a.stage, a.replica) for a in plan.actions]
         if self.snapshots is not None:
-            self.snapshots.ensure_managers()
+            refused = self.snapshots.ensure_managers()
+            if refused:  # the plan was made with these nodes alive: made again without them
+                raise NodeGone(refused, "Ray's scheduler refused a snapshot manager there")
         g.place(at_once=True, avoid=frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects()))
         try:
             fetched = {}

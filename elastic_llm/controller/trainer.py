@@ -37,6 +37,7 @@ from elastic_llm.monitor import RunFacts, RunStatus
 from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
 from elastic_llm.recovery.failure import During, FailurePolicy, StepFailure, reclaims_behind
 from elastic_llm.recovery.policy import RecoveryPolicy, SourceLost, UnrecoverableError
+from elastic_llm.sources import NodeGone
 from elastic_llm.spans import Spans
 
 __all__ = ["RunFailed", "RunUnrecoverable", "Trainer", "UNTIL_STOPPED"]
@@ -115,6 +116,7 @@ class Trainer:
             self.parts = open_parts(self.cfg, rt, self.run_id, self.reattach is not None, self.metrics, str(self.data_dir), self.run_facts, spans)
             self.runner = StepRunner(self.cfg, self.clock, self.stream, self.parts, rt.faults, rt.nodes, self.targets, rt.errors)
             self.runner.between = lambda: self.parts.elastic.notice(self.drains_seen)  # type: ignore[union-attr]  # while a step runs: new notices start their spares
+            self.parts.elastic.joined = lambda: rt.faults.fire("resize", self.step, self.targets())
             self.jobs = StepJobs(self.cfg, self.clock, self.metrics, self.parts, rt.faults, rt.nodes, self.val_tokens)
         g = self.parts.group
         with spans.span("stages"):
@@ -266,6 +268,7 @@ class Trainer:
         assert self.jobs is not None
         self.jobs.deaths(self.step)
         spans = self.parts.group.spans
+        alive = self.runtime.nodes.alive()  # a node that goes from now on is the plan's news, not a failure of it
         try:
             with spans.span("plan"):
                 cpu = self.runtime.cpu()
@@ -282,7 +285,12 @@ class Trainer:
         except SourceLost as e:  # a source the plan named was found gone: not a new failure, the run knows more now
             log.warning("recovery of %s: %s; observing again", failure.where, e)
             return after_source_lost(state)
-        except (*self.runtime.errors, StepFailed, PlanNotFollowed) as err:  # type: ignore[misc]  # observed again and re-planned
+        except (*self.runtime.errors, StepFailed, PlanNotFollowed, NodeGone) as err:  # type: ignore[misc]  # observed again and re-planned
+            gone = self._nodes_gone(alive, err)
+            if gone:  # a node the plan counted on went: planned again without it, charged to nothing
+                log.warning("recovery of %s: node(s) %s went while the plan was carried out (%s); planning again without them",
+                            failure.where, ", ".join(sorted(n[:12] for n in gone)), _first_line(err))
+                return after_source_lost(state)
             again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during=During.RECOVERY)
             self.progress = self.progress.charged(again.step, self._reclaims(again))
             return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)
@@ -312,11 +320,28 @@ class Trainer:
             self.recoveries.append(self.metrics.emit(rec))
         self.jobs.mirrors(self.step, force=True)
 
-    def _failed_between_steps(self, err: BaseException, during: During) -> State:
-        """A resize or a drain failed (an actor died meanwhile): recover as for a failed step."""
+    def _failed_between_steps(self, err: BaseException, during: During, alive: set[str]) -> State:
+        """A resize or a drain failed (an actor died meanwhile): recover as for a failed step.
+        Charged to nothing when a node of ``alive`` (as they were when it started) went meanwhile:
+        that node's loss, not a failure of the run's own."""
         failure = StepFailure.from_exception(self.step + 1, err.cause if isinstance(err, StepFailed) else err, during=during)
+        gone = self._nodes_gone(alive, err)
+        if gone:
+            why = f"node(s) {', '.join(sorted(n[:12] for n in gone))} went during the {during}: recovered without charge"
+            return Recovering(failure, 1, why)
         self.progress = self.progress.charged(failure.step, self._reclaims(failure))
         return after_failure(failure, self.budget, self.failure_policy)
+
+    def _nodes_gone(self, alive: set[str], err: BaseException) -> frozenset[str]:
+        """The nodes of ``alive`` (as they were when a recovery, resize or drain started) found
+        gone once it failed with ``err``: those Ray's scheduler refused (:class:`NodeGone`, declared
+        lost now: the refusal is the declaration) and those that died meanwhile. A node the run
+        already knew dead when it started is not among them (a plan that failed on it would loop)."""
+        nodes = self.runtime.nodes
+        if isinstance(err, NodeGone):
+            nodes.declare_gone(err.nodes & alive, err.why)
+        nodes.sweep()
+        return frozenset(alive - nodes.alive())
 
     def _reclaims(self, failure: StepFailure) -> frozenset[str]:
         """The reclaimed nodes that could explain ``failure`` (:func:`reclaims_behind`)."""
@@ -326,13 +351,14 @@ class Trainer:
     def _resize(self, state: Resizing) -> State:
         assert self.parts is not None
         t0 = self.clock.perf_counter()
+        alive = self.runtime.nodes.alive()
         try:
             out = self.parts.elastic.grow(state.to_dp)
         except CapacityUnavailable as e:
             log.info("no room for replica %d after all (%s); staying at %d", state.to_dp, e.capacity, state.from_dp)
             return after_step(self.step, self.end, self.stop_requested)
-        except (*self.runtime.errors, PlanNotFollowed) as err:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
-            return self._failed_between_steps(err, During.RESIZE)
+        except (*self.runtime.errors, PlanNotFollowed, NodeGone) as err:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
+            return self._failed_between_steps(err, During.RESIZE, alive)
         self._new_executor()
         self._resized(out.from_dp, out.to_dp, out.reason, out.seconds, self.parts.group.spans.totals(t0))
         return self._next()
@@ -341,10 +367,11 @@ class Trainer:
         assert self.parts is not None
         nodes = frozenset(d.node_id for d in state.drains)
         now, t0 = self.clock.time(), self.clock.perf_counter()
+        alive = self.runtime.nodes.alive()
         try:
             ev = self.parts.elastic.evacuate(nodes)
-        except (*self.runtime.errors, PlanNotFollowed) as err:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
-            return self._failed_between_steps(err, During.DRAIN)
+        except (*self.runtime.errors, PlanNotFollowed, NodeGone) as err:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
+            return self._failed_between_steps(err, During.DRAIN, alive - nodes)
         spans = self.parts.group.spans.totals(t0)
         self.progress = self.progress.drained(nodes)
         self._new_executor()
@@ -396,3 +423,8 @@ class Trainer:
     def evaluate(self) -> float:
         assert self.jobs is not None and self.executor is not None
         return self.jobs.evaluate(self.executor)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")

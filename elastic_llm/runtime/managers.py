@@ -14,6 +14,7 @@ from typing import Any
 from elastic_llm.snapshot.coordinator import ManagerHandle
 from elastic_llm.snapshot.groups import domain_of
 from elastic_llm.snapshot.manager import SnapshotManager
+from elastic_llm.sources import NodeGone
 
 log = logging.getLogger("elastic_llm.snapshot")
 
@@ -25,9 +26,14 @@ class RayCalls:
         return ray.wait(refs, num_returns=num_returns, timeout=timeout)
 
     def get(self, ref: Any, timeout: float | None = None) -> Any:
+        """Ray's ``get``; a manager that Ray's scheduler refuses to start on its node (the node
+        is gone, whatever Ray's node table says yet) raises :class:`NodeGone`."""
         import ray
 
-        return ray.get(ref, timeout=timeout)
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.ActorUnschedulableError as e:
+            raise NodeGone(frozenset(), f"Ray's scheduler refused a snapshot manager there ({str(e).splitlines()[0]})") from e
 
 
 class RayManagers:

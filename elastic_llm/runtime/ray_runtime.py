@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 from elastic_llm.chaos import Chaos, ChaosExecutor
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
-from elastic_llm.controller.drains import Drain, NodeDeath
+from elastic_llm.controller.drains import Drain, NodeDeath, Outcome
 from elastic_llm.controller.ports import DurableTier, Standbys
 from elastic_llm.monitor import RunStatus, start_monitor
 from elastic_llm.pipeline.executor import RayStepExecutor, StepExecutor
@@ -45,6 +45,8 @@ class RayNodes:
     def __init__(self) -> None:
         self.watch: NodeWatch | None = None
         self.announced: set[str] = set()  # nodes seen draining
+        self.refused: dict[str, str] = {}  # node -> why: nodes Ray's scheduler refused (gone, whatever its node table says yet)
+        self._refusals: list[NodeDeath] = []  # their node_dead lines, not taken yet
 
     def start(self, period_s: float, failures: int, declare: bool) -> None:
         if period_s > 0 and self.watch is None:  # before any actor: a node that dies from now on is noticed
@@ -58,12 +60,23 @@ class RayNodes:
         return {n["NodeID"] for n in ray.nodes() if n["Alive"]} - self.dead()
 
     def dead(self) -> set[str]:
-        return self.watch.dead() if self.watch is not None else set()
+        """Nodes this run knows dead before (or without) Ray's table: judged by the node watch, or refused by Ray's scheduler."""
+        return (self.watch.dead() if self.watch is not None else set()) | set(self.refused)
 
     def with_slots(self) -> list[str]:
         import ray
 
-        return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0)
+        dead = self.dead()
+        return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Resources", {}).get("CPU", 0) > 0 and n["NodeID"] not in dead)
+
+    def declare_gone(self, nodes: frozenset[str], why: str) -> None:
+        """Nodes where Ray's scheduler refused to place something pinned to them: dead in this
+        run's view from now on (nothing is declared to Ray: its scheduler knows already, and a node
+        refused as infeasible is alive for the cluster's other jobs). One ``node_dead`` line each."""
+        for node in sorted(nodes - set(self.refused)):
+            self.refused[node] = why
+            self._refusals.append(NodeDeath(node, "-", Outcome.UNSCHEDULABLE, 1, 0.0))
+            log.warning("node %s counts as lost from now on: %s", node[:12], why)
 
     def draining(self) -> dict[str, Drain]:
         from elastic_llm.runtime.drains import draining_nodes
@@ -85,7 +98,8 @@ class RayNodes:
             self.watch.sweep(refresh=True)
 
     def deaths(self) -> list[NodeDeath]:
-        return self.watch.take() if self.watch is not None else []
+        refusals, self._refusals = self._refusals, []
+        return (self.watch.take() if self.watch is not None else []) + refusals
 
     def stop(self) -> None:
         if self.watch is not None:
@@ -147,7 +161,7 @@ class RayRuntime:
     def standbys(self, cfg: RunConfig, run_id: str) -> Standbys | None:
         from elastic_llm.runtime.standby import StandbyPool
 
-        return StandbyPool(cfg, run_id, NAMESPACE, self.clock) if cfg.recovery.standby != 0 else None
+        return StandbyPool(cfg, run_id, NAMESPACE, self.clock, self.nodes.declare_gone) if cfg.recovery.standby != 0 else None
 
     def group(self, cfg: RunConfig, run_id: str, standbys: Standbys | None) -> ActorGroup:
         return ActorGroup(cfg, run_id, standbys, self.clock)

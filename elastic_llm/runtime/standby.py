@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
@@ -62,8 +62,12 @@ def standby_target(setting: int | str, failures: int, elapsed_s: float, nodes: i
 
 
 class StandbyPool:
-    def __init__(self, cfg: RunConfig, run_id: str, namespace: str, clock: Clock = SYSTEM) -> None:
+    def __init__(self, cfg: RunConfig, run_id: str, namespace: str, clock: Clock = SYSTEM,
+                 on_gone: Callable[[frozenset[str], str], None] | None = None) -> None:
+        """``on_gone``: told of a node where Ray's scheduler refused a standby (the node is gone:
+        the refusal is the declaration)."""
         self.clock = clock
+        self.on_gone = on_gone
         self.cfg = cfg
         self.run_id = run_id
         self.namespace = namespace
@@ -131,11 +135,13 @@ class StandbyPool:
         return Standby(actor, node, name, actor.info.remote(), self.clock.monotonic())
 
     def _forget_dead(self) -> None:
-        """Drop standbys whose process died (their ``info`` call failed) or never started."""
+        """Drop standbys whose process died (their ``info`` call failed) or never started; a node
+        where Ray's scheduler refused one is gone: its standbys are dropped and ``on_gone`` told."""
         import ray
 
         now = self.clock.monotonic()
-        for sbs in self.standbys.values():
+        refused: dict[str, str] = {}
+        for node, sbs in self.standbys.items():
             keep = []
             for sb in sbs:
                 if sb in self._ready:
@@ -147,6 +153,9 @@ class StandbyPool:
                         self._info[sb] = ray.get(sb.ready_ref, timeout=0)
                     except ray.exceptions.RayActorError:
                         continue  # died before it started
+                    except ray.exceptions.ActorUnschedulableError as e:
+                        refused[node] = f"Ray's scheduler refused a warm standby there ({str(e).splitlines()[0]})"
+                        continue
                     self._ready.add(sb)
                     self.start_s.append(now - sb.started)
                     keep.append(sb)
@@ -155,6 +164,11 @@ class StandbyPool:
                 else:
                     keep.append(sb)
             sbs[:] = keep
+        for node, why in refused.items():
+            for sb in self.standbys.pop(node, []):
+                self._kill(sb)
+            if self.on_gone is not None:
+                self.on_gone(frozenset({node}), why)
 
     def ready(self) -> dict[str, int]:
         """Warm standbys per node that have started (no waiting). A standby that died while
@@ -176,7 +190,7 @@ class StandbyPool:
                 sb = self._pings.pop(ref)
                 try:
                     ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError:
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError):
                     if sb in self._ready:
                         self._remove(sb)
                         gone += 1
@@ -232,7 +246,7 @@ class StandbyPool:
         for ref, (name, actor) in asks.items():
             try:
                 info = ray.get(ref, timeout=0)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError, ray.exceptions.GetTimeoutError):
                 self._kill(Standby(actor, "", name, ref, self.clock.monotonic()))
                 continue
             sb = Standby(actor, info.node_id, name, ref, self.clock.monotonic())

@@ -38,12 +38,13 @@ class SimNodes:
 
     def __init__(self, world: World) -> None:
         self.world = world
+        self.gone: set[str] = set()  # nodes declared gone (a refused placement) before the fleet removed them
 
     def alive(self) -> set[str]:
-        return set(self.world.fleet.alive())
+        return set(self.world.fleet.alive()) - self.gone
 
     def with_slots(self) -> list[str]:
-        return sorted(self.world.fleet.alive())
+        return sorted(self.alive())
 
     def draining(self) -> dict[str, Drain]:
         return {n: Drain(n, EPOCH + t) for n, t in self.world.fleet.draining().items()}
@@ -59,6 +60,9 @@ class SimNodes:
 
     def sweep(self) -> None:
         pass
+
+    def declare_gone(self, nodes: frozenset[str], why: str) -> None:
+        self.gone |= nodes
 
     def deaths(self) -> list[NodeDeath]:
         return []  # the fleet's removals fail the steps and calls that involve them

@@ -33,7 +33,9 @@ class SimManagers:
         return dict(self.world.fleet.zones)
 
     def start(self, node: str, name: str, run_id: str, grace_s: float) -> Any:
-        return _RestoringManager(node, self.world)
+        """A manager on ``node``; on a node already gone, one the scheduler refuses (as Ray's
+        does: its answers raise :class:`~elastic_llm.sources.NodeGone`)."""
+        return _RestoringManager(node, self.world, refused=not self.world.fleet.is_alive(node))
 
     def end(self, handle: Any) -> None:
         pass

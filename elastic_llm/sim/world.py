@@ -22,6 +22,7 @@ from typing import Any, Callable
 from elastic_llm.replay.trace import ReplayAction
 from elastic_llm.sim.costs import CostModel
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardInfo, ShardKey
+from elastic_llm.sources import NodeGone
 
 EPOCH = 1.8e9  # what the simulated wall clock (``time()``) reads at simulated second 0
 
@@ -153,6 +154,7 @@ class SimRef:
     node: str
     value: Any = None
     fleet: Fleet | None = None
+    refused: bool = False  # the answer of a manager the scheduler never placed (its node was gone when it was started)
 
     def failed(self) -> bool:
         return self.fleet is not None and self.fleet.removed_by(self.node, self.ready_s)
@@ -203,6 +205,8 @@ class SimCalls:
             if timeout == 0:
                 raise TimeoutError("not ready")
             self.clock.advance(ref.ready_s)
+        if ref.refused:
+            raise NodeGone(frozenset({ref.node}), "the simulated scheduler refused a snapshot manager there")
         if ref.failed():
             node = ref.culprit() if isinstance(ref, SimRelayRef) else ref.node
             raise RuntimeError(f"the snapshot manager on {node} died (its node was removed)")
@@ -242,8 +246,10 @@ class SimManager:
         self.unpin = _Call(lambda version: self._ref(0.0), c)
         self.keepalive = _Call(lambda: self._ref(0.0), c)
 
+    refused: bool = False  # started on a node already gone: every answer is the scheduler's refusal
+
     def _ref(self, delay: float, value: Any = None) -> SimRef:
-        return SimRef(self.world.clock.now + delay, self.node, value, self.world.fleet)
+        return SimRef(self.world.clock.now + delay, self.node, value, self.world.fleet, self.refused)
 
     def _held(self) -> SimRef:
         return self._ref(0.0, tuple(self.versions))

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from elastic_llm.cadence import SnapshotCost
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
-from elastic_llm.sources import Source, SourceLost, UnrecoverableError
+from elastic_llm.sources import NodeGone, Source, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.broadcast import Broadcast
 from elastic_llm.snapshot.exposure import Exposure
 from elastic_llm.snapshot.groups import make_groups
@@ -45,6 +45,7 @@ MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while
 WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
 PING_S = 10.0  # a manager that does not answer within this is slow ...
 SLOW_PING_S = 20.0  # ... and lost if it still has not answered this much later
+START_S = 120.0  # longest new managers may take to answer (a worker process start on a loaded node)
 ATTEMPT_BITS = 40  # a driver's attempts: its epoch << ATTEMPT_BITS, then one more per version begun
 
 
@@ -194,17 +195,32 @@ class SnapshotCoordinator:
         self.unloadable: dict[str, int] = {}  # node -> committed version whose shard there failed to load
 
     # ------------------------------------------------------------------ managers
-    def ensure_managers(self) -> dict[str, ManagerHandle]:
-        """One live SnapshotManager per alive node with CPUs (re-created where one died)."""
-        alive = self.fleet.nodes()
+    def ensure_managers(self) -> frozenset[str]:
+        """One live SnapshotManager per alive node with CPUs (re-created where one died), the
+        nodes the run knows dead (:meth:`note_alive`) left out even while Ray still lists them.
+        A node where Ray's scheduler refuses to start one is gone (the refusal is the
+        declaration): it gets no manager and counts as dead from now on. Returns those nodes
+        (the caller re-plans without them). Waits for every manager's answer, within ``START_S``."""
+        alive = self.fleet.nodes() - self.gone
         for node in self.dead_managers(alive):
             self.managers.pop(node, None)
         for node in sorted(alive - set(self.managers)):
             n = self._incarnations[node] = self._incarnations.get(node, -1) + 1
             name = f"smp-{self.run_id}-{node[:12]}{self.name_tag}" + (f"-{n}" if n else "")  # a SIGKILLed actor's name is released late
             self.managers[node] = self.fleet.start(node, name, self.run_id, self.grace_s)
-        self.calls.get([m.held.remote() for m in self.managers.values()], timeout=120)
-        return self.managers
+        asks = {node: m.held.remote() for node, m in self.managers.items()}
+        self.calls.wait(list(asks.values()), len(asks), START_S)
+        refused: set[str] = set()
+        for node, ref in asks.items():
+            try:
+                self.calls.get(ref, timeout=0)
+            except NodeGone as e:
+                log.warning("no snapshot manager on node %s: %s; the node counts as lost", node[:12], e.why)
+                refused.add(node)
+        for node in refused:
+            del self.managers[node]
+        self.gone |= refused
+        return frozenset(refused)
 
     def dead_managers(self, alive_nodes: set[str] | frozenset[str]) -> frozenset[str]:
         """Nodes whose part of the committed version is gone (see :meth:`lost_parts`)."""
