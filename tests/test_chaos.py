@@ -89,3 +89,23 @@ def test_two_removals_of_one_step_go_one_after_the_other_and_an_error_reaches_th
     with pytest.raises(RuntimeError, match="raylet would not die"):
         ex.settle()
     ex.settle()  # raised once: nothing is left under way
+
+
+def test_a_resize_strike_fires_in_the_first_grow_after_its_step_on_the_joining_replicas_node():
+    """``during: resize`` fires once, at the first ``resize`` point at or after its step (when a
+    grow comes is the cluster's business), and removes the node of the joining (last) replica's stage."""
+    cluster = SlowCluster()
+    cluster.release.set()
+    cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["chaos.events=[{step: 3, kill: node, stage: 1, during: resize}]"])
+    chaos = Chaos(cfg, cluster)
+    chaos.ray_lists_alive = lambda node: node not in cluster.removed
+    lines = []
+    group = SimpleNamespace(width=2, nodes={ShardKey(0, 0): "node-a", ShardKey(1, 0): "node-a", ShardKey(0, 1): "node-a", ShardKey(1, 1): "node-b"})
+    targets = ChaosTargets(group=group, snapshots=None, metrics=SimpleNamespace(emit=lines.append))
+    assert chaos.due("in_step", 3) == [] and chaos.due("recovery", 3) == []
+    chaos.fire("resize", 2, targets)  # a grow before the event's step
+    assert cluster.removed == []
+    chaos.fire("resize", 5, targets)  # the first grow after it
+    assert cluster.removed == ["node-b"] and [(ln.kill, ln.during) for ln in lines] == [("node", "resize")]
+    chaos.fire("resize", 6, targets)  # once
+    assert cluster.removed == ["node-b"]

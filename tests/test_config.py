@@ -42,6 +42,7 @@ def test_paper_shapes():
         ("optimizer.lr=1", "unknown key optimizer: valid keys are name, model, parallel, train, data"),
         ("chaos.events=[{step: 3, kill: stage, node: 1}]", "chaos.events[0].node=1: a node index (>= 0) only goes with kill: node or kill: smp"),
         ("chaos.events=[{step: 3, kill: node, node: -1}]", "chaos.events[0].node=-1: a node index (>= 0)"),
+        ("chaos.events=[{step: 3, kill: stage, during: resize}]", "chaos.events[0]: during: resize goes with kill: node"),
     ],
 )
 def test_bad_values_are_named(override, expected):

@@ -210,3 +210,37 @@ def test_shrink_without_free_cpu_is_decided_at_once(nodes, corpus_dir, tmp_path)
         assert t.group.width == 2 and live_workers() == WORKERS - 1
     finally:
         t.shutdown()
+
+
+def test_a_standby_or_manager_that_rays_scheduler_refuses_declares_its_node_lost(nodes):
+    """Ray's scheduler refuses an actor pinned to a node it no longer has. A run whose view still
+    held the node (Ray's table, or the run's, lagging) starts a warm standby and a snapshot
+    manager there: the standby's refusal declares the node lost in the run's view (a ``node_dead``
+    line with outcome ``unschedulable``, no standby started there again), the manager's raises
+    :class:`NodeGone` for the coordinator to plan around."""
+    from elastic_llm.controller.drains import Outcome
+    from elastic_llm.runtime.managers import RayManagers
+    from elastic_llm.runtime.ray_runtime import RayNodes
+    from elastic_llm.runtime.session import NAMESPACE
+    from elastic_llm.runtime.standby import StandbyPool
+    from elastic_llm.sources import NodeGone
+
+    victim = nodes.worker_nodes[-1].node_id
+    nodes.remove_node(nodes.worker_nodes[-1], allow_graceful=False)
+    wait_until(lambda: live_workers() == WORKERS - 1, 60, "Ray seeing the node dead")
+    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), BASE)
+    view = RayNodes()  # no node watch: nothing else tells it of the node
+    pool = StandbyPool(cfg, "5e1f00", NAMESPACE, on_gone=view.declare_gone)
+    try:
+        assert pool.ensure([victim]) == 1
+        wait_until(lambda: pool.ready() == {} and victim in view.dead(), 60, "the scheduler's refusal of the standby")
+        assert pool.count() == (0, 0) and victim not in view.with_slots() and victim not in view.alive()
+        [death] = view.deaths()
+        assert (death.node, death.outcome) == (victim, Outcome.UNSCHEDULABLE) and view.deaths() == []
+        assert pool.ensure(view.with_slots()) == WORKERS - 1  # the live nodes only
+    finally:
+        pool.shutdown()
+    fleet = RayManagers(NAMESPACE, cfg.snapshot.codec)
+    smp = fleet.start(victim, "smp-5e1f00-refused", "5e1f00", 0.0)
+    with pytest.raises(NodeGone, match="refused a snapshot manager"):
+        fleet.calls.get(smp.held.remote(), timeout=60)

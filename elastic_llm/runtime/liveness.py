@@ -251,6 +251,13 @@ class NodeWatch:
         with self._lock:
             return set(self._declared)
 
+    def known_dead(self, nodes: set[str] | frozenset[str]) -> None:
+        """Nodes the run found dead another way (Ray's scheduler refused them): not probed again,
+        and no death of theirs judged here (it was reported where it was found)."""
+        with self._lock:
+            self._declared |= set(nodes)
+            self._suspects -= set(nodes)
+
     def suspects(self) -> set[str]:
         """Nodes whose last ``failures`` probes or more timed out (never declared to Ray)."""
         with self._lock:

@@ -73,6 +73,8 @@ class RayNodes:
         """Nodes where Ray's scheduler refused to place something pinned to them: dead in this
         run's view from now on (nothing is declared to Ray: its scheduler knows already, and a node
         refused as infeasible is alive for the cluster's other jobs). One ``node_dead`` line each."""
+        if self.watch is not None:
+            self.watch.known_dead(nodes)
         for node in sorted(nodes - set(self.refused)):
             self.refused[node] = why
             self._refusals.append(NodeDeath(node, "-", Outcome.UNSCHEDULABLE, 1, 0.0))

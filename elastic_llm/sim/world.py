@@ -269,7 +269,7 @@ class SimManager:
         """The group's parts started by this manager (members' calls are not the driver's): ready
         when the last is; failed if this node or a member's is gone by then."""
         parts = tuple(handle._snapshot_version(plan) for handle, plan in calls)
-        return SimRelayRef(max(p.ready_s for p in parts), self.node, tuple(p.value for p in parts), self.world.fleet, parts)
+        return SimRelayRef(max(p.ready_s for p in parts), self.node, tuple(p.value for p in parts), self.world.fleet, parts=parts)
 
     def _relay(self, method: str, args: tuple[Any, ...], handles: list["SimManager"]) -> SimRef:
         """``commit`` or ``discard`` passed on to ``handles`` (this one first); the members on
