@@ -225,8 +225,9 @@ def test_a_standby_or_manager_that_rays_scheduler_refuses_declares_its_node_lost
     from elastic_llm.runtime.standby import StandbyPool
     from elastic_llm.sources import NodeGone
 
-    victim = nodes.worker_nodes[-1].node_id
-    nodes.remove_node(nodes.worker_nodes[-1], allow_graceful=False)
+    node = max(nodes.worker_nodes, key=lambda n: n.node_id)
+    victim = node.node_id
+    nodes.remove_node(node, allow_graceful=False)
     wait_until(lambda: live_workers() == WORKERS - 1, 60, "Ray seeing the node dead")
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), BASE)
     view = RayNodes()  # no node watch: nothing else tells it of the node
