@@ -20,7 +20,7 @@ from elastic_llm.controller.trainer import UNTIL_STOPPED, RunFailed, RunUnrecove
 from elastic_llm.pipeline.executor import StepFailed
 from elastic_llm.replay.trace import ReplayAction
 from elastic_llm.sim.costs import load_costs
-from elastic_llm.sim.runtime import SimExecutor, SimRuntime
+from elastic_llm.sim.runtime import SimExecutor, SimNodes, SimRuntime
 from elastic_llm.sim.snapshots import SimManagers
 from elastic_llm.sim.world import Charged, Fleet, SimClock, World
 from elastic_llm.snapshot.records import ShardKey
@@ -333,6 +333,13 @@ class StaleManagers(SimManagers):
         return set(self.world.fleet.nodes)
 
 
+class StaleNodes(SimNodes):
+    """The run's view over that table: a removed node is alive until the run declares it gone."""
+
+    def alive(self):
+        return set(self.world.fleet.nodes) - self.gone
+
+
 def test_a_node_that_goes_while_a_recovery_is_carried_out_is_planned_around_and_charged_to_nothing(corpus_dir, tmp_path):
     """A stage process dies (a fault: charged, and recovery.max_failures=1 allows no second one).
     Between the recovery's plan and its execution a node that holds only a snapshot manager goes;
@@ -341,7 +348,7 @@ def test_a_node_that_goes_while_a_recovery_is_carried_out_is_planned_around_and_
     budget is not charged (before, every attempt re-placed the manager there and was charged)."""
     t, rt = make(corpus_dir, tmp_path, "snapshot.enabled=true", "snapshot.every=1", "snapshot.group_size=5", "snapshot.parity=1",
                  "recovery.max_failures=1", nodes=("n0", "n1", "n2", "n3", "n4"), slots=1, fails={5: (1, ShardKey(1, 1))})
-    rt.fleet = StaleManagers(rt.world, rt.fleet.calls)
+    rt.fleet, rt.nodes = StaleManagers(rt.world, rt.fleet.calls), StaleNodes(rt.world)
     rt.faults = faults = _RemovingFaults(rt.world, lambda: min(set(rt.world.fleet.alive()) - set(t.group.nodes.values())))
     history = t.fit(8)
     assert [h["step"] for h in history][-4:] == [5, 6, 7, 8]

@@ -174,7 +174,7 @@ class RecoveryExecutor:
             g.drop_replicas(plan.drop_replicas)
         lost = [ShardKey(a.stage, a.replica) for a in plan.actions]
         if self.snapshots is not None:
-            refused = self.snapshots.ensure_managers()
+            refused = self.snapshots.ensure_managers(self.nodes.alive())
             if refused:  # the plan was made with these nodes alive: made again without them
                 raise NodeGone(refused, "Ray's scheduler refused a snapshot manager there")
         g.place(at_once=True, avoid=frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects()))

@@ -195,13 +195,16 @@ class SnapshotCoordinator:
         self.unloadable: dict[str, int] = {}  # node -> committed version whose shard there failed to load
 
     # ------------------------------------------------------------------ managers
-    def ensure_managers(self) -> frozenset[str]:
+    def ensure_managers(self, alive_nodes: set[str] | frozenset[str] | None = None) -> frozenset[str]:
         """One live SnapshotManager per alive node with CPUs (re-created where one died), the
-        nodes the run knows dead (:meth:`note_alive`) left out even while Ray still lists them.
-        A node where Ray's scheduler refuses to start one is gone (the refusal is the
+        nodes the run knows dead left out even while the fleet still lists them (those of
+        :meth:`note_alive`, and those not in ``alive_nodes``: the run's view, when the caller has
+        one). A node where Ray's scheduler refuses to start one is gone (the refusal is the
         declaration): it gets no manager and counts as dead from now on. Returns those nodes
         (the caller re-plans without them). Waits for every manager's answer, within ``START_S``."""
         alive = self.fleet.nodes() - self.gone
+        if alive_nodes is not None:
+            alive &= set(alive_nodes)
         for node in self.dead_managers(alive):
             self.managers.pop(node, None)
         for node in sorted(alive - set(self.managers)):
