@@ -357,3 +357,23 @@ def test_a_node_that_goes_while_a_recovery_is_carried_out_is_planned_around_and_
     assert t.budget.total == 1 and t.failures == 1  # the process death alone
     assert [r["source"] for r in t.recoveries] == ["dp_peer"]
     assert states(tmp_path).count(("recovering", "recovering")) == 1  # planned once more, without the node
+
+
+def test_a_spare_on_a_node_the_run_knows_dead_does_not_join_while_the_placement_table_still_lists_it(corpus_dir, tmp_path):
+    """A spare replica has started on two nodes; the run learns one of them is gone (a refusal
+    declared it) while the placement table, lagging, still shows the spare placed and started.
+    No grow adopts it: the run stays at its width and nothing fails (before, the grow copied state
+    onto the dead node's actors, failed, and was charged)."""
+    t, rt = make(corpus_dir, tmp_path, "parallel.dp=1", "elastic.min_replicas=1", "elastic.max_replicas=2", "elastic.grow_check_s=1000000",
+                 "recovery.max_failures=0", nodes=("n0", "n1", "n2", "n3"), slots=1)
+    t.fit(1)  # the first look saw room for one more replica: its spare starts on the two free nodes
+    [spare] = t.group.spares
+    wait_steps = 0
+    while not t.group.spare_ready(spare) and wait_steps < 50:
+        t.fit(t.step + 1)
+        wait_steps += 1
+    assert t.group.spare_ready(spare) and t.group.width == 1
+    gone = min(t.group.spare_nodes(spare))
+    rt.nodes.declare_gone(frozenset({gone}), "test: refused")
+    t.fit(t.step + 5)
+    assert t.group.width == 1 and t.failures == 0 and t.recoveries == [] and gone not in t.group.nodes.values()

@@ -46,6 +46,29 @@ def test_replay_of_the_test_trace_completes_with_no_committed_step_lost(corpus_d
     assert (tmp_path / "replay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+BURST = os.path.join(REPO, "tests", "data", "spot_trace_burst.csv")
+
+
+@pytest.mark.slow  # a 60 s replay
+@pytest.mark.timeout(420)
+def test_a_first_minute_of_bursts_drains_and_removals_loses_no_committed_step(corpus_dir, tmp_path):
+    """The burst trace's first hour at 60x (its first replay minute: 4 nodes of 2 CPUs, nodes
+    drained 2 s before they go, two of them a second apart, refills between) with the settings of
+    the run that died on real Ray in one of its first minutes (tiny's 4 stages of 0.5 CPU, width
+    1-4, a global batch of 48): nodes go while recoveries and resizes place things on them, and
+    the run goes on with no committed step lost."""
+    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [
+        *SMALL, f"data.dir={corpus_dir}", "parallel.cpus_per_actor=0.5", "elastic.min_replicas=1", "elastic.max_replicas=4",
+        "train.batch_size=48", "train.max_steps=1000000"])
+    plan = plan_replay(load_trace(BURST), window=(0.0, 3600.0), time_scale=60, node_scale=0.25, notice_s=2, seed=0)
+    assert [a.kind for a in plan.actions if a.at_s <= 60].count("remove") >= 6  # several drains and removals in its first minute
+    report = Replay(cfg, plan, ReplayOptions(cpus_per_node=2, seed=0, progress=False)).run(tmp_path)
+    assert report["failed"] is None and report["exit_code"] == 0
+    assert report["committed_steps_lost"] == 0 and report["steps"] > 0
+    committed = [p["steps_committed"] for p in json.loads((tmp_path / "replay.json").read_text())["timeline"]]
+    assert committed == sorted(committed)  # no committed step was ever taken back
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "elastic_llm.cli", *args], capture_output=True, text=True, timeout=120)
 

@@ -304,8 +304,11 @@ class ElasticExecutor:
         g, el = self.group, self.cfg.elastic
         draining = self.nodes.draining() if el.drains else {}
         now = self.clock.monotonic()
-        spares = tuple(SpareView(sp, None, frozenset(g.spare_nodes(sp)), g.spare_age(sp), g.spare_ready(sp)) for sp in g.spares)
-        stage_spares = tuple(SpareView(sp, k, frozenset(g.spare_nodes_of(sp)), g.spare_age(sp), g.stage_spare_ready(sp)) for k, sp in g.stage_spares.items())
+        alive = self.nodes.alive() if g.spares or g.stage_spares else set()  # a spare on a node the run knows dead is not ready, whatever Ray's placement table says yet
+        spares = tuple(SpareView(sp, None, frozenset(ns), g.spare_age(sp), g.spare_ready(sp) and ns <= alive)
+                       for sp in g.spares for ns in [g.spare_nodes(sp)])
+        stage_spares = tuple(SpareView(sp, k, frozenset(ns), g.spare_age(sp), g.stage_spare_ready(sp) and ns <= alive)
+                             for k, sp in g.stage_spares.items() for ns in [g.spare_nodes_of(sp)])
         avoid = self.avoid(draining)
         affected = {k.replica for k in g.keys() if g.nodes.get(k) in draining and g.nodes[k] not in seen}
         free = g.free_slots(avoid) if affected else None
@@ -348,11 +351,12 @@ class ElasticExecutor:
 
     def grow(self, to: int | None = None) -> ResizeOutcome:
         """The started spares join at once (at most up to width ``to``), each with the state of
-        a replica of the run (round robin: one round of copies, spread over the sources). Raises :class:`CapacityUnavailable` (and changes
-        nothing) if no spare has started after all."""
+        a replica of the run (round robin: one round of copies, spread over the sources). A spare on
+        a node the run knows dead is left out (Ray re-places it once its table follows). Raises
+        :class:`CapacityUnavailable` (and changes nothing) if no spare has started after all."""
         t0 = self.clock.perf_counter()
-        width = self.group.width
-        ready = [sp for sp in self.group.spares if self.group.spare_ready(sp)]
+        width, alive = self.group.width, self.nodes.alive()
+        ready = [sp for sp in self.group.spares if self.group.spare_ready(sp) and self.group.spare_nodes(sp) <= alive]
         if to is not None:
             ready = ready[: max(1, to - width)]
         if not ready:
@@ -430,4 +434,5 @@ class ElasticExecutor:
         if not keys or any(k not in g.stage_spares for k in keys):
             return None
         spares = [g.stage_spares[k] for k in keys]
-        return spares if all(g.stage_spare_ready(sp) for sp in spares) else None
+        alive = self.nodes.alive()
+        return spares if all(g.stage_spare_ready(sp) and g.spare_nodes_of(sp) <= alive for sp in spares) else None
