@@ -37,6 +37,7 @@ class Source(StrEnum):
     REDUNDANT = "redundant"  # its copy held by the predecessor stage, promoted
     CHECKPOINT = "checkpoint"  # the checkpointing baseline's newest checkpoint
     DURABLE = "durable"  # the run's newest durable checkpoint
+    INITIAL = "initial"  # the run's initial state (step 0, the seed's weights): a new process builds it
 
     @property
     def lossless(self) -> bool:
@@ -63,6 +64,7 @@ class RollbackFrom(StrEnum):
     SNAPSHOT = "snapshot"  # the committed in-memory snapshot version
     CHECKPOINT = "checkpoint"
     DURABLE = "durable"
+    INITIAL = "initial"  # step 0: every actor a new process (or a warm standby adopted), as the run began
 
 
 class UnrecoverableError(RuntimeError):

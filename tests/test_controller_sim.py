@@ -156,7 +156,7 @@ def test_a_source_found_gone_while_a_plan_is_carried_out_re_plans_without_chargi
         return carry_out(plan, obs, step)
 
     recovery.execute = execute
-    recovery.observe = lambda executor, step: observed.append(step) or observe(executor, step)
+    recovery.observe = lambda executor, step, **kw: observed.append(step) or observe(executor, step, **kw)
     history = t.fit(5)
     assert [h["step"] for h in history] == [1, 2, 3, 4, 5]
     assert observed == [3, 3, 3]  # observed again after each
@@ -377,3 +377,19 @@ def test_a_spare_on_a_node_the_run_knows_dead_does_not_join_while_the_placement_
     rt.nodes.declare_gone(frozenset({gone}), "test: refused")
     t.fit(t.step + 5)
     assert t.group.width == 1 and t.failures == 0 and t.recoveries == [] and gone not in t.group.nodes.values()
+
+
+def test_a_stage_and_its_neighbour_lost_before_the_first_commit_go_back_to_the_initial_state(corpus_dir, tmp_path):
+    """A width-1 run loses the node holding both its stages in its first steps, before its first
+    snapshot commits (snapshot.every=50): no copy, no CheckFree (a neighbour is
+    lost too). It began at step 0 and committed nothing since, so everyone goes back to the initial
+    state, on the data's first batch again, and no committed step is lost (this was exit 3)."""
+    t, rt = make(corpus_dir, tmp_path, "snapshot.enabled=true", "snapshot.every=50", "parallel.dp=1", "elastic.max_replicas=1", nodes=("n0", "n1"), slots=2,
+                 actions=[ReplayAction(6.0, "remove", "n0")])
+    history = t.fit(10)
+    assert history[-1]["step"] == 10 and t.committed_steps_lost == 0
+    assert {r["source"] for r in t.recoveries} == {"initial"} and all(r["rollback_steps"] >= 1 for r in t.recoveries)
+    firsts = [e[2] for e in rt.log if e[1] == 1]
+    assert len(firsts) == 2  # step 1 ran twice: at the start and again after going back
+    np.testing.assert_array_equal(firsts[0], firsts[1])  # on the same batch: the data's start
+    assert set(t.group.nodes.values()) == {"n1"}

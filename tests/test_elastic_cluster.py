@@ -375,6 +375,25 @@ def test_a_node_removed_while_a_resize_places_a_replica_on_it_is_charged_to_noth
     assert {h["step"]: h["loss"] for h in history} == {k: v for k, v in clean_dp1["losses"].items() if k <= len(history)}
 
 
+def test_a_stage_lost_before_the_first_commit_sends_the_run_back_to_its_initial_state_bit_for_bit(nodes, corpus_dir, tmp_path, clean_dp1):
+    """No snapshot committed yet (snapshot.every=50) when stage 0 of a width-1 run dies at step
+    3: no copy anywhere, and a first stage cannot be rebuilt from its neighbour without mirrors.
+    The run began at step 0 and committed nothing since, so every actor starts again from the
+    seed's weights on the data's first batch: no committed step lost, and the losses of the
+    undisturbed run, bit for bit (this was exit 3, nothing lossless survives)."""
+    t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=1", "snapshot.every=50",
+                     "chaos.events=[{step: 3, kill: stage, stage: 0}]")
+    try:
+        history = t.fit(8)
+    finally:
+        t.shutdown()
+    assert t.committed_steps_lost == 0
+    assert {(r["stage"], r["source"], r["rollback_steps"]) for r in events(tmp_path, "recovery")} == {(0, "initial", 2)}
+    assert [h["step"] for h in history] == [1, 2, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert {h["step"]: h["loss"] for h in history} == {k: v for k, v in clean_dp1["losses"].items() if k <= 8}
+    assert [h["loss"] for h in history[:2]] == [h["loss"] for h in history[2:4]]
+
+
 class Busy:
     def node(self):
         return ray.get_runtime_context().get_node_id()

@@ -80,6 +80,28 @@ def test_nothing_committed_is_unrecoverable_with_a_reason():
         RecoveryPolicy().decide(obs(pipeline(dead={(0, 0)}), committed=None))
 
 
+@pytest.mark.parametrize("dead, steps", [({(0, 0), (1, 0)}, (3, 3, 3, 3)), ({(1, 0)}, (3, 3, 4, 4))], ids=["neighbours lost", "steps disagree"])
+def test_before_the_first_commit_a_run_that_began_at_step_0_goes_back_to_its_initial_state(dead, steps):
+    """Nothing committed, no CheckFree possible either (a stage and its neighbour lost; or stages
+    that disagree on their step): a run that began at step 0 and has committed nothing since goes
+    back to its initial state, lossless; a run that did not begin there (resumed) cannot."""
+    members = [Member(s, 0, NODES[s], (s, 0) not in dead, None if (s, 0) in dead else steps[s]) for s in range(4)]
+    plan = RecoveryPolicy().decide(replace(obs(members, committed=None), from_start=True))
+    assert plan.rollback_to == 0 and plan.rollback_from == "initial" and "no committed step lost" in plan.reason
+    assert sorted((a.stage, a.source) for a in plan.actions) == [(s, "initial") for s, _ in sorted(dead)]
+    with pytest.raises(UnrecoverableError):
+        RecoveryPolicy().decide(obs(members, committed=None))
+
+
+def test_before_the_first_commit_the_initial_state_goes_before_checkfree_unless_the_run_resumed():
+    """Going back to step 0 is lossless while nothing was committed: it comes before CheckFree
+    (lossy). A run that resumed from a checkpoint did not begin there: CheckFree, as before."""
+    plan = RecoveryPolicy().decide(replace(obs(pipeline(step=3, dead={(1, 0)}), committed=None), from_start=True))
+    assert [(a.stage, a.source) for a in plan.actions] == [(1, "initial")] and plan.rollback_to == 0
+    plan = RecoveryPolicy().decide(obs(pipeline(step=3, dead={(1, 0)}), committed=None))
+    assert [(a.stage, a.source) for a in plan.actions] == [(1, "checkfree")] and plan.rollback_to is None
+
+
 def test_inconsistent_steps_roll_back_even_with_peers():
     members = pipeline(step=5, dp=2, dead={(0, 1)})
     members[1] = Member(1, 0, "n1", True, 6)  # finished its optimizer step, others did not

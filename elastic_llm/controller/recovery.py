@@ -6,7 +6,8 @@ what completed and drop the versions in flight, then look (once) at nodes, actor
 managers and return a frozen :class:`Observation`. Then :meth:`RecoveryExecutor.execute`:
 replace dead managers and lost actors, and restore state from the plan's sources (own copies,
 snapshot managers, parity, data-parallel peers, the neighbours for CheckFree, the predecessor's
-redundant copy, checkpoint files, the durable tier; a survivor the plan says already holds the
+redundant copy, checkpoint files, the durable tier, the run's initial state (every actor a new
+process); a survivor the plan says already holds the
 rollback's version restores nothing). A node found gone on the way (Ray's scheduler refuses to
 place a manager there) raises :class:`~elastic_llm.sources.NodeGone` before anything starts. Never decides: the plan comes from the pure
 :class:`~elastic_llm.recovery.policy.RecoveryPolicy`. A failure inside either step propagates;
@@ -62,6 +63,7 @@ def build_observation(
     bundle_nodes: dict[ShardKey, str | None] | None = None,
     standby_anywhere: bool = True,
     own_copies: frozenset[ShardKey] = frozenset(),
+    from_start: bool = False,
 ) -> Observation:
     """Assemble the policy's input from what was seen (pure)."""
     members = tuple(Member(k.stage, k.replica, nodes.get(k, ""), steps[k] is not None, steps[k]) for k in sorted(steps))
@@ -86,6 +88,7 @@ def build_observation(
         bundle_nodes=tuple(sorted((k, n) for k, n in (bundle_nodes or {}).items() if n is not None and n in alive_nodes)),
         standby_anywhere=standby_anywhere,
         own_copies=own_copies,
+        from_start=from_start,
     )
 
 
@@ -114,8 +117,11 @@ class RecoveryExecutor:
         self.min_width = min_width
         self.options = options
         self.bad_own_copies: set[tuple[ShardKey, int]] = set()  # (survivor, version) whose own copy failed its checksums when a plan named it
+        self.initial_position: StreamPosition | None = None  # where the data stream began (a run that began at step 0): a rollback to the initial state resumes there
 
-    def observe(self, runner: Any, failed_step: int) -> Observation:
+    def observe(self, runner: Any, failed_step: int, from_start: bool = False) -> Observation:
+        """``from_start``: the run began at step 0 and has committed nothing since (going back
+        to its initial state loses nothing committed)."""
         self.nodes.sweep()  # before waiting for the failed step's calls: a dead node's calls then fail at once
         if runner is not None:
             runner.settle()
@@ -152,6 +158,7 @@ class RecoveryExecutor:
             steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, free_at,
             o.mode, o.mirrors, ckpt[0] if ckpt else None, durable[0] if durable else None,
             standbys, self.group.bundle_nodes(lost) if lost else {}, anywhere, self._own_copies(steps),
+            from_start and self.initial_position is not None,
         )
 
     def _own_copies(self, steps: dict[ShardKey, int | None]) -> frozenset[ShardKey]:
@@ -173,6 +180,11 @@ class RecoveryExecutor:
         if plan.drop_replicas:
             g.drop_replicas(plan.drop_replicas)
         lost = [ShardKey(a.stage, a.replica) for a in plan.actions]
+        if plan.rollback_from is RollbackFrom.INITIAL:  # every actor a new process (or an adopted standby): the seed's weights
+            survivors = [k for k in g.keys() if k not in set(lost)]
+            for key in survivors:
+                g.kill(key)
+            lost += survivors
         if self.snapshots is not None:
             refused = self.snapshots.ensure_managers(self.nodes.alive())
             if refused:  # the plan was made with these nodes alive: made again without them
@@ -191,6 +203,9 @@ class RecoveryExecutor:
                     return self._from_checkpoint(plan, step)
                 if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.DURABLE:
                     return self._from_durable(plan, step)
+                if plan.rollback_from is RollbackFrom.INITIAL:
+                    sources = tuple((k, Source.INITIAL) for k in lost)
+                    return RecoveryOutcome(plan, 0, step, sources, 0, self.initial_position)
                 if plan.rollback_to is not None:
                     decoded = g.load_parts(fetched)
                     rec = self.snapshots.committed if self.snapshots else None

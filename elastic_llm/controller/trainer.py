@@ -128,7 +128,10 @@ class Trainer:
         assert self.jobs is not None
         if self.checkpoints is not None and self.checkpoints.latest() is None:
             self.jobs.checkpoint(0, self.stream.at(), force=True)  # a failure before the first periodic one rolls back to the start
-        self._resumed(start_from(self.runtime, self.cfg, self.parts, self.run_id, self.reattach is not None, self.resume_from, self.metrics, spans))
+        at = start_from(self.runtime, self.cfg, self.parts, self.run_id, self.reattach is not None, self.resume_from, self.metrics, spans)
+        self._resumed(at)
+        if at is None and self.step == 0:  # a run that begins at step 0: a rollback to its initial state resumes the data here
+            self.parts.recovery.initial_position = self.stream.at()
         self._new_executor()
         self.jobs.mirrors(self.step, force=True)
         self.metrics.emit(events.Start(
@@ -272,7 +275,7 @@ class Trainer:
         try:
             with spans.span("plan"):
                 cpu = self.runtime.cpu()
-                obs = rec.observe(self.executor, failure.step)
+                obs = rec.observe(self.executor, failure.step, from_start=self.committed_high == 0)
                 plan = self.recovery_policy.decide(obs)
                 self.plan_cpu_s.append(self.runtime.cpu() - cpu)  # the controller's CPU to observe and decide (its calls' waits excluded)
             log.info("recovery plan for %s: %s", failure.where, plan)

@@ -18,7 +18,10 @@ process and state, so the kept replicas need the fewest new actors and copies.
 2. a data-parallel peer of the lost replica is alive: copy its state;
 3. the node is lost, at most m nodes of its erasure group are lost: rebuild from parity;
 4. no in-memory copy survives but a durable checkpoint exists: everyone rolls back to it
-   (lossless to that step; the plan's reason says why the snapshot could not serve);
+   (lossless to that step; the plan's reason says why the snapshot could not serve); no snapshot
+   committed yet in a run that began at step 0 and has committed nothing since: everyone goes
+   back to the initial state (lossless: the seed's weights, the data's start; a failure in a
+   run's first steps, before its first snapshot commits, loses no committed step);
 5. otherwise nothing lossless survives: every lost stage without a peer is rebuilt from its
    neighbours (CheckFree, lossy, no rollback), the plan's reason says why; only when that is
    impossible too (a neighbour lost as well) :class:`UnrecoverableError` names what was lost.
@@ -75,6 +78,7 @@ class Observation:
     bundle_nodes: tuple[tuple[ShardKey, str], ...] = ()  # lost actors whose reservation is placed: (actor, node it is on now)
     standby_anywhere: bool = True  # a standby may take a stage on any node (CPU runs, or standbys holding a GPU); else only where the dead actor's device is
     own_copies: frozenset[ShardKey] = frozenset()  # survivors whose own background copy holds the whole committed version (a run of one replica)
+    from_start: bool = False  # the run began at step 0 from the seed's weights and has committed nothing since: going back there loses nothing committed
 
     @property
     def n_stages(self) -> int:
@@ -413,8 +417,10 @@ class RecoveryPolicy:
             if peers and consistent:
                 actions.append(Action(m.stage, m.replica, Source.DP_PEER, peer=peers[0].replica))
                 continue
+            if snap_problem is not None and obs.durable is not None:
+                return self._durable(obs, snap_problem)
             if snap_problem is not None:
-                return self._durable(obs, snap_problem) if obs.durable is not None else self._last_rung(obs, snap_problem)
+                return self._initial(obs, snap_problem) if obs.from_start and obs.committed is None else self._last_rung(obs, snap_problem)
             need_snapshot = True
             source = Source.PARITY if key in lost_shards or shard_node.get(key) in obs.dead_managers else Source.LOCAL_SMP
             actions.append(Action(m.stage, m.replica, source))
@@ -426,6 +432,8 @@ class RecoveryPolicy:
         if not consistent:
             if snap_problem is not None and obs.durable is not None:
                 return self._durable(obs, f"stages disagree on their step ({sorted(steps)}) and {snap_problem}")
+            if snap_problem is not None and obs.from_start and obs.committed is None:
+                return self._initial(obs, f"stages disagree on their step ({sorted(steps)}) and {snap_problem}")
             if snap_problem is not None:
                 raise UnrecoverableError(f"stages disagree on their step ({sorted(steps)}) and {snap_problem}")
             return RecoveryPlan(tuple(actions), obs.committed, f"stages disagree on their step ({sorted(steps)}): everyone rolls back", lost_shards,
@@ -462,6 +470,15 @@ class RecoveryPolicy:
                 raise UnrecoverableError(f"stage {m.stage} replica {m.replica} is lost, {why}, and it cannot be rebuilt from its neighbours: {rb}")
             actions.append(Action(m.stage, m.replica, rb.source, donors=rb.donors, mirror=rb.mirror))
         return tuple(actions)
+
+    def _initial(self, obs: Observation, why: str) -> RecoveryPlan:
+        """Everyone goes back to the run's initial state (step 0, the seed's weights, the data's
+        start): lossless while nothing was committed since the run began there."""
+        current = max((m.step or 0 for m in obs.members if m.alive), default=0)
+        actions = tuple(Action(m.stage, m.replica, Source.INITIAL) for m in obs.members if not m.alive)
+        reason = (f"no lossless copy survives ({why}), but nothing was committed since the run began: everyone goes back from "
+                  f"step {current} to the initial state (step 0, the seed's weights), no committed step lost")
+        return RecoveryPlan(actions, 0, reason, rollback_from=RollbackFrom.INITIAL)
 
     def _last_rung(self, obs: Observation, snap_problem: str) -> RecoveryPlan:
         actions = self._rebuilds(obs, f"no lossless copy survives ({snap_problem})")
