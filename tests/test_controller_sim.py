@@ -393,3 +393,17 @@ def test_a_stage_and_its_neighbour_lost_before_the_first_commit_go_back_to_the_i
     assert len(firsts) == 2  # step 1 ran twice: at the start and again after going back
     np.testing.assert_array_equal(firsts[0], firsts[1])  # on the same batch: the data's start
     assert set(t.group.nodes.values()) == {"n1"}
+
+
+def test_spare_replicas_started_to_grow_give_their_slots_to_a_recovery_that_needs_them(corpus_dir, tmp_path):
+    """Replica 0 fills n0; a spare replica, started to grow into n1, holds n1's slots. n0 goes:
+    its stages need two slots and only the spare's exist. The recovery releases the spare and
+    restores replica 0 there (it waited for capacity until recovery.capacity_timeout_s and failed)."""
+    t, rt = make(corpus_dir, tmp_path, "snapshot.enabled=true", "snapshot.every=1", "snapshot.group_size=2", "snapshot.parity=1",
+                 "parallel.dp=1", "elastic.min_replicas=1", "elastic.max_replicas=2", "elastic.grow_check_s=1000000",
+                 nodes=("n0", "n1"), slots=2, actions=[ReplayAction(5.5, "remove", "n0")])
+    history = t.fit(12)
+    assert history[-1]["step"] == 12 and t.committed_steps_lost == 0
+    assert t.group.width == 1 and set(t.group.nodes.values()) == {"n1"}
+    assert {r["source"] for r in t.recoveries} == {"parity"}
+    assert ("recovering", "waiting_for_capacity") not in states(tmp_path)

@@ -4,7 +4,8 @@ Owns: the order of a recovery's side effects. First :meth:`RecoveryExecutor.obse
 failed step's calls finish, reset the survivors (their pending snapshot calls give up), commit
 what completed and drop the versions in flight, then look (once) at nodes, actors and snapshot
 managers and return a frozen :class:`Observation`. Then :meth:`RecoveryExecutor.execute`:
-replace dead managers and lost actors, and restore state from the plan's sources (own copies,
+release the spare replicas started for growth when lost actors need their slots, replace dead
+managers and lost actors, and restore state from the plan's sources (own copies,
 snapshot managers, parity, data-parallel peers, the neighbours for CheckFree, the predecessor's
 redundant copy, checkpoint files, the durable tier, the run's initial state (every actor a new
 process); a survivor the plan says already holds the
@@ -185,6 +186,12 @@ class RecoveryExecutor:
             for key in survivors:
                 g.kill(key)
             lost += survivors
+        if g.spares and any(where.get(k) is None for where in [g.bundle_nodes(lost)] for k in lost):
+            # the run's own width comes first: replicas started for growth give their slots up (the
+            # elastic look starts them again once there is room left)
+            log.info("recovery: %d spare replica(s) started to grow give their slots to the lost actors", len(g.spares))
+            for spare in list(g.spares):
+                g.cancel(spare)
         if self.snapshots is not None:
             refused = self.snapshots.ensure_managers(self.nodes.alive())
             if refused:  # the plan was made with these nodes alive: made again without them
