@@ -184,3 +184,34 @@ def test_auto_at_an_interval_that_leaves_no_step_clean_leaves_one_clean_to_keep_
     assert coord.costs.since_clean == 0 and coord.costs.clean_s.value == 0.9 and coord.due(103)
     fixed = SnapshotCoordinator(load_config(f"{REPO}/jobs/tiny.yaml", ["snapshot.every=1"]), _NoFleet(), "fixed", SimClock())
     assert not fixed.auto and fixed.costs is None and fixed.every == 1
+
+
+def test_a_member_lost_from_the_committed_version_re_protects_it_with_the_next_step_and_counts_against_a_later_notice():
+    """A recovery finds node a gone (its part is rebuilt from parity): the committed version runs
+    on spent parity in a's group, so the next step takes a version at once; until one commits, a
+    single draining member of that group (b) is beyond parity too. A version without a commits:
+    done, back to the cadence."""
+    from elastic_llm.config import load_config
+    from elastic_llm.sim.world import SimClock
+    from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+    from elastic_llm.snapshot.records import VersionRecord
+
+    from .conftest import REPO
+
+    cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["model.n_layers=6", "parallel.stages=6", "snapshot.parity=1", "snapshot.group_size=3", "snapshot.every=50"])
+    coord = SnapshotCoordinator(cfg, _NoFleet(), "degraded", SimClock())
+    nodes = ["a", "b", "c", "d", "e", "f"]
+    coord.managers = {n: object() for n in nodes}
+    coord.committed = VersionRecord(50, (("a", "b", "c"), ("d", "e", "f")), tuple(_shard(i, n, 50) for i, n in enumerate(nodes)))
+    coord.last_begin = 50
+    assert not coord.due(51)
+    coord.note_alive(set(nodes) - {"g"})  # nothing of the version gone
+    assert not coord.due(51)
+    coord.note_alive(set(nodes) - {"a"})
+    assert coord.due(51) and coord.exposure.pending.nodes == {"a"}
+    coord.avoid = frozenset({"b"})  # one more of a's group: beyond parity with a gone
+    assert coord.exposure.pending.nodes == {"a", "b"}
+    coord.exposure.committed(VersionRecord(51, (("b", "c", "d"), ("e", "f")), ()), frozenset({"b"}))
+    assert coord.exposure.pending is None and coord.exposure.lost == frozenset() and not coord.due(52)
+    [done] = coord.reprotections
+    assert done["version"] == 51 and done["nodes"] == ["a", "b"] and done["in_time"]

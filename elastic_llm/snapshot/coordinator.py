@@ -490,6 +490,7 @@ class SnapshotCoordinator:
         """The managers on nodes not in ``alive_nodes`` are dead (the run judged their node dead,
         perhaps before Ray did): no commit or discard goes to them, none is waited for."""
         self.gone |= {n for n in self.managers if n not in alive_nodes}
+        self.exposure.degraded(frozenset(self.gone), self.committed, self.last_begin)
 
     def _drain_dropped(self) -> None:
         """Collect the answers of dropped versions' calls (their failure was already acted on:

@@ -1,8 +1,10 @@
-"""Re-protection of the committed snapshot against draining nodes (a burst of notices).
+"""Re-protection of the committed snapshot against draining nodes (a burst of notices) and after
+members of its groups were lost.
 
-Owns: the draining nodes the snapshots avoid, whether the committed version would lose more
-members of one erasure group with them than its parity covers (then the coordinator begins a
-version at once, whose groups spread them), and what came of it: each re-protection with its
+Owns: the draining nodes the snapshots avoid, the committed version's members already gone,
+whether the committed version would lose more members of one erasure group with the draining
+ones than its parity covers, or has lost some already (then the coordinator begins a version at
+once, whose groups spread the draining nodes and leave the gone ones out), and what came of it: each re-protection with its
 time since the notice, the draining nodes' shard bytes it covers and whether it committed before
 they went (``in_time``; nodes that went first are recorded ``in_time: False`` with the bytes they
 took from the committed version). Pure bookkeeping over the coordinator's records and clock.
@@ -32,6 +34,7 @@ class Exposure:
     def __init__(self, parity: int, clock: Clock) -> None:
         self.parity, self.clock = parity, clock
         self.draining: frozenset[str] = frozenset()
+        self.lost: frozenset[str] = frozenset()  # members of the committed version's groups already gone (its parity partly spent)
         self.pending: Pending | None = None
         self.done: list[dict[str, Any]] = []  # re-protections (and nodes that went first), for the run's metrics: the caller clears it
 
@@ -52,20 +55,36 @@ class Exposure:
             log.warning("draining nodes %s went %.1f s after their notice, before a snapshot without them committed (%.1f MB of "
                         "their shards in step %d's)", [n[:12] for n in sorted(late)], now - p.since, nbytes / 1e6, version)
             p = self.pending = replace(p, nodes=p.nodes - late) if p.nodes - late else None
-        if new and committed is not None and exposed(committed.groups, nodes, self.parity):
-            held = frozenset(n for g in committed.groups if sum(1 for m in g if m in nodes) > self.parity for n in g if n in nodes)
+        at_risk = nodes | self.lost  # a group that already lost a member has that much less parity for the draining ones
+        if new and committed is not None and exposed(committed.groups, at_risk, self.parity):
+            held = frozenset(n for g in committed.groups if sum(1 for m in g if m in at_risk) > self.parity for n in g if n in nodes)
             self.pending = Pending(p.since if p is not None else now, held | (p.nodes if p is not None else frozenset()), last_begin)
             log.info("draining nodes %s are more of their erasure groups in snapshot %d than parity covers: re-protecting it with the next step",
                      [n[:12] for n in sorted(held)], committed.version)
+
+    def degraded(self, gone: frozenset[str], committed: VersionRecord | None, last_begin: int) -> None:
+        """Members of the committed version's groups are gone (a recovery rebuilt or will rebuild
+        their parts from parity): until a version without them commits, one more loss in such a
+        group may be beyond parity, so the next step takes one, whatever the cadence."""
+        if committed is None:
+            return
+        new = frozenset(n for g in committed.groups for n in g if n in gone) - self.lost
+        if not new:
+            return
+        self.lost |= new
+        p = self.pending
+        self.pending = Pending(p.since if p is not None else self.clock.perf_counter(), (p.nodes if p is not None else frozenset()) | new, last_begin)
+        log.info("nodes %s of snapshot %d's erasure groups are gone: re-protecting it with the next step", [n[:12] for n in sorted(new)], committed.version)
 
     def committed(self, record: VersionRecord, avoided: frozenset[str]) -> None:
         """``record`` committed, its groups made avoiding ``avoided``: if it no longer depends on
         the draining nodes beyond parity, the re-protection is done; if it does only through
         nodes noticed after it began, the next version tries again."""
+        self.lost = frozenset(n for g in record.groups for n in g if n in self.lost)  # a version made without them no longer depends on them
         p = self.pending
         if p is None or record.version <= p.after:
             return
-        if exposed(record.groups, self.draining, self.parity):
+        if exposed(record.groups, self.draining | self.lost, self.parity):
             if not exposed(record.groups, self.draining & avoided, self.parity):
                 self.pending = replace(p, after=record.version)
                 return
