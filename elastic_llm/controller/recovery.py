@@ -182,11 +182,12 @@ class RecoveryExecutor:
             g.drop_replicas(plan.drop_replicas)
         lost = [ShardKey(a.stage, a.replica) for a in plan.actions]
         if plan.rollback_from is RollbackFrom.INITIAL:  # every actor a new process (or an adopted standby): the seed's weights
-            survivors = [k for k in g.keys() if k not in set(lost)]
+            survivors = sorted(set(g.keys()) - set(lost))
             for key in survivors:
                 g.kill(key)
             lost += survivors
-        if g.spares and any(where.get(k) is None for where in [g.bundle_nodes(lost)] for k in lost):
+        where = g.bundle_nodes(lost) if g.spares else {}
+        if g.spares and any(where.get(k) is None for k in lost):
             # the run's own width comes first: replicas started for growth give their slots up (the
             # elastic look starts them again once there is room left)
             log.info("recovery: %d spare replica(s) started to grow give their slots to the lost actors", len(g.spares))
