@@ -292,6 +292,22 @@ class RecoveryExecutor:
         return {k: {"state_bytes": int(n), "transfer_s": float(t)} for k, (n, t) in got.items()}
 
 
+def gone_since(nodes: Nodes, alive: set[str], err: BaseException, what: str) -> frozenset[str]:
+    """The nodes of ``alive`` (as they were when a recovery, resize or drain started) found gone
+    once it failed with ``err``: those Ray's scheduler refused (:class:`NodeGone`, declared lost
+    now: the refusal is the declaration) and those that died meanwhile; logged with ``what``
+    failed. Their loss is the plan's news, not a failure of the run's own. A node the run already
+    knew dead when the work started is not among them (a plan that failed on it would loop)."""
+    if isinstance(err, NodeGone):
+        nodes.declare_gone(err.nodes & alive, err.why)
+    nodes.sweep()
+    gone = frozenset(alive - nodes.alive())
+    if gone:
+        log.warning("%s: node(s) %s went meanwhile (%s); planning again without them, charged to nothing",
+                    what, ", ".join(sorted(n[:12] for n in gone)), StepFailure.from_exception(0, err).error)
+    return gone
+
+
 def recovery_records(outcome: RecoveryOutcome, failure: StepFailure, seconds: float, committed_lost: int = 0,
                      spans: dict[str, float] | None = None) -> list[events.Recovery]:
     """The metrics lines of a finished recovery: one per restored actor (one with source

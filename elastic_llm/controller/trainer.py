@@ -24,7 +24,7 @@ from elastic_llm.controller.metrics import MetricsWriter
 from elastic_llm.controller.ports import CapacityUnavailable, FaultTargets, PlanNotFollowed, Runtime
 from elastic_llm.controller.elastic import drain_records, spare_nodes
 from elastic_llm.controller.progress import ProgressBar
-from elastic_llm.controller.recovery import RecoveryOutcome, recovery_records
+from elastic_llm.controller.recovery import RecoveryOutcome, gone_since, recovery_records
 from elastic_llm.controller.setup import Resumed, RunParts, close_parts, committed_step, open_parts, prepare, publish_roster, start_from, take_over
 from elastic_llm.controller.stepping import StepJobs, StepRunner
 from elastic_llm.controller.ticks import Requests, Ticks
@@ -128,10 +128,7 @@ class Trainer:
         assert self.jobs is not None
         if self.checkpoints is not None and self.checkpoints.latest() is None:
             self.jobs.checkpoint(0, self.stream.at(), force=True)  # a failure before the first periodic one rolls back to the start
-        at = start_from(self.runtime, self.cfg, self.parts, self.run_id, self.reattach is not None, self.resume_from, self.metrics, spans)
-        self._resumed(at)
-        if at is None and self.step == 0:  # a run that begins at step 0: a rollback to its initial state resumes the data here
-            self.parts.recovery.initial_position = self.stream.at()
+        self._resumed(start_from(self.runtime, self.cfg, self.parts, self.run_id, self.reattach is not None, self.resume_from, self.metrics, spans))
         self._new_executor()
         self.jobs.mirrors(self.step, force=True)
         self.metrics.emit(events.Start(
@@ -145,6 +142,8 @@ class Trainer:
             self.progress = self.progress.resumed(at.step)
             if at.position:
                 self.stream.seek(at.position)
+        elif self.step == 0 and self.parts is not None:  # a run that begins at step 0: a rollback to its initial state resumes the data here
+            self.parts.recovery.initial_position = self.stream.at()
         self.reattach = self.resume_from = None
 
     def _new_executor(self) -> None:
@@ -187,8 +186,7 @@ class Trainer:
         """Train until ``max_steps`` (default ``train.max_steps``) through the controller's
         states; return the per-step records (after a rollback, replayed steps appear again).
         Raises :class:`RunFailed` (exit code 4, or 3 when nothing lossless survived)."""
-        self.end = max_steps if max_steps is not None else self.cfg.train.max_steps
-        self.on_step = on_step
+        self.end, self.on_step = max_steps if max_steps is not None else self.cfg.train.max_steps, on_step
         self.state = Starting() if self.executor is None else self._next()
         self.bar.open(self.end if self.end < UNTIL_STOPPED else None, self.step)  # the clock (elapsed_s) starts at the first step, not at setup
         handlers: dict[type, Callable[[Any], State]] = {
@@ -265,13 +263,10 @@ class Trainer:
         return self._next()
 
     def _recover(self, state: Recovering) -> State:
-        assert self.parts is not None
-        failure, rec = state.failure, self.parts.recovery
-        t0 = self.clock.perf_counter()
-        assert self.jobs is not None
+        assert self.parts is not None and self.jobs is not None
+        failure, rec, t0 = state.failure, self.parts.recovery, self.clock.perf_counter()
         self.jobs.deaths(self.step)
-        spans = self.parts.group.spans
-        alive = self.runtime.nodes.alive()  # a node that goes from now on is the plan's news, not a failure of it
+        spans, alive = self.parts.group.spans, self.runtime.nodes.alive()  # a node that goes from now on is the plan's news, not a failure of it
         try:
             with spans.span("plan"):
                 cpu = self.runtime.cpu()
@@ -289,14 +284,7 @@ class Trainer:
             log.warning("recovery of %s: %s; observing again", failure.where, e)
             return after_source_lost(state)
         except (*self.runtime.errors, StepFailed, PlanNotFollowed, NodeGone) as err:  # type: ignore[misc]  # observed again and re-planned
-            gone = self._nodes_gone(alive, err)
-            if gone:  # a node the plan counted on went: planned again without it, charged to nothing
-                log.warning("recovery of %s: node(s) %s went while the plan was carried out (%s); planning again without them",
-                            failure.where, ", ".join(sorted(n[:12] for n in gone)), _first_line(err))
-                return after_source_lost(state)
-            again = StepFailure.from_exception(failure.step, err.cause if isinstance(err, StepFailed) else err, during=During.RECOVERY)
-            self.progress = self.progress.charged(again.step, self._reclaims(again))
-            return after_failure(again, self.budget, self.failure_policy, state.attempt + 1)
+            return self._failed_work(err, During.RECOVERY, alive, state)
         self._apply(outcome, failure, self.clock.perf_counter() - t0, spans.totals(t0))
         return self._next()
 
@@ -323,28 +311,14 @@ class Trainer:
             self.recoveries.append(self.metrics.emit(rec))
         self.jobs.mirrors(self.step, force=True)
 
-    def _failed_between_steps(self, err: BaseException, during: During, alive: set[str]) -> State:
-        """A resize or a drain failed (an actor died meanwhile): recover as for a failed step.
-        Charged to nothing when a node of ``alive`` (as they were when it started) went meanwhile:
-        that node's loss, not a failure of the run's own."""
-        failure = StepFailure.from_exception(self.step + 1, err.cause if isinstance(err, StepFailed) else err, during=during)
-        gone = self._nodes_gone(alive, err)
-        if gone:
-            why = f"node(s) {', '.join(sorted(n[:12] for n in gone))} went during the {during}: recovered without charge"
-            return Recovering(failure, 1, why)
+    def _failed_work(self, err: BaseException, during: During, alive: set[str], recovering: Recovering | None = None) -> State:
+        """A recovery (``recovering``), resize or drain failed (an actor died meanwhile): observed again and
+        re-planned; charged to nothing when a node of ``alive`` (as they were when it started) went meanwhile."""
+        failure = StepFailure.from_exception(recovering.failure.step if recovering else self.step + 1, err.cause if isinstance(err, StepFailed) else err, during=during)
+        if gone_since(self.runtime.nodes, alive, err, f"the {during} of step {failure.step}"):
+            return after_source_lost(recovering) if recovering is not None else Recovering(failure, 1, "a node it placed things on went: not charged")
         self.progress = self.progress.charged(failure.step, self._reclaims(failure))
-        return after_failure(failure, self.budget, self.failure_policy)
-
-    def _nodes_gone(self, alive: set[str], err: BaseException) -> frozenset[str]:
-        """The nodes of ``alive`` (as they were when a recovery, resize or drain started) found
-        gone once it failed with ``err``: those Ray's scheduler refused (:class:`NodeGone`, declared
-        lost now: the refusal is the declaration) and those that died meanwhile. A node the run
-        already knew dead when it started is not among them (a plan that failed on it would loop)."""
-        nodes = self.runtime.nodes
-        if isinstance(err, NodeGone):
-            nodes.declare_gone(err.nodes & alive, err.why)
-        nodes.sweep()
-        return frozenset(alive - nodes.alive())
+        return after_failure(failure, self.budget, self.failure_policy, recovering.attempt + 1 if recovering is not None else 1)
 
     def _reclaims(self, failure: StepFailure) -> frozenset[str]:
         """The reclaimed nodes that could explain ``failure`` (:func:`reclaims_behind`)."""
@@ -353,15 +327,14 @@ class Trainer:
 
     def _resize(self, state: Resizing) -> State:
         assert self.parts is not None
-        t0 = self.clock.perf_counter()
-        alive = self.runtime.nodes.alive()
+        t0, alive = self.clock.perf_counter(), self.runtime.nodes.alive()
         try:
             out = self.parts.elastic.grow(state.to_dp)
         except CapacityUnavailable as e:
             log.info("no room for replica %d after all (%s); staying at %d", state.to_dp, e.capacity, state.from_dp)
             return after_step(self.step, self.end, self.stop_requested)
         except (*self.runtime.errors, PlanNotFollowed, NodeGone) as err:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
-            return self._failed_between_steps(err, During.RESIZE, alive)
+            return self._failed_work(err, During.RESIZE, alive)
         self._new_executor()
         self._resized(out.from_dp, out.to_dp, out.reason, out.seconds, self.parts.group.spans.totals(t0))
         return self._next()
@@ -369,12 +342,11 @@ class Trainer:
     def _drain(self, state: Draining) -> State:
         assert self.parts is not None
         nodes = frozenset(d.node_id for d in state.drains)
-        now, t0 = self.clock.time(), self.clock.perf_counter()
-        alive = self.runtime.nodes.alive()
+        now, t0, alive = self.clock.time(), self.clock.perf_counter(), self.runtime.nodes.alive()
         try:
             ev = self.parts.elastic.evacuate(nodes)
         except (*self.runtime.errors, PlanNotFollowed, NodeGone) as err:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
-            return self._failed_between_steps(err, During.DRAIN, alive - nodes)
+            return self._failed_work(err, During.DRAIN, alive - nodes)
         spans = self.parts.group.spans.totals(t0)
         self.progress = self.progress.drained(nodes)
         self._new_executor()
@@ -426,8 +398,3 @@ class Trainer:
     def evaluate(self) -> float:
         assert self.jobs is not None and self.executor is not None
         return self.jobs.evaluate(self.executor)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
