@@ -375,6 +375,7 @@ def test_a_node_removed_while_a_resize_places_a_replica_on_it_is_charged_to_noth
     assert {h["step"]: h["loss"] for h in history} == {k: v for k, v in clean_dp1["losses"].items() if k <= len(history)}
 
 
+@pytest.mark.slow  # 25 s; the rung's logic is tested without Ray (test_controller_sim, test_policy)
 def test_a_stage_lost_before_the_first_commit_sends_the_run_back_to_its_initial_state_bit_for_bit(nodes, corpus_dir, tmp_path, clean_dp1):
     """No snapshot committed yet (snapshot.every=50) when stage 0 of a width-1 run dies at step
     3: no copy anywhere, and a first stage cannot be rebuilt from its neighbour without mirrors.
