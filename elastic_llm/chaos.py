@@ -3,8 +3,8 @@
 Owns: when each event fires and how it strikes (``ray.kill`` or SIGKILL of a stage, killing or
 corrupting a snapshot manager, corrupting a stage's own background copies, removing a node of a
 test cluster, making a stage raise an application error on every step). The controller calls
-:meth:`Chaos.fire` at two points, ``before_step`` (errors) and ``recovery`` (kills after a recovery plan was made, before it is
-carried out). Kills *during* a step come from :class:`ChaosExecutor`, which wraps the real step
+:meth:`Chaos.fire` at its points: ``before_step`` (errors), ``recovery`` (kills after a recovery plan was made, before it is
+carried out), ``recovered`` (kills once a recovery is over, its re-protection included, before the next step) and ``resize``. Kills *during* a step come from :class:`ChaosExecutor`, which wraps the real step
 executor and keeps chaos out of its hot path: a stage kill rides in the victim's plan as a
 :class:`~elastic_llm.pipeline.plan.Fault` (the actor strikes itself when it starts its first op of
 the event's ``op`` kind, so kills land at a chosen point reproducibly); a node removal holds the
@@ -35,7 +35,7 @@ from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.stream import StreamPosition
 
-POINTS = ("before_step", "recovery", "resize")
+POINTS = ("before_step", "recovery", "recovered", "resize")
 NODE_GONE_S = 60.0  # how long a node removal waits for Ray to see the node dead
 CALIBRATION_STEPS = 3  # steps timed (after the first) before failure_rate_per_hour becomes a per-step probability
 
@@ -124,7 +124,7 @@ class Chaos:
         return self.prob
 
     def _point(self, ev: ChaosEvent) -> str:
-        if ev.during in ("recovery", "resize"):
+        if ev.during in ("recovery", "recovered", "resize"):
             return ev.during
         return "before_step" if ev.kill in ("error", "standby") else "in_step"
 
@@ -144,7 +144,7 @@ class Chaos:
         return out
 
     def fire(self, point: str, step: int, t: ChaosTargets) -> None:
-        """Fire the events due at ``point`` of ``step`` (``before_step`` or ``recovery``)."""
+        """Fire the events due at ``point`` of ``step`` (one of :data:`POINTS`)."""
         assert point in POINTS, point
         for ev in self.due(point, step):
             self.strike(ev, step, t)
@@ -259,6 +259,9 @@ class ChaosExecutor:
     def settle(self) -> None:
         self.chaos.join_removals()  # the recovery observes a cluster whose node is gone, as Ray sees it
         self.inner.settle()
+
+    def snapshot(self, step: int, position: StreamPosition) -> None:
+        self.inner.snapshot(step, position)
 
     def eval_loss(self, x: Any, y: Any) -> float:
         return self.inner.eval_loss(x, y)

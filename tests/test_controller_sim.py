@@ -407,3 +407,44 @@ def test_spare_replicas_started_to_grow_give_their_slots_to_a_recovery_that_need
     assert t.group.width == 1 and set(t.group.nodes.values()) == {"n1"}
     assert {r["source"] for r in t.recoveries} == {"parity"}
     assert ("recovering", "waiting_for_capacity") not in states(tmp_path)
+
+
+class _Removals:
+    """Fault injection simulated: at each (point, step) of ``plan`` the node its pick names goes at once."""
+
+    def __init__(self, world, plan) -> None:
+        self.world, self.plan, self.removed = world, dict(plan), []
+
+    def fire(self, point, step, targets):
+        pick = self.plan.pop((point, step), None)
+        if pick is not None:
+            fleet, node = self.world.fleet, pick()
+            fleet.nodes[node].removed_s = fleet.removal_of[node] = fleet.clock.now
+            fleet._alive = None
+            self.removed.append(node)
+
+    def observe_step(self, step, seconds, width):
+        return None
+
+    def wrap(self, executor, targets):
+        return executor
+
+
+def test_a_member_lost_right_after_a_parity_rebuild_is_covered_by_the_version_taken_again_between_steps(corpus_dir, tmp_path):
+    """Stage 1's node goes in step 7: stage 1 is rebuilt from step 5's parity (group of all 5
+    nodes, parity 1) and everyone goes back to step 5. That version has spent its parity, so it is
+    taken again at once, between steps, on the 4 nodes left. Stage 0's node goes right after the
+    recovery, before any step: step 5's version, re-taken, covers it (one member of a 4-node
+    group), so stage 0 is rebuilt from parity too and no committed step is lost. Without the
+    re-take, both nodes were of one group of the only version: nothing lossless survived (exit 3)."""
+    t, rt = make(corpus_dir, tmp_path, "snapshot.enabled=true", "snapshot.every=5", "snapshot.group_size=5", "snapshot.parity=1",
+                 "parallel.dp=1", "elastic.max_replicas=1", nodes=("n0", "n1", "n2", "n3", "n4"), slots=1)
+    rt.faults = faults = _Removals(rt.world, {("before_step", 7): lambda: t.group.nodes[ShardKey(1, 0)],
+                                              ("recovered", 7): lambda: t.group.nodes[ShardKey(0, 0)]})
+    history = t.fit(10)
+    assert len(faults.removed) == 2 and history[-1]["step"] == 10 and t.committed_steps_lost == 0
+    assert [(r["stage"], r["source"]) for r in t.recoveries] == [(1, "parity"), (0, "parity")]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    reprotects = [x for x in lines if x.get("event") == "reprotect"]
+    assert [(x["version"], x["nodes"], x["in_time"]) for x in reprotects[:2]] == [(5, [faults.removed[0]], True), (5, [faults.removed[1]], True)]
+    assert not set(faults.removed) & {n for g in t.snapshots.committed.groups for n in g}

@@ -108,6 +108,66 @@ def test_manager_keeps_a_shard_after_the_sending_stage_is_sigkilled(nodes):
     ray.kill(smp)
 
 
+def test_a_committed_version_taken_again_is_served_until_the_new_attempt_commits_and_comes_back_if_it_is_discarded(nodes):
+    """A re-protection takes the committed step's version again (a newer attempt at it). Until
+    that attempt commits, reads get the committed bytes; discarding the attempt brings them back;
+    once an attempt commits, its bytes are served."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from elastic_llm.snapshot.erasure import checksum
+    from elastic_llm.snapshot.manager import SnapshotManager
+    from elastic_llm.snapshot.records import ManagerPlan, Piece, ShardInfo
+
+    @ray.remote(num_cpus=0.5, concurrency_groups={"snapshot": 1})
+    class Sender:
+        def __init__(self):
+            self.fill = 0
+
+        def set_fill(self, fill):
+            self.fill = fill
+
+        def snapshot_pieces(self, version, k):
+            data = np.full(1 << 16, self.fill, dtype=np.uint8)
+            per = len(data) // k
+            pieces = [data[i * per : (i + 1) * per] for i in range(k)]
+            return [ShardInfo(ShardKey(0, 0), version, 0, len(data), tuple(Piece(i * per, per, checksum(p)) for i, p in enumerate(pieces)), "{}"), *pieces]
+
+    node = next(iter(nodes.worker_nodes)).node_id
+    on_node = NodeAffinitySchedulingStrategy(node, soft=False)
+    smp = ray.remote(SnapshotManager).options(num_cpus=0, max_concurrency=4, scheduling_strategy=on_node).remote(node)
+    sender = Sender.options(scheduling_strategy=on_node).remote()
+
+    def take(attempt, fill):
+        ray.get(sender.set_fill.remote(fill))
+        ray.get(smp.snapshot_version.remote(ManagerPlan(4, ((ShardKey(0, 0), sender),), attempt=attempt)))
+
+    def served():
+        return int(ray.get(smp.get_shard.remote(4, ShardKey(0, 0)))[0][0])
+
+    take(1, 11)
+    ray.get(smp.commit.remote(4))
+    take(2, 22)  # the re-protection's attempt, not committed
+    assert served() == 11 and ray.get(smp.held.remote()) == {4: True}
+    ray.get(smp.discard.remote(4, 2))  # it failed: the committed one is back
+    assert served() == 11 and ray.get(smp.held.remote()) == {4: True}
+    take(3, 33)
+    ray.get(smp.commit.remote(4))
+    assert served() == 33 and ray.get(smp.state.remote()).bytes_held == 1 << 16  # the displaced one is freed
+    ray.kill(smp)
+
+
+def test_a_second_node_of_the_group_lost_right_after_a_parity_rebuild_is_rebuilt_from_the_version_taken_again(nodes, corpus_dir, clean):
+    """Stage 1's node goes in step 5: rebuilt from step 4's parity (one group of the 5 nodes,
+    parity 1). Its parity spent, step 4's version is taken again between steps on the 4 nodes
+    left; then, before any step, stage 2's node goes. That version covers it: stage 2 is rebuilt
+    from parity too, bit for bit (without the re-take two members of one group were gone and
+    CheckFree, lossy, was all that was left)."""
+    t = make_trainer(nodes, corpus_dir, "snapshot.parity=1", "chaos.events=[{step: 5, kill: node, stage: 1}, {step: 5, kill: node, stage: 2, during: recovered}]")
+    losses = run(t)
+    assert [(r["stage"], r["source"]) for r in t.recoveries] == [(1, "parity"), (2, "parity")]
+    assert losses == clean(1)
+
+
 # slow (the suite's 25 minutes): ray.kill of a stage stays in the suite through the CheckFree and
 # during-recovery tests (their default), a SIGKILLed stage restored from its local manager with the
 # survivors from their own copies through the own-copy test below and the standby adoption tests

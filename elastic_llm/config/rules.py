@@ -183,8 +183,8 @@ def _validate_chaos(c: RunConfig) -> list[str]:
         _one_of(p, f"{where}.op", ev.op, CHAOS_OPS)
         if ev.op == "allreduce" and par.dp < 2:
             p.append(f"{where}.op=allreduce needs parallel.dp >= 2 (one replica has no gradient all-reduce): use forward, backward or update")
-        if ev.during == "recovery" and ev.kill not in ("stage", "node", "standby"):
-            p.append(f"{where}: during: recovery goes with kill: stage, node or standby, not kill: {ev.kill}")
+        if ev.during in ("recovery", "recovered") and ev.kill not in ("stage", "node", "standby"):
+            p.append(f"{where}: during: {ev.during} goes with kill: stage, node or standby, not kill: {ev.kill}")
         if ev.during == "resize" and ev.kill != "node":
             p.append(f"{where}: during: resize goes with kill: node (the node of a joining replica's stage), not kill: {ev.kill}")
         if ev.kill == "standby" and c.recovery.standby == 0:

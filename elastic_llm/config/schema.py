@@ -163,7 +163,7 @@ class ElasticConfig:
 
 ChaosKill = Literal["stage", "node", "smp", "error", "standby"]
 ChaosHow = Literal["ray_kill", "sigkill"]
-ChaosDuring = Literal["step", "recovery", "resize"]
+ChaosDuring = Literal["step", "recovery", "recovered", "resize"]
 ChaosOp = Literal["forward", "backward", "allreduce", "update"]
 CHAOS_KINDS: tuple[str, ...] = typing.get_args(ChaosKill)  # the words a config may use (checked by validate)
 CHAOS_HOW: tuple[str, ...] = typing.get_args(ChaosHow)
@@ -183,7 +183,8 @@ class ChaosEvent:
     corrupt: bool = False
     node: int | None = None  # kill=node / smp: the node-th live node with CPUs (by node id), not the one hosting stage/replica
     # step | recovery: after the recovery plan of step `step`'s failure is made, before it is carried out | resize: in the
-    # first grow after step `step`, once its spares joined, before their state is copied (kill: node: the joining replica's stage `stage`'s node)
+    # first grow after step `step`, once its spares joined, before their state is copied (kill: node: the joining replica's stage `stage`'s node) |
+    # recovered: once the recovery of step `step`'s failure is over (its re-protecting snapshot included), before the next step
     during: ChaosDuring = "step"
     op: ChaosOp = "forward"  # kill: stage: strike when the actor starts its first op of this kind in the step (forward | backward | allreduce | update)
 

@@ -39,6 +39,7 @@ SUSPECT_MIN_S = 30.0  # ... and at least this long, before it counts as failed
 STANDBY_LOOK_S = 1.0  # how often (at step boundaries) the warm standbys are topped up
 NOTICE_LOOK_S = 1.0  # while a step runs, how often the controller looks for new drain notices
 NOTICE_LOOK_MAX_S = 600.0  # ... for at most this long (then the step's own deadline decides)
+REPROTECT_S = 10.0  # longest the run waits between steps for a re-protecting version to commit (later, it commits after a step)
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,28 @@ class StepJobs:
             return
         sn.observe_step(seconds, began=sn.last_begin == step)
         sn.poll()
+        self._snapshot_lines(step)
+
+    def reprotect(self, step: int, executor: StepExecutor, position: StreamPosition) -> None:
+        """Between steps (after a step, a recovery, a drain), when the committed version has lost
+        members of its erasure groups, or draining ones beyond their parity
+        (:meth:`~elastic_llm.snapshot.coordinator.SnapshotCoordinator.reprotect_due`): every stage
+        copies its state now and a version of ``step`` is taken on the nodes there are, waited for
+        up to :data:`REPROTECT_S` (it commits at a later look otherwise). A stage that does not
+        answer is left to the next step, which finds it failed."""
+        sn = self.parts.snapshots
+        if sn is None or not sn.reprotect_due(step):
+            return
+        try:
+            executor.snapshot(step, position)
+        except StepFailed as e:
+            log.warning("no re-protecting snapshot of step %d: %s", step, e)
+            return
+        t0 = self.clock.perf_counter()
+        sn.begin(step, self.parts.group.members(), with_step=False)
+        sn.poll(block=True, timeout=REPROTECT_S, drop=False)
+        log.info("step %d's snapshot taken again between steps to re-protect it: %s after %.2f s", step,
+                 "committed" if sn.committed is not None and sn.committed.version == step and not sn.inflight else "still in flight", self.clock.perf_counter() - t0)
         self._snapshot_lines(step)
 
     def _snapshot_lines(self, step: int) -> None:

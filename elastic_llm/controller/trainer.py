@@ -48,10 +48,7 @@ UNTIL_STOPPED = 10**9  # fit(UNTIL_STOPPED): train until request_stop() (a repla
 
 
 class Trainer:
-    """Runs one training run through its states on ``runtime``.
-
-    >>> trainer = ray_trainer(cfg); history = trainer.fit(); trainer.shutdown()
-    """
+    """Runs one training run through its states on ``runtime``: ``t = ray_trainer(cfg); t.fit(); t.shutdown()``."""
 
     def __init__(self, cfg: RunConfig, runtime: Runtime, metrics_out: str | Path | None = None, progress: bool = False, resume: str | None = None) -> None:
         self.cfg, self.runtime, self.clock = cfg, runtime, runtime.clock
@@ -239,6 +236,7 @@ class Trainer:
         stop, extra = self.requests.take()
         self.stop_requested, self.end = self.stop_requested or stop, self.end + extra
         self.jobs.deaths(self.step)
+        self.jobs.reprotect(self.step, self.executor, self.stream.at())  # a committed version that lost members: taken again now, not a step later
         self.jobs.standbys(self.step, self.failures, self.clock.perf_counter() - (self._t0 or self.clock.perf_counter()))
         drains, grow_to = self.parts.elastic.look(self.drains_seen)
         return after_step(self.step, self.end, self.stop_requested, drains, self.parts.group.width, grow_to)
@@ -286,7 +284,9 @@ class Trainer:
         except (*self.runtime.errors, StepFailed, PlanNotFollowed, NodeGone) as err:  # type: ignore[misc]  # observed again and re-planned
             return self._failed_work(err, During.RECOVERY, alive, state)
         self._apply(outcome, failure, self.clock.perf_counter() - t0, spans.totals(t0))
-        return self._next()
+        after = self._next()  # re-protects the committed version first, if it lost members
+        self.runtime.faults.fire("recovered", failure.step, self.targets())
+        return after
 
     def _apply(self, outcome: RecoveryOutcome, failure: StepFailure, seconds: float, spans: dict[str, float]) -> None:
         """Adopt a finished recovery: step counter, data position, an executor over the new actors,

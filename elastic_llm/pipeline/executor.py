@@ -131,6 +131,8 @@ class StepExecutor(Protocol):
 
     def settle(self) -> None: ...
 
+    def snapshot(self, step: int, position: StreamPosition) -> None: ...  # every stage copies its state now, between steps, as step ``step``'s snapshot (``position``: the data position after it)
+
     def eval_loss(self, x: np.ndarray, y: np.ndarray) -> float: ...
 
 
@@ -426,6 +428,17 @@ class RayStepExecutor:
             return
         self.linked = False
         self._wait(p, timeout, failed=True)
+
+    def snapshot(self, step: int, position: StreamPosition) -> None:
+        """Every stage copies its state now, between steps, as the snapshot of ``step`` (a
+        re-protection after a recovery): returns once each has started its copy (its manager
+        collects it). Raises StepFailed naming an actor that did not answer, ValueError if a stage
+        is at another step (the caller's mistake: its snapshot would never come)."""
+        at = self._gather({k: self.actor(k).snapshot_now.remote(position) for k in self.keys()}, LINK_S)
+        self.calls += len(at)
+        elsewhere = {str(k): s for k, s in at.items() if s != step}
+        if elsewhere:
+            raise ValueError(f"a snapshot of step {step} between steps, but stages are at other steps: {elsewhere}")
 
     def eval_loss(self, x: np.ndarray, y: np.ndarray) -> float:
         """Forward-only loss of a batch (any number of sequences) through replica 0's stages, in

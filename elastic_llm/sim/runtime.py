@@ -268,6 +268,9 @@ class SimExecutor:
     def settle(self) -> None:
         pass
 
+    def snapshot(self, step: int, position: StreamPosition) -> None:
+        self.world.positions[step] = position
+
     def eval_loss(self, x: Any, y: Any) -> float:
         return 0.0
 

@@ -233,6 +233,7 @@ class SimManager:
     node: str
     world: "World"
     versions: dict[int, int] = field(default_factory=dict)  # version held -> attempt
+    kept: dict[int, int] = field(default_factory=dict)  # committed version displaced by a newer attempt at it -> its attempt (as the real manager keeps it)
 
     def __post_init__(self) -> None:
         c = self.world.charged
@@ -247,6 +248,7 @@ class SimManager:
         self.keepalive = _Call(lambda: self._ref(0.0), c)
 
     refused: bool = False  # started on a node already gone: every answer is the scheduler's refusal
+    committed: int = 0  # the newest version committed here
 
     def _ref(self, delay: float, value: Any = None) -> SimRef:
         return SimRef(self.world.clock.now + delay, self.node, value, self.world.fleet, self.refused)
@@ -262,6 +264,9 @@ class SimManager:
         seconds = mb / c.copy_mb_s + (group_mb / c.parity_mb_s if plan.group else 0.0)
         manifest = w.manifest(plan.version)
         shards = tuple(ShardInfo(key, plan.version, 0, int(w.shard_mb * 1e6), (), manifest, seconds, self.node) for key, _ in plan.stages)
+        old = self.versions.get(plan.version)
+        if old is not None and old < plan.attempt and plan.version <= self.committed:
+            self.kept[plan.version] = old
         self.versions[plan.version] = plan.attempt
         return self._ref(seconds, ManagerPart(self.node, shards, (), 0.0))
 
@@ -282,15 +287,20 @@ class SimManager:
 
     def _commit(self, version: int, flush: bool, keep: tuple[int, ...]) -> SimRef:
         self.versions = {v: a for v, a in self.versions.items() if v >= version or v in keep}
+        self.kept = {v: a for v, a in self.kept.items() if v > version}
+        self.committed = max(self.committed, version)
         return self._ref(0.0)
 
     def _discard(self, version: int, attempt: int) -> SimRef:
         if self.versions.get(version) == attempt:
             del self.versions[version]
+        if version in self.kept and version not in self.versions:  # the attempt that displaced it failed: it is back
+            self.versions[version] = self.kept.pop(version)
         return self._ref(0.0)
 
     def _discard_all(self) -> SimRef:
         self.versions.clear()
+        self.kept.clear()
         return self._ref(0.0)
 
 

@@ -68,6 +68,7 @@ class _Inflight:
     lost: tuple[ShardKey, ...]  # stages whose node had no manager
     attempt: int = 0  # ManagerPlan.attempt: a step re-run after a rollback is a new attempt at its version
     avoided: frozenset[str] = frozenset()  # the draining nodes its groups were made to spread
+    charged: bool = True  # taken with a training step: ``auto`` charges its cost to the steps (a re-protection between steps is not)
     results: dict[str, ManagerPart] = field(default_factory=dict)  # node -> its part
     answered: set[str] = field(default_factory=set)  # the relays (by first node) that answered
 
@@ -298,7 +299,7 @@ class SnapshotCoordinator:
         """Nodes about to go. When some group of the committed version would lose more members
         with them than its parity covers (a burst of notices), the next step takes a version
         whose groups spread the draining nodes: re-protection within the notice (:mod:`exposure`)."""
-        self.exposure.notice(nodes, self.committed, self.last_begin)
+        self.exposure.notice(nodes, self.committed, self._attempt)
 
     @property
     def reprotections(self) -> list[dict[str, Any]]:
@@ -331,11 +332,25 @@ class SnapshotCoordinator:
         self.stats.wait_s += self.clock.perf_counter() - t
         return True
 
+    def reprotect_due(self, step: int) -> bool:
+        """Whether to take a version now, between steps, at ``step`` (the step every stage is at:
+        after a recovery, the committed one's): the committed version has lost members of its
+        erasure groups, or draining ones beyond their parity (:mod:`exposure`), no version in
+        flight covers it, and it is not being flushed (the flush reads its pieces). Waiting for the
+        next step leaves the run one more loss from losing everything for a step's time and more
+        (a replay lost a second node of a 4-node group 18 s after the first, during the recovery's
+        first step). A version of the committed step replaces it on each manager only once it commits."""
+        rec, flushing = self.committed, self.durable.inflight if self.durable is not None else None
+        if rec is None or self.exposure.pending is None or self.inflight or step < rec.version:
+            return False
+        return flushing is None or flushing.record.version != step
+
     # ------------------------------------------------------------------ one version
-    def begin(self, version: int, stages: list[StageMember]) -> None:
+    def begin(self, version: int, stages: list[StageMember], with_step: bool = True) -> None:
         """Start snapshot ``version``: one call per erasure group, to its first member's manager,
         which starts every member's part (each collects its node's stage
-        copies (the stages' step ``version`` was submitted with ``snapshot=...``), offers chunks
+        copies (the stages' step ``version`` was submitted with ``snapshot=...``, or, with
+        ``with_step`` False, a re-protection: their state was copied between steps), offers chunks
         to parity holders and encodes its parity. Nothing here waits."""
         if not self.can_begin():
             raise RuntimeError(f"snapshots of steps {[p.version for p in self.inflight]} are still in flight")
@@ -375,9 +390,9 @@ class SnapshotCoordinator:
             by_lead.setdefault(group[0] if group else node, []).append((handle, plan))
         # one call per group: its first manager starts the members' parts and answers with all of them
         refs = {lead: self.managers[lead].relay_versions.remote(tuple(calls)) for lead, calls in by_lead.items()}
-        self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt, self.avoid))
+        self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt, self.avoid, charged=with_step))
         self.last_begin = version
-        if self.costs is not None:
+        if self.costs is not None and with_step:
             self.costs.began(version)
 
     def _domains(self, members: list[str]) -> dict[str, str]:
@@ -398,12 +413,13 @@ class SnapshotCoordinator:
         ready, _ = self.calls.wait(refs, len(refs), 0)
         return len(ready) < len(refs)
 
-    def poll(self, block: bool = False, timeout: float = WAIT_S, final: bool = False) -> None:
+    def poll(self, block: bool = False, timeout: float = WAIT_S, final: bool = False, drop: bool = True) -> None:
         """Commit the newest version whose parts all finished (older ones in flight are then
         superseded and dropped); drop a version as soon as one of its parts failed (which wakes
         the managers still waiting on it). ``block`` waits until nothing is in flight, at most
         ``timeout`` seconds (then the versions still in flight are dropped, with a warning).
-        ``final``: the run has ended: what commits now decides no cadence (no step follows)."""
+        ``final``: the run has ended: what commits now decides no cadence (no step follows).
+        ``drop`` False: what is still in flight at the deadline stays in flight."""
 
         deadline = self.clock.monotonic() + timeout
         self._drain_dropped()
@@ -435,7 +451,7 @@ class SnapshotCoordinator:
             if not block:
                 return
             if self.inflight and self.clock.monotonic() >= deadline:
-                for p in list(self.inflight):
+                for p in list(self.inflight) if drop else ():
                     self._discard(p, f"not complete after {timeout:.0f} s")
                 return
 
@@ -447,12 +463,12 @@ class SnapshotCoordinator:
         keep = (flushing.record.version,) if flushing is not None else ()
         self._to_all("commit", record.version, flush, keep)  # pinned until its flush is over
         self.committed = record
-        self.exposure.committed(record, p.avoided)
+        self.exposure.committed(record, p.avoided, p.attempt)
         if self.on_commit is not None:
             self.on_commit(record)
         self.inflight.remove(p)
         self.stats.committed += 1
-        if self.costs is not None:  # what its parts took: the busiest node's stage copies and manager CPU time
+        if self.costs is not None and p.charged:  # what its parts took: the busiest node's stage copies and manager CPU time
             self.costs.ended(p.version, max((part.cost_s() for part in p.results.values()), default=0.0) if choose else None)
         if flush and self.durable is not None:
             self.durable.start(record)
@@ -468,7 +484,7 @@ class SnapshotCoordinator:
         (``expected``: because its training step failed, which the controller reports)."""
         self._to_all("discard", p.version, p.attempt)
         self.inflight.remove(p)
-        if self.costs is not None:
+        if self.costs is not None and p.charged:
             self.costs.ended(p.version, None)
         self._dropped += list(p.waiting().values())
         if why is None:
@@ -490,7 +506,7 @@ class SnapshotCoordinator:
         """The managers on nodes not in ``alive_nodes`` are dead (the run judged their node dead,
         perhaps before Ray did): no commit or discard goes to them, none is waited for."""
         self.gone |= {n for n in self.managers if n not in alive_nodes}
-        self.exposure.degraded(frozenset(self.gone), self.committed, self.last_begin)
+        self.exposure.degraded(frozenset(self.gone), self.committed, self._attempt)
 
     def _drain_dropped(self) -> None:
         """Collect the answers of dropped versions' calls (their failure was already acted on:

@@ -27,7 +27,7 @@ log = logging.getLogger("elastic_llm.snapshot")
 class Pending:
     since: float  # when the first notice of this exposure was seen (clock.perf_counter)
     nodes: frozenset[str]  # draining members of groups beyond parity in the committed version
-    after: int  # the last version begun when it was seen: only a later one can cover it
+    after: int  # the begin order (the coordinator's attempt counter) of the last version begun when it was seen: only one begun later can cover it
 
 
 class Exposure:
@@ -76,17 +76,19 @@ class Exposure:
         self.pending = Pending(p.since if p is not None else self.clock.perf_counter(), (p.nodes if p is not None else frozenset()) | new, last_begin)
         log.info("nodes %s of snapshot %d's erasure groups are gone: re-protecting it with the next step", [n[:12] for n in sorted(new)], committed.version)
 
-    def committed(self, record: VersionRecord, avoided: frozenset[str]) -> None:
-        """``record`` committed, its groups made avoiding ``avoided``: if it no longer depends on
-        the draining nodes beyond parity, the re-protection is done; if it does only through
-        nodes noticed after it began, the next version tries again."""
+    def committed(self, record: VersionRecord, avoided: frozenset[str], order: int | None = None) -> None:
+        """``record`` committed, its groups made avoiding ``avoided``, ``order``: when it was begun
+        (the order :meth:`notice` and :meth:`degraded` were given; its version when None): if it no
+        longer depends on the draining nodes beyond parity, the re-protection is done; if it does
+        only through nodes noticed after it began, the next version tries again."""
+        order = record.version if order is None else order
         self.lost = frozenset(n for g in record.groups for n in g if n in self.lost)  # a version made without them no longer depends on them
         p = self.pending
-        if p is None or record.version <= p.after:
+        if p is None or order <= p.after:
             return
         if exposed(record.groups, self.draining | self.lost, self.parity):
             if not exposed(record.groups, self.draining & avoided, self.parity):
-                self.pending = replace(p, after=record.version)
+                self.pending = replace(p, after=order)
                 return
             self.pending = None
             log.warning("snapshot %d could not spread %d draining nodes so that each group keeps parity %d: too few groups; the "

@@ -127,6 +127,10 @@ class SnapshotManager:
         self.metrics = Metrics()
         self.codec_backend = codec_backend
         self.versions: dict[int, Version] = {}
+        # a committed version displaced by a newer attempt at the same step (a re-protection taken
+        # outside a step, after a recovery): reads get it until that attempt commits, and it comes
+        # back if that attempt is discarded; the run is never without the version it committed
+        self.kept: dict[int, Version] = {}
         self.lock = threading.Condition()
         self._codecs: dict[tuple[int, int], ReedSolomon] = {}
         self._pool: dict[int, list[np.ndarray]] = {}  # freed parity buffers by size, reused
@@ -148,8 +152,9 @@ class SnapshotManager:
             versions = sorted(self.versions)
             committed = [x for x in versions if self.versions[x].committed]
             newest = self.versions[versions[-1]] if versions else Version()
-            held = sum(s.info.nbytes for v in self.versions.values() for s in v.shards.values())
-            held += sum(arr.nbytes for v in self.versions.values() for arr, _ in v.parity.values())
+            every = [*self.versions.values(), *self.kept.values()]
+            held = sum(s.info.nbytes for v in every for s in v.shards.values())
+            held += sum(arr.nbytes for v in every for arr, _ in v.parity.values())
             out = ManagerState(
                 run=self.run_id,
                 node_id=self.node_id,
@@ -173,8 +178,10 @@ class SnapshotManager:
         return self._codecs[(k, m)]
 
     def _version(self, version: int) -> Version:
+        """The version reads are served from: the committed one kept while a newer attempt at it
+        is under way, else the one held."""
         try:
-            return self.versions[version]
+            return self.kept.get(version) or self.versions[version]
         except KeyError:
             raise SnapshotMissingError(f"snapshot version {version} is not held by {self.node_id} (held: {sorted(self.versions)})") from None
 
@@ -187,7 +194,10 @@ class SnapshotManager:
         if v is not None and v.attempt > attempt:
             return None
         if v is None or v.attempt < attempt:
-            if v is not None:
+            if v is not None and v.committed:
+                self._free(self.kept.pop(version, Version()))
+                self.kept[version] = v
+            elif v is not None:
                 self._free(v)
             v = self.versions[version] = Version(attempt=attempt)
             self.lock.notify_all()  # an encode waiting on the older attempt gives up
@@ -227,7 +237,7 @@ class SnapshotManager:
         }
         infos = self._collect(version, calls)
         with self.lock:
-            v = self._version(version)
+            v = self.versions.get(version)
             if v is not mine:
                 raise SnapshotMissingError(f"step {version}, attempt {plan.attempt}: discarded or superseded while its pieces were collected")
             for (key, refs), info in zip(calls.items(), infos):
@@ -387,6 +397,8 @@ class SnapshotManager:
             if version in self.versions:  # a manager with no part in this version just frees older ones
                 self.versions[version].committed = True
                 self.versions[version].pinned = self.versions[version].pinned or pin
+            for old in [x for x in self.kept if x <= version]:  # the attempt that displaced it committed (or a newer version did)
+                self._free(self.kept.pop(old))
             for old in [x for x in self.versions if x < version and x not in keep and not self.versions[x].pinned]:
                 self._free(self.versions.pop(old))
             v = self.versions.get(version)
@@ -412,6 +424,8 @@ class SnapshotManager:
         with self.lock:
             for v in list(self.versions):
                 self._free(self.versions.pop(v))
+            for v in list(self.kept):
+                self._free(self.kept.pop(v))
             self.lock.notify_all()
 
     # ------------------------------------------------------------------ durable flush
@@ -420,7 +434,7 @@ class SnapshotManager:
         plan (:class:`~elastic_llm.durable.flush.NodeFlush`) writes, this hands it the pieces."""
         def local(key: ShardKey) -> list[np.ndarray] | None:
             with self.lock:
-                v = self.versions.get(plan.version)
+                v = self.kept.get(plan.version) or self.versions.get(plan.version)
                 if v is None or key not in v.shards:
                     return None
             return self._pieces(plan.version, key, verify=False)[1]  # the flush checks every piece itself
@@ -433,11 +447,13 @@ class SnapshotManager:
             v = self.versions.get(version)
             if v is not None and (attempt is None or v.attempt <= attempt):
                 self._free(self.versions.pop(version))
+            if version in self.kept and version not in self.versions:  # the attempt that displaced it failed: it is back
+                self.versions[version] = self.kept.pop(version)
             self.lock.notify_all()
 
     def held(self) -> dict[int, bool]:
         """Versions held here -> whether each is committed."""
-        return {v: x.committed for v, x in self.versions.items()}
+        return {v: x.committed or v in self.kept for v, x in self.versions.items()}
 
     # ------------------------------------------------------------------ restore
     def _pieces(self, version: int, key: ShardKey, verify: bool) -> tuple[Shard, list[np.ndarray]]:
