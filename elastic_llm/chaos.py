@@ -4,7 +4,8 @@ Owns: when each event fires and how it strikes (``ray.kill`` or SIGKILL of a sta
 corrupting a snapshot manager, corrupting a stage's own background copies, removing a node of a
 test cluster, making a stage raise an application error on every step). The controller calls
 :meth:`Chaos.fire` at its points: ``before_step`` (errors), ``recovery`` (kills after a recovery plan was made, before it is
-carried out), ``recovered`` (kills once a recovery is over, its re-protection included, before the next step) and ``resize``. Kills *during* a step come from :class:`ChaosExecutor`, which wraps the real step
+carried out), ``recovered`` (kills once a recovery is over, its re-protection included, before the next step) and
+``resize``. Kills *during* a step come from :class:`ChaosExecutor`, which wraps the real step
 executor and keeps chaos out of its hot path: a stage kill rides in the victim's plan as a
 :class:`~elastic_llm.pipeline.plan.Fault` (the actor strikes itself when it starts its first op of
 the event's ``op`` kind, so kills land at a chosen point reproducibly); a node removal holds the

@@ -232,7 +232,7 @@ class Trainer:
 
     def _next(self) -> State:
         """After a step: finish, or act on draining nodes, or grow into new room, or go on."""
-        assert self.parts is not None and self.jobs is not None
+        assert self.parts is not None and self.jobs is not None and self.executor is not None
         stop, extra = self.requests.take()
         self.stop_requested, self.end = self.stop_requested or stop, self.end + extra
         self.jobs.deaths(self.step)
