@@ -4,7 +4,7 @@ members of its groups were lost.
 Owns: the draining nodes the snapshots avoid, the committed version's members already gone,
 whether the committed version would lose more members of one erasure group with the draining
 ones than its parity covers, or has lost some already (then the coordinator begins a version at
-once, whose groups spread the draining nodes and leave the gone ones out), and what came of it: each re-protection with its
+once, at the next step boundary, whose groups spread the draining nodes and leave the gone ones out), and what came of it: each re-protection with its
 time since the notice, the draining nodes' shard bytes it covers and whether it committed before
 they went (``in_time``; nodes that went first are recorded ``in_time: False`` with the bytes they
 took from the committed version). Pure bookkeeping over the coordinator's records and clock.
@@ -59,13 +59,14 @@ class Exposure:
         if new and committed is not None and exposed(committed.groups, at_risk, self.parity):
             held = frozenset(n for g in committed.groups if sum(1 for m in g if m in at_risk) > self.parity for n in g if n in nodes)
             self.pending = Pending(p.since if p is not None else now, held | (p.nodes if p is not None else frozenset()), last_begin)
-            log.info("draining nodes %s are more of their erasure groups in snapshot %d than parity covers: re-protecting it with the next step",
+            log.info("draining nodes %s are more of their erasure groups in snapshot %d than parity covers: re-protecting it at the next step boundary",
                      [n[:12] for n in sorted(held)], committed.version)
 
     def degraded(self, gone: frozenset[str], committed: VersionRecord | None, last_begin: int) -> None:
         """Members of the committed version's groups are gone (a recovery rebuilt or will rebuild
         their parts from parity): until a version without them commits, one more loss in such a
-        group may be beyond parity, so the next step takes one, whatever the cadence."""
+        group may be beyond parity, so one is taken at the next step boundary (between steps: the
+        coordinator's ``reprotect_due``), whatever the cadence."""
         if committed is None:
             return
         new = frozenset(n for g in committed.groups for n in g if n in gone) - self.lost
@@ -74,7 +75,7 @@ class Exposure:
         self.lost |= new
         p = self.pending
         self.pending = Pending(p.since if p is not None else self.clock.perf_counter(), (p.nodes if p is not None else frozenset()) | new, last_begin)
-        log.info("nodes %s of snapshot %d's erasure groups are gone: re-protecting it with the next step", [n[:12] for n in sorted(new)], committed.version)
+        log.info("nodes %s of snapshot %d's erasure groups are gone: re-protecting it at the next step boundary", [n[:12] for n in sorted(new)], committed.version)
 
     def committed(self, record: VersionRecord, avoided: frozenset[str], order: int | None = None) -> None:
         """``record`` committed, its groups made avoiding ``avoided``, ``order``: when it was begun
@@ -98,5 +99,5 @@ class Exposure:
         nbytes = sum(s.nbytes for n in p.nodes for s in record.infos_on(n))
         seconds = self.clock.perf_counter() - p.since
         self.done.append({"version": record.version, "nodes": sorted(p.nodes), "seconds": seconds, "bytes": nbytes, "in_time": True})
-        log.info("snapshot %d re-protected against the end of %d draining nodes in %.2f s (%.1f MB of their shards)",
+        log.info("snapshot %d re-protected against %d draining or lost nodes in %.2f s (%.1f MB of their shards)",
                  record.version, len(p.nodes), seconds, nbytes / 1e6)
