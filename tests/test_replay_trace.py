@@ -339,3 +339,29 @@ def test_the_report_has_the_width_beside_the_oracles(tmp_path):
     data = json.loads(json_path.read_text())
     assert [r["width"] for r in data["timeline"]] == [2, 2]
     assert data["oracle_width"] == [{"t_s": 0.0, "width": 2}, {"t_s": 4.0, "width": 1}]
+
+
+def test_a_run_that_does_not_stop_after_the_replay_is_named_with_where_it_waits(caplog):
+    """The replay asks the run to stop at its next step boundary; a run whose thread waits
+    somewhere instead is reported (not a traceback from the CLI), with the place it waits in."""
+    import threading
+    import types
+
+    from elastic_llm.replay.runner import Replay
+
+    gate = threading.Event()
+
+    def stuck_in_a_step():
+        gate.wait(60)
+
+    thread = threading.Thread(target=stuck_in_a_step, daemon=True)
+    thread.start()
+    replay = Replay.__new__(Replay)
+    replay.trainer = types.SimpleNamespace(state=types.SimpleNamespace(name="running"))
+    try:
+        with caplog.at_level("WARNING", logger="elastic_llm.replay"):
+            err = replay._hung(thread)
+    finally:
+        gate.set()
+    assert "did not stop" in str(err) and "(state running)" in str(err) and "it waits in" in str(err)
+    assert "stuck_in_a_step" in caplog.text  # the whole stack is logged

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +114,7 @@ class Replay:
             self.trainer.request_stop()
             thread.join(timeout=JOIN_S)
             if thread.is_alive():
-                raise TimeoutError(f"the run did not stop within {JOIN_S:.0f} s after the replay ended (state {self.trainer.state.name})")
+                self.error = self._hung(thread)
             self._sample(time.monotonic() - t0)
             report = self._report(time.monotonic() - t0)
         finally:
@@ -136,6 +138,17 @@ class Replay:
         except BaseException as e:  # reported in replay.json; the replay goes on to its end
             self.error = e
             log.info(f"the run stopped: {str(e).splitlines()[0]}")
+
+    def _hung(self, thread: threading.Thread) -> TimeoutError:
+        """The run's thread did not stop within JOIN_S: where it waits (its stack, logged; its
+        innermost frame in elastic-llm's code, in the error the report names). The run is shut
+        down next."""
+        frame = sys._current_frames().get(thread.ident or -1)
+        stack = traceback.extract_stack(frame) if frame is not None else traceback.StackSummary()
+        ours = [f for f in stack if "elastic_llm" in f.filename] or list(stack)
+        at = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} ({ours[-1].name})" if ours else "an unknown place"
+        log.warning("the run did not stop within %.0f s after the replay ended; its thread waits in:\n%s", JOIN_S, "".join(stack.format()))
+        return TimeoutError(f"the run did not stop within {JOIN_S:.0f} s after the replay ended (state {self.trainer.state.name}): it waits in {at}")
 
     def _play(self, t0: float, thread: threading.Thread) -> None:
         pending = list(self.plan.actions)
