@@ -156,6 +156,7 @@ def test_a_committed_version_taken_again_is_served_until_the_new_attempt_commits
     ray.kill(smp)
 
 
+@pytest.mark.slow  # 50-75 s (the suite's 25 minutes): the suite keeps the simulated test of the same sequence and the manager's kept-copy test above
 def test_a_second_node_of_the_group_lost_right_after_a_parity_rebuild_is_rebuilt_from_the_version_taken_again(nodes, corpus_dir, clean):
     """Stage 1's node goes in step 5: rebuilt from step 4's parity (one group of the 5 nodes,
     parity 1). Its parity spent, step 4's version is taken again between steps on the 4 nodes
