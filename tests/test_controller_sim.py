@@ -448,3 +448,18 @@ def test_a_member_lost_right_after_a_parity_rebuild_is_covered_by_the_version_ta
     reprotects = [x for x in lines if x.get("event") == "reprotect"]
     assert [(x["version"], x["nodes"], x["in_time"]) for x in reprotects[:2]] == [(5, [faults.removed[0]], True), (5, [faults.removed[1]], True)]
     assert not set(faults.removed) & {n for g in t.snapshots.committed.groups for n in g}
+
+
+def test_a_re_protection_between_steps_never_waits_into_the_margin_of_a_drain_of_the_runs_nodes():
+    """The run waits up to REPROTECT_S for a re-protecting version, but a drain of a node hosting
+    its stages comes first: the wait ends DRAIN_MARGIN_S before that drain's deadline (at once when
+    closer), while drains of other nodes and drains without a deadline do not shorten it."""
+    from elastic_llm.controller.drains import Drain
+    from elastic_llm.controller.elastic import DRAIN_MARGIN_S
+    from elastic_llm.controller.stepping import REPROTECT_S, reprotect_wait_s
+
+    hosting = {"a", "b"}
+    assert reprotect_wait_s([], hosting, 100.0) == REPROTECT_S
+    assert reprotect_wait_s([Drain("c", 101.0), Drain("a", None)], hosting, 100.0) == REPROTECT_S
+    assert reprotect_wait_s([Drain("a", 100.0 + DRAIN_MARGIN_S + 3.0)], hosting, 100.0) == pytest.approx(3.0)
+    assert reprotect_wait_s([Drain("b", 102.0)], hosting, 100.0) == 0.0  # 2 s notice: the drain's moves at once

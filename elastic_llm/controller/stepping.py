@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from elastic_llm import events
 from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
+from elastic_llm.controller.drains import Drain
+from elastic_llm.controller.elastic import DRAIN_MARGIN_S
 from elastic_llm.controller.metrics import MetricsWriter
 from elastic_llm.controller.neighbours import refresh_mirrors
 from elastic_llm.controller.ports import Faults, Nodes
@@ -40,6 +42,15 @@ STANDBY_LOOK_S = 1.0  # how often (at step boundaries) the warm standbys are top
 NOTICE_LOOK_S = 1.0  # while a step runs, how often the controller looks for new drain notices
 NOTICE_LOOK_MAX_S = 600.0  # ... for at most this long (then the step's own deadline decides)
 REPROTECT_S = 10.0  # longest the run waits between steps for a re-protecting version to commit (later, it commits after a step)
+
+
+def reprotect_wait_s(drains: Iterable[Drain], hosting: set[str], now: float) -> float:
+    """How long the run waits between steps for a re-protecting version to commit:
+    :data:`REPROTECT_S`, but never into the last ``DRAIN_MARGIN_S`` before the deadline of a drain
+    of a node in ``hosting`` (the nodes of the run's stages: their moves come first); 0 once that
+    is past. Pure."""
+    lefts = [left - DRAIN_MARGIN_S for d in drains if d.node_id in hosting and (left := d.seconds_left(now)) is not None]
+    return max(0.0, min([REPROTECT_S, *lefts]))
 
 
 @dataclass(frozen=True)
@@ -179,8 +190,9 @@ class StepJobs:
         members of its erasure groups, or draining ones beyond their parity
         (:meth:`~elastic_llm.snapshot.coordinator.SnapshotCoordinator.reprotect_due`): every stage
         copies its state now and a version of ``step`` is taken on the nodes there are, waited for
-        up to :data:`REPROTECT_S` (it commits at a later look otherwise). A stage that does not
-        answer is left to the next step, which finds it failed."""
+        up to :data:`REPROTECT_S`, and never into the last ``DRAIN_MARGIN_S`` before a drain of a
+        node hosting the run's stages (the drain's moves come first; the version then commits at a
+        later look). A stage that does not answer is left to the next step, which finds it failed."""
         sn = self.parts.snapshots
         if sn is None or not sn.reprotect_due(step):
             return
@@ -190,8 +202,9 @@ class StepJobs:
             log.warning("no re-protecting snapshot of step %d: %s", step, e)
             return
         t0 = self.clock.perf_counter()
+        wait_s = reprotect_wait_s(self.nodes.draining().values(), set(self.parts.group.nodes.values()), self.clock.time())
         sn.begin(step, self.parts.group.members(), with_step=False)
-        sn.poll(block=True, timeout=REPROTECT_S, drop=False)
+        sn.poll(block=True, timeout=wait_s, drop=False)
         log.info("step %d's snapshot taken again between steps to re-protect it: %s after %.2f s", step,
                  "committed" if sn.committed is not None and sn.committed.version == step and not sn.inflight else "still in flight", self.clock.perf_counter() - t0)
         self._snapshot_lines(step)
