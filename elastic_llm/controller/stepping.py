@@ -198,7 +198,7 @@ class StepJobs:
             return
         try:
             executor.snapshot(step, position)
-        except StepFailed as e:
+        except (StepFailed, ValueError) as e:  # an actor gone (the next step finds it), or stages at other steps: the next step's own snapshot
             log.warning("no re-protecting snapshot of step %d: %s", step, e)
             return
         t0 = self.clock.perf_counter()
