@@ -109,8 +109,10 @@ def open_snapshots(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool
             sn.managers = managers
             sn.name_tag = f"-r{runtime.rng.getrandbits(16):04x}"
             if managers and record is not None:
-                sn.committed = record
+                sn.committed = record  # the managers that no longer hold it are replaced
         sn.ensure_managers()
+        if sn.committed is not None:
+            sn.adopt(sn.committed)
     check_parity_fits(len(sn.managers), cfg.snapshot.parity, cfg.snapshot.group_size)
     return sn
 

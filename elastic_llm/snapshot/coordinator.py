@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from elastic_llm.cadence import SnapshotCost
@@ -184,7 +185,7 @@ class SnapshotCoordinator:
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
         self.durable: Flusher | None = None  # the durable tier: decides at each commit whether to flush it
-        self.on_commit: Any = None  # called with each committed VersionRecord (driver failover publishes it)
+        self.on_commit: Callable[[VersionRecord], None] | None = None  # driver failover publishes each committed record
         self.grace_s = cfg.recovery.driver_grace_s  # > 0: detached managers that outlive their driver this long
         self.name_tag = ""  # a resuming driver's managers get names of their own (the old ones may still hold theirs)
         sn = cfg.snapshot
@@ -461,11 +462,11 @@ class SnapshotCoordinator:
         flush = self.durable is not None and self.durable.wants(record)
         flushing = self.durable.inflight if self.durable is not None else None
         keep = (flushing.record.version,) if flushing is not None else ()
+        if self.on_commit is not None:  # published before any manager frees the version it replaces: a driver
+            self.on_commit(record)  # killed in between leaves a record whose parts are all still held
         self._to_all("commit", record.version, flush, keep)  # pinned until its flush is over
         self.committed = record
         self.exposure.committed(record, p.avoided, p.attempt)
-        if self.on_commit is not None:
-            self.on_commit(record)
         self.inflight.remove(p)
         self.stats.committed += 1
         if self.costs is not None and p.charged:  # what its parts took: the busiest node's stage copies and manager CPU time
@@ -529,12 +530,17 @@ class SnapshotCoordinator:
     def forget_all(self) -> None:
         """Everyone rolled back to a durable checkpoint older than every version held: forget
         them all (the next committed version starts the record again)."""
-
         self.abandon_pending()
         self.settle_relays()
         calls = [m.discard_all.remote() for m in self.managers.values()]
         self.calls.wait(calls, len(calls), PING_S)  # before any new version starts (threaded actors do not keep call order)
         self.committed = None
+
+    def adopt(self, record: VersionRecord) -> None:
+        """``--resume``: the dead driver's published record is committed on every manager (it may
+        have died after publishing it, before they heard) and what is older is freed."""
+        self.committed = record
+        self._to_all("commit", record.version, False, ())
 
     # ------------------------------------------------------------------ restore
     def fetch_stage_state(self, stage: int, replica: int, lost_nodes: set[str] | frozenset[str]) -> StageSource:
@@ -547,7 +553,6 @@ class SnapshotCoordinator:
         plan: it is recorded (:meth:`lost_parts` counts it from then on) and :class:`SourceLost`
         raised, so the controller observes again and re-plans; this never switches source on its
         own. The refs go straight to the stage being restored: no bytes pass through the driver."""
-
         rec = self.committed
         if rec is None:
             raise UnrecoverableError("no snapshot has been committed yet")
