@@ -38,6 +38,7 @@ class Kind(StrEnum):
     DURABLE_FAILED = "durable_failed"
     SNAPSHOT_EVERY = "snapshot_every"
     REPROTECT = "reprotect"
+    REHOME = "rehome"
     CHAOS = "chaos"
     CHAOS_RATE = "chaos_rate"
     STANDBY = "standby"
@@ -251,6 +252,23 @@ class Reprotect(Event):
     seconds: float
     bytes: int  # the draining nodes' shard bytes now protected by groups that outlive them (in_time: False: that they took)
     in_time: bool = True  # False: they went first, before a version without them committed
+    how: str = "version"  # a version without them ("version"), their parts re-homed ("rehome"), or nowhere to go ("stranded": ``nodes`` are the parts, said at the notice)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rehome(Event):
+    """One member's part of the committed version (its pieces and parity) copied off a draining
+    node (``source``) to ``target``, ``seconds`` after the notice (``copy_s`` of them copying)."""
+
+    kind = Kind.REHOME
+    step: int = 0
+    version: int
+    role: str
+    source: str
+    target: str
+    bytes: int
+    seconds: float
+    copy_s: float
 
 
 @dataclass(frozen=True, kw_only=True)

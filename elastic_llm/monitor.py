@@ -87,7 +87,7 @@ def protected_groups(record: VersionRecord | None, alive: set[str] | frozenset[s
     """(groups, groups with every member node alive) of a committed version. Pure."""
     if record is None:
         return 0, 0
-    return len(record.groups), sum(1 for g in record.groups if all(n in alive for n in g))
+    return len(record.groups), sum(1 for g in record.placed if all(n in alive for n in g))
 
 
 def event_of(record: Mapping[str, Any]) -> RunEvent | None:

@@ -86,6 +86,26 @@ class _NoFleet:
         return {}
 
 
+class _Unanswered:
+    """A manager whose calls never answer (a re-home started here stays in flight)."""
+
+    class _Method:
+        def remote(self, *args):
+            from elastic_llm.sim.world import SimRef
+
+            return SimRef(float("inf"), "")
+
+    def __getattr__(self, name):
+        return self._Method()
+
+
+class _SlowFleet(_NoFleet):
+    def __init__(self):
+        from elastic_llm.sim.world import Charged, SimCalls, SimClock
+
+        self.calls = SimCalls(SimClock(), Charged())
+
+
 def test_a_burst_of_notices_beyond_parity_re_protects_the_committed_version_with_the_next_step():
     """Two of three members of a group (parity 1) drain: the committed version would not survive
     their end. The next step takes a version at once (whatever the cadence) whose groups spread
@@ -116,8 +136,9 @@ def test_a_burst_of_notices_beyond_parity_re_protects_the_committed_version_with
     assert not exposed(spread, frozenset({"a", "b"}), 1)
     clock.sleep(1.5)
     coord.exposure.committed(VersionRecord(51, spread, tuple(shard(i, n, 51) for i, n in enumerate(nodes))), frozenset({"a", "b"}))
-    [done] = coord.reprotections
-    assert done == {"version": 51, "nodes": ["a", "b"], "seconds": 1.5, "bytes": 1000 + 2000, "in_time": True}
+    stranded, done = coord.reprotections  # (no managers here: the parts had nowhere to be re-homed, which was said at the notice)
+    assert (stranded["how"], stranded["nodes"], stranded["in_time"]) == ("stranded", ["a", "b"], False)
+    assert done == {"version": 51, "nodes": ["a", "b"], "seconds": 1.5, "bytes": 1000 + 2000, "in_time": True, "how": "version"}
     assert not coord.due(52)  # done: back to the cadence
 
 
@@ -199,9 +220,9 @@ def test_a_member_lost_from_the_committed_version_re_protects_it_with_the_next_s
     from .conftest import REPO
 
     cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["model.n_layers=6", "parallel.stages=6", "snapshot.parity=1", "snapshot.group_size=3", "snapshot.every=50"])
-    coord = SnapshotCoordinator(cfg, _NoFleet(), "degraded", SimClock())
+    coord = SnapshotCoordinator(cfg, _SlowFleet(), "degraded", SimClock())
     nodes = ["a", "b", "c", "d", "e", "f"]
-    coord.managers = {n: object() for n in nodes}
+    coord.managers = {n: _Unanswered() for n in nodes}
     coord.committed = VersionRecord(50, (("a", "b", "c"), ("d", "e", "f")), tuple(_shard(i, n, 50) for i, n in enumerate(nodes)))
     coord.last_begin = 50
     assert not coord.due(51)
@@ -215,3 +236,46 @@ def test_a_member_lost_from_the_committed_version_re_protects_it_with_the_next_s
     assert coord.exposure.pending is None and coord.exposure.lost == frozenset() and not coord.due(52)
     [done] = coord.reprotections
     assert done["version"] == 51 and done["nodes"] == ["a", "b"] and done["in_time"]
+
+
+def test_parts_on_draining_nodes_are_re_homed_off_the_group_and_the_domain_first():
+    """A role on a draining node goes to a live node holding the fewest members of its group,
+    then the fewest in the same failure domain, then the least loaded; a second role of the
+    same group goes elsewhere; with no live node left the roles are stranded. Pure."""
+    from elastic_llm.snapshot.records import VersionRecord
+    from elastic_llm.snapshot.rehome import choose_homes
+
+    rec = VersionRecord(7, (("a", "b", "c"), ("d", "e", "f")), ())
+    domains = {"a": "z0", "b": "z0", "c": "z1", "d": "z1", "e": "z2", "f": "z2"}
+    moves, stranded = choose_homes(rec, frozenset({"a", "b"}), ["c", "d", "e", "f"], domains)
+    assert set(moves) == {"a", "b"} and not stranded
+    assert not {"c"} & set(moves.values())  # c holds a member of the group already
+    assert moves["a"] != moves["b"]  # two roles of one group never share a node while another is free
+    assert moves["a"] in {"e", "f"}  # d shares z1 with c, the group's member left
+    moved = rec.rehomed(moves)
+    assert moved.home("a") == moves["a"] and moved.home("c") == "c" and moved.placed[0][2] == "c"
+    assert choose_homes(moved, frozenset({"a", "b"}), ["c"], domains) == ({}, ())  # nothing left on the draining nodes
+    assert choose_homes(rec, frozenset({"a", "b", "c", "d", "e", "f"}), ["a", "b"], {}) == ({}, ("a", "b", "c", "d", "e", "f"))
+
+
+def test_a_rehomed_record_survives_its_json_and_a_lost_member_keeps_the_exposure_until_a_new_version():
+    """The homes travel with the published record (a resuming driver finds the re-homed parts);
+    a re-home ends an exposure only when no member of the committed version is lost: a lost
+    member's parity is spent and only a new version mends it."""
+    from elastic_llm.sim.world import SimClock
+    from elastic_llm.snapshot.exposure import Exposure
+    from elastic_llm.snapshot.records import VersionRecord, record_from_json, record_json
+
+    rec = VersionRecord(9, (("a", "b", "c"),), (_shard(0, "a", 9),))
+    moved = rec.rehomed({"a": "x", "b": "y"})
+    assert record_from_json(record_json(moved)) == moved and moved.roles_on("x") == ("a",)
+    ex = Exposure(1, SimClock())
+    ex.notice(frozenset({"a", "b"}), rec, 0)
+    assert ex.pending is not None
+    ex.rehomed(moved)
+    assert ex.pending is None and ex.done[-1]["how"] == "rehome"
+    ex = Exposure(1, SimClock())
+    ex.degraded(frozenset({"c"}), rec, 0)
+    ex.notice(frozenset({"a"}), rec, 0)
+    ex.rehomed(rec.rehomed({"a": "x"}))
+    assert ex.pending is not None  # c is gone: the group's parity is spent, a new version is still due

@@ -39,10 +39,10 @@ class Member:
         self.refs = {c: [ray.put(a) for a in arrs] for c, arrs in chunks.items()}
         self.parity = parity
 
-    def chunk_parts(self, version: int, chunk: int) -> list:
+    def chunk_parts(self, version: int, chunk: int, role: str = "") -> list:
         return self.refs[chunk]
 
-    def get_parity(self, version: int, region: int) -> np.ndarray:
+    def get_parity(self, version: int, region: int, role: str = "") -> np.ndarray:
         return self.parity[region]
 
 

@@ -252,9 +252,11 @@ def test_a_burst_that_takes_a_quarter_of_the_fleet_with_notice_keeps_the_width_a
     assert t.resizes == [] and t.group.width == 4
     assert not {"r0", "r2", "r4", "r6"} & set(t.group.nodes.values())
     assert t.recoveries == [] and sum(d["moved"] for d in t.drains) >= 2  # the actors on them moved before they went
-    [done] = events(tmp_path, "reprotect")  # 3 of the 4 were in one group of 8 (parity 2): the next version spread them
-    noticed = min(d["step"] for d in events(tmp_path, "drain"))
-    assert done["version"] >= noticed and done["seconds"] < 15.0 and done["in_time"], (done, noticed)
+    [done] = events(tmp_path, "reprotect")  # 3 of the 4 were in one group of 8 (parity 2): their parts were re-homed at the notice
+    assert done["how"] == "rehome" and done["seconds"] < 15.0 and done["in_time"], done
+    moved = [m for m in events(tmp_path, "rehome") if m["version"] == done["version"]]  # (a version in flight at the notice is re-homed once it commits)
+    assert {m["source"] for m in moved} == {"r0", "r2", "r4", "r6"} and not {m["target"] for m in moved} & {"r0", "r2", "r4", "r6"}
+    assert max(m["seconds"] for m in moved) == pytest.approx(done["seconds"]) and all(m["bytes"] > 0 for m in moved)
 
 
 def test_the_calibration_charges_a_second_replica_what_the_widths_benchmark_measured_beyond_the_exchange():

@@ -156,6 +156,56 @@ def test_a_committed_version_taken_again_is_served_until_the_new_attempt_commits
     ray.kill(smp)
 
 
+def test_a_draining_members_part_adopted_by_another_node_is_served_there_after_the_draining_manager_dies(nodes):
+    """Re-homing at a notice: the manager of a node outside the draining one copies that member's
+    part of a committed version (its pieces and the parity of its regions, every CRC checked)
+    into its own object store. Once the draining node's manager is gone, the adopted shard and
+    parity are served, byte for byte, by the adopter (asked by the member's role), and a newer
+    commit frees them."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from elastic_llm.snapshot.erasure import checksum
+    from elastic_llm.snapshot.manager import SnapshotManager
+    from elastic_llm.snapshot.records import ManagerPlan, Piece, ShardInfo
+
+    @ray.remote(num_cpus=0.25, concurrency_groups={"snapshot": 1})
+    class Sender:
+        def __init__(self, stage):
+            self.stage = stage
+
+        def snapshot_pieces(self, version, k):
+            data = np.random.default_rng(self.stage).integers(0, 256, 3 << 16, dtype=np.uint8)
+            per = len(data) // k
+            pieces = [data[i * per : (i + 1) * per] for i in range(k)]
+            return [ShardInfo(ShardKey(self.stage, 0), version, 0, len(data), tuple(Piece(i * per, per, checksum(p)) for i, p in enumerate(pieces)), "{}"), *pieces]
+
+    ids = [n.node_id for n in list(nodes.worker_nodes)[:4]]
+    group = tuple(ids[:3])
+    on = [NodeAffinitySchedulingStrategy(n, soft=False) for n in ids]
+    smps = [ray.remote(SnapshotManager).options(num_cpus=0, max_concurrency=8, scheduling_strategy=s).remote(n) for n, s in zip(ids, on)]
+    senders = [Sender.options(scheduling_strategy=s).remote(i) for i, s in enumerate(on[:3])]
+    parts = ray.get([smps[i].snapshot_version.remote(ManagerPlan(4, ((ShardKey(i, 0), senders[i]),), group, i, tuple(smps[:3]), 1)) for i in range(3)])
+    ray.get([m.commit.remote(4) for m in smps])
+    region = parts[0].parity[0].region
+    want_shard = ray.get(smps[0].get_shard.remote(4, ShardKey(0, 0)))[0].copy()
+    want_parity = np.asarray(ray.get(smps[0].get_parity.remote(4, region))).copy()
+
+    adopter = smps[3]  # outside the group
+    assert ray.get(adopter.adopt.remote(4, ids[0], smps[0])) == len(want_shard) + len(want_parity)
+    ray.kill(smps[0])  # the draining node's manager goes: its objects with it
+    assert ray.get(adopter.held.remote()) == {4: True}
+    assert np.array_equal(ray.get(adopter.get_shard.remote(4, ShardKey(0, 0)))[0], want_shard)
+    assert np.array_equal(np.asarray(ray.get(adopter.get_parity.remote(4, region, ids[0]))), want_parity)
+    refs = ray.get(adopter.chunk_parts.remote(4, 0, ids[0]))
+    assert checksum(np.asarray(ray.get(refs[0]))) == parts[0].shards[0].pieces[0].crc
+    with pytest.raises(ray.exceptions.RayTaskError):  # a role it does not hold is refused by name
+        ray.get(adopter.get_parity.remote(4, region, ids[1]))
+    ray.get(adopter.commit.remote(5))
+    assert ray.get(adopter.state.remote()).bytes_held == 0  # a newer commit frees the adopted part
+    for a in [*smps[1:], *senders]:
+        ray.kill(a)
+
+
 @pytest.mark.slow  # 50-75 s (the suite's 25 minutes): the suite keeps the simulated test of the same sequence and the manager's kept-copy test above
 def test_a_second_node_of_the_group_lost_right_after_a_parity_rebuild_is_rebuilt_from_the_version_taken_again(nodes, corpus_dir, clean):
     """Stage 1's node goes in step 5: rebuilt from step 4's parity (one group of the 5 nodes,

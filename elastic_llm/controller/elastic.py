@@ -284,8 +284,11 @@ class ElasticExecutor:
         with the spares' head start; no growing here."""
         if not self.cfg.elastic.drains:
             return
+        draining = self.nodes.draining()
+        if self.snapshots is not None:  # the committed version's parts on them are re-homed now (and the copies read as they end)
+            self.snapshots.avoid = frozenset(draining)
         hosting = set(self.group.nodes.values())
-        new = {n for n in self.nodes.draining() if n in hosting and n not in seen and n not in self.noticed}
+        new = {n for n in draining if n in hosting and n not in seen and n not in self.noticed}
         if not new:
             return
         self.noticed |= new

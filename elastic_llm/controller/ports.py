@@ -31,7 +31,8 @@ from elastic_llm.controller.drains import Drain, NodeDeath
 from elastic_llm.controller.states import Capacity
 from elastic_llm.monitor import RunStatus
 from elastic_llm.pipeline.executor import StepExecutor
-from elastic_llm.snapshot.coordinator import ManagerFleet, StageMember
+from elastic_llm.snapshot.coordinator import StageMember
+from elastic_llm.snapshot.ports import ManagerFleet
 from elastic_llm.snapshot.records import Piece, ShardKey, StageSource, VersionRecord
 from elastic_llm.spans import Spans
 from elastic_llm.stream import StreamPosition

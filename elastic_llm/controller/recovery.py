@@ -75,8 +75,8 @@ def build_observation(
         dead_nodes=dead_nodes,
         dead_managers=frozenset(dead_managers | dead_nodes) if snapshots is not None else dead_nodes,
         committed=rec.version if rec else None,
-        shard_nodes=tuple((s.key, s.node_id) for s in rec.shards) if rec else (),
-        groups=rec.groups if rec else (),
+        shard_nodes=tuple((s.key, rec.home(s.node_id)) for s in rec.shards) if rec else (),  # where the parts are now (re-homed or not)
+        groups=rec.placed if rec else (),
         parity=parity,
         min_width=min_width,
         free_slots=sum(free_at.values()) if free_at is not None else None,

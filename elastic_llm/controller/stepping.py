@@ -73,7 +73,7 @@ class StepRunner:
         self.faults, self.nodes, self.targets, self.errors = faults, nodes, targets, errors
         self.interrupted: InterruptedStep | None = None
         self.typical_s: float | None = None  # a recent step's time (the suspect deadline's scale)
-        self.between: Callable[[], None] | None = None  # looked at every NOTICE_LOOK_S while a step runs (new drain notices)
+        self.between: Callable[[], object] | None = None  # looked at every NOTICE_LOOK_S while a step runs (new drain notices)
 
     def deadline_s(self) -> float | None:
         """The step's deadline when an actor sits on a node the probes suspect (None: the
@@ -183,7 +183,7 @@ class StepJobs:
             return
         sn.observe_step(seconds, began=sn.last_begin == step)
         sn.poll()
-        self._snapshot_lines(step)
+        self.snapshot_lines(step)
 
     def reprotect(self, step: int, executor: StepExecutor, position: StreamPosition) -> None:
         """Between steps (after a step, a recovery, a drain), when the committed version has lost
@@ -207,18 +207,22 @@ class StepJobs:
         sn.poll(block=True, timeout=wait_s, drop=False)
         log.info("step %d's snapshot taken again between steps to re-protect it: %s after %.2f s", step,
                  "committed" if sn.committed is not None and sn.committed.version == step and not sn.inflight else "still in flight", self.clock.perf_counter() - t0)
-        self._snapshot_lines(step)
+        self.snapshot_lines(step)
 
-    def _snapshot_lines(self, step: int) -> None:
+    def snapshot_lines(self, step: int) -> None:
         """The lines of what the commits decided: cadence changes, re-protections."""
         sn = self.parts.snapshots
-        assert sn is not None
+        if sn is None:
+            return
         for change in sn.changes:
             self.metrics.emit(events.SnapshotEvery(step=step, **change))
         sn.changes.clear()
         for done in sn.reprotections:
             self.metrics.emit(events.Reprotect(step=step, **done))
         sn.reprotections.clear()
+        for moved in sn.rehomes:
+            self.metrics.emit(events.Rehome(step=step, **moved))
+        sn.rehomes.clear()
 
     def durable(self, seconds: float, elapsed_s: float, failures: int) -> None:
         """The durable tier: what the run measured (``auto``'s inputs), and the flush in flight."""
@@ -291,7 +295,7 @@ class StepJobs:
         """A run that finished: the versions in flight commit, the durable tier's last flush, the end line."""
         if self.parts.snapshots is not None:
             self.parts.snapshots.poll(block=True, final=True)
-            self._snapshot_lines(step)
+            self.snapshot_lines(step)
         if self.parts.durable is not None:
             self.parts.durable.finish()
         self.metrics.emit(events.End(step=step, tokens=tokens, elapsed_s=elapsed_s, seconds_by_state=dict(ticks.seconds),

@@ -88,17 +88,17 @@ def stage_tensors(manifest: str, layer_ids: list[int]) -> list[TensorSpec]:
 def plan_parts(
     record: VersionRecord, storage_uri: str, layers_of: Callable[[int], list[int]], managers: dict[str, Any], max_mb_s: float = 0.0, nice: int = 10
 ) -> list[tuple[str, FlushPlan]]:
-    """(node, plan) per shard file of ``record``: the writer is the node holding the part's slice."""
+    """(node, plan) per shard file of ``record``: the writer is the node holding the part's slice now (re-homed or not)."""
     plans = []
     for stage in sorted({s.key.stage for s in record.shards}):
         slices = sorted((s for s in record.shards if s.key.stage == stage), key=lambda s: s.lo)
         tensors = stage_tensors(slices[0].manifest, layers_of(stage))
-        sources = tuple(SliceSource(s.key, s.lo, s.pieces, managers.get(s.node_id), s.node_id) for s in slices)
+        sources = tuple(SliceSource(s.key, s.lo, s.pieces, managers.get(record.home(s.node_id)), record.home(s.node_id)) for s in slices)
         for part, sl in enumerate(slices):
             hi = sl.lo + sl.nbytes if part < len(slices) - 1 else None
             mine = tuple(t for t in tensors if t.src >= sl.lo and (hi is None or t.src < hi))
             file = f"{checkpoint_dir(record.version)}/{shard_file(stage, part)}"
-            plans.append((sl.node_id, FlushPlan(record.version, storage_uri, stage, part, file, mine, sources, max_mb_s, nice)))
+            plans.append((record.home(sl.node_id), FlushPlan(record.version, storage_uri, stage, part, file, mine, sources, max_mb_s, nice)))
     return plans
 
 

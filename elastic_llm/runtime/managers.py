@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from elastic_llm.snapshot.coordinator import ManagerHandle
+from elastic_llm.snapshot.ports import ManagerHandle
 from elastic_llm.snapshot.groups import domain_of
 from elastic_llm.snapshot.manager import SnapshotManager
 from elastic_llm.sources import NodeGone

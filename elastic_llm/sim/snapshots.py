@@ -70,7 +70,8 @@ class SimFlusher:
         self.since = 0
         per_node: dict[str, int] = {}
         for info in record.shards:
-            per_node[info.node_id] = per_node.get(info.node_id, 0) + 1
+            node = record.home(info.node_id)
+            per_node[node] = per_node.get(node, 0) + 1
         busiest = max(per_node.values(), default=0)
         self.inflight = _SimFlush(record, w.clock.now + busiest * w.shard_mb / w.costs.flush_mb_s, frozenset(per_node))
 

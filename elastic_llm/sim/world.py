@@ -246,9 +246,12 @@ class SimManager:
         self.discard_all = _Call(self._discard_all, c)
         self.unpin = _Call(lambda version: self._ref(0.0), c)
         self.keepalive = _Call(lambda: self._ref(0.0), c)
+        self.adopt = _Call(self._adopt, c)
 
     refused: bool = False  # started on a node already gone: every answer is the scheduler's refusal
     committed: int = 0  # the newest version committed here
+    parts: dict[tuple[int, str], float] = field(default_factory=dict)  # (version, role) -> megabytes of that member's part held here
+    link_free_s: float = 0.0  # when this node's link is free of the re-home copies queued on it
 
     def _ref(self, delay: float, value: Any = None) -> SimRef:
         return SimRef(self.world.clock.now + delay, self.node, value, self.world.fleet, self.refused)
@@ -268,7 +271,21 @@ class SimManager:
         if old is not None and old < plan.attempt and plan.version <= self.committed:
             self.kept[plan.version] = old
         self.versions[plan.version] = plan.attempt
+        k = len(plan.group) - plan.parity
+        self.parts[(plan.version, self.node)] = mb + (group_mb / k * plan.parity / len(plan.group) if plan.group and k > 0 else 0.0)
         return self._ref(seconds, ManagerPart(self.node, shards, (), 0.0))
+
+    def _adopt(self, version: int, role: str, source: "SimManager") -> "SimRelayRef":
+        """Member ``role``'s part of ``version`` copied from ``source`` at the profile's network
+        rate, each node's link carrying one copy at a time; failed if either node goes first."""
+        w = self.world
+        mb = source.parts.get((version, role), 0.0)
+        start = max(w.clock.now, source.link_free_s, self.link_free_s)
+        ready = start + mb / w.costs.network_mb_s
+        source.link_free_s = self.link_free_s = ready
+        self.versions.setdefault(version, 0)
+        self.parts[(version, role)] = mb
+        return SimRelayRef(ready, self.node, int(mb * 1e6), w.fleet, self.refused, parts=(SimRef(ready, source.node, None, w.fleet),))
 
     def _relay_versions(self, calls: tuple[tuple["SimManager", ManagerPlan], ...]) -> "SimRelayRef":
         """The group's parts started by this manager (members' calls are not the driver's): ready
@@ -288,6 +305,7 @@ class SimManager:
     def _commit(self, version: int, flush: bool, keep: tuple[int, ...]) -> SimRef:
         self.versions = {v: a for v, a in self.versions.items() if v >= version or v in keep}
         self.kept = {v: a for v, a in self.kept.items() if v > version}
+        self.parts = {vr: mb for vr, mb in self.parts.items() if vr[0] >= version or vr[0] in keep}
         self.committed = max(self.committed, version)
         return self._ref(0.0)
 
@@ -301,6 +319,7 @@ class SimManager:
     def _discard_all(self) -> SimRef:
         self.versions.clear()
         self.kept.clear()
+        self.parts.clear()
         return self._ref(0.0)
 
 

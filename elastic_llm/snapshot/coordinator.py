@@ -15,7 +15,7 @@ Never blocks a training step except when the committed version trails by more th
 decides what to do with it.
 
 Commits and discards reach the managers ~16 per driver call (:mod:`elastic_llm.snapshot.broadcast`).
-It talks to its managers through :class:`Calls` (Ray's ``wait``/``get``, or a simulation's) and
+It talks to its managers through :class:`~elastic_llm.snapshot.ports.Calls` (Ray's ``wait``/``get``, or a simulation's) and
 reads time from a :class:`~elastic_llm.clock.Clock`: ``elastic-llm simulate`` runs it unchanged.
 
 Why ~500 lines: the two-phase commit, the cadence it is driven by (the cost model and its bookkeeping are in
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from elastic_llm.cadence import SnapshotCost
 from elastic_llm.clock import SYSTEM, Clock
@@ -39,6 +39,8 @@ from elastic_llm.snapshot.broadcast import Broadcast
 from elastic_llm.snapshot.exposure import Exposure
 from elastic_llm.snapshot.groups import make_groups
 from elastic_llm.snapshot.layout import LayoutError
+from elastic_llm.snapshot.ports import Calls, Flusher, ManagerFleet, ManagerHandle
+from elastic_llm.snapshot.rehome import Rehomer
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ParityRebuild, ShardInfo, ShardKey, StageSource, VersionRecord
 
 log = logging.getLogger("elastic_llm.snapshot")
@@ -99,69 +101,6 @@ def check_parity_fits(nodes: int, parity: int, group_size: int) -> None:
         )
 
 
-class Flusher(Protocol):
-    """What the coordinator needs of the durable tier (it never imports it): at each commit,
-    whether that version is flushed, the flush in flight (its version stays pinned), and
-    starting a flush."""
-
-    inflight: Any  # the flush in flight (``.record``: its VersionRecord), or None
-
-    def wants(self, record: VersionRecord) -> bool: ...
-
-    def start(self, record: VersionRecord) -> None: ...
-
-
-class Calls(Protocol):
-    """How the coordinator waits for and reads its managers' answers: Ray's ``wait`` and ``get``
-    (:class:`RayCalls`), or a simulation's over simulated managers."""
-
-    def wait(self, refs: list[Any], num_returns: int, timeout: float | None) -> tuple[list[Any], list[Any]]: ...
-
-    def get(self, ref: Any, timeout: float | None = None) -> Any: ...
-
-
-class Remote(Protocol):
-    """One method of a manager: ``handle.method.remote(*args)`` returns a ref for :class:`Calls`."""
-
-    def remote(self, *args: Any) -> Any: ...
-
-
-class ManagerHandle(Protocol):
-    """A node's snapshot manager as the coordinator, the durable tier and the keepalive call it
-    (:class:`~elastic_llm.snapshot.manager.SnapshotManager` as a Ray actor, or a simulated one)."""
-
-    held: Remote  # () -> {version: committed}
-    snapshot_version: Remote  # (ManagerPlan) -> ManagerPart
-    relay_versions: Remote  # ((handle, ManagerPlan), ...) -> the group's ManagerParts (the first member starts the others')
-    relay: Remote  # (method, args, handles) -> None once all ran it: commit or discard passed on to the handles
-    commit: Remote  # (version, flush, keep) -> None
-    discard: Remote  # (version, attempt) -> None
-    discard_all: Remote  # () -> None
-    shard_parts: Remote  # (version, key) -> refs of its pieces
-    chunk_parts: Remote  # (version, chunk) -> refs of the pieces of its data chunk (a rebuild's)
-    get_parity: Remote  # (version, region) -> its parity of the region (a rebuild's)
-    flush_part: Remote  # (NodeFlush) -> the node's written parts
-    unpin: Remote  # (version) -> None
-    keepalive: Remote  # () -> None
-
-
-class ManagerFleet(Protocol):
-    """Where the managers live: one per live node that can host stages. ``start`` returns at
-    once (``held`` answers once it runs); ``end`` stops one. Ray: detached actors pinned to their
-    node (:class:`RayManagers`); a simulation: simulated managers."""
-
-    @property
-    def calls(self) -> Calls: ...
-
-    def nodes(self) -> set[str]: ...
-
-    def domains(self) -> dict[str, str]: ...  # node -> failure domain (zone, launch batch), for the nodes that have one
-
-    def start(self, node: str, name: str, run_id: str, grace_s: float) -> ManagerHandle: ...
-
-    def end(self, handle: ManagerHandle) -> None: ...
-
-
 class SnapshotCoordinator:
     def __init__(self, cfg: RunConfig, fleet: ManagerFleet, run_id: str, clock: Clock = SYSTEM, epoch: int = 1) -> None:
         """``fleet``: where the managers live; ``epoch``: which driver of the run this is (1, then
@@ -181,6 +120,7 @@ class SnapshotCoordinator:
         self.refresh_managers = False
         self.gone: set[str] = set()  # nodes known dead (:meth:`note_alive`): their managers get no broadcast
         self.exposure = Exposure(cfg.snapshot.parity, clock)  # nodes about to go (draining): no parity duties, no new shards
+        self.rehomer = Rehomer(self.calls, clock)  # the committed version's parts copied off draining nodes at the notice
         self.broadcast = Broadcast(self.calls, PING_S)  # commits and discards to every manager
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
@@ -248,7 +188,7 @@ class SnapshotCoordinator:
         if slow:
             self.calls.wait(slow, len(slow), SLOW_PING_S)
         rec = self.committed
-        part_of = {n for g in rec.groups for n in g} | {s.node_id for s in rec.shards} if rec is not None else set()
+        part_of = {n for g in rec.placed for n in g} | {rec.home(s.node_id) for s in rec.shards} if rec is not None else set()
         for node, ref in pings.items():
             try:
                 held = self.calls.get(ref, timeout=0)
@@ -262,8 +202,8 @@ class SnapshotCoordinator:
                 why[node] = f"its manager no longer holds step {rec.version} (a successor of a killed manager)"
         if rec is not None:  # shards recorded on nodes that no longer have a manager, or that failed to load
             for s in rec.shards:
-                if s.node_id not in self.managers:
-                    why.setdefault(s.node_id, "it has no manager")
+                if rec.home(s.node_id) not in self.managers:
+                    why.setdefault(rec.home(s.node_id), "it has no manager")
             for n, v in self.unloadable.items():
                 if v == rec.version:
                     why.setdefault(n, f"a shard of step {v} failed to load there")
@@ -297,14 +237,33 @@ class SnapshotCoordinator:
 
     @avoid.setter
     def avoid(self, nodes: frozenset[str]) -> None:
-        """Nodes about to go. When some group of the committed version would lose more members
-        with them than its parity covers (a burst of notices), the next step takes a version
-        whose groups spread the draining nodes: re-protection within the notice (:mod:`exposure`)."""
+        """Nodes about to go: the committed version's parts on them are re-homed at once
+        (:mod:`rehome`); those that cannot be, or whose groups would still lose more members
+        than parity covers, get a version that spreads the draining nodes at the next step
+        boundary (:mod:`exposure`). Called again while a step runs, it reads the copies done."""
         self.exposure.notice(nodes, self.committed, self._attempt)
+        self._rehome()
+
+    def _rehome(self) -> None:
+        rec = self.committed
+        moved = self.rehomer.poll(rec)
+        if moved is not None:
+            self.committed = moved
+            if self.on_commit is not None:
+                self.on_commit(moved)
+            self.exposure.rehomed(moved)
+        rec, draining = self.committed, self.exposure.draining
+        if rec is not None and draining & {n for g in rec.placed for n in g}:
+            live = {n: h for n, h in self.managers.items() if n not in self.gone}
+            self.exposure.stranded(self.rehomer.start(rec, live, draining, self.gone, self._domains(list(live))), rec)
 
     @property
     def reprotections(self) -> list[dict[str, Any]]:
         return self.exposure.done
+
+    @property
+    def rehomes(self) -> list[dict[str, Any]]:
+        return self.rehomer.done
 
     # ------------------------------------------------------------------ timing
     def due(self, step: int, last: bool = False) -> bool:
@@ -424,6 +383,7 @@ class SnapshotCoordinator:
 
         deadline = self.clock.monotonic() + timeout
         self._drain_dropped()
+        self._rehome()
         while self.inflight:
             waiting = {ref: (p, lead) for p in self.inflight for lead, ref in p.waiting().items()}
             ready: list[Any] = []
@@ -562,7 +522,7 @@ class SnapshotCoordinator:
         sources: list[Source] = []
         slices = [info for info in rec.shards if info.key.stage == stage]
         for info in slices:
-            node = info.node_id
+            node = rec.home(info.node_id)
             if node in lost_nodes or node not in self.managers:
                 rebuilds.append(self._rebuild(info, set(lost_nodes) | {node}))
                 sources.append(Source.PARITY)
@@ -588,11 +548,12 @@ class SnapshotCoordinator:
         assert rec is not None
         group = rec.group_of(info.node_id)
         if group is not None:
-            lost = tuple(i for i, n in enumerate(group) if n in lost_nodes or n not in self.managers)
+            homes = [rec.home(n) for n in group]
+            lost = tuple(i for i, n in enumerate(homes) if n in lost_nodes or n not in self.managers)
             if len(lost) < len(group) and len(lost) <= self.cfg.snapshot.parity:
-                peers = tuple(None if i in lost else self.managers[n] for i, n in enumerate(group))
+                peers = tuple(None if i in lost else self.managers[n] for i, n in enumerate(homes))
                 infos = tuple(rec.infos_on(n) for n in group)
-                return ParityRebuild(rec.version, info.key, len(group), self.cfg.snapshot.parity, lost, group.index(info.node_id), peers, infos)
+                return ParityRebuild(rec.version, info.key, len(group), self.cfg.snapshot.parity, lost, group.index(info.node_id), peers, infos, group)
         raise UnrecoverableError(
             f"{info.key}, step {rec.version}: its snapshot cannot be rebuilt: more nodes of its erasure group are lost than "
             f"snapshot.parity={self.cfg.snapshot.parity} covers"

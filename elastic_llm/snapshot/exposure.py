@@ -36,6 +36,7 @@ class Exposure:
         self.draining: frozenset[str] = frozenset()
         self.lost: frozenset[str] = frozenset()  # members of the committed version's groups already gone (its parity partly spent)
         self.pending: Pending | None = None
+        self.at_risk: frozenset[str] = frozenset()  # parts with nowhere to go, said once (:meth:`stranded`)
         self.done: list[dict[str, Any]] = []  # re-protections (and nodes that went first), for the run's metrics: the caller clears it
 
     def notice(self, nodes: frozenset[str], committed: VersionRecord | None, last_begin: int) -> None:
@@ -49,15 +50,15 @@ class Exposure:
         p = self.pending
         if p is not None and left & p.nodes:
             late = left & p.nodes
-            nbytes = sum(s.nbytes for n in late for s in committed.infos_on(n)) if committed is not None else 0
+            nbytes = sum(s.nbytes for n in late for r in committed.roles_on(n) for s in committed.infos_on(r)) if committed is not None else 0
             version = committed.version if committed is not None else 0
             self.done.append({"version": version, "nodes": sorted(late), "seconds": now - p.since, "bytes": nbytes, "in_time": False})
             log.warning("draining nodes %s went %.1f s after their notice, before a snapshot without them committed (%.1f MB of "
                         "their shards in step %d's)", [n[:12] for n in sorted(late)], now - p.since, nbytes / 1e6, version)
             p = self.pending = replace(p, nodes=p.nodes - late) if p.nodes - late else None
         at_risk = nodes | self.lost  # a group that already lost a member has that much less parity for the draining ones
-        if new and committed is not None and exposed(committed.groups, at_risk, self.parity):
-            held = frozenset(n for g in committed.groups if sum(1 for m in g if m in at_risk) > self.parity for n in g if n in nodes)
+        if new and committed is not None and exposed(committed.placed, at_risk, self.parity):
+            held = frozenset(n for g in committed.placed if sum(1 for m in g if m in at_risk) > self.parity for n in g if n in nodes)
             self.pending = Pending(p.since if p is not None else now, held | (p.nodes if p is not None else frozenset()), last_begin)
             log.info("draining nodes %s are more of their erasure groups in snapshot %d than parity covers: re-protecting it at the next step boundary",
                      [n[:12] for n in sorted(held)], committed.version)
@@ -69,7 +70,7 @@ class Exposure:
         coordinator's ``reprotect_due``), whatever the cadence."""
         if committed is None:
             return
-        new = frozenset(n for g in committed.groups for n in g if n in gone) - self.lost
+        new = frozenset(n for g in committed.placed for n in g if n in gone) - self.lost
         if not new:
             return
         self.lost |= new
@@ -83,12 +84,12 @@ class Exposure:
         longer depends on the draining nodes beyond parity, the re-protection is done; if it does
         only through nodes noticed after it began, the next version tries again."""
         order = record.version if order is None else order
-        self.lost = frozenset(n for g in record.groups for n in g if n in self.lost)  # a version made without them no longer depends on them
+        self.lost = frozenset(n for g in record.placed for n in g if n in self.lost)  # a version made without them no longer depends on them
         p = self.pending
         if p is None or order <= p.after:
             return
-        if exposed(record.groups, self.draining | self.lost, self.parity):
-            if not exposed(record.groups, self.draining & avoided, self.parity):
+        if exposed(record.placed, self.draining | self.lost, self.parity):
+            if not exposed(record.placed, self.draining & avoided, self.parity):
                 self.pending = replace(p, after=order)
                 return
             self.pending = None
@@ -98,6 +99,29 @@ class Exposure:
         self.pending = None
         nbytes = sum(s.nbytes for n in p.nodes for s in record.infos_on(n))
         seconds = self.clock.perf_counter() - p.since
-        self.done.append({"version": record.version, "nodes": sorted(p.nodes), "seconds": seconds, "bytes": nbytes, "in_time": True})
+        self.done.append({"version": record.version, "nodes": sorted(p.nodes), "seconds": seconds, "bytes": nbytes, "in_time": True, "how": "version"})
         log.info("snapshot %d re-protected against %d draining or lost nodes in %.2f s (%.1f MB of their shards)",
                  record.version, len(p.nodes), seconds, nbytes / 1e6)
+
+    def rehomed(self, record: VersionRecord) -> None:
+        """Parts of the committed version were re-homed off draining nodes (:mod:`rehome`): once
+        no group of it loses more members with the draining (and lost) nodes than parity covers,
+        the exposure is over without a new version."""
+        p = self.pending
+        if p is None or self.lost or exposed(record.placed, self.draining, self.parity):  # a lost member's parity is spent: only a new version mends that
+            return
+        self.pending = None
+        seconds = self.clock.perf_counter() - p.since
+        nbytes = sum(s.nbytes for r, n in record.homes if r in p.nodes for s in record.infos_on(r))
+        self.done.append({"version": record.version, "nodes": sorted(p.nodes), "seconds": seconds, "bytes": nbytes, "in_time": True, "how": "rehome"})
+        log.info("snapshot %d re-protected against %d draining nodes in %.2f s by re-homing their parts", record.version, len(p.nodes), seconds)
+
+    def stranded(self, roles: tuple[str, ...], record: VersionRecord) -> None:
+        """Parts of the committed version on draining nodes with no live node to go to (a
+        collapse): said once per set, in the run's metrics (``at_risk``) and its log, before the nodes go."""
+        if not roles or frozenset(roles) <= self.at_risk or not exposed(record.placed, frozenset(map(record.home, roles)) | self.lost, self.parity):
+            return
+        self.at_risk |= frozenset(roles)
+        self.done.append({"version": record.version, "nodes": sorted(roles), "seconds": 0.0, "bytes": 0, "in_time": False, "how": "stranded"})
+        log.warning("snapshot %d: %d parts on draining nodes have no live node to go to: once they go, the run needs its durable tier "
+                    "(durable.storage_path) or loses its committed steps", record.version, len(roles))

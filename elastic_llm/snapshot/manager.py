@@ -74,9 +74,14 @@ class Version:
     committed: bool = False
     pinned: bool = False  # being flushed to durable storage: not freed when a newer version commits
     attempt: int = 0  # the attempt these belong to (ManagerPlan.attempt)
+    adopted: dict[str, "Version"] = field(default_factory=dict)  # role -> its pieces and parity, re-homed here off a draining node
 
     def infos(self) -> tuple[ShardInfo, ...]:
         return tuple(self.shards[k].info for k in sorted(self.shards))
+
+    def every(self) -> list["Version"]:
+        """This node's own part and the roles adopted with it."""
+        return [self, *self.adopted.values()]
 
 
 def _segments(symbols: list[list[np.ndarray]], length: int) -> list[tuple[int, int, list[np.ndarray | None]]]:
@@ -152,7 +157,7 @@ class SnapshotManager:
             versions = sorted(self.versions)
             committed = [x for x in versions if self.versions[x].committed]
             newest = self.versions[versions[-1]] if versions else Version()
-            every = [*self.versions.values(), *self.kept.values()]
+            every = [p for v in [*self.versions.values(), *self.kept.values()] for p in v.every()]
             held = sum(s.info.nbytes for v in every for s in v.shards.values())
             held += sum(arr.nbytes for v in every for arr, _ in v.parity.values())
             out = ManagerState(
@@ -177,13 +182,18 @@ class SnapshotManager:
             self._codecs[(k, m)] = ReedSolomon(k, m, backend=self.codec_backend)
         return self._codecs[(k, m)]
 
-    def _version(self, version: int) -> Version:
+    def _version(self, version: int, role: str = "") -> Version:
         """The version reads are served from: the committed one kept while a newer attempt at it
-        is under way, else the one held."""
+        is under way, else the one held; ``role``: the part of that member adopted here."""
         try:
-            return self.kept.get(version) or self.versions[version]
+            v = self.kept.get(version) or self.versions[version]
         except KeyError:
             raise SnapshotMissingError(f"snapshot version {version} is not held by {self.node_id} (held: {sorted(self.versions)})") from None
+        if not role or role == self.node_id:
+            return v
+        if role not in v.adopted:
+            raise SnapshotMissingError(f"member {role[:12]}'s part of version {version} is not held by {self.node_id}")
+        return v.adopted[role]
 
     def _claim(self, version: int, attempt: int) -> Version | None:
         """The version held for (``version``, ``attempt``), created if absent; an older attempt's
@@ -212,6 +222,9 @@ class SnapshotManager:
         return buf
 
     def _free(self, v: Version) -> None:
+        for part in v.adopted.values():
+            self._free(part)
+        v.adopted.clear()
         for arr, _ in v.parity.values():
             self._pool.setdefault(len(arr), []).append(arr)
         v.parity.clear()
@@ -435,7 +448,7 @@ class SnapshotManager:
         def local(key: ShardKey) -> list[np.ndarray] | None:
             with self.lock:
                 v = self.kept.get(plan.version) or self.versions.get(plan.version)
-                if v is None or key not in v.shards:
+                if v is None or not any(key in p.shards for p in v.every()):
                     return None
             return self._pieces(plan.version, key, verify=False)[1]  # the flush checks every piece itself
 
@@ -455,14 +468,62 @@ class SnapshotManager:
         """Versions held here -> whether each is committed."""
         return {v: x.committed or v in self.kept for v, x in self.versions.items()}
 
+    # ------------------------------------------------------------------ re-home
+    def part_of(self, version: int, role: str = "") -> tuple[int, tuple[ShardInfo, ...], list[list[Any]], tuple[tuple[int, np.ndarray, int], ...]]:
+        """Member ``role``'s part of ``version`` as held here (this node's own when empty), for
+        a manager that adopts it: its attempt, its shards' infos and piece refs (in key order)
+        and its parity (region, bytes, CRC-32)."""
+        with self.lock:
+            v = self._version(version, role)
+            return v.attempt, v.infos(), [list(v.shards[k].refs) for k in sorted(v.shards)], tuple((r, a, c) for r, (a, c) in sorted(v.parity.items()))
+
+    def adopt(self, version: int, role: str, source: Any) -> int:
+        """Re-home: copy member ``role``'s part of committed ``version`` from ``source`` (the
+        manager of a draining node holding it) into this node's object store and parity buffers,
+        every piece checked against its CRC-32; held as adopted by this node's part of the version
+        (one of its own if this node took no part) and freed with it. Returns the bytes copied.
+        The caller moves the role in the version's record once this answers."""
+        import ray
+
+        attempt, infos, refs, parity = ray.get(source.part_of.remote(version, role), timeout=WAIT_S)
+        flat = [r for rs in refs for r in rs]
+        arrays = ray.get(flat, timeout=WAIT_S) if flat else []
+        part, pos, nbytes = Version(attempt=attempt, committed=True), 0, 0
+        for info, rs in zip(infos, refs):
+            mine = []
+            for piece, arr in zip(info.pieces, arrays[pos : pos + len(rs)]):
+                arr = np.asarray(arr)
+                if len(arr) != piece.length or checksum(arr) != piece.crc:
+                    raise SnapshotMissingError(f"a piece of {info.key}, step {version} from {role[:12]} fails its checksum: not adopted")
+                mine.append(ray.put(arr))
+                nbytes += len(arr)
+            pos += len(rs)
+            part.shards[info.key] = Shard(mine, info)
+        del arrays
+        for region, arr, crc in parity:
+            if checksum(arr) != crc:
+                raise SnapshotMissingError(f"parity of region {region}, step {version} from {role[:12]} fails its checksum: not adopted")
+            buf = self._buffer(len(arr))
+            buf[:] = arr
+            part.parity[region] = (buf, crc)
+            nbytes += len(arr)
+        with self.lock:
+            if any(x > version and w.committed for x, w in self.versions.items()):  # a newer version committed meanwhile
+                self._free(part)
+                raise SnapshotMissingError(f"step {version} was superseded while {role[:12]}'s part of it was adopted")
+            v = self.kept.get(version) or self.versions.setdefault(version, Version(attempt=attempt, committed=True))
+            if role in v.adopted:
+                self._free(v.adopted.pop(role))
+            v.adopted[role] = part
+        return nbytes
+
     # ------------------------------------------------------------------ restore
     def _pieces(self, version: int, key: ShardKey, verify: bool) -> tuple[Shard, list[np.ndarray]]:
         import ray
 
-        v = self._version(version)
-        if key not in v.shards:
+        shard = next((p.shards[key] for p in self._version(version).every() if key in p.shards), None)
+        if shard is None:
             raise SnapshotMissingError(f"shard {key} of version {version} is not held by {self.node_id}")
-        shard = v.shards[key]
         arrays = [np.asarray(a) for a in ray.get(shard.refs, timeout=WAIT_S)]
         if verify:
             for i, (arr, piece) in enumerate(zip(arrays, shard.info.pieces)):
@@ -481,13 +542,14 @@ class SnapshotManager:
         shard, arrays = self._pieces(version, key, verify)
         return (np.concatenate(arrays) if len(arrays) != 1 else arrays[0]), shard.info.manifest
 
-    def chunk_parts(self, version: int, chunk: int) -> list[Any]:
-        """This node's data chunk ``chunk`` of ``version`` as piece refs, in key order."""
-        v = self._version(version)
+    def chunk_parts(self, version: int, chunk: int, role: str = "") -> list[Any]:
+        """This node's data chunk ``chunk`` of ``version`` as piece refs, in key order (``role``:
+        that member's, adopted here)."""
+        v = self._version(version, role)
         return [v.shards[key].refs[chunk] for key in sorted(v.shards)]
 
-    def get_parity(self, version: int, region: int) -> np.ndarray:
-        v = self._version(version)
+    def get_parity(self, version: int, region: int, role: str = "") -> np.ndarray:
+        v = self._version(version, role)
         if region not in v.parity:
             raise SnapshotMissingError(f"parity of region {region}, version {version} is not held by {self.node_id}")
         arr, crc = v.parity[region]

@@ -62,7 +62,9 @@ def rebuild_into(rs: ReedSolomon, r: ParityRebuild, out: np.ndarray) -> np.ndarr
         row: list[Any] = []
         for sym in word:
             peer = None if sym.node in lost else r.peers[sym.node]
-            row.append(None if peer is None else peer.get_parity.remote(r.version, region) if sym.chunk is None else peer.chunk_parts.remote(r.version, sym.chunk))
+            role = r.role(sym.node)
+            row.append(None if peer is None else peer.get_parity.remote(r.version, region, role) if sym.chunk is None
+                       else peer.chunk_parts.remote(r.version, sym.chunk, role))
         asks.append(row)
     parts = [[_piece_refs(ref) if ref is not None and sym.chunk is not None else ref for ref, sym in zip(row, word)] for row, word in zip(asks, words)]
     flat = [ref for row in parts for got in row if isinstance(got, list) for ref in got]

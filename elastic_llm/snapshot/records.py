@@ -100,11 +100,39 @@ class ManagerPart:
 
 @dataclass(frozen=True)
 class VersionRecord:
-    """A committed version: its erasure groups and every shard with the node holding it."""
+    """A committed version: its erasure groups and every shard with the node that took it.
+
+    A node named in ``groups`` and in a shard's ``node_id`` is a *role*: the member that took
+    those pieces (and the parity of its regions). ``homes`` says where a role's pieces live now
+    when they were re-homed off a draining node (:meth:`home`); a role not in it is at home."""
 
     version: int
     groups: tuple[tuple[str, ...], ...]
     shards: tuple[ShardInfo, ...]
+    homes: tuple[tuple[str, str], ...] = ()  # (role, node holding its pieces now), for re-homed roles
+
+    def home(self, role: str) -> str:
+        """The node that holds ``role``'s pieces now."""
+        return self._homes.get(role, role)
+
+    @cached_property
+    def _homes(self) -> dict[str, str]:
+        return dict(self.homes)
+
+    @property
+    def placed(self) -> tuple[tuple[str, ...], ...]:
+        """The groups as the nodes that hold their members' pieces now (a node holding two
+        members of a group is named twice: its loss costs the group both)."""
+        return tuple(tuple(self.home(m) for m in g) for g in self.groups)
+
+    def roles_on(self, node: str) -> tuple[str, ...]:
+        """The roles whose pieces ``node`` holds now."""
+        return tuple(m for g in self.groups for m in g if self.home(m) == node) or ((node,) if self.infos_on(node) else ())
+
+    def rehomed(self, moves: dict[str, str]) -> "VersionRecord":
+        """This record with the roles of ``moves`` held on their new nodes."""
+        homes = {**self._homes, **moves}
+        return replace(self, homes=tuple(sorted((r, n) for r, n in homes.items() if r != n)))
 
     @cached_property
     def _by_key(self) -> dict[ShardKey, ShardInfo]:
@@ -154,6 +182,10 @@ class ParityRebuild:
     target: int
     peers: tuple[Any, ...]
     infos: tuple[tuple[ShardInfo, ...], ...]
+    roles: tuple[str, ...] = ()  # the members' roles (a re-homed member's pieces are asked for by it)
+
+    def role(self, member: int) -> str:
+        return self.roles[member] if self.roles else ""
 
     @property
     def shard(self) -> ShardInfo:
@@ -205,6 +237,7 @@ def record_json(record: VersionRecord) -> str:
     return json.dumps({
         "version": record.version,
         "groups": [list(g) for g in record.groups],
+        "homes": [list(h) for h in record.homes],
         "shards": [
             {"stage": s.key.stage, "replica": s.key.replica, "version": s.version, "lo": s.lo, "nbytes": s.nbytes,
              "pieces": [[p.offset, p.length, p.crc] for p in s.pieces], "manifest": s.manifest, "node_id": s.node_id}
@@ -223,6 +256,7 @@ def record_from_json(text: str | bytes) -> VersionRecord:
                       tuple(Piece(int(o), int(n), int(c)) for o, n, c in s["pieces"]), str(s["manifest"]), node_id=str(s["node_id"]))
             for s in d["shards"]
         )
-        return VersionRecord(int(d["version"]), tuple(tuple(str(n) for n in g) for g in d["groups"]), shards)
+        homes = tuple((str(r), str(n)) for r, n in d.get("homes", []))
+        return VersionRecord(int(d["version"]), tuple(tuple(str(n) for n in g) for g in d["groups"]), shards, homes)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"not a snapshot version record ({type(e).__name__}: {e})") from None

@@ -1,0 +1,73 @@
+"""The snapshot coordinator's seams: its managers as it calls them (:class:`ManagerHandle`,
+started and ended by a :class:`ManagerFleet`), how it waits for their answers (:class:`Calls`:
+Ray's, or a simulation's) and the durable tier as it drives it (:class:`Flusher`). Types only."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from elastic_llm.snapshot.records import VersionRecord
+
+
+class Flusher(Protocol):
+    """What the coordinator needs of the durable tier (it never imports it): at each commit,
+    whether that version is flushed, the flush in flight (its version stays pinned), and
+    starting a flush."""
+
+    inflight: Any  # the flush in flight (``.record``: its VersionRecord), or None
+
+    def wants(self, record: VersionRecord) -> bool: ...
+
+    def start(self, record: VersionRecord) -> None: ...
+
+
+class Calls(Protocol):
+    """How the coordinator waits for and reads its managers' answers: Ray's ``wait`` and ``get``
+    (:class:`RayCalls`), or a simulation's over simulated managers."""
+
+    def wait(self, refs: list[Any], num_returns: int, timeout: float | None) -> tuple[list[Any], list[Any]]: ...
+
+    def get(self, ref: Any, timeout: float | None = None) -> Any: ...
+
+
+class Remote(Protocol):
+    """One method of a manager: ``handle.method.remote(*args)`` returns a ref for :class:`Calls`."""
+
+    def remote(self, *args: Any) -> Any: ...
+
+
+class ManagerHandle(Protocol):
+    """A node's snapshot manager as the coordinator, the durable tier and the keepalive call it
+    (:class:`~elastic_llm.snapshot.manager.SnapshotManager` as a Ray actor, or a simulated one)."""
+
+    held: Remote  # () -> {version: committed}
+    snapshot_version: Remote  # (ManagerPlan) -> ManagerPart
+    relay_versions: Remote  # ((handle, ManagerPlan), ...) -> the group's ManagerParts (the first member starts the others')
+    relay: Remote  # (method, args, handles) -> None once all ran it: commit or discard passed on to the handles
+    commit: Remote  # (version, flush, keep) -> None
+    discard: Remote  # (version, attempt) -> None
+    discard_all: Remote  # () -> None
+    shard_parts: Remote  # (version, key) -> refs of its pieces
+    chunk_parts: Remote  # (version, chunk, role) -> refs of the pieces of its (or an adopted role's) data chunk (a rebuild's)
+    get_parity: Remote  # (version, region, role) -> its (or an adopted role's) parity of the region (a rebuild's)
+    adopt: Remote  # (version, role, source handle) -> bytes: a draining node's part copied here (:mod:`rehome`)
+    flush_part: Remote  # (NodeFlush) -> the node's written parts
+    unpin: Remote  # (version) -> None
+    keepalive: Remote  # () -> None
+
+
+class ManagerFleet(Protocol):
+    """Where the managers live: one per live node that can host stages. ``start`` returns at
+    once (``held`` answers once it runs); ``end`` stops one. Ray: detached actors pinned to their
+    node (:class:`RayManagers`); a simulation: simulated managers."""
+
+    @property
+    def calls(self) -> Calls: ...
+
+    def nodes(self) -> set[str]: ...
+
+    def domains(self) -> dict[str, str]: ...  # node -> failure domain (zone, launch batch), for the nodes that have one
+
+    def start(self, node: str, name: str, run_id: str, grace_s: float) -> ManagerHandle: ...
+
+    def end(self, handle: ManagerHandle) -> None: ...

@@ -1,0 +1,120 @@
+"""Re-homing the committed version's parts off draining nodes, at the notice.
+
+Owns: where each part of the committed version held on a draining node goes
+(:func:`choose_homes`, pure: a live node outside the draining set, the fewest of its erasure
+group's members and failure domain first, then the least loaded), the copies in flight (one
+``adopt`` call to the new node's manager per part: it pulls the part's pieces and parity from
+the draining node's manager and checks every CRC-32) and the record they make once they answer
+(the part's *role* moves in :attr:`VersionRecord.homes`; nothing is re-encoded and no version is
+taken), and what each took (seconds from the notice, bytes). A part whose node goes before its
+copy answers stays where it was: its loss is one more erasure, as without re-homing. Never begins
+a version and never waits: :meth:`Rehomer.poll` reads what has answered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_llm.clock import Clock
+from elastic_llm.snapshot.records import VersionRecord
+
+log = logging.getLogger("elastic_llm.snapshot")
+
+
+def choose_homes(record: VersionRecord, draining: frozenset[str], live: Iterable[str], domains: Mapping[str, str]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """For every role of ``record``'s groups whose pieces are on a ``draining`` node, a ``live``
+    node to hold them: the one holding the fewest members of that group, then the fewest in the
+    same failure domain as the group's other members, then the fewest roles of any group (ties
+    by name). Returns the moves and the roles that have nowhere to go (no live node). Pure."""
+    placed = {role: record.home(role) for g in record.groups for role in g}
+    load = Counter(placed.values())
+    live = sorted(set(live) - draining)
+    moves: dict[str, str] = {}
+    stranded: list[str] = []
+    for g in record.groups:
+        for role in g:
+            if placed[role] not in draining:
+                continue
+            if not live:
+                stranded.append(role)
+                continue
+            others = [placed[m] for m in g if m != role]
+
+            def cost(n: str, others: list[str] = others) -> tuple[int, int, int, str]:
+                dom = domains.get(n)
+                return (others.count(n), sum(1 for o in others if dom is not None and o != n and domains.get(o) == dom), load[n], n)
+
+            target = min(live, key=cost)
+            load[placed[role]] -= 1
+            load[target] += 1
+            placed[role] = moves[role] = target
+    return moves, tuple(stranded)
+
+
+@dataclass(frozen=True)
+class Move:
+    role: str
+    source: str
+    target: str
+    ref: Any  # the target manager's ``adopt`` call
+    since: float  # when the source node's notice was first seen (clock.perf_counter)
+    started: float
+    version: int
+
+
+class Rehomer:
+    """The re-homes in flight (see the module's docstring); :attr:`done` lists each that
+    answered, for the run's metrics (the caller clears it)."""
+
+    def __init__(self, calls: Any, clock: Clock) -> None:
+        self.calls, self.clock = calls, clock
+        self.moves: dict[str, Move] = {}
+        self.noticed: dict[str, float] = {}  # draining node -> when first seen
+        self.done: list[dict[str, Any]] = []
+
+    def start(self, record: VersionRecord, managers: Mapping[str, Any], draining: frozenset[str], gone: Iterable[str],
+              domains: Mapping[str, str]) -> tuple[str, ...]:
+        """Start a copy for every role of ``record`` held on a ``draining`` node and not moving
+        yet. Returns the roles with nowhere to go."""
+        now = self.clock.perf_counter()
+        self.noticed = {n: self.noticed.get(n, now) for n in draining}
+        planned = record.rehomed({r: m.target for r, m in self.moves.items() if m.version == record.version})
+        live = [n for n in managers if n not in set(gone)]
+        moves, stranded = choose_homes(planned, draining, live, domains)
+        for role, target in moves.items():
+            source = planned.home(role)
+            if source not in managers:
+                continue
+            ref = managers[target].adopt.remote(record.version, role, managers[source])
+            self.moves[role] = Move(role, source, target, ref, self.noticed.get(source, now), now, record.version)
+        if moves:
+            log.info("re-homing %d parts of snapshot %d off draining nodes %s", len(moves), record.version, sorted({planned.home(r)[:12] for r in moves}))
+        return stranded
+
+    def poll(self, record: VersionRecord | None) -> VersionRecord | None:
+        """``record`` with the roles whose copy answered moved to their new nodes (None: none
+        did). A copy that failed (its source went first) or is of an older version is dropped."""
+        if not self.moves:
+            return None
+        refs = {m.ref: m for m in self.moves.values()}
+        ready, _ = self.calls.wait(list(refs), len(refs), 0)
+        moved: dict[str, str] = {}
+        now = self.clock.perf_counter()
+        for ref in ready:
+            m = refs[ref]
+            del self.moves[m.role]
+            try:
+                nbytes = self.calls.get(ref, timeout=0)
+            except Exception as e:  # noqa: BLE001 - the source went first (or the target): the role stays, one more erasure if its node goes
+                log.warning("re-homing %s's part of snapshot %d to %s failed (%s): it stays on its draining node", m.role[:12], m.version, m.target[:12], type(e).__name__)
+                continue
+            if record is None or m.version != record.version:
+                continue
+            moved[m.role] = m.target
+            self.done.append({"version": m.version, "role": m.role, "source": m.source, "target": m.target, "bytes": int(nbytes),
+                              "seconds": now - m.since, "copy_s": now - m.started})
+        return record.rehomed(moved) if moved and record is not None else None
