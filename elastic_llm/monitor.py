@@ -47,7 +47,7 @@ class RunStatus:
 
 @dataclass(frozen=True)
 class RunEvent:
-    """Something that happened to the run: ``kind`` is recovery, resize, drain, capacity, state,
+    """Something that happened to the run: ``kind`` is recovery, resize, drain, reprotect, capacity, state,
     failed or end; ``text`` says it in one line."""
 
     kind: str
@@ -106,6 +106,12 @@ def event_of(record: Mapping[str, Any]) -> RunEvent | None:
         left = ev.deadline_s
         text = f"node {str(ev.node)[:12]} draining ({'no deadline' if left is None else f'{left:.0f} s left'}): {ev.moved} actors moved"
         return RunEvent("drain", step, t, text, seconds=float(ev.seconds or 0.0))
+    if isinstance(ev, events.Reprotect):
+        nodes = ", ".join(n[:12] for n in ev.nodes)
+        text = (f"snapshot {ev.version} at risk: parts on draining nodes {nodes} have no live node to go to" if ev.how == "stranded" else
+                f"snapshot {ev.version} re-protected against {nodes} by {'re-homing their parts' if ev.how == 'rehome' else 'a new version'}"
+                if ev.in_time else f"nodes {nodes} went before snapshot {ev.version} was re-protected")
+        return RunEvent("reprotect", step, t, text, ev.how, seconds=float(ev.seconds or 0.0))
     if isinstance(ev, events.StateChange):
         return RunEvent("state", step, t, f"{ev.old} -> {ev.new}" + (f": {ev.reason}" if ev.reason else ""))
     if isinstance(ev, events.Failed):

@@ -85,6 +85,9 @@ class _NoFleet:
     def domains(self):
         return {}
 
+    def nodes(self):
+        return {"a", "b", "c", "d", "e", "f"}
+
 
 class _Unanswered:
     """A manager whose calls never answer (a re-home started here stays in flight)."""

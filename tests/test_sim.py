@@ -278,3 +278,42 @@ def test_the_calibration_charges_a_second_replica_what_the_widths_benchmark_meas
     one, two = costs.step_s(4, 4, 16, 1, snapshot=True), costs.step_s(4, 4, 16, 2, snapshot=True)
     assert abs(two - one - 0.2) < 1e-3  # what the benchmark measured
     assert dataclasses.replace(costs, cores=0.0).step_s(4, 4, 16, 2) < dataclasses.replace(costs, cores=0.0).step_s(4, 4, 16, 1)  # own devices: no sharing
+
+
+def test_a_burst_that_takes_90_percent_of_the_fleet_within_one_notice_loses_no_committed_step(corpus_dir, tmp_path):
+    """20 nodes of 2 slots, 4 stages x 4 replicas, groups of 8 with parity 2, no durable tier:
+    18 nodes get 30 s notices over 25 s (90% of the fleet within one notice window) and go at
+    their deadlines. The committed version's parts on each are re-homed at its notice, onto the
+    nodes not draining (by the end, the 2 that stay hold them all), so what the drains could not
+    move comes back from them: no committed step lost. (Before, their erasure groups lost more
+    members than parity covers: exit 3.)"""
+    nodes = [f"r{i}" for i in range(20)]
+    victims = [n for n in nodes if n not in ("r7", "r13")]
+    burst = [a for i, v in enumerate(victims) for a in (ReplayAction(40.0 + i * 25.0 / 18, "drain", v, 30.0), ReplayAction(70.0 + i * 25.0 / 18, "remove", v))]
+    cfg = spot_tiny(corpus_dir, "parallel.dp=4", "elastic.min_replicas=1", "elastic.max_replicas=4", "snapshot.group_size=8", "snapshot.parity=2")
+    t, report = run(cfg, tmp_path, scripted(nodes, sorted(burst, key=lambda a: a.at_s), 200.0), replicas=4, slots=2)
+    assert report["failed"] is None and report["committed_steps_lost"] == 0
+    moved = events(tmp_path, "rehome")
+    assert {m["source"] for m in moved} == set(victims) and {m["target"] for m in moved} <= set(nodes)
+    assert all(not r["in_time"] or r["seconds"] < 30.0 for r in events(tmp_path, "reprotect"))
+
+
+def test_a_collapse_with_no_node_to_re_home_to_is_said_at_the_notice_and_flushed_when_a_durable_tier_exists(corpus_dir, tmp_path):
+    """Every node of the fleet gets a 30 s notice at once: the committed version's parts have
+    nowhere to go. At the notice, the run says so (a ``reprotect`` line with ``how: stranded``, and
+    the run's status), long before the nodes go. With a durable tier (its cadence never due on
+    its own here), an emergency flush of each newer committed version runs while they live, and
+    the run comes back from it on new nodes with no committed step lost; without one it stops
+    (exit 3) as it said it would."""
+    nodes = [f"r{i}" for i in range(6)]
+    plan = scripted(nodes, [ReplayAction(20.0, "drain", n, 30.0) for n in nodes] + [ReplayAction(50.0, "remove", n) for n in nodes]
+                    + [ReplayAction(60.0, "add", f"n{i}") for i in range(6)], 120.0)
+    cfg = spot_tiny(corpus_dir, "parallel.dp=1", "elastic.max_replicas=1", "snapshot.group_size=6")
+    t, report = run(cfg, tmp_path / "durable", plan, replicas=1, slots=1, durable_every=10**6)
+    [said] = [r for r in events(tmp_path / "durable", "reprotect") if r["how"] == "stranded"]
+    assert said["nodes"] == nodes and said["time"] - 1.8e9 < 30.0  # within seconds of the notice at 20 s, the nodes go at 50 s
+    assert report["failed"] is None and report["committed_steps_lost"] == 0 and report["events"]["durable_flushes"] > 0
+    assert {(r.source, r.rollback_steps) for r in t.recoveries} == {("durable", 0)}
+    t, report = run(cfg, tmp_path / "none", plan, replicas=1, slots=1)
+    [said] = [r for r in events(tmp_path / "none", "reprotect") if r["how"] == "stranded"]
+    assert said["time"] - 1.8e9 < 30.0 and report["exit_code"] == 3

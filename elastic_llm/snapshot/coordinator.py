@@ -121,6 +121,7 @@ class SnapshotCoordinator:
         self.gone: set[str] = set()  # nodes known dead (:meth:`note_alive`): their managers get no broadcast
         self.exposure = Exposure(cfg.snapshot.parity, clock)  # nodes about to go (draining): no parity duties, no new shards
         self.rehomer = Rehomer(self.calls, clock)  # the committed version's parts copied off draining nodes at the notice
+        self.emergency = -1  # the newest version flushed because its parts had nowhere to go (a collapse)
         self.broadcast = Broadcast(self.calls, PING_S)  # commits and discards to every manager
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
@@ -254,8 +255,16 @@ class SnapshotCoordinator:
             self.exposure.rehomed(moved)
         rec, draining = self.committed, self.exposure.draining
         if rec is not None and draining & {n for g in rec.placed for n in g}:
-            live = {n: h for n, h in self.managers.items() if n not in self.gone}
-            self.exposure.stranded(self.rehomer.start(rec, live, draining, self.gone, self._domains(list(live))), rec)
+            up = self.fleet.nodes() - self.gone  # (asked only when parts are on draining nodes)
+            live = {n: h for n, h in self.managers.items() if n in up}
+            stranded = self.rehomer.start(rec, live, draining, self.gone, self._domains(list(live)))
+            flush = self.durable is not None and self.durable.inflight is None and rec.version > self.emergency
+            then = ("the run has no durable tier (durable.storage_path): it loses its committed steps if they go" if self.durable is None else
+                    "an emergency flush of it to the durable tier starts now" if flush else "a flush to the durable tier is under way")
+            if self.exposure.stranded(stranded, rec, then) and flush and self.durable is not None:  # a collapse: save each newer one while the nodes live
+                self.emergency = rec.version
+                self._to_all("commit", rec.version, True, ())  # pinned for the flush
+                self.durable.start(rec)
 
     @property
     def reprotections(self) -> list[dict[str, Any]]:

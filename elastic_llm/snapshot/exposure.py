@@ -116,12 +116,17 @@ class Exposure:
         self.done.append({"version": record.version, "nodes": sorted(p.nodes), "seconds": seconds, "bytes": nbytes, "in_time": True, "how": "rehome"})
         log.info("snapshot %d re-protected against %d draining nodes in %.2f s by re-homing their parts", record.version, len(p.nodes), seconds)
 
-    def stranded(self, roles: tuple[str, ...], record: VersionRecord) -> None:
+    def stranded(self, roles: tuple[str, ...], record: VersionRecord, then: str) -> bool:
         """Parts of the committed version on draining nodes with no live node to go to (a
-        collapse): said once per set, in the run's metrics (``at_risk``) and its log, before the nodes go."""
-        if not roles or frozenset(roles) <= self.at_risk or not exposed(record.placed, frozenset(map(record.home, roles)) | self.lost, self.parity):
-            return
+        collapse), beyond a group's parity: said once per set, in the run's metrics and its log,
+        before the nodes go, with ``then``: what the run does about it. Returns whether they are
+        beyond parity."""
+        if not roles or not exposed(record.placed, frozenset(map(record.home, roles)) | self.lost, self.parity):
+            return False
+        if frozenset(roles) <= self.at_risk:
+            return True
         self.at_risk |= frozenset(roles)
         self.done.append({"version": record.version, "nodes": sorted(roles), "seconds": 0.0, "bytes": 0, "in_time": False, "how": "stranded"})
-        log.warning("snapshot %d: %d parts on draining nodes have no live node to go to: once they go, the run needs its durable tier "
-                    "(durable.storage_path) or loses its committed steps", record.version, len(roles))
+        log.warning("snapshot %d: %d parts on draining nodes have no live node to go to, beyond their groups' parity: %s",
+                    record.version, len(roles), then)
+        return True
