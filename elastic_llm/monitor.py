@@ -47,7 +47,7 @@ class RunStatus:
 
 @dataclass(frozen=True)
 class RunEvent:
-    """Something that happened to the run: ``kind`` is recovery, resize, drain, reprotect, capacity, state,
+    """Something that happened to the run: ``kind`` is recovery, resize, drain, reprotect, warning, capacity, state,
     failed or end; ``text`` says it in one line."""
 
     kind: str
@@ -112,6 +112,8 @@ def event_of(record: Mapping[str, Any]) -> RunEvent | None:
                 f"snapshot {ev.version} re-protected against {nodes} by {'re-homing their parts' if ev.how == 'rehome' else 'a new version'}"
                 if ev.in_time else f"nodes {nodes} went before snapshot {ev.version} was re-protected")
         return RunEvent("reprotect", step, t, text, ev.how, seconds=float(ev.seconds or 0.0))
+    if isinstance(ev, events.RunWarning):
+        return RunEvent("warning", step, t, str(ev.message), str(ev.what))
     if isinstance(ev, events.StateChange):
         return RunEvent("state", step, t, f"{ev.old} -> {ev.new}" + (f": {ev.reason}" if ev.reason else ""))
     if isinstance(ev, events.Failed):

@@ -331,3 +331,26 @@ def test_head_sets_fast_node_failure_detection_that_ray_start_accepts(cluster: d
     assert detect_ms <= 6000, config
     ctx = start.make_context("start", args, resilient_parsing=True)  # ray start's own parser takes the flag
     assert ctx.params["system_config"] == config
+
+
+def test_workers_say_they_are_spot_and_the_head_gives_runs_a_durable_tier(cluster: dict[str, Any]) -> None:
+    """Each worker's Ray node carries the label a run reads to know it is on spot nodes (its
+    market, from EC2's metadata), in the form ``ray start`` parses; the head makes the S3 bucket
+    of the runs' durable tier (the Python it runs compiles) and exports its URI where Ray starts,
+    so ``durable.storage_path: cluster`` finds it."""
+    from ray._private.label_utils import parse_node_labels_string
+    from ray.scripts.scripts import start
+
+    from elastic_llm.config.loading import DURABLE_ENV
+    from elastic_llm.config.rules import SPOT_LABEL
+
+    (command,) = [c for c in cluster["worker_start_ray_commands"] if "ray start" in c]
+    expanded = command.replace("${MARKET:-spot}", "spot").replace("${ZONE:+,elastic-llm.io/failure-domain=$ZONE}", ",elastic-llm.io/failure-domain=us-west-2a")
+    ctx = start.make_context("start", shlex.split(expanded.split("ray start", 1)[1]), resilient_parsing=True)
+    assert parse_node_labels_string(ctx.params["labels"]) == {SPOT_LABEL: "spot", "elastic-llm.io/failure-domain": "us-west-2a"}
+    assert "instance-life-cycle" in command
+    (head,) = [c for c in cluster["head_start_ray_commands"] if "ray start" in c]
+    assert head.index(f"export {DURABLE_ENV}=") < head.index("ray start")
+    (bucket,) = [c for c in cluster["head_setup_commands"] if "create_bucket" in c]
+    compile(shlex.split(bucket.split("python3 -c", 1)[1])[0], "head-setup", "exec")
+    assert "~/.elastic-llm-durable" in bucket and "~/.elastic-llm-durable" in head

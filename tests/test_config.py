@@ -157,3 +157,21 @@ def test_the_width_is_not_part_of_the_config_identity():
     a = load_config(None, ["train.batch_size=8", "parallel.dp=1", "parallel.microbatches=2"])
     b = load_config(None, ["train.batch_size=8", "parallel.dp=2", "parallel.microbatches=2"])
     assert a.config_hash() == b.config_hash()
+
+
+def test_durable_storage_path_cluster_is_the_clusters_bucket_or_none_and_spot_runs_without_one_are_warned(monkeypatch):
+    """``durable.storage_path: cluster`` (the GPU and spot jobs ship it) reads the durable location
+    cluster.yaml exports on the head, and is no durable tier elsewhere; a run on spot nodes
+    without a durable tier gets a warning naming the field, one with a tier or without spot
+    nodes gets none."""
+    from elastic_llm.config.loading import DURABLE_ENV
+    from elastic_llm.config.rules import spot_warning
+
+    monkeypatch.delenv(DURABLE_ENV, raising=False)
+    bare = load_config(os.path.join(REPO, "jobs", "llama-124m.yaml"))
+    assert bare.durable.storage_path is None and bare.durable.every == "auto"
+    monkeypatch.setenv(DURABLE_ENV, "s3://elastic-llm-1-us-west-2/runs?region=us-west-2")
+    there = load_config(os.path.join(REPO, "jobs", "llama-124m.yaml"))
+    assert there.durable.storage_path == "s3://elastic-llm-1-us-west-2/runs?region=us-west-2"
+    assert "durable.storage_path" in spot_warning(bare, 3) and "3 node(s)" in spot_warning(bare, 3)
+    assert spot_warning(bare, 0) is None and spot_warning(there, 3) is None and spot_warning(bare, 3, durable=True) is None

@@ -317,3 +317,14 @@ def test_a_collapse_with_no_node_to_re_home_to_is_said_at_the_notice_and_flushed
     t, report = run(cfg, tmp_path / "none", plan, replicas=1, slots=1)
     [said] = [r for r in events(tmp_path / "none", "reprotect") if r["how"] == "stranded"]
     assert said["time"] - 1.8e9 < 30.0 and report["exit_code"] == 3
+
+
+def test_a_spot_trace_without_a_durable_tier_starts_with_a_warning_and_with_one_does_not(corpus_dir, tmp_path):
+    nodes = [f"r{i}" for i in range(4)]
+    plan = scripted(nodes, [ReplayAction(20.0, "remove", "r0")], 30.0)
+    cfg = spot_tiny(corpus_dir, "parallel.dp=1", "elastic.max_replicas=1", "snapshot.group_size=4")
+    run(cfg, tmp_path / "none", plan, replicas=1, slots=1)
+    [warned] = events(tmp_path / "none", "warning")
+    assert warned["what"] == "spot_without_durable" and "durable.storage_path" in warned["message"]
+    run(cfg, tmp_path / "durable", plan, replicas=1, slots=1, durable_every=5)
+    assert events(tmp_path / "durable", "warning") == []

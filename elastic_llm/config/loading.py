@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import os
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,9 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = value
 
 
+DURABLE_ENV = "ELASTIC_LLM_DURABLE_PATH"  # durable.storage_path: cluster reads it
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a YAML run config, apply ``key=value`` overrides, validate.
 
@@ -117,8 +121,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         data = loaded or {}
     for assignment in overrides:
         _apply_override(data, assignment)
-    return validate(_from_dict(RunConfig, data))
+    return validate(_cluster_paths(_from_dict(RunConfig, data)))
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
-    return validate(_from_dict(RunConfig, data))
+    return validate(_cluster_paths(_from_dict(RunConfig, data)))
+
+
+def _cluster_paths(cfg: RunConfig) -> RunConfig:
+    """``durable.storage_path: cluster``: the durable location the cluster gives its runs, the
+    environment variable :data:`DURABLE_ENV` where the config is read (``cluster.yaml`` sets it on
+    the head, where a submitted run's driver runs, to an S3 bucket it makes); none where it is unset."""
+    if cfg.durable.storage_path == "cluster":
+        cfg.durable.storage_path = os.environ.get(DURABLE_ENV) or None
+    return cfg

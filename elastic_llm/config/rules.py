@@ -284,3 +284,15 @@ def _validate_elastic(c: RunConfig) -> list[str]:
 # --------------------------------------------------------------------------- loading
 
 
+SPOT_LABEL = "elastic-llm.io/market"  # a node label: "spot" on preemptible nodes (cluster.yaml sets it from EC2's metadata)
+
+
+def spot_warning(cfg: RunConfig, spot_nodes: int, durable: bool | None = None) -> str | None:
+    """The warning a run on ``spot_nodes`` preemptible nodes starts with when it has no durable
+    tier (``durable``: whether it has one, ``durable.storage_path`` when None); None when it has
+    one, or no spot node. Pure."""
+    if spot_nodes <= 0 or (bool(cfg.durable.storage_path) if durable is None else durable) or not cfg.snapshots_on:
+        return None
+    return (f"{spot_nodes} node(s) of this cluster are spot nodes and durable.storage_path is not set: a burst of preemptions "
+            "beyond what the snapshots' parity and the live nodes can hold loses every committed step; set durable.storage_path "
+            "(cluster.yaml gives its runs an S3 bucket: durable.storage_path: cluster) with durable.every: auto")

@@ -139,6 +139,8 @@ class StepJobs:
         self._adopted_seen = 0
         self._resumed_at: int | None = None  # the step the run resumed at after a standby was used (its top-up waits for a step after it)
         self._last_report = float("-inf")
+        self.reclaimed = 0  # nodes the run has seen reclaimed so far
+        self.waves = 0  # steps at which new reclaims were seen: preemption waves (``durable.every: auto`` counts them as failures)
 
     def deaths(self, step: int) -> None:
         """One ``node_dead`` line per node the runtime found dead since the last look."""
@@ -227,7 +229,10 @@ class StepJobs:
     def durable(self, seconds: float, elapsed_s: float, failures: int) -> None:
         """The durable tier: what the run measured (``auto``'s inputs), and the flush in flight."""
         if self.parts.durable is not None:
-            self.parts.durable.observe(seconds, elapsed_s, failures)
+            gone = len(self.nodes.reclaimed())
+            self.waves += gone > self.reclaimed  # new preemptions since the last step: one wave, however many nodes
+            self.reclaimed = gone
+            self.parts.durable.observe(seconds, elapsed_s, failures + self.waves)  # auto: the rate of failures and preemption waves
             self.parts.durable.poll()
 
     def mirrors(self, step: int, force: bool = False) -> None:

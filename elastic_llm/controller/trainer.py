@@ -107,9 +107,9 @@ class Trainer:
             return
         t0, spans, rt = self.clock.perf_counter(), self._spans, self.runtime
         if self.parts is None:
-            for warning in rt.start(self.cfg, self.run_id, spans):
+            for what, warning in rt.start(self.cfg, self.run_id, spans):
                 log.warning(warning)
-                self.metrics.emit(events.RunWarning(step=self.step, what="object_store", message=warning))
+                self.metrics.emit(events.RunWarning(step=self.step, what=what, message=warning))
             self.parts = open_parts(self.cfg, rt, self.run_id, self.reattach is not None, self.metrics, str(self.data_dir), self.run_facts, spans)
             self.runner = StepRunner(self.cfg, self.clock, self.stream, self.parts, rt.faults, rt.nodes, self.targets, rt.errors)
             self.runner.between = lambda: (self.parts.elastic.notice(self.drains_seen), self.jobs.snapshot_lines(self.step))  # type: ignore[union-attr]  # while a step runs: new notices start their spares and re-home parts

@@ -105,7 +105,7 @@ class DurableTier:
 
     # ------------------------------------------------------------------ inputs from the run
     def observe(self, step_s: float, elapsed_s: float, failures: int) -> None:
-        """What the run measured: a step's time, the time trained, the failures seen."""
+        """What the run measured: a step's time, the time trained, the failures and preemption waves seen."""
         self.step_s.add(step_s)
         self.elapsed_s, self.failures = elapsed_s, failures
 
@@ -117,7 +117,7 @@ class DurableTier:
         interval = cadence.young_daly_s(self.cost.value, mtbf)
         snap_every = self.coordinator.every
         every = cadence.flush_every(interval, snap_every, self.step_s.value)
-        seen = f"{self.failures} failures in {self.elapsed_s:.0f} s" if self.failures else f"no failure yet, durable.mtbf_h={self.cfg.durable.mtbf_h}"
+        seen = f"{self.failures} failures or preemption waves in {self.elapsed_s:.0f} s" if self.failures else f"no failure yet, durable.mtbf_h={self.cfg.durable.mtbf_h}"
         self.why = f"auto: sqrt(2 x {self.cost.value:.2f} s flush x {mtbf:.0f} s MTBF ({seen})) = {interval:.0f} s = {every} snapshots"
         if self.metrics is not None:  # once per flush: flushes are rare
             self.metrics.emit(events.DurableEvery(

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 from elastic_llm.chaos import Chaos, ChaosExecutor
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
+from elastic_llm.config.rules import SPOT_LABEL, spot_warning
 from elastic_llm.controller.drains import Drain, NodeDeath, Outcome
 from elastic_llm.controller.ports import DurableTier, Standbys
 from elastic_llm.monitor import RunStatus, start_monitor
@@ -151,14 +152,17 @@ class RayRuntime:
         for n in itertools.count(1):
             yield (self.registry.driver_epoch << GENERATION_BITS) + n
 
-    def start(self, cfg: RunConfig, run_id: str, spans: Spans) -> list[str]:
+    def start(self, cfg: RunConfig, run_id: str, spans: Spans) -> list[tuple[str, str]]:
         import ray
 
         with spans.span("ray"):
             self.owns_ray = start_ray(cfg, self.address, self.dashboard) or self.owns_ray
         rc = cfg.recovery
         self.nodes.start(rc.node_probe_s, rc.node_probe_failures, rc.node_probe_declare)
-        return store_warnings(cfg, ray.nodes()) if cfg.snapshots_on else []
+        nodes = ray.nodes()
+        out = [("object_store", w) for w in (store_warnings(cfg, nodes) if cfg.snapshots_on else [])]
+        spot = spot_warning(cfg, sum(1 for n in nodes if n["Alive"] and (n.get("Labels") or {}).get(SPOT_LABEL) == "spot"))
+        return out + ([("spot_without_durable", spot)] if spot else [])
 
     def standbys(self, cfg: RunConfig, run_id: str) -> Standbys | None:
         from elastic_llm.runtime.standby import StandbyPool

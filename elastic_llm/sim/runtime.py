@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from elastic_llm.config import RunConfig
+from elastic_llm.config.rules import spot_warning
 from elastic_llm.controller.drains import Drain, NodeDeath
 from elastic_llm.controller.ports import DurableTier, Standbys
 from elastic_llm.monitor import RunStatus
@@ -293,8 +294,11 @@ class SimRuntime:
         self.group_made: SimActors | None = None
         self.tier: SimFlusher | None = None
 
-    def start(self, cfg: RunConfig, run_id: str, spans: Spans) -> list[str]:
-        return []
+    def start(self, cfg: RunConfig, run_id: str, spans: Spans) -> list[tuple[str, str]]:
+        """A trace that removes nodes is a spot fleet: without a simulated durable tier, the run says so."""
+        fleet = self.world.fleet
+        warning = spot_warning(cfg, len(fleet.nodes) if fleet.removals else 0, self.durable_every > 0)
+        return [("spot_without_durable", warning)] if warning else []
 
     def standbys(self, cfg: RunConfig, run_id: str) -> Standbys | None:
         return SimStandbys(self.world, self.standbys_per_node)
