@@ -132,7 +132,8 @@ class RecoveryConfig:
 
 @dataclass
 class DurableConfig:
-    storage_path: str | None = None  # local directory or pyarrow URI (s3://bucket/dir?endpoint_override=..., gs://, hdfs://); "cluster": $ELASTIC_LLM_DURABLE_PATH (cluster.yaml sets it); None: no durable tier
+    # a local directory or pyarrow URI (s3://bucket/dir?endpoint_override=..., gs://, hdfs://); "cluster": $ELASTIC_LLM_DURABLE_PATH (cluster.yaml sets it)
+    storage_path: str | None = None  # None: no durable tier
     every: int | str = 50  # flush every N-th committed snapshot, or "auto" (Young/Daly from the flush cost and the observed rate of failures and preemption waves)
     keep_last: int = 3  # committed checkpoints kept in {storage_path}/{run_name}; older ones are deleted (never the newest)
     run_name: str | None = None  # directory under storage_path (None: the run's name)
