@@ -8,7 +8,8 @@ bursts of up to 25% of the fleet, dipping to 40%), each at notices of 0, 10, 30 
 Per run: liveput (committed steps over an oracle that trains at every moment at the widest width
 the live nodes hold, at the run's measured full-width rate), whether it survived, committed steps
 lost, the narrowest width against the oracle's at that moment, recoveries, re-protections
-within the notice, and the driver's CPU per step with its actor calls charged.
+within the notice, the parts re-homed at notices (seconds from each notice until the draining
+node's parts were all on live nodes), and the driver's CPU per step with its actor calls charged.
 
 The peer every liveput is a ratio of is the oracle, computed in the same run from the same
 trace; the fixed-width and reactive policies side by side are ``bench simulate``'s policy table.
@@ -68,12 +69,13 @@ def run_fleet_bench(out_dir: str | None = None) -> dict[str, Any]:
                 rep = sim.run(where)
                 body = json.loads((where / "replay.json").read_text())
                 lines = [json.loads(x) for x in (where / "metrics.jsonl").read_text().splitlines() if '"reprotect"' in x]
+                moves = [json.loads(x) for x in (where / "metrics.jsonl").read_text().splitlines() if '"rehome"' in x]
                 rows.append({
                     "trace": name, "notice_s": notice, "liveput": round(rep["liveput"] or 0.0, 4), "survived": rep["failed"] is None,
                     "steps": rep["committed_steps"], "oracle_steps": rep["oracle_steps"], "committed_steps_lost": rep["committed_steps_lost"],
                     "useful_fraction": round(rep["useful_fraction"] or 0.0, 4), **width_gap(body),
                     "recoveries": rep["events"]["recoveries"], "drains": rep["events"]["drains"],
-                    **reprotection(lines),
+                    **reprotection(lines), **rehoming(moves),
                     "driver_per_step_ms": rep["controller_cpu"]["driver_per_step_ms"],
                     "controller_per_step_ms": rep["controller_cpu"]["per_step_ms"], "per_plan_ms_max": rep["controller_cpu"]["per_plan_ms_max"],
                     "stage_calls_per_step": rep["controller_cpu"]["stage_calls_per_step"],
@@ -92,6 +94,26 @@ def reprotection(lines: list[dict]) -> dict:
     return {"reprotections": len(done), "reprotect_s_max": round(max((x["seconds"] for x in done), default=0.0), 2),
             "reprotect_mb_per_node": round(sum(per_node) / len(per_node), 1) if per_node else 0.0,
             "went_first": len(lines) - len(done), "went_first_nodes": sum(len(x["nodes"]) for x in lines if not x.get("in_time", True))}
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else 0.0
+
+
+def rehoming(moves: list[dict]) -> dict:
+    """Parts re-homed at notices: how many, their bytes, and the seconds from each draining
+    node's notice until its parts of the version committed then were all on live nodes (the
+    first version re-homed off it; p50, p90, max over the draining nodes). Pure."""
+    first: dict[str, int] = {}
+    for m in moves:
+        first.setdefault(m["source"], m["version"])
+    protected: dict[str, float] = {}
+    for m in moves:
+        if m["version"] == first[m["source"]]:
+            protected[m["source"]] = max(protected.get(m["source"], 0.0), m["seconds"])
+    secs = list(protected.values())
+    return {"rehomes": len(moves), "rehome_gb": round(sum(m["bytes"] for m in moves) / 1e9, 1), "rehomed_nodes": len(secs),
+            "notice_to_protected_s": {"p50": _quantile(secs, 0.5), "p90": _quantile(secs, 0.9), "max": round(max(secs, default=0.0), 2)}}
 
 
 if __name__ == "__main__":

@@ -282,8 +282,8 @@ class SnapshotCoordinator:
         ``last`` step always takes one (waiting likewise): the run's end is what a resume or the
         durable tier's last flush starts from."""
         sn = self.cfg.snapshot
-        if self.exposure.pending is not None and not self.inflight:  # a burst of notices: re-protect now, whatever the cadence
-            return True
+        if self.exposure.pending is not None and not self.inflight and not self.rehomer.moves:  # a burst of notices: re-protect now, whatever the cadence
+            return True  # (unless its parts are being re-homed: a version is taken if that fails)
         if not last and ((step - self.last_begin < self.every) if self.auto else (step % self.every)):
             return False
         lag = step - (self.committed.version if self.committed else 0)
@@ -310,7 +310,7 @@ class SnapshotCoordinator:
         (a replay lost a second node of a 4-node group 18 s after the first, during the recovery's
         first step). A version of the committed step replaces it on each manager only once it commits."""
         rec, flushing = self.committed, self.durable.inflight if self.durable is not None else None
-        if rec is None or self.exposure.pending is None or self.inflight or step < rec.version:
+        if rec is None or self.exposure.pending is None or self.inflight or self.rehomer.moves or step < rec.version:
             return False
         return flushing is None or flushing.record.version != step
 
