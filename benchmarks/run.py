@@ -95,6 +95,8 @@ def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
         return bench.run_simulate_bench(loopback=args.loopback, out_dir=args.out)
     if args.what == "fleet":
         return bench.run_fleet_bench(out_dir=args.out)
+    if args.what == "rehome":
+        return bench.run_rehome_bench(args.config or "jobs/tiny.yaml", rounds=args.steps or 3, overrides=args.set or [])
     if args.what == "calibrate":
         return bench.run_calibrate_bench(out=args.out, from_dir=args.from_dir)
     raise AssertionError(args.what)  # argparse restricts choices
@@ -126,7 +128,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The ``bench`` subcommand on the product's command line (and the parser of ``python -m benchmarks.<what>``)."""
     b = sub.add_parser("bench", help="benchmarks against real peers (run from the root of a source checkout: they read jobs/*.yaml)")
-    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate", "fleet", "calibrate"])
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate", "fleet", "calibrate", "rehome"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report")
     b.add_argument("--out", help=("simulate, fleet: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory; "
@@ -136,7 +138,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=None, help=(
         "timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips "
         "for transport, 200; node removals per setting for detect, 3; driver kills per resume kind for failover, 2; failures per "
-        "in-memory path for recovery, 3)"))
+        "in-memory path for recovery, 3; bursts for rehome, 3)"))
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
     b.add_argument("--auto-only", action="store_true", help="durable: only snapshot.every: auto against no snapshots on the 3-node loopback cluster")

@@ -282,3 +282,20 @@ def test_a_rehomed_record_survives_its_json_and_a_lost_member_keeps_the_exposure
     ex.notice(frozenset({"a"}), rec, 0)
     ex.rehomed(rec.rehomed({"a": "x"}))
     assert ex.pending is not None  # c is gone: the group's parity is spent, a new version is still due
+
+
+def test_a_group_is_critical_once_it_lost_or_is_losing_as_many_members_as_parity_covers():
+    """Re-protection waits for its version only while one more loss could be beyond parity. Pure."""
+    from elastic_llm.sim.world import SimClock
+    from elastic_llm.snapshot.exposure import Exposure
+    from elastic_llm.snapshot.records import VersionRecord
+
+    rec = VersionRecord(3, (("a", "b", "c", "d"),), ())
+    ex = Exposure(2, SimClock())
+    assert not ex.critical(rec) and not ex.critical(None)
+    ex.degraded(frozenset({"a"}), rec, 0)
+    assert not ex.critical(rec)  # one of two spent
+    ex.notice(frozenset({"b"}), rec, 0)
+    assert ex.critical(rec)  # a gone and b draining: the next loss is beyond parity 2
+    assert not ex.critical(rec.rehomed({"b": "x"}))  # b's part re-homed
+

@@ -160,6 +160,8 @@ class Standbys(Protocol):
     @property
     def per_node(self) -> int: ...
     @property
+    def starts_take_step_cpu(self) -> bool: ...  # a standby's start takes CPU from the steps (stages on CPUs): a used one is replaced after a step
+    @property
     def adopted(self) -> int: ...
 
     def check(self) -> int: ...  # standbys found dead since the last check

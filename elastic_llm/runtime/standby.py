@@ -87,6 +87,11 @@ class StandbyPool:
     def enabled(self) -> bool:
         return self.cfg.recovery.standby != 0
 
+    @property
+    def starts_take_step_cpu(self) -> bool:
+        """Stages on CPUs: a standby's start competes with the steps (on GPUs it does not)."""
+        return not self.cfg.parallel.gpus_per_actor
+
     def resize(self, failures: int, elapsed_s: float) -> None:
         """``auto``: re-size the pool from the failures seen so far."""
         nodes = max(1, len(self.standbys))

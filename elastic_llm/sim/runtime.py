@@ -87,6 +87,7 @@ class SimStandbys:
     def __init__(self, world: World, per_node: int) -> None:
         self.world, self.per_node = world, per_node
         self.enabled = per_node > 0
+        self.starts_take_step_cpu = world.costs.cores > 0  # shared cores (a loopback cluster's profile); a device per actor: no
         self.adopted = 0
         self.start_s = world.costs.actor_start_s
         self.refill: dict[str, list[float]] = {}  # node -> when its used standbys are back

@@ -103,6 +103,12 @@ class Exposure:
         log.info("snapshot %d re-protected against %d draining or lost nodes in %.2f s (%.1f MB of their shards)",
                  record.version, len(p.nodes), seconds, nbytes / 1e6)
 
+    def critical(self, record: VersionRecord | None) -> bool:
+        """Whether one more loss in some group of ``record`` could be beyond its parity: a group
+        has already lost (or is losing to drains) as many members as parity covers. Pure."""
+        at_risk = self.lost | self.draining
+        return record is not None and any(sum(1 for n in g if n in at_risk) >= self.parity for g in record.placed)
+
     def rehomed(self, record: VersionRecord) -> None:
         """Parts of the committed version were re-homed off draining nodes (:mod:`rehome`): once
         no group of it loses more members with the draining (and lost) nodes than parity covers,

@@ -1,0 +1,159 @@
+"""``elastic-llm bench rehome``: seconds from a burst of notices to a protected snapshot, on loopback.
+
+A ``ray.cluster_utils.Cluster`` on 127.0.0.1 (a head without CPUs, 6 worker nodes of 1 CPU and
+1 GiB of object store) trains the config (default ``jobs/tiny.yaml``: 2 stages, one replica, erasure
+groups of 3, parity 1, a snapshot every 20 steps, so the committed version stays the one the
+notices hit). Per round, once a version has committed, two nodes of one erasure group (the node of
+stage 0 and another member) are drained at once with a 20 s notice (``ray drain-node``'s API, as
+the spot watcher asks): beyond the group's parity. The run re-homes their parts of the committed
+version onto the other nodes; from its metrics: the seconds from when the run saw the notice until
+no group of the version depended on the draining nodes beyond parity (``reprotect`` with ``how:
+rehome``), and per part copied its bytes and copy seconds. The drained nodes are then removed and
+replaced before the next round.
+
+The peer, in the same run and on the same two nodes: Ray's own object transfer of the same bytes
+(an actor on the draining node puts them, an actor on the target node gets them and puts its own
+copy, as a manager's ``adopt`` does, without the checksums and the bookkeeping), and a plain
+``memcpy`` of them in this process. Reported as ratios. Must never reach anything but 127.0.0.1
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is required) or judge its result (BENCHMARKS.md does).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import MID_RUN, machine_info, ratio
+
+WORKERS = 6
+NOTICE_S = 20.0
+STORE = 1 << 30
+
+
+def _events(path: Path, kind: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            x = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if x.get("event") == kind:
+            out.append(x)
+    return out
+
+
+def _peer_transfer_s(source: str, target: str, nbytes: int) -> float:
+    """Seconds for ``nbytes`` put on ``source`` to be fetched and put again on ``target`` (Ray's
+    object transfer between the two nodes, as an adopting manager pulls a part)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    class Holder:
+        def put(self, n: int) -> list[Any]:
+            return [ray.put(np.ones(n, dtype=np.uint8))]
+
+        def take(self, refs: list[Any]) -> float:
+            t = time.perf_counter()
+            arr = ray.get(refs[0])
+            self.kept = ray.put(np.asarray(arr))
+            return time.perf_counter() - t
+
+    a = Holder.options(scheduling_strategy=NodeAffinitySchedulingStrategy(source, soft=False)).remote()
+    b = Holder.options(scheduling_strategy=NodeAffinitySchedulingStrategy(target, soft=False)).remote()
+    try:
+        refs = ray.get(a.put.remote(nbytes), timeout=120)
+        return float(ray.get(b.take.remote(refs), timeout=120))
+    finally:
+        ray.kill(a)
+        ray.kill(b)
+
+
+def _memcpy_s(nbytes: int) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    dst[:] = src  # warm
+    t = time.perf_counter()
+    dst[:] = src
+    return time.perf_counter() - t
+
+
+def run_rehome_bench(config: str = "jobs/tiny.yaml", rounds: int = 3, overrides: list[str] | None = None) -> dict[str, Any]:
+    import ray
+
+    from elastic_llm.config import load_config
+    from elastic_llm.runtime.drains import request_drain
+    from elastic_llm.runtime.ray_runtime import ray_trainer
+    from elastic_llm.runtime.session import add_loopback_node, loopback_cluster
+    from elastic_llm.snapshot.records import ShardKey
+
+    sets = ["parallel.stages=2", "parallel.dp=1", "parallel.cpus_per_actor=1", "parallel.placement_strategy=SPREAD", "train.eval_every=0",
+            "snapshot.group_size=3", "snapshot.parity=1", "snapshot.every=20", "elastic.min_replicas=1", "elastic.max_replicas=1",
+            "recovery.standby=0", MID_RUN, *(overrides or [])]
+    cluster = loopback_cluster(WORKERS, 1, STORE)
+    rows: list[dict[str, Any]] = []
+    try:
+        for r in range(rounds):
+            with tempfile.TemporaryDirectory(prefix="bench-rehome-") as tmp:
+                metrics = Path(tmp) / "metrics.jsonl"
+                t = ray_trainer(load_config(config, sets), cluster=cluster, metrics_out=metrics)
+                thread = threading.Thread(target=t.fit, args=(10**6,), daemon=True)
+                thread.start()
+                try:
+                    deadline = time.monotonic() + 300
+                    while not (t.parts is not None and t.parts.snapshots.committed is not None and t.step > t.parts.snapshots.committed.version):
+                        if time.monotonic() > deadline or not thread.is_alive():
+                            raise RuntimeError(f"round {r}: no committed snapshot within 300 s")
+                        time.sleep(0.2)
+                    rec = t.parts.snapshots.committed
+                    first = t.group.nodes[ShardKey(0, 0)]
+                    victims = [first, next(n for n in rec.group_of(first) if n != first)]
+                    for v in victims:
+                        request_drain(v, NOTICE_S, "bench rehome")
+                    asked = time.monotonic()
+                    while not [x for x in _events(metrics, "reprotect") if x.get("how") == "rehome"] and time.monotonic() - asked < NOTICE_S:
+                        time.sleep(0.1)
+                    time.sleep(1.0)  # the other parts' lines
+                    moved = [m for m in _events(metrics, "rehome") if m["version"] == rec.version]
+                    protect = [x for x in _events(metrics, "reprotect") if x.get("how") == "rehome"]
+                    target = moved[0]["target"] if moved else None
+                    nbytes = max((m["bytes"] for m in moved), default=0)
+                    peer = _peer_transfer_s(moved[0]["source"], target, nbytes) if moved and nbytes else None
+                    copy = max((m["copy_s"] for m in moved if m["bytes"] == nbytes), default=None)
+                    rows.append({
+                        "round": r, "version": rec.version, "parts_moved": len(moved), "bytes": sum(m["bytes"] for m in moved),
+                        "notice_to_protected_s": round(protect[0]["seconds"], 3) if protect else None,
+                        "largest_part_bytes": nbytes, "largest_part_copy_s": copy, "ray_transfer_s": peer, "memcpy_s": _memcpy_s(nbytes) if nbytes else None,
+                        "copy_vs_ray_transfer": ratio(copy, peer), "copy_vs_memcpy": None, "reprotections": [x.get("how") for x in _events(metrics, "reprotect")],
+                    })
+                    rows[-1]["copy_vs_memcpy"] = ratio(copy, rows[-1]["memcpy_s"], 1)
+                finally:
+                    t.request_stop()
+                    thread.join(timeout=120)
+                    t.shutdown()
+                for node in [n for n in cluster.worker_nodes if n.node_id in set(victims)]:
+                    cluster.remove_node(node)
+                while len(cluster.worker_nodes) < WORKERS:
+                    add_loopback_node(cluster, 1, STORE)
+                cluster.wait_for_nodes()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    secs = [x["notice_to_protected_s"] for x in rows if x["notice_to_protected_s"] is not None]
+    return {"bench": "rehome", "machine": machine_info(), "config": config, "overrides": sets, "notice_s": NOTICE_S, "rounds": rows,
+            "notice_to_protected_s_median": statistics.median(secs) if secs else None, "protected_rounds": len(secs)}
+
+
+if __name__ == "__main__":
+    from benchmarks.common import main
+
+    raise SystemExit(main("rehome"))
