@@ -68,8 +68,9 @@ def run_fleet_bench(out_dir: str | None = None) -> dict[str, Any]:
                                  load_costs("gpu-a100"))
                 rep = sim.run(where)
                 body = json.loads((where / "replay.json").read_text())
-                lines = [json.loads(x) for x in (where / "metrics.jsonl").read_text().splitlines() if '"reprotect"' in x]
-                moves = [json.loads(x) for x in (where / "metrics.jsonl").read_text().splitlines() if '"rehome"' in x]
+                events = [json.loads(x) for x in (where / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
+                lines = [x for x in events if x["event"] == "reprotect"]
+                moves = [x for x in events if x["event"] == "rehome"]
                 rows.append({
                     "trace": name, "notice_s": notice, "liveput": round(rep["liveput"] or 0.0, 4), "survived": rep["failed"] is None,
                     "steps": rep["committed_steps"], "oracle_steps": rep["oracle_steps"], "committed_steps_lost": rep["committed_steps_lost"],
@@ -88,12 +89,16 @@ def run_fleet_bench(out_dir: str | None = None) -> dict[str, Any]:
 def reprotection(lines: list[dict]) -> dict:
     """The run's re-protections against bursts of notices: how many committed before their
     draining nodes went (and how long after the notice, the most of them; the draining nodes'
-    megabytes each covered per node) and how many times nodes went first."""
+    megabytes each covered per node; how many by re-homing their parts), how many times nodes went
+    first, and how many times parts had nowhere to go (a collapse, said at the notice)."""
     done = [x for x in lines if x.get("in_time", True)]
+    late = [x for x in lines if not x.get("in_time", True) and x.get("how") != "stranded"]
     per_node = [x["bytes"] / len(x["nodes"]) / 1e6 for x in done if x["nodes"]]
-    return {"reprotections": len(done), "reprotect_s_max": round(max((x["seconds"] for x in done), default=0.0), 2),
+    return {"reprotections": len(done), "by_rehome": sum(1 for x in done if x.get("how") == "rehome"),
+            "reprotect_s_max": round(max((x["seconds"] for x in done), default=0.0), 2),
             "reprotect_mb_per_node": round(sum(per_node) / len(per_node), 1) if per_node else 0.0,
-            "went_first": len(lines) - len(done), "went_first_nodes": sum(len(x["nodes"]) for x in lines if not x.get("in_time", True))}
+            "went_first": len(late), "went_first_nodes": sum(len(x["nodes"]) for x in late),
+            "stranded": sum(1 for x in lines if x.get("how") == "stranded")}
 
 
 def _quantile(xs: list[float], q: float) -> float:

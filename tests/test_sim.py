@@ -328,3 +328,21 @@ def test_a_spot_trace_without_a_durable_tier_starts_with_a_warning_and_with_one_
     assert warned["what"] == "spot_without_durable" and "durable.storage_path" in warned["message"]
     run(cfg, tmp_path / "durable", plan, replicas=1, slots=1, durable_every=5)
     assert events(tmp_path / "durable", "warning") == []
+
+
+def test_bench_fleet_reads_notice_to_protected_per_draining_node_from_its_first_rehomed_version():
+    """The fleet benchmark's re-home figures: per draining node, the slowest part of the first
+    version re-homed off it (later versions' parts on it are not the notice's); a collapse's
+    ``stranded`` lines are not nodes that went first. Pure."""
+    from benchmarks.fleet import rehoming, reprotection
+
+    moves = [{"source": "a", "version": 5, "seconds": 0.4, "bytes": 10**9}, {"source": "a", "version": 5, "seconds": 1.2, "bytes": 10**9},
+             {"source": "a", "version": 6, "seconds": 9.0, "bytes": 10**9}, {"source": "b", "version": 6, "seconds": 0.8, "bytes": 2 * 10**9}]
+    got = rehoming(moves)
+    assert got["rehomes"] == 4 and got["rehome_gb"] == 5.0 and got["rehomed_nodes"] == 2
+    assert got["notice_to_protected_s"] == {"p50": 1.2, "p90": 1.2, "max": 1.2}
+    lines = [{"in_time": True, "how": "rehome", "nodes": ["a"], "bytes": 10**6, "seconds": 1.2},
+             {"in_time": False, "how": "stranded", "nodes": ["c", "d"], "bytes": 0, "seconds": 0.0},
+             {"in_time": False, "how": "version", "nodes": ["e"], "bytes": 0, "seconds": 3.0}]
+    r = reprotection(lines)
+    assert (r["reprotections"], r["by_rehome"], r["went_first"], r["went_first_nodes"], r["stranded"]) == (1, 1, 1, 1, 1)
