@@ -11,10 +11,10 @@ no group of the version depended on the draining nodes beyond parity (``reprotec
 rehome``), and per part copied its bytes and copy seconds. The drained nodes are then removed and
 replaced before the next round.
 
-The peer, in the same run and on the same two nodes: Ray's own object transfer of the same bytes
-(an actor on the draining node puts them, an actor on the target node gets them and puts its own
-copy, as a manager's ``adopt`` does, without the checksums and the bookkeeping), and a plain
-``memcpy`` of them in this process. Reported as ratios. Must never reach anything but 127.0.0.1
+The peer, in the same run: Ray's own object transfer of the same bytes to the same target node
+(an actor on another live node puts them, since a draining node takes no new actor; an actor on
+the target gets them and puts its own copy, as a manager's ``adopt`` does, without the checksums
+and the bookkeeping), and a plain ``memcpy`` of them in this process. Reported as ratios. Must never reach anything but 127.0.0.1
 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is required) or judge its result (BENCHMARKS.md does).
 """
 
@@ -127,7 +127,8 @@ def run_rehome_bench(config: str = "jobs/tiny.yaml", rounds: int = 3, overrides:
                     protect = [x for x in _events(metrics, "reprotect") if x.get("how") == "rehome"]
                     target = moved[0]["target"] if moved else None
                     nbytes = max((m["bytes"] for m in moved), default=0)
-                    peer = _peer_transfer_s(moved[0]["source"], target, nbytes) if moved and nbytes else None
+                    other = next((n.node_id for n in cluster.worker_nodes if n.node_id not in set(victims) and n.node_id != target), None)
+                    peer = _peer_transfer_s(other, target, nbytes) if moved and nbytes and other else None  # (a draining node takes no new actor)
                     copy = max((m["copy_s"] for m in moved if m["bytes"] == nbytes), default=None)
                     rows.append({
                         "round": r, "version": rec.version, "parts_moved": len(moved), "bytes": sum(m["bytes"] for m in moved),
