@@ -15,7 +15,7 @@ import pytest
 from elastic_llm.cli import main
 from elastic_llm.monitor import RunEvent, RunMonitor, RunStatus, event_of, protected_groups
 from elastic_llm.ops.status import parse_name, render
-from elastic_llm.ops.submit import SubmitError, job_spec, source_checkout
+from elastic_llm.ops.submit import SubmitError, job_spec, source_checkout, with_cluster_durable
 from elastic_llm.snapshot.records import VersionRecord
 from elastic_llm.telemetry import Metrics
 
@@ -106,6 +106,17 @@ def test_a_submitted_job_runs_the_uploaded_checkout_with_the_config_inside_it(tm
     outside.write_text("name: mine\n")
     with pytest.raises(SubmitError, match="outside the working directory"):
         job_spec(str(outside), [], root, tmp_path)
+
+
+def test_a_submitted_run_without_a_durable_tier_gets_the_clusters_and_an_explicit_choice_is_kept():
+    from elastic_llm.config import load_config
+
+    tiny = load_config(f"{REPO}/jobs/tiny.yaml")
+    assert with_cluster_durable(tiny, ["train.lr=1e-3"]) == ["train.lr=1e-3", "durable.storage_path=cluster"]
+    assert with_cluster_durable(tiny, ["durable.storage_path=null"]) == ["durable.storage_path=null"]  # opted out
+    mine = load_config(f"{REPO}/jobs/tiny.yaml", ["durable.storage_path=/data/ckpts"])
+    assert with_cluster_durable(mine, []) == []
+    assert with_cluster_durable(load_config(f"{REPO}/jobs/tiny.yaml", ["snapshot.enabled=false"]), []) == []  # nothing to flush
 
 
 def test_without_a_checkout_only_the_config_travels_and_the_installed_package_runs(tmp_path):

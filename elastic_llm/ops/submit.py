@@ -1,7 +1,8 @@
 """``elastic-llm submit``: a training run as a Ray job, through Ray's ``JobSubmissionClient``.
 
 Owns: checking the run config here before anything is sent (a bad config is refused with the
-same message ``train`` gives), choosing what the job runs (the uploaded source checkout, or the
+same message ``train`` gives), giving a run without a durable tier the cluster's
+(:func:`with_cluster_durable`), choosing what the job runs (the uploaded source checkout, or the
 elastic-llm installed on the cluster), building the entrypoint and runtime env, submitting, and
 telling the user how to follow the job (or following it with ``--wait``).
 Never trains and never talks to the cluster except through the job server.
@@ -22,7 +23,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic_llm.config import RunConfig
 
 EXCLUDES = [".git", "benchmarks/results", "**/__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", "*.png"]
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -68,6 +72,16 @@ def job_spec(config: str, overrides: list[str], working_dir: Path | None, stagin
     return shlex.join(cmd), runtime_env
 
 
+def with_cluster_durable(cfg: "RunConfig", overrides: list[str]) -> list[str]:
+    """``overrides`` plus ``durable.storage_path=cluster`` for a run that takes snapshots and has
+    no durable tier of its own and no ``--set durable.storage_path=...``: on a cluster.yaml cluster
+    (spot workers) the job then flushes to the cluster's bucket (``ELASTIC_LLM_DURABLE_PATH`` on
+    the head); elsewhere ``cluster`` is no durable tier. Pure."""
+    if cfg.durable.storage_path or not cfg.snapshots_on or any(o.startswith("durable.storage_path=") for o in overrides):
+        return overrides
+    return [*overrides, "durable.storage_path=cluster"]
+
+
 def submit(args: argparse.Namespace) -> int:
     from elastic_llm.config import load_config
 
@@ -75,6 +89,7 @@ def submit(args: argparse.Namespace) -> int:
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
     cfg = load_config(args.config, overrides)  # ConfigError: refused here, before the cluster sees it
+    overrides = with_cluster_durable(cfg, overrides)
     if args.working_dir is not None:
         working_dir: Path | None = Path(args.working_dir)
         if working_dir is None or not working_dir.is_dir():
