@@ -246,7 +246,7 @@ def test_two_replicas_broken_at_once_without_room_merge_into_one_whole_replica_w
         assert abs(h["loss"] - clean_dp1["losses"][h["step"]]) <= 1e-4 * abs(clean_dp1["losses"][h["step"]]), (h["step"], h["loss"])
 
 
-NOTICE_S = 30  # the spot notice: a stage spare must start within it, also on the loaded 2 cores of the whole suite
+NOTICE_S = 60  # the spot notice (EC2 gives 120 s): a stage spare must start within it, also on the loaded 2 cores of the whole suite (30 s was not always enough there)
 
 
 def test_the_spot_watcher_drains_on_a_notice_so_the_stages_move_first_with_no_rollback_and_identical_losses(nodes, corpus_dir, tmp_path, clean_dp1):

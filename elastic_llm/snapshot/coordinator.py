@@ -254,8 +254,8 @@ class SnapshotCoordinator:
                 self.on_commit(moved)
             self.exposure.rehomed(moved)
         rec, draining = self.committed, self.exposure.draining
-        if rec is not None and draining & {n for g in rec.placed for n in g}:
-            up = self.fleet.nodes() - self.gone  # (asked only when parts are on draining nodes)
+        if rec is not None and draining & {n for g in self.rehomer.planned(rec).placed for n in g}:
+            up = self.fleet.nodes() - self.gone  # (asked only when parts on draining nodes are not moving yet)
             live = {n: h for n, h in self.managers.items() if n in up}
             stranded = self.rehomer.start(rec, live, draining, self.gone, self._domains(list(live)))
             flush = self.durable is not None and self.durable.inflight is None and rec.version > self.emergency

@@ -72,9 +72,13 @@ class Rehomer:
 
     def __init__(self, calls: Any, clock: Clock) -> None:
         self.calls, self.clock = calls, clock
-        self.moves: dict[str, Move] = {}
+        self.moves: dict[tuple[int, str], Move] = {}  # (version, role) -> its copy in flight (an older version's too, read once it answers)
         self.noticed: dict[str, float] = {}  # draining node -> when first seen
         self.done: list[dict[str, Any]] = []
+
+    def planned(self, record: VersionRecord) -> VersionRecord:
+        """``record`` with the copies of its roles in flight counted as done."""
+        return record.rehomed({r: m.target for (v, r), m in self.moves.items() if v == record.version})
 
     def start(self, record: VersionRecord, managers: Mapping[str, Any], draining: frozenset[str], gone: Iterable[str],
               domains: Mapping[str, str]) -> tuple[str, ...]:
@@ -82,7 +86,7 @@ class Rehomer:
         yet. Returns the roles with nowhere to go."""
         now = self.clock.perf_counter()
         self.noticed = {n: self.noticed.get(n, now) for n in draining}
-        planned = record.rehomed({r: m.target for r, m in self.moves.items() if m.version == record.version})
+        planned = self.planned(record)
         live = [n for n in managers if n not in set(gone)]
         moves, stranded = choose_homes(planned, draining, live, domains)
         for role, target in moves.items():
@@ -90,7 +94,7 @@ class Rehomer:
             if source not in managers:
                 continue
             ref = managers[target].adopt.remote(record.version, role, managers[source])
-            self.moves[role] = Move(role, source, target, ref, self.noticed.get(source, now), now, record.version)
+            self.moves[(record.version, role)] = Move(role, source, target, ref, self.noticed.get(source, now), now, record.version)
         if moves:
             log.info("re-homing %d parts of snapshot %d off draining nodes %s", len(moves), record.version, sorted({planned.home(r)[:12] for r in moves}))
         return stranded
@@ -106,10 +110,12 @@ class Rehomer:
         now = self.clock.perf_counter()
         for ref in ready:
             m = refs[ref]
-            del self.moves[m.role]
+            del self.moves[(m.version, m.role)]
             try:
                 nbytes = self.calls.get(ref, timeout=0)
             except Exception as e:  # noqa: BLE001 - the source went first (or the target): the role stays, one more erasure if its node goes
+                if record is not None and m.version < record.version:
+                    continue  # an older version's copy, superseded meanwhile
                 log.warning("re-homing %s's part of snapshot %d to %s failed (%s): it stays on its draining node", m.role[:12], m.version, m.target[:12], type(e).__name__)
                 continue
             if record is None or m.version != record.version:
