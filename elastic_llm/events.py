@@ -253,6 +253,7 @@ class Reprotect(Event):
     bytes: int  # the draining nodes' shard bytes now protected by groups that outlive them (in_time: False: that they took)
     in_time: bool = True  # False: they went first, before a version without them committed
     how: str = "version"  # a version without them ("version"), their parts re-homed ("rehome"), or nowhere to go ("stranded": ``nodes`` are the parts, said at the notice)
+    cause: str = "notice"  # what exposed it: draining nodes ("notice"), members gone without a notice ("loss"; ``seconds`` from the loss), or both ("loss+notice")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -141,7 +141,7 @@ def test_a_burst_of_notices_beyond_parity_re_protects_the_committed_version_with
     coord.exposure.committed(VersionRecord(51, spread, tuple(shard(i, n, 51) for i, n in enumerate(nodes))), frozenset({"a", "b"}))
     stranded, done = coord.reprotections  # (no managers here: the parts had nowhere to be re-homed, which was said at the notice)
     assert (stranded["how"], stranded["nodes"], stranded["in_time"]) == ("stranded", ["a", "b"], False)
-    assert done == {"version": 51, "nodes": ["a", "b"], "seconds": 1.5, "bytes": 1000 + 2000, "in_time": True, "how": "version"}
+    assert done == {"version": 51, "nodes": ["a", "b"], "seconds": 1.5, "bytes": 1000 + 2000, "in_time": True, "how": "version", "cause": "notice"}
     assert not coord.due(52)  # done: back to the cadence
 
 
@@ -167,7 +167,7 @@ def test_draining_nodes_that_go_before_a_version_without_them_commits_are_record
     assert ex.pending is not None and ex.pending.nodes == {"a", "b"}
     clock.sleep(20.0)
     ex.notice(frozenset(), v50, 51)  # both went: version 51 is still in flight
-    assert ex.pending is None and ex.done == [{"version": 50, "nodes": ["a", "b"], "seconds": 20.0, "bytes": 1000 + 2000, "in_time": False}]
+    assert ex.pending is None and ex.done == [{"version": 50, "nodes": ["a", "b"], "seconds": 20.0, "bytes": 1000 + 2000, "in_time": False, "cause": "notice"}]
     ex.done.clear()
 
     ex.notice(frozenset({"d", "e"}), v50, 52)
@@ -258,7 +258,8 @@ def test_parts_on_draining_nodes_are_re_homed_off_the_group_and_the_domain_first
     moved = rec.rehomed(moves)
     assert moved.home("a") == moves["a"] and moved.home("c") == "c" and moved.placed[0][2] == "c"
     assert choose_homes(moved, frozenset({"a", "b"}), ["c"], domains) == ({}, ())  # nothing left on the draining nodes
-    assert choose_homes(rec, frozenset({"a", "b", "c", "d", "e", "f"}), ["a", "b"], {}) == ({}, ("a", "b", "c", "d", "e", "f"))
+    moves, stranded = choose_homes(rec, frozenset({"a", "b", "c", "d", "e", "f"}), ["a", "b"], {})
+    assert moves == {} and sorted(stranded) == ["a", "b", "c", "d", "e", "f"]
 
 
 def test_a_rehomed_record_survives_its_json_and_a_lost_member_keeps_the_exposure_until_a_new_version():
@@ -281,7 +282,60 @@ def test_a_rehomed_record_survives_its_json_and_a_lost_member_keeps_the_exposure
     ex.degraded(frozenset({"c"}), rec, 0)
     ex.notice(frozenset({"a"}), rec, 0)
     ex.rehomed(rec.rehomed({"a": "x"}))
-    assert ex.pending is not None  # c is gone: the group's parity is spent, a new version is still due
+    assert ex.pending is not None and ex.pending.nodes == {"c"}  # c is gone: the group's parity is spent, a new version is still due
+    assert ex.done[-1]["how"] == "rehome" and ex.done[-1]["nodes"] == ["a"]  # ... but a's share of it ended with the copy
+
+
+def test_a_node_whose_parts_were_all_re_homed_is_not_recorded_late_when_it_goes():
+    """Draining nodes that go after their parts moved took nothing of the committed version: only
+    the ones still holding parts are recorded as gone first; a loss that a notice joins says both
+    causes, and its notice's share is timed from the notice. Pure."""
+    from elastic_llm.sim.world import SimClock
+    from elastic_llm.snapshot.exposure import Exposure
+    from elastic_llm.snapshot.records import VersionRecord
+
+    nodes = ["a", "b", "c", "d", "e", "f"]
+    clock = SimClock()
+    rec = VersionRecord(9, (("a", "b", "c"), ("d", "e", "f")), tuple(_shard(i, n, 9) for i, n in enumerate(nodes)))
+    ex = Exposure(1, clock)
+    ex.degraded(frozenset({"c"}), rec, 0)
+    clock.sleep(5.0)
+    ex.notice(frozenset({"a", "b"}), rec, 0)
+    assert ex.pending is not None and ex.pending.cause == "loss+notice"
+    clock.sleep(2.0)
+    moved = rec.rehomed({"a": "d"})
+    ex.rehomed(moved)  # b is still on its node: a and b together with c are beyond parity 1
+    assert not ex.done
+    ex.notice(frozenset({"b"}), moved, 0)  # a went, its part on d: not late
+    assert not ex.done
+    clock.sleep(1.0)
+    ex.notice(frozenset(), moved, 0)  # b went with its part
+    [late] = ex.done
+    assert late["nodes"] == ["b"] and not late["in_time"] and late["cause"] == "loss+notice" and late["seconds"] == 8.0
+
+
+def test_a_burst_is_re_homed_over_many_links_and_the_copies_that_protect_the_version_start_first():
+    """Many roles off draining nodes are spread over the live nodes' links (copies already queued
+    on a link count), a failure domain takes a member beyond the group's parity only when every
+    live node's does, and in each group the members beyond parity are copied before the rest. Pure."""
+    from elastic_llm.snapshot.records import VersionRecord
+    from elastic_llm.snapshot.rehome import choose_homes
+
+    groups = tuple(tuple(f"n{g}{i}" for i in range(4)) for g in range(4))
+    rec = VersionRecord(5, groups, ())
+    draining = frozenset(m for g in groups[:3] for m in g[:3])  # 3 of 4 members of groups 0-2
+    live = [m for g in groups for m in g] + ["x", "y", "z"]
+    domains = {m: f"z{i}" for g in groups for i, m in enumerate(g)} | {"x": "zx", "y": "zx", "z": "zx"}
+    moves, stranded = choose_homes(rec, draining, live, domains, parity=2)
+    assert not stranded and set(moves) == set(draining)
+    assert max(list(moves.values()).count(t) for t in set(moves.values())) <= 3  # 9 copies over the free links, not all onto x, y, z
+    order = list(moves)
+    assert {order[i] for i in range(3)} == {"n00", "n10", "n20"}  # one per group is beyond parity 2: those first
+    for g in groups[:3]:  # no node holds two members of a group
+        homes = [moves.get(m, m) for m in g]
+        assert len(set(homes)) == len(homes)
+    busy = choose_homes(rec, draining, live, domains, parity=2, queued={"x": 5, "y": 5, "z": 5})[0]
+    assert not {"x", "y", "z"} & set(busy.values())  # their links are busy: others take the copies
 
 
 def test_a_group_is_critical_once_it_lost_or_is_losing_as_many_members_as_parity_covers():

@@ -298,6 +298,33 @@ def test_a_burst_that_takes_90_percent_of_the_fleet_within_one_notice_loses_no_c
     assert all(not r["in_time"] or r["seconds"] < 30.0 for r in events(tmp_path, "reprotect"))
 
 
+def test_notices_that_arrive_while_a_recovery_starts_processes_re_home_parts_at_once(corpus_dir, tmp_path):
+    """A node goes without notice and its replacement takes 30 s to start (no warm standby); 5 s
+    into that wait, four more nodes get 20 s notices, so they go before the recovery ends. Their
+    parts of the committed version are re-homed while the recovery waits (its erasure groups
+    already lost a member: one more is beyond parity 1), so the run loses no committed step.
+    (Before, notices were looked at only while a step ran: the groups lost 2 of their members,
+    exit 3.)"""
+    from dataclasses import replace
+
+    nodes = [f"r{i}" for i in range(10)]
+    actions = [ReplayAction(40.0, "remove", "r0")] + [ReplayAction(45.0, "drain", n, 20.0) for n in ("r1", "r2", "r3", "r4")] + \
+        [ReplayAction(65.0, "remove", n) for n in ("r1", "r2", "r3", "r4")]
+    cfg = spot_tiny(corpus_dir, "recovery.standby=0", "snapshot.every=1")
+    options = SimOptions(nodes=len(nodes), stages=4, replicas=2, slots_per_node=2)
+    sim = Simulation(cfg, options, replace(COSTS, actor_start_s=30.0), scripted(nodes, actions, 150.0))
+    report = sim.run(tmp_path)
+    assert report["failed"] is None and report["committed_steps_lost"] == 0
+    states = events(tmp_path, "state")
+    began = min(x["time"] for x in states if x["new"] == "recovering")
+    ended = min(x["time"] for x in states if x["old"] == "recovering" and x["new"] != "recovering")
+    assert began < 1.8e9 + 30.0 + 45.0 and ended > 1.8e9 + 30.0 + 65.0  # (the run's clock starts at 30 s) one recovery spans the notices and the nodes' end
+    [protected] = [r for r in events(tmp_path, "reprotect") if r["how"] == "rehome"]
+    assert protected["in_time"] and protected["seconds"] < 5.0 and protected["cause"] == "notice"
+    moved = events(tmp_path, "rehome")
+    assert moved and {m["source"] for m in moved} <= {"r1", "r2", "r3", "r4"} and all(m["seconds"] < 5.0 for m in moved)
+
+
 def test_a_collapse_with_no_node_to_re_home_to_is_said_at_the_notice_and_flushed_when_a_durable_tier_exists(corpus_dir, tmp_path):
     """Every node of the fleet gets a 30 s notice at once: the committed version's parts have
     nowhere to go. At the notice, the run says so (a ``reprotect`` line with ``how: stranded``, and
@@ -330,19 +357,22 @@ def test_a_spot_trace_without_a_durable_tier_starts_with_a_warning_and_with_one_
     assert events(tmp_path / "durable", "warning") == []
 
 
-def test_bench_fleet_reads_notice_to_protected_per_draining_node_from_its_first_rehomed_version():
+def test_bench_fleet_reads_notice_to_protected_per_exposure_and_evacuation_per_draining_node():
     """The fleet benchmark's re-home figures: per draining node, the slowest part of the first
-    version re-homed off it (later versions' parts on it are not the notice's); a collapse's
-    ``stranded`` lines are not nodes that went first. Pure."""
+    version re-homed off it (later versions' parts on it are not the notice's); per exposure a
+    notice caused, the seconds until it was protected (a loss's re-protection is not a notice's);
+    a collapse's ``stranded`` lines are not nodes that went first. Pure."""
     from benchmarks.fleet import rehoming, reprotection
 
     moves = [{"source": "a", "version": 5, "seconds": 0.4, "bytes": 10**9}, {"source": "a", "version": 5, "seconds": 1.2, "bytes": 10**9},
              {"source": "a", "version": 6, "seconds": 9.0, "bytes": 10**9}, {"source": "b", "version": 6, "seconds": 0.8, "bytes": 2 * 10**9}]
     got = rehoming(moves)
     assert got["rehomes"] == 4 and got["rehome_gb"] == 5.0 and got["rehomed_nodes"] == 2
-    assert got["notice_to_protected_s"] == {"p50": 1.2, "p90": 1.2, "max": 1.2}
-    lines = [{"in_time": True, "how": "rehome", "nodes": ["a"], "bytes": 10**6, "seconds": 1.2},
+    assert got["notice_to_evacuated_s"] == {"p50": 1.2, "p90": 1.2, "max": 1.2}
+    lines = [{"in_time": True, "how": "rehome", "nodes": ["a"], "bytes": 10**6, "seconds": 1.2, "cause": "notice"},
+             {"in_time": True, "how": "version", "nodes": ["f"], "bytes": 10**6, "seconds": 21.0, "cause": "loss"},
              {"in_time": False, "how": "stranded", "nodes": ["c", "d"], "bytes": 0, "seconds": 0.0},
-             {"in_time": False, "how": "version", "nodes": ["e"], "bytes": 0, "seconds": 3.0}]
+             {"in_time": False, "how": "version", "nodes": ["e"], "bytes": 0, "seconds": 3.0, "cause": "loss+notice"}]
     r = reprotection(lines)
-    assert (r["reprotections"], r["by_rehome"], r["went_first"], r["went_first_nodes"], r["stranded"]) == (1, 1, 1, 1, 1)
+    assert r["notice_to_protected_s"] == {"p50": 1.2, "p90": 1.2, "max": 1.2} and r["notice_exposures"] == 2 and r["notice_went_first"] == 1
+    assert (r["reprotections"], r["by_rehome"], r["went_first"], r["went_first_nodes"], r["stranded"]) == (2, 1, 1, 1, 1)

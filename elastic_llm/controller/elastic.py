@@ -295,6 +295,13 @@ class ElasticExecutor:
         plan = decide(self.observe(seen, between=True), seen, self.cfg.elastic.bounds(self.cfg.parallel.dp)[1])
         self.act(replace(plan, start_spares=0))
 
+    def protect(self) -> None:
+        """While a recovery waits for new processes: the committed version's parts on nodes that
+        announced their end since are re-homed now (and copies that ended are read). Nothing else
+        starts: the recovery's plan stands, spares wait for the next look."""
+        if self.cfg.elastic.drains and self.snapshots is not None:
+            self.snapshots.avoid = self.avoid(self.nodes.draining())
+
     def avoid(self, draining: dict[str, Drain]) -> frozenset[str]:
         """Nodes nothing new goes to: draining ones and the node probes' suspects."""
         return frozenset(draining) | frozenset(self.nodes.suspects())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from elastic_llm import events
@@ -109,8 +110,9 @@ class RecoveryExecutor:
     them): the same code on Ray and in a simulation."""
 
     def __init__(self, group: StageActors, snapshots: SnapshotCoordinator | None, parity: int, min_width: int, options: ModeOptions,
-                 nodes: Nodes, standbys: Standbys | None) -> None:
+                 nodes: Nodes, standbys: Standbys | None, meanwhile: Callable[[], None] | None = None) -> None:
         self.group = group
+        self.meanwhile = meanwhile  # called about every second while new processes start (notices seen then re-home parts at once)
         self.nodes = nodes  # probed once more before looking: a node whose actor call failed is known dead now
         self.standbys = standbys
         self.snapshots = snapshots
@@ -203,7 +205,7 @@ class RecoveryExecutor:
             if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.SNAPSHOT:
                 with g.spans.span("state"):  # before any new process starts: a source found gone re-plans at once
                     fetched = self._fetch(plan, obs)
-            g.replace(lost, {ShardKey(a.stage, a.replica): a.adopt for a in plan.actions if a.adopt is not None})
+            g.replace(lost, {ShardKey(a.stage, a.replica): a.adopt for a in plan.actions if a.adopt is not None}, self.meanwhile)
             if plan.drop_replicas:
                 g.set_width()
             with g.spans.span("state"):

@@ -186,8 +186,8 @@ def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, me
         checkpoints = CheckpointExecutor(group, cfg.recovery.checkpoint_every, cfg.recovery.checkpoint_dir, runtime.clock)
     min_width = cfg.elastic.bounds(cfg.parallel.dp)[0]
     options = ModeOptions(Mode(cfg.recovery.mode), cfg.mirrors, cfg.checkfree.lr_scale, checkpoints, durable)
-    recovery = RecoveryExecutor(group, sn, cfg.snapshot.parity, min_width, options, runtime.nodes, standbys)
     elastic = ElasticExecutor(group, sn, cfg, runtime.nodes, runtime.clock)
+    recovery = RecoveryExecutor(group, sn, cfg.snapshot.parity, min_width, options, runtime.nodes, standbys, elastic.protect)
     return RunParts(group, standbys, sn, durable, checkpoints, recovery, elastic, publisher, keepalive, roster)
 
 

@@ -14,7 +14,7 @@ recovery plan which actor adopts a standby.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,10 +141,11 @@ class ActorGroup(StateCalls):
         self.actors = [[None] * self.stages for _ in range(self.width)]
         self.replace(self.keys())
 
-    def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None) -> None:
+    def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None, meanwhile: Callable[[], None] | None = None) -> None:
         """Kill whatever runs as ``keys`` and put fresh actors on their bundles: for a key in
         ``adopt``, the warm standby of that node becomes it (no process start), for the others a
-        new actor process starts in the bundle. Returns once they answer (raises
+        new actor process starts in the bundle. Returns once they answer, calling ``meanwhile``
+        about every second until then (raises
         :class:`CapacityUnavailable` if their bundles cannot be placed, :class:`PlanNotFollowed`
         if a named node has no standby left)."""
         import ray
@@ -169,7 +170,7 @@ class ActorGroup(StateCalls):
                 self.actors[key.replica][key.stage] = sb.actor
                 self.names[sb.actor] = sb.name
                 calls[key] = sb.actor.adopt.remote(key.stage, key.replica, self.width, self._devices_for(key))
-            self.describe(keys, calls)
+            self.describe(keys, calls, meanwhile)
             ray.get(widths, timeout=WIDTH_S)
 
     def _devices_for(self, key: ShardKey) -> tuple[int, ...] | None:
@@ -204,9 +205,10 @@ class ActorGroup(StateCalls):
         self.names[actor] = name
         return actor
 
-    def describe(self, keys: list[ShardKey], calls: dict[ShardKey, Any] | None = None) -> list[Any]:
+    def describe(self, keys: list[ShardKey], calls: dict[ShardKey, Any] | None = None, meanwhile: Callable[[], None] | None = None) -> list[Any]:
         """Wait (with deadlines) until ``keys`` answer (their ``info``, or the given ``calls``
-        returning it, e.g. an adoption); record their nodes, pids and devices."""
+        returning it, e.g. an adoption), calling ``meanwhile`` at each second's wake-up; record
+        their nodes, pids and devices."""
         import ray
 
         calls = calls or {}
@@ -219,6 +221,8 @@ class ActorGroup(StateCalls):
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             if not pending:
                 break
+            if meanwhile is not None:
+                meanwhile()
             now = self.clock.monotonic()
             if not self.slots.unplaced(replicas, 0):
                 unplaced_since = None

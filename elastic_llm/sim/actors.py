@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,9 +190,10 @@ class SimActors:
         self.ready = set(keys)
         self._shard_size()
 
-    def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None) -> None:
+    def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None, meanwhile: Callable[[], None] | None = None) -> None:
         """New processes for ``keys`` (a standby's where the plan adopts one); the clock moves by
-        the slowest start; an actor whose node went meanwhile did not start."""
+        the slowest start, a second at a time with ``meanwhile`` called after each; an actor whose
+        node went meanwhile did not start."""
         adopt = adopt or {}
         with self.charged:
             homeless = self._homeless(keys)
@@ -214,7 +215,12 @@ class SimActors:
                 if node is not None and (self.standbys is None or self.standbys.take(node) is None):
                     raise PlanNotFollowed(f"the plan has {k} adopt a warm standby on node {node}, but none is left there")
         with self.spans.span("actor"):
-            self.world.clock.sleep(self._start_time(keys, adopt))
+            clock = self.world.clock
+            end = clock.now + self._start_time(keys, adopt)
+            while clock.now < end:
+                clock.sleep(min(1.0, end - clock.now))
+                if meanwhile is not None and clock.now < end:
+                    meanwhile()
         for k in keys:
             self.fresh.pop(k, None)
         self._check("starting replacement actors", [self.nodes[k] for k in keys])

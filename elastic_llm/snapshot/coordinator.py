@@ -120,7 +120,7 @@ class SnapshotCoordinator:
         self.refresh_managers = False
         self.gone: set[str] = set()  # nodes known dead (:meth:`note_alive`): their managers get no broadcast
         self.exposure = Exposure(cfg.snapshot.parity, clock)  # nodes about to go (draining): no parity duties, no new shards
-        self.rehomer = Rehomer(self.calls, clock)  # the committed version's parts copied off draining nodes at the notice
+        self.rehomer = Rehomer(self.calls, clock, cfg.snapshot.parity)  # the committed version's parts copied off draining nodes at the notice
         self.emergency = -1  # the newest version flushed because its parts had nowhere to go (a collapse)
         self.broadcast = Broadcast(self.calls, PING_S)  # commits and discards to every manager
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)

@@ -28,6 +28,8 @@ class Pending:
     since: float  # when the first notice of this exposure was seen (clock.perf_counter)
     nodes: frozenset[str]  # draining members of groups beyond parity in the committed version
     after: int  # the begin order (the coordinator's attempt counter) of the last version begun when it was seen: only one begun later can cover it
+    cause: str = "notice"  # "notice": draining nodes; "loss": members gone without one (also "loss+notice")
+    noticed: float | None = None  # when the first draining node of it was seen (None: none, a loss only)
 
 
 class Exposure:
@@ -49,17 +51,20 @@ class Exposure:
         now = self.clock.perf_counter()
         p = self.pending
         if p is not None and left & p.nodes:
-            late = left & p.nodes
+            late = frozenset(n for n in left & p.nodes if committed is None or committed.roles_on(n))  # (not those whose parts were all re-homed)
             nbytes = sum(s.nbytes for n in late for r in committed.roles_on(n) for s in committed.infos_on(r)) if committed is not None else 0
             version = committed.version if committed is not None else 0
-            self.done.append({"version": version, "nodes": sorted(late), "seconds": now - p.since, "bytes": nbytes, "in_time": False})
-            log.warning("draining nodes %s went %.1f s after their notice, before a snapshot without them committed (%.1f MB of "
-                        "their shards in step %d's)", [n[:12] for n in sorted(late)], now - p.since, nbytes / 1e6, version)
-            p = self.pending = replace(p, nodes=p.nodes - late) if p.nodes - late else None
+            if late:
+                self.done.append({"version": version, "nodes": sorted(late), "seconds": now - p.since, "bytes": nbytes, "in_time": False,
+                                  "cause": p.cause})
+                log.warning("draining nodes %s went %.1f s after their notice, before a snapshot without them committed (%.1f MB of "
+                            "their shards in step %d's)", [n[:12] for n in sorted(late)], now - p.since, nbytes / 1e6, version)
+            p = self.pending = replace(p, nodes=p.nodes - left) if p.nodes - left else None
         at_risk = nodes | self.lost  # a group that already lost a member has that much less parity for the draining ones
         if new and committed is not None and exposed(committed.placed, at_risk, self.parity):
             held = frozenset(n for g in committed.placed if sum(1 for m in g if m in at_risk) > self.parity for n in g if n in nodes)
-            self.pending = Pending(p.since if p is not None else now, held | (p.nodes if p is not None else frozenset()), last_begin)
+            self.pending = Pending(p.since if p is not None else now, held | (p.nodes if p is not None else frozenset()), last_begin,
+                                   "notice" if p is None or p.cause == "notice" else "loss+notice", p.noticed if p is not None and p.noticed is not None else now)
             log.info("draining nodes %s are more of their erasure groups in snapshot %d than parity covers: re-protecting it at the next step boundary",
                      [n[:12] for n in sorted(held)], committed.version)
 
@@ -75,7 +80,8 @@ class Exposure:
             return
         self.lost |= new
         p = self.pending
-        self.pending = Pending(p.since if p is not None else self.clock.perf_counter(), (p.nodes if p is not None else frozenset()) | new, last_begin)
+        self.pending = Pending(p.since if p is not None else self.clock.perf_counter(), (p.nodes if p is not None else frozenset()) | new, last_begin,
+                               "loss" if p is None or p.cause == "loss" else "loss+notice", p.noticed if p is not None else None)
         log.info("nodes %s of snapshot %d's erasure groups are gone: re-protecting it at the next step boundary", [n[:12] for n in sorted(new)], committed.version)
 
     def committed(self, record: VersionRecord, avoided: frozenset[str], order: int | None = None) -> None:
@@ -99,7 +105,8 @@ class Exposure:
         self.pending = None
         nbytes = sum(s.nbytes for n in p.nodes for s in record.infos_on(n))
         seconds = self.clock.perf_counter() - p.since
-        self.done.append({"version": record.version, "nodes": sorted(p.nodes), "seconds": seconds, "bytes": nbytes, "in_time": True, "how": "version"})
+        self.done.append({"version": record.version, "nodes": sorted(p.nodes), "seconds": seconds, "bytes": nbytes, "in_time": True, "how": "version",
+                          "cause": p.cause})
         log.info("snapshot %d re-protected against %d draining or lost nodes in %.2f s (%.1f MB of their shards)",
                  record.version, len(p.nodes), seconds, nbytes / 1e6)
 
@@ -112,15 +119,19 @@ class Exposure:
     def rehomed(self, record: VersionRecord) -> None:
         """Parts of the committed version were re-homed off draining nodes (:mod:`rehome`): once
         no group of it loses more members with the draining (and lost) nodes than parity covers,
-        the exposure is over without a new version."""
+        the draining nodes' share of the exposure is over without a new version. Members already
+        lost keep it pending: their parity is spent, and only a new version mends that."""
         p = self.pending
-        if p is None or self.lost or exposed(record.placed, self.draining, self.parity):  # a lost member's parity is spent: only a new version mends that
+        if p is None or not p.nodes & self.draining or exposed(record.placed, self.draining | self.lost, self.parity):
             return
-        self.pending = None
-        seconds = self.clock.perf_counter() - p.since
-        nbytes = sum(s.nbytes for r, n in record.homes if r in p.nodes for s in record.infos_on(r))
-        self.done.append({"version": record.version, "nodes": sorted(p.nodes), "seconds": seconds, "bytes": nbytes, "in_time": True, "how": "rehome"})
-        log.info("snapshot %d re-protected against %d draining nodes in %.2f s by re-homing their parts", record.version, len(p.nodes), seconds)
+        rest = p.nodes & self.lost
+        covered = p.nodes - rest
+        self.pending = replace(p, nodes=rest, cause="loss", noticed=None) if rest else None
+        seconds = self.clock.perf_counter() - (p.noticed if p.noticed is not None else p.since)
+        nbytes = sum(s.nbytes for r, n in record.homes if r in covered for s in record.infos_on(r))
+        self.done.append({"version": record.version, "nodes": sorted(covered), "seconds": seconds, "bytes": nbytes, "in_time": True, "how": "rehome",
+                          "cause": "notice"})
+        log.info("snapshot %d re-protected against %d draining nodes in %.2f s by re-homing their parts", record.version, len(covered), seconds)
 
     def stranded(self, roles: tuple[str, ...], record: VersionRecord, then: str) -> bool:
         """Parts of the committed version on draining nodes with no live node to go to (a

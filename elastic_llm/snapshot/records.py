@@ -127,7 +127,8 @@ class VersionRecord:
 
     def roles_on(self, node: str) -> tuple[str, ...]:
         """The roles whose pieces ``node`` holds now."""
-        return tuple(m for g in self.groups for m in g if self.home(m) == node) or ((node,) if self.infos_on(node) else ())
+        held = tuple(m for g in self.groups for m in g if self.home(m) == node)
+        return held or ((node,) if self.infos_on(node) and not any(node in g for g in self.groups) else ())  # (no groups: a node holds its own)
 
     def rehomed(self, moves: dict[str, str]) -> "VersionRecord":
         """This record with the roles of ``moves`` held on their new nodes."""
