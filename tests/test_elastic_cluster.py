@@ -420,6 +420,39 @@ def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_early
     assert moved and protected, (protected, moved)
 
 
+def test_every_node_noticed_at_once_is_said_at_the_notice_and_saved_by_an_emergency_flush(nodes, corpus_dir, tmp_path, clean_dp1):
+    """A collapse: every worker node gets a 10 s notice at once, so the committed version's parts
+    have no live node to go to. At the notice the run says so (a ``stranded`` re-protection line)
+    and flushes the committed version to the durable tier (whose own cadence is never due here),
+    while the nodes live; they go, new ones come, and the run resumes from that flush: no
+    committed step lost, the undisturbed run's losses bit for bit. (The simulated test holds the
+    same on a fleet; this is the real managers' flush and a real restore.)"""
+    t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=1", "snapshot.every=4",
+                     f"durable.storage_path={tmp_path / 'durable'}", "durable.every=1000000")
+    run = Background(t, 10**6)  # stopped below, a few steps after the resume
+    try:
+        wait_until(lambda: t.parts is not None and t.parts.snapshots.committed is not None or "error" in run.result, 120, "a commit")
+        victims = [n.node_id for n in nodes.worker_nodes]
+        for v in victims:
+            request_drain(v, 10, "test: every node at once")
+        wait_until(lambda: t.parts.durable.flushed_version >= 0 and t.parts.durable.inflight is None or "error" in run.result, 10, "the emergency flush")
+        flushed = t.step
+        for v in victims:
+            nodes.remove_node(node_of(nodes, v))  # the deadline: every instance goes
+        for _ in range(WORKERS):
+            add_loopback_node(nodes, 1)
+        history = run.steps_after(lambda: t.step > flushed + 1 and t.recoveries, "the resume from the durable tier")
+    finally:
+        t.shutdown()
+    said = [r for r in events(tmp_path, "reprotect") if r["how"] == "stranded"]
+    assert said and not said[0]["in_time"]
+    assert t.committed_steps_lost == 0, events(tmp_path, "recovery")
+    assert {r["source"] for r in events(tmp_path, "recovery")} == {"durable"}
+    got = {h["step"]: h["loss"] for h in history}  # (steps re-run after the rollback keep their last loss)
+    assert max(got) <= CLEAN_STEPS, "the undisturbed run is too short to compare with"
+    assert got == {k: clean_dp1["losses"][k] for k in got}
+
+
 @pytest.mark.slow  # 25 s; the rung's logic is tested without Ray (test_controller_sim, test_policy)
 def test_a_stage_lost_before_the_first_commit_sends_the_run_back_to_its_initial_state_bit_for_bit(nodes, corpus_dir, tmp_path, clean_dp1):
     """No snapshot committed yet (snapshot.every=50) when stage 0 of a width-1 run dies at step
