@@ -348,3 +348,21 @@ def test_borrowed_places_need_no_copy_and_the_rest_copy_a_kept_peer():
     plan = RecoveryPolicy().decide(o)
     assert plan.drop_replicas == (2,) and plan.borrow == ((ShardKey(2, 2), ShardKey(2, 0)),)
     assert [(a.stage, a.replica, a.source, a.peer) for a in plan.actions] == [(1, 1, "dp_peer", 0)]
+
+
+def test_a_lost_place_that_would_start_a_new_process_drops_its_replica_too_when_the_fleet_is_wide():
+    """Eight replicas of 2 stages fill the fleet; a burst takes stage 0 of replicas 1-3. Dropping
+    the fewest (two) frees room for the third's lost actor: with a warm standby ready there it is
+    adopted (no start) and the third is kept; with none, a new process would stall all six kept
+    replicas for its start, so that replica goes too (a spare replica grows it back in the
+    background), and no actor starts. In a narrow run the start is cheaper and it stays. Pure."""
+    members = [Member(s, r, f"n{s}{r}", not (s == 0 and r in (1, 2, 3)), None if s == 0 and r in (1, 2, 3) else 5) for r in range(8) for s in range(2)]
+    o = replace(obs(members, dead_nodes={"n01", "n02", "n03"}, committed=5), free_slots=0)
+    cold = RecoveryPolicy().decide(o)
+    assert len(cold.drop_replicas) == 3 and cold.width == (8, 5) and cold.rollback_to is None and cold.actions == ()
+    warm = RecoveryPolicy().decide(replace(o, standbys=(("n11", 1), ("n12", 1), ("n13", 1))))
+    assert len(warm.drop_replicas) == 2 and warm.width == (8, 6) and [(a.stage, a.source) for a in warm.actions] == [(0, "dp_peer")]
+    assert all(a.adopt is not None for a in warm.actions)
+    narrow = [m for m in members if m.replica < 4]  # 4 replicas: 2 dropped, the third's start stalls only 2 kept ones
+    plan = RecoveryPolicy().decide(replace(obs(narrow, dead_nodes={"n01", "n02", "n03"}, committed=5), free_slots=0))
+    assert len(plan.drop_replicas) == 2 and [a.adopt for a in plan.actions] == [None]

@@ -13,7 +13,10 @@ survives and at least ``min_width`` replicas remain (shrink: no rollback, the ru
 narrower; the remaining replicas are renumbered 0..w-1 and the plan speaks of the new numbers).
 Only as many go as make room, chosen so that their survivors take the most lost places in the
 kept replicas (borrow and merge, as Oobleck reassembles pipelines): a borrowed actor keeps its
-process and state, so the kept replicas need the fewest new actors and copies.
+process and state, so the kept replicas need the fewest new actors and copies. A kept replica
+whose lost actor would still start a new process (no warm standby where it goes) is dropped
+too while twice such replicas are fewer than the kept ones: a start stalls every kept replica,
+a drop costs that replica a spare's start and join.
 1. the stage process died, its node and snapshot manager live: restore from the local manager;
 2. a data-parallel peer of the lost replica is alive: copy its state;
 3. the node is lost, at most m nodes of its erasure group are lost: rebuild from parity;
@@ -357,6 +360,18 @@ class RecoveryPolicy:
         drop = replicas_to_drop(obs)
         if not drop:
             return assign_standbys(self._ladder(obs), obs)
+        plan = self._shrunk(obs, drop)
+        kept = sorted({m.replica for m in obs.members} - set(drop))
+        cold = {kept[a.replica] for a in plan.actions if a.adopt is None}
+        if cold and plan.rollback_to is None and 2 * len(cold) < len(kept) and len(kept) - len(cold) >= max(1, obs.min_width):
+            # a new process stalls every kept replica for its start; dropping the replicas that need one costs
+            # each of them about a start and a join (a spare replica grows it back): cheaper while 2 x those < kept
+            more = self._shrunk(obs, tuple(sorted(set(drop) | cold)))
+            if more.rollback_to is None:
+                return more
+        return plan
+
+    def _shrunk(self, obs: Observation, drop: tuple[int, ...]) -> RecoveryPlan:
         width = 1 + max(m.replica for m in obs.members)
         merged, pairs = with_borrows(obs, drop)
         kept = without_replicas(merged, drop)
