@@ -420,6 +420,47 @@ def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_early
     assert moved and protected, (protected, moved)
 
 
+@pytest.mark.slow  # 100 s with its undisturbed width-2 run; the width-1 case below stays in the suite
+def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_at_width_2_lose_nothing(nodes, corpus_dir, tmp_path):
+    """The same burst at width 2: six nodes, erasure groups of 3, parity 1, two replicas of 2
+    stages (one per node). Once step 4's version committed, stage 0 replica 0's node and another
+    member of its group get a 2 s notice at once and are removed at its deadline. The committed
+    version's parts on them are re-homed within the notice; whatever the drain could not move
+    comes back (from a data-parallel peer, or the version), the run goes on at width 2 with no
+    committed step lost, and its losses are an undisturbed width-2 run's, bit for bit."""
+    for _ in range(2):
+        add_loopback_node(nodes, 1)
+    nodes.wait_for_nodes()
+    wait_until(lambda: live_workers() == WORKERS + 2, 60, "six worker nodes")
+    extra = ("parallel.dp=2", "elastic.max_replicas=2", "snapshot.group_size=3", "snapshot.every=4")
+    t = make_trainer(nodes, corpus_dir, tmp_path, *extra)
+    run = Background(t, 10**6)  # stopped below, a few steps after the nodes went
+    try:
+        wait_until(lambda: t.parts is not None and t.parts.snapshots.committed is not None or "error" in run.result, 120, "a commit")
+        rec = t.parts.snapshots.committed
+        first = t.group.nodes[ShardKey(0, 0)]
+        victims = [first, next(n for n in rec.group_of(first) if n != first)]
+        for v in victims:
+            request_drain(v, 2, "test: a burst of two notices at width 2")
+        time.sleep(2.0)
+        for v in victims:
+            nodes.remove_node(node_of(nodes, v))  # the deadline: the instances go
+        history = run.steps_after(lambda: True, "the nodes went", steps=4)
+    finally:
+        t.shutdown()
+    assert t.committed_steps_lost == 0 and not set(victims) & set(t.group.nodes.values())
+    assert t.group.width == 2 and all(r["source"] in ("local_smp", "parity", "dp_peer") for r in events(tmp_path, "recovery"))
+    assert events(tmp_path, "rehome") and not {m["target"] for m in events(tmp_path, "rehome")} & set(victims)
+    got = {h["step"]: h["loss"] for h in history}  # (steps re-run after a rollback keep their last loss)
+    (tmp_path / "clean").mkdir()
+    clean = make_trainer(nodes, corpus_dir, tmp_path / "clean", *extra)
+    try:
+        want = {h["step"]: h["loss"] for h in clean.fit(max(got))}
+    finally:
+        clean.shutdown()
+    assert got == {k: want[k] for k in got}
+
+
 def test_every_node_noticed_at_once_is_said_at_the_notice_and_saved_by_an_emergency_flush(nodes, corpus_dir, tmp_path, clean_dp1):
     """A collapse: every worker node gets a 10 s notice at once, so the committed version's parts
     have no live node to go to. At the notice the run says so (a ``stranded`` re-protection line)

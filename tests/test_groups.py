@@ -312,6 +312,11 @@ def test_a_node_whose_parts_were_all_re_homed_is_not_recorded_late_when_it_goes(
     ex.notice(frozenset(), moved, 0)  # b went with its part
     [late] = ex.done
     assert late["nodes"] == ["b"] and not late["in_time"] and late["cause"] == "loss+notice" and late["seconds"] == 8.0
+    ex = Exposure(1, clock)  # a node both gone and still reported draining: its share is the loss's, never an empty re-protection
+    ex.degraded(frozenset({"a"}), rec, 0)
+    ex.notice(frozenset({"a"}), rec, 0)
+    ex.rehomed(rec.rehomed({"b": "d"}))
+    assert ex.done == [] and ex.pending is not None and ex.pending.nodes == {"a"}
 
 
 def test_a_burst_is_re_homed_over_many_links_and_the_copies_that_protect_the_version_start_first():

@@ -122,10 +122,10 @@ class Exposure:
         the draining nodes' share of the exposure is over without a new version. Members already
         lost keep it pending: their parity is spent, and only a new version mends that."""
         p = self.pending
-        if p is None or not p.nodes & self.draining or exposed(record.placed, self.draining | self.lost, self.parity):
+        covered = (p.nodes & self.draining) - self.lost if p is not None else frozenset()
+        if p is None or not covered or exposed(record.placed, self.draining | self.lost, self.parity):
             return
-        rest = p.nodes & self.lost
-        covered = p.nodes - rest
+        rest = p.nodes - covered
         self.pending = replace(p, nodes=rest, cause="loss", noticed=None) if rest else None
         seconds = self.clock.perf_counter() - (p.noticed if p.noticed is not None else p.since)
         nbytes = sum(s.nbytes for r, n in record.homes if r in covered for s in record.infos_on(r))
