@@ -380,19 +380,19 @@ def test_a_node_removed_while_a_resize_places_a_replica_on_it_is_charged_to_noth
     assert {h["step"]: h["loss"] for h in history} == {k: v for k, v in clean_dp1["losses"].items() if k <= len(history)}
 
 
-def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_early_at_width_1_lose_nothing(nodes, corpus_dir, tmp_path, clean_dp1):
-    """Six nodes, erasure groups of 3, parity 1, one replica of 2 stages. Early in the run (once
-    step 4's version committed), stage 0's node and another member of its group get a 2 s notice at once and are removed
-    at its deadline: beyond the group's parity, and too short for a stage spare to start on this
-    machine. The committed version is protected within the notice (its parts on both re-homed,
-    or a version without them committed first: steps are short here; the simulated tests hold
-    steps longer than the notice), so whatever the drain could not move comes back: no committed
-    step lost and the losses of the undisturbed run, bit for bit."""
+BURST = ("snapshot.group_size=3", "snapshot.every=4")
+
+
+def burst_of_two(nodes, corpus_dir, tmp_path, *extra, steps=3):
+    """Six worker nodes, erasure groups of 3 (parity 1), a version every 4 steps: once one
+    committed, stage 0 replica 0's node and another member of its group get a 2 s notice at once
+    and go at its deadline; ``steps`` more steps, then the run stops. Returns (trainer, the two
+    nodes, the run's history)."""
     for _ in range(2):
         add_loopback_node(nodes, 1)
     nodes.wait_for_nodes()
     wait_until(lambda: live_workers() == WORKERS + 2, 60, "six worker nodes")
-    t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=1", "snapshot.group_size=3", "snapshot.every=4")
+    t = make_trainer(nodes, corpus_dir, tmp_path, *extra, *BURST)
     run = Background(t, 10**6)  # stopped below, a few steps after the nodes went
     try:
         wait_until(lambda: t.parts is not None and t.parts.snapshots.committed is not None or "error" in run.result, 120, "a commit")
@@ -404,9 +404,21 @@ def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_early
         time.sleep(2.0)
         for v in victims:
             nodes.remove_node(node_of(nodes, v))  # the deadline: the instances go
-        history = run.steps_after(lambda: True, "the nodes went")
+        history = run.steps_after(lambda: True, "the nodes went", steps=steps)
     finally:
         t.shutdown()
+    return t, victims, history
+
+
+def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_early_at_width_1_lose_nothing(nodes, corpus_dir, tmp_path, clean_dp1):
+    """Six nodes, erasure groups of 3, parity 1, one replica of 2 stages. Early in the run (once
+    step 4's version committed), stage 0's node and another member of its group get a 2 s notice at once and are removed
+    at its deadline: beyond the group's parity, and too short for a stage spare to start on this
+    machine. The committed version is protected within the notice (its parts on both re-homed,
+    or a version without them committed first: steps are short here; the simulated tests hold
+    steps longer than the notice), so whatever the drain could not move comes back: no committed
+    step lost and the losses of the undisturbed run, bit for bit."""
+    t, victims, history = burst_of_two(nodes, corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=1")
     moved, protected = events(tmp_path, "rehome"), events(tmp_path, "reprotect")
     assert t.committed_steps_lost == 0 and not set(victims) & set(t.group.nodes.values()), (protected, moved)
     assert all(r["source"] in ("local_smp", "parity", "dp_peer") for r in events(tmp_path, "recovery"))
@@ -428,32 +440,14 @@ def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_at_wi
     version's parts on them are re-homed within the notice; whatever the drain could not move
     comes back (from a data-parallel peer, or the version), the run goes on at width 2 with no
     committed step lost, and its losses are an undisturbed width-2 run's, bit for bit."""
-    for _ in range(2):
-        add_loopback_node(nodes, 1)
-    nodes.wait_for_nodes()
-    wait_until(lambda: live_workers() == WORKERS + 2, 60, "six worker nodes")
-    extra = ("parallel.dp=2", "elastic.max_replicas=2", "snapshot.group_size=3", "snapshot.every=4")
-    t = make_trainer(nodes, corpus_dir, tmp_path, *extra)
-    run = Background(t, 10**6)  # stopped below, a few steps after the nodes went
-    try:
-        wait_until(lambda: t.parts is not None and t.parts.snapshots.committed is not None or "error" in run.result, 120, "a commit")
-        rec = t.parts.snapshots.committed
-        first = t.group.nodes[ShardKey(0, 0)]
-        victims = [first, next(n for n in rec.group_of(first) if n != first)]
-        for v in victims:
-            request_drain(v, 2, "test: a burst of two notices at width 2")
-        time.sleep(2.0)
-        for v in victims:
-            nodes.remove_node(node_of(nodes, v))  # the deadline: the instances go
-        history = run.steps_after(lambda: True, "the nodes went", steps=4)
-    finally:
-        t.shutdown()
+    extra = ("parallel.dp=2", "elastic.max_replicas=2")
+    t, victims, history = burst_of_two(nodes, corpus_dir, tmp_path, *extra, steps=4)
     assert t.committed_steps_lost == 0 and not set(victims) & set(t.group.nodes.values())
     assert t.group.width == 2 and all(r["source"] in ("local_smp", "parity", "dp_peer") for r in events(tmp_path, "recovery"))
     assert events(tmp_path, "rehome") and not {m["target"] for m in events(tmp_path, "rehome")} & set(victims)
     got = {h["step"]: h["loss"] for h in history}  # (steps re-run after a rollback keep their last loss)
     (tmp_path / "clean").mkdir()
-    clean = make_trainer(nodes, corpus_dir, tmp_path / "clean", *extra)
+    clean = make_trainer(nodes, corpus_dir, tmp_path / "clean", *extra, *BURST)
     try:
         want = {h["step"]: h["loss"] for h in clean.fit(max(got))}
     finally:
