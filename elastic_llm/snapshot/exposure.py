@@ -122,8 +122,10 @@ class Exposure:
         the draining nodes' share of the exposure is over without a new version. Members already
         lost keep it pending: their parity is spent, and only a new version mends that."""
         p = self.pending
-        covered = (p.nodes & self.draining) - self.lost if p is not None else frozenset()
-        if p is None or not covered or exposed(record.placed, self.draining | self.lost, self.parity):
+        if p is None:
+            return
+        covered = (p.nodes & self.draining) - self.lost
+        if not covered or exposed(record.placed, self.draining | self.lost, self.parity):
             return
         rest = p.nodes - covered
         self.pending = replace(p, nodes=rest, cause="loss", noticed=None) if rest else None

@@ -42,11 +42,11 @@ def choose_homes(record: VersionRecord, draining: frozenset[str], live: Iterable
     load = Counter(placed.values())
     busy = Counter(queued or {})
     up = set(live)
-    live = sorted(up - draining)
+    targets = sorted(up - draining)
     moves: dict[str, str] = {}
     stranded: list[str] = []
     for g, role in _critical_first(record.groups, placed, draining, up, parity):
-        if not live:
+        if not targets:
             stranded.append(role)
             continue
         others = [placed[m] for m in g if m != role]
@@ -56,7 +56,7 @@ def choose_homes(record: VersionRecord, draining: frozenset[str], live: Iterable
             near = sum(1 for o in others if dom is not None and o != n and domains.get(o) == dom)
             return (others.count(n), near + 1 > parity, busy[n], near, load[n], n)
 
-        target = min(live, key=cost)
+        target = min(targets, key=cost)
         load[placed[role]] -= 1
         load[target] += 1
         busy[target] += 1
