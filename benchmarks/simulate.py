@@ -51,7 +51,7 @@ def controller_sweep(out: Path) -> list[dict[str, Any]]:
         steady = _sim("jobs/sim-fleet.yaml", sets, out / f"steady-{stages}x{replicas}", "gpu-a100",
                       nodes=nodes, stages=stages, replicas=replicas, steps=120)
         traced = _sim("jobs/sim-fleet.yaml", sets, out / f"trace-{stages}x{replicas}", "gpu-a100",
-                      nodes=nodes, stages=stages, replicas=replicas, trace=TRACE, durable_every=10)  # small fleets lose more than parity covers
+                      nodes=nodes, stages=stages, replicas=replicas, trace=TRACE, durable_every=5)  # small fleets lose more than parity covers
         rows.append({
             "stages": stages, "replicas": replicas, "actors": stages * replicas, "nodes": nodes,
             "per_step_ms": steady["controller_cpu"]["per_step_ms"],

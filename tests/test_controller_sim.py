@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from elastic_llm.config import ConfigError, load_config
+from elastic_llm.controller.elastic import MOVE_S
 from elastic_llm.controller.trainer import UNTIL_STOPPED, RunFailed, RunUnrecoverable, Trainer
 from elastic_llm.pipeline.executor import StepFailed
 from elastic_llm.replay.trace import ReplayAction
@@ -237,8 +238,9 @@ def test_an_open_ended_run_shows_its_steps_without_a_total(corpus_dir, tmp_path)
 def test_a_drain_whose_stage_spare_is_late_keeps_the_replica_and_the_recovery_takes_the_spare(corpus_dir, tmp_path):
     """One slot per node: stage 1 of replica 1 on n3 gets a 4 s notice, shorter than a process
     start (4.8 s on cpu-2core). Its stage spare is late for the move, so the replica stays (the
-    fleet has room: nothing is dropped) and the spare is kept; when n3 goes, the lost actor
-    takes the spare's place (only the rest of its start is waited for) and a peer's state."""
+    fleet has room: nothing is dropped) and the spare is kept; at the last step boundary before
+    n3 goes its actor is given up (no step fails), takes the spare's place (only the rest of its
+    start is waited for) and a peer's state."""
     cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [
         "snapshot.enabled=false", "train.eval_every=0", "parallel.stages=2", "parallel.dp=2", "train.batch_size=8",
         "model.seq_len=16", f"data.dir={corpus_dir}", "recovery.capacity_timeout_s=5", "recovery.driver_grace_s=0",
@@ -248,12 +250,29 @@ def test_a_drain_whose_stage_spare_is_late_keeps_the_replica_and_the_recovery_ta
     t = Trainer(cfg, rt, metrics_out=tmp_path / "metrics.jsonl")
     history = t.fit(60)
     assert history[-1]["step"] == 60 and t.group.width == 2 and t.resizes == []  # nothing dropped
-    [drain] = t.drains
-    assert drain["dropped"] == 0 and drain["stayed"] == 1
-    [rec] = t.recoveries
-    assert (rec["stage"], rec["replica"], rec["source"]) == (1, 1, "dp_peer")
+    first, last = t.drains  # acted on at the notice (it stays), and again at the last look before n3 goes
+    assert first["dropped"] == 0 and first["stayed"] == 1 and last["deadline_s"] < 2.0
+    [rec] = t.recoveries  # given up at that look: no step failed, nothing charged
+    assert (rec["stage"], rec["replica"], rec["source"]) == (1, 1, "dp_peer") and "NodeEnding" in rec["failure"] and t.failures == 0
     assert rec["actor_s"] < load_costs("cpu-2core").actor_start_s  # the spare had been starting since the notice
     assert "n3" not in t.group.nodes.values() and not t.group.stage_spares
+
+
+def test_a_replica_without_room_trains_on_until_the_last_step_boundary_before_its_node_goes_and_is_given_up_there(corpus_dir, tmp_path):
+    """One slot per node and no free node: n3 (stage 1 of replica 1) gets a 10 s notice, many
+    steps long. Its replica stays and trains on; at the last step boundary before n3 goes
+    (within a step and MOVE_S of its end) its actor is given up and the recovery drops the
+    replica, so no step fails when n3 goes: nothing is charged and no step's work is lost."""
+    t, _ = make(corpus_dir, tmp_path, "elastic.min_replicas=1", nodes=("n0", "n1", "n2", "n3"), slots=1,
+                actions=[ReplayAction(3.0, "drain", "n3", 10.0), ReplayAction(13.0, "remove", "n3")])
+    history = t.fit(60)
+    assert history[-1]["step"] == 60 and t.group.width == 1 and "n3" not in t.group.nodes.values()
+    first, last = t.drains
+    assert first["stayed"] == 1 and 0 < last["deadline_s"] <= t.parts.elastic.timer.peek() + MOVE_S
+    assert last["step"] > first["step"] + 5  # it trained on in between
+    [resize] = t.resizes
+    assert (resize["from_dp"], resize["to_dp"]) == (2, 1) and resize["time"] < 1_800_000_013.0  # before n3 went
+    assert t.failures == 0 and all("NodeEnding" in r["failure"] and r["rollback_steps"] == 0 for r in t.recoveries)
 
 
 def test_reclaimed_nodes_do_not_charge_the_failure_budget_but_a_dying_process_does(corpus_dir, tmp_path):

@@ -42,6 +42,23 @@ def test_a_drain_due_before_the_next_look_is_acted_on_now():
     assert decide(view([drain], stage_spares=[started], free=0, step_s=12.0), set(), 2).drains == (drain,)
     timer = LookTimer()
     assert [timer.look(t) for t in (0.0, 12.0, 24.5, 80.0, 92.0)] == [0.0, 12.0, 12.0, 12.0, 12.0]  # a 55 s pause does not count
+    after = LookTimer()
+    assert [after.look(t, step) for t, step in ((0.0, 1), (12.0, 2), (12.4, 2), (24.0, 3))] == [0.0, 12.0, 12.0, 12.0]  # a second look after step 2 (a drain's) is no interval
+
+
+def test_a_drain_whose_replica_stayed_is_due_again_once_at_the_last_look_before_its_node_goes():
+    """No room: the replica on n1 stayed when the drain was acted on (``seen``). It trains on while
+    its node outlives the next step; at the last look before n1 goes (within a step plus
+    MOVE_S) the drain is due again, so that what stayed is given up at the step boundary
+    instead of failing the next step; once given its last look it is not due again."""
+    from dataclasses import replace
+
+    drain = Drain("n1", 1010.0)
+    assert decide(view([drain], free=0, wall=1000.0, step_s=3.0), {"n1"}, 2).drains == ()  # 10 s left: another step fits
+    last = view([drain], free=0, wall=1005.5, step_s=3.0)  # 4.5 s left: the next step would end after n1 went
+    assert decide(last, {"n1"}, 2).drains == (drain,)
+    assert decide(replace(last, last_looked=frozenset({"n1"})), {"n1"}, 2).drains == ()
+    assert decide(last, set(), 2).drains == (drain,)  # never acted on: due anyway (no room: it stays at once)
 
 
 def test_no_room_to_move_acts_at_once_and_a_whole_replica_needs_a_spare():
@@ -75,14 +92,15 @@ def test_the_run_grows_once_a_spare_has_started_and_starts_one_where_there_is_ro
 def test_a_late_stage_spare_is_kept_and_moves_its_key_once_started_while_the_node_lives():
     """A drain acted on before its stage spare started (its replica stayed, nothing dropped): the
     spare is kept, and once it has started the drain is acted on again while there is time for
-    the move; too close to the deadline it waits for the recovery, which takes its place."""
+    the move; too close to the deadline it is due again too, to be given up (the recovery then
+    puts the spare in its place) instead of failing the next step."""
     drain = Drain("n1", 1060.0)
     late = spare(ready=False, nodes={"n4"}, key=ShardKey(1, 0))
     kept = decide(view([drain], stage_spares=[late], free=0), {"n1"}, 2)
     assert kept.cancel == () and kept.drains == ()  # acted on already, still starting: kept, nothing to do
     ready = spare(ready=True, nodes={"n4"}, key=ShardKey(1, 0))
     assert decide(view([drain], stage_spares=[ready], free=0), {"n1"}, 2).drains == (drain,)  # move it now
-    assert decide(view([drain], stage_spares=[ready], free=0, wall=1059.0), {"n1"}, 2).drains == ()  # 1 s left: too late
+    assert decide(view([drain], stage_spares=[ready], free=0, wall=1059.0), {"n1"}, 2).drains == (drain,)  # 1 s left: too late to move, given up
     gone = decide(view(stage_spares=[ready]), {"n1"}, 2)  # n1 went (no longer draining): the recovery's
     assert gone.cancel == ()
     moved = NODES[:1] + ((ShardKey(1, 0), "n4"),) + NODES[2:]  # the key left n1 another way: the spare is not needed

@@ -33,6 +33,7 @@ from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.drains import Drain
 from elastic_llm.controller.ports import CapacityUnavailable, Nodes, StageActors
+from elastic_llm.recovery.failure import During, StepFailure
 from elastic_llm.snapshot.records import ShardKey
 
 SETTLE_S = 60.0  # how long versions in flight get to commit before the membership changes
@@ -53,9 +54,10 @@ class ResizeOutcome:
 @dataclass(frozen=True)
 class Evacuation:
     """What a drain did: stage actors moved off the draining nodes, replicas left in place (no
-    room, or spares too late: they train on until the nodes go), and how the moves went
-    (``stages``: just the affected actors, ``replica``: whole replicas, ``none``). A drain drops
-    no replica: the recovery at the nodes' end drops the fewest that make room."""
+    room, or spares too late: they train on until the last look before the nodes go), and how
+    the moves went (``stages``: just the affected actors, ``replica``: whole replicas, ``none``).
+    A drain drops no replica: what stayed is given up at that last look
+    (:meth:`ElasticExecutor.give_up`) and the recovery drops the fewest that make room."""
 
     moved: int
     stayed: int
@@ -82,7 +84,7 @@ class Move(enum.Enum):
 
     STAGES = "stages"  # only its actors on the draining nodes move, each to a new bundle elsewhere
     REPLICA = "replica"  # the whole replica moves onto a spare replica
-    STAY = "stay"  # no room: it trains on and is recovered when its node goes (the recovery drops the fewest replicas then)
+    STAY = "stay"  # no room: it trains on until the last look before its node goes, then it is given up and recovered (the recovery drops the fewest replicas)
 
 
 def spare_nodes(group: StageActors) -> set[str]:
@@ -95,8 +97,9 @@ def drain_moves(on_drain: dict[int, int], stages: int, free_slots: int, spare_re
     leaves: a started spare replica takes the first one whole (no process to start); otherwise
     moving just the affected actors is cheaper than a whole replica when they are fewer than its
     stages and the live nodes have room for them; a whole replica when there is room for one.
-    A replica without room stays and trains on until its nodes go: the recovery then drops the
-    fewest replicas that make room for the others (:func:`~elastic_llm.recovery.policy.fewest_drops`).
+    A replica without room stays and trains on until the last look before its nodes go, where
+    what is on them is given up and the recovery drops the fewest replicas that make room for the
+    others (:func:`~elastic_llm.recovery.policy.fewest_drops`).
     Dropping at the notice instead cost the simulated 256-node fleet the notice's length at a
     narrower width (liveput 0.933 against 0.956 with 120 s notices). Pure."""
     out: dict[int, Move] = {}
@@ -148,6 +151,7 @@ class ElasticView:
     room_for_replicas: int | None = None  # whole replicas the free slots hold; None: not looked at (not time to, no growing, or a spare still waits for room)
     wall: float = 0.0  # time.time() of the look (drain deadlines are wall-clock)
     step_s: float = 0.0  # how far off the next look is (about one step): a drain due before then is acted on now
+    last_looked: frozenset[str] = frozenset()  # draining nodes that had their last look (ElasticExecutor.give_up): not due again
 
 
 @dataclass(frozen=True)
@@ -168,8 +172,9 @@ def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int) -
     """The elastic policy of one look (pure): give up spares on draining nodes or that never
     started; for draining nodes that host the run's stages, not acted on yet (``seen``), start
     the spares their moves need (:func:`drain_moves`) and act once they have started or the
-    deadline is near (:func:`drain_due`); otherwise grow by one replica once a spare has started,
-    or start one when the look found room."""
+    deadline is near (:func:`drain_due`), and again at the last look before they go where
+    stages stayed on them (:func:`ending`); otherwise grow by one replica once a spare has
+    started, or start one when the look found room."""
     draining = {d.node_id for d in view.draining}
     avoid = frozenset(draining)
     nodes = dict(view.nodes)
@@ -182,13 +187,14 @@ def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int) -
     hosting = set(nodes.values())
     drains = tuple(d for d in view.draining if d.node_id in hosting and d.node_id not in seen)
     drains += late_moves(view, seen, stage_spares)
-    if drains:
+    ends = tuple(d for d in ending(view, seen) if d not in drains)  # due again: what stayed on them is given up now
+    if drains or ends:
         on = {d.node_id for d in drains}
         keys = [k for k, n in view.nodes if n in on]
         on_drain = {r: sum(1 for k in keys if k.replica == r) for r in {k.replica for k in keys}}
         start: list[ShardKey] = []
         start_spare, note = False, None
-        if not stage_spares and not any(sp.ready for sp in spares):
+        if drains and not stage_spares and not any(sp.ready for sp in spares):
             moves = drain_moves(on_drain, view.stages, view.free_slots or 0, False)
             start = [k for k in keys if moves[k.replica] is Move.STAGES]
             start_spare = any(m is Move.REPLICA for m in moves.values()) and not spares
@@ -198,7 +204,7 @@ def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int) -
         needed = len(wanted) + len(start) + (1 if spares or start_spare else 0)
         lefts = [x for x in (d.seconds_left(view.wall) for d in drains) if x is not None]
         due = drain_due(ready, needed, needed > 0, min(lefts) if lefts else None, DRAIN_MARGIN_S + view.step_s)
-        return ElasticPlan(avoid, tuple(cancel), tuple(start), start_spare, drains if due else (), None, note)
+        return ElasticPlan(avoid, tuple(cancel), tuple(start), start_spare, (drains if due else ()) + ends, None, note)
     if view.width >= max_width:  # spares started for a drain that needed fewer
         return ElasticPlan(avoid, tuple(cancel) + tuple(spares))
     started = [sp for sp in spares if sp.ready]
@@ -210,6 +216,16 @@ def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int) -
         which = f"replica {first}" if more == 1 else f"replicas {first}-{first + more - 1}"
         return ElasticPlan(avoid, tuple(cancel), start_spares=more, note=f"room for {which}: starting {'it' if more == 1 else 'them'} in the background")
     return ElasticPlan(avoid, tuple(cancel))
+
+
+def ending(view: ElasticView, seen: set[str] | frozenset[str]) -> tuple[Drain, ...]:
+    """Drains acted on already (``seen``) whose nodes still host the run's stages (they stayed: no
+    room) and go before the next look (:data:`MOVE_S` plus the time to it): the next step would
+    fail when they go, so they are due again and what stayed on them is given up at this step
+    boundary (:meth:`ElasticExecutor.give_up`). Pure."""
+    hosting = {n for _, n in view.nodes}
+    return tuple(d for d in view.draining if d.node_id in seen and d.node_id in hosting and d.node_id not in view.last_looked
+                 and (left := d.seconds_left(view.wall)) is not None and left <= view.step_s + MOVE_S)
 
 
 def late_moves(view: ElasticView, seen: set[str] | frozenset[str], stage_spares: list[SpareView]) -> tuple[Drain, ...]:
@@ -233,22 +249,26 @@ def late_moves(view: ElasticView, seen: set[str] | frozenset[str], stage_spares:
 
 
 class LookTimer:
-    """How far off the next look is: the shortest of the last few intervals between looks
-    (looks come once per step; one long pause, a recovery or a resize, does not count)."""
+    """How far off the next look is: the shortest of the last few intervals between looks after
+    different steps (looks come once per step; one long pause, a recovery or a resize, does not
+    count, and a second look after the same step, as after a drain, is no interval)."""
 
     def __init__(self, keep: int = 3) -> None:
         self.last: float | None = None
+        self.last_step: int | None = None
         self.intervals: deque[float] = deque(maxlen=keep)
 
     def peek(self) -> float:
         """The estimate :meth:`look` would give, without counting a look (a look between steps)."""
         return min(self.intervals, default=0.0)
 
-    def look(self, now: float) -> float:
+    def look(self, now: float, step: int | None = None) -> float:
+        if step is not None and step == self.last_step:
+            return self.peek()
         if self.last is not None:
             self.intervals.append(now - self.last)
-        self.last = now
-        return min(self.intervals, default=0.0)
+        self.last, self.last_step = now, step
+        return self.peek()
 
 
 class ElasticExecutor:
@@ -264,14 +284,15 @@ class ElasticExecutor:
         self._last_grow_look = float("-inf")
         self.timer = LookTimer()
         self.noticed: set[str] = set()  # draining nodes acted on between steps (notice)
+        self.last_looked: set[str] = set()  # draining nodes given their last look (give_up): what stays on them is left to the recovery at their end
         self.joined: Callable[[], None] = lambda: None  # called once a grow's spares joined the width, before their state is copied (fault injection's ``resize`` point)
 
-    def look(self, seen: set[str] | frozenset[str]) -> tuple[tuple[Drain, ...], int | None]:
-        """One cheap look at the cluster at a step boundary: :meth:`observe`, the pure
+    def look(self, seen: set[str] | frozenset[str], step: int | None = None) -> tuple[tuple[Drain, ...], int | None]:
+        """One cheap look at the cluster at the boundary after ``step``: :meth:`observe`, the pure
         :func:`decide`, then :meth:`act`. Returns the draining nodes that host this run's stages,
         not acted on yet (``seen``), once it is time to act on them, and the width to grow to
         once a spare has started (else None)."""
-        view = self.observe(seen)
+        view = self.observe(seen, step=step)
         plan = decide(view, seen, self.cfg.elastic.bounds(self.cfg.parallel.dp)[1])
         self.act(plan)
         return plan.drains, plan.grow_to
@@ -306,7 +327,7 @@ class ElasticExecutor:
         """Nodes nothing new goes to: draining ones and the node probes' suspects."""
         return frozenset(draining) | frozenset(self.nodes.suspects())
 
-    def observe(self, seen: set[str] | frozenset[str], between: bool = False) -> ElasticView:
+    def observe(self, seen: set[str] | frozenset[str], between: bool = False, step: int | None = None) -> ElasticView:
         """What the policy needs: draining nodes, the run's actors, its spares (a spare whose
         bundles were placed since the last look gets its actors started: the start it was made
         for), and, only when they matter, the free slots for a drain's moves and whether there is
@@ -328,9 +349,10 @@ class ElasticExecutor:
                 and now - self._last_grow_look >= el.grow_check_s):
             self._last_grow_look = now
             room = g.free_slots(avoid) // g.stages
+        self.last_looked &= set(draining)  # a node that went (or stopped draining) is forgotten
         return ElasticView(tuple(d for _, d in sorted(draining.items())), tuple((k, g.nodes[k]) for k in g.keys() if k in g.nodes),
                            g.width, g.stages, spares, stage_spares, free, room, self.clock.time(),
-                           self.timer.peek() if between else self.timer.look(now))
+                           self.timer.peek() if between else self.timer.look(now, step), frozenset(self.last_looked))
 
     def act(self, plan: ElasticPlan) -> None:
         """Carry out a look's plan: snapshots avoid the draining nodes, spares are given up and
@@ -390,22 +412,26 @@ class ElasticExecutor:
             raise
         return new
 
-    def evacuate(self, nodes: frozenset[str]) -> Evacuation:
-        """Move every replica with a stage on ``nodes`` off them (highest index first, so the
+    def evacuate(self, drains: Iterable[Drain]) -> Evacuation:
+        """Move every replica with a stage on the nodes of ``drains`` off them (highest index first, so the
         indices still to handle do not shift): just its affected actors onto their started stage
         spares (state from the actors themselves, alive until their node goes), or whole onto a
         started spare replica, or leave it in place when neither has started (no waiting: the
         whole run would wait; a late spare is kept and moves it at a later look, or takes its
         lost actors' places in the recovery; waiting cost the simulated fleet 1.6% of its time)."""
+        now, drains = self.clock.time(), tuple(drains)
+        nodes = frozenset(d.node_id for d in drains)
+        movable = frozenset(d.node_id for d in drains if (left := d.seconds_left(now)) is None or left > MOVE_S)  # a move needs MOVE_S: the rest is given up (give_up)
         t0 = self.clock.perf_counter()
         g = self.group
         width = g.width
-        affected = g.replicas_on(nodes)
-        on_nodes = [k for k in g.keys() if g.nodes.get(k) in nodes]
-        if affected and not all(k in g.stage_spares for k in on_nodes):
+        affected = g.replicas_on(movable)
+        on_nodes = [k for k in g.keys() if g.nodes.get(k) in movable]
+        if affected and not all(k in g.stage_spares for k in on_nodes) and self._ready_spare() is not None:
             # whole replicas change: let the versions in flight commit first. Per-stage moves do
             # not wait: a version whose copy of a moved actor was not collected yet is discarded
-            # (the committed one stays), so the pause is only the state copy
+            # (the committed one stays), so the pause is only the state copy; nor does a drain
+            # that moves nothing whole (no spare replica has started: they stay)
             self._settle_snapshots()
         moved = stayed = 0
         hows: set[str] = set()
@@ -430,12 +456,34 @@ class ElasticExecutor:
                 g.set_width()
                 moved += g.stages
                 hows.add(Move.REPLICA.value)
-            else:  # no room (it trains on until its nodes go), or its spares are late (kept: they move it later, or take its lost actors' places)
+            else:  # no room (it trains on until the last look before its nodes go), or its spares are late (kept: they move it later, or take its lost actors' places)
                 stayed += 1
         for sp in list(g.stage_spares.values()):  # prepared for actors that moved another way
             if sp.key is None or g.nodes.get(sp.key) not in nodes:
                 g.cancel_stage_spare(sp)
         return Evacuation(moved, stayed, width, g.width, self.clock.perf_counter() - t0, "+".join(sorted(hows)) or "none")
+
+    def give_up(self, drains: Iterable[Drain], step: int) -> StepFailure | None:
+        """After a drain's moves: the stage actors still on its nodes that go before the next
+        look (:data:`MOVE_S` plus the time to it: step ``step`` would fail when they go) are
+        ended now, at the step boundary, and the failure to recover from is returned (None:
+        nothing to give up). The recovery then drops or merges their replicas as it would after
+        the loss, without the failed step's lost work and the node watch's delay (fleet seed 1
+        at 30 s notices: 22 of 23 failures were of nodes noticed and stayed). Only while every
+        stage keeps an actor elsewhere (a data-parallel peer holds its state: lossless)."""
+        g, now, step_s = self.group, self.clock.time(), self.timer.peek()
+        going = {d.node_id: left for d in drains if (left := d.seconds_left(now)) is not None and left <= step_s + MOVE_S}
+        self.last_looked |= set(going)
+        keys = [k for k in g.keys() if g.nodes.get(k) in going]
+        if not keys or {k.stage for k in g.keys() if k not in keys} != set(range(g.stages)):
+            return None
+        where = sorted({g.nodes[k] for k in keys})
+        for k in keys:
+            g.kill(k)
+        log.info("%d stage actor(s) on draining node(s) %s that go before the next step could end are given up now", len(keys), [n[:12] for n in where])
+        return StepFailure(step, keys[0].stage, keys[0].replica, f"NodeEnding: {len(keys)} stage actor(s) on {len(where)} draining node(s) that go in "
+                           f"{min(going[n] for n in where):.1f} s, before the next step could end (no room to move them), given up at the step boundary",
+                           during=During.DRAIN)
 
     def _ready_stage_spares(self, keys: list[ShardKey]) -> list[Any] | None:
         """The started stage spares of every one of ``keys``; None if a key has none or one is

@@ -197,12 +197,15 @@ class StepJobs:
         copies its state now and a version of ``step`` is taken on the nodes there are (unless one
         more loss is within parity and the next step takes a version anyway: ``snapshot.every``
         1). While one more loss could be beyond a group's parity
-        (:meth:`~elastic_llm.snapshot.exposure.Exposure.critical`) it is waited for, up to :data:`REPROTECT_S`, and never into the last ``DRAIN_MARGIN_S``
-        before a drain of a node hosting the run's stages (the drain's moves come first; the
-        version then commits at a later look); otherwise it commits while the next step runs (a
-        recovery commits it first if it completed: fleet seed 1 with no notice lost 0.014 of the
-        oracle to these waits at parity 2). A stage that does not answer is left to the next step,
-        which finds it failed."""
+        (:meth:`~elastic_llm.snapshot.exposure.Exposure.critical`) and the version's work shares
+        the steps' processors (stages on CPUs: a step would slow its copies and encode, and so
+        lengthen the exposure), it is waited for, up to :data:`REPROTECT_S`, and never into the
+        last ``DRAIN_MARGIN_S`` before a drain of a node hosting the run's stages (the drain's
+        moves come first; the version then commits at a later look); otherwise the next step runs
+        while it is taken. Its work ends when it would have after a wait, so the exposure lasts as
+        long either way; its commit is read at the next look, or first thing in a recovery (fleet
+        seed 1 with no notice lost 0.008 of the oracle to these waits at parity 2, with stages on
+        devices). A stage that does not answer is left to the next step, which finds it failed."""
         sn = self.parts.snapshots
         if sn is None or not sn.reprotect_due(step):
             return
@@ -216,8 +219,9 @@ class StepJobs:
             return
         t0 = self.clock.perf_counter()
         wait_s = reprotect_wait_s(self.nodes.draining().values(), set(self.parts.group.nodes.values()), self.clock.time())
-        if not critical:  # one more loss is still within parity: the version commits while training goes on
-            wait_s = 0.0
+        pool = self.parts.standbys
+        if not critical or (pool is not None and not pool.starts_take_step_cpu):  # one more loss is within parity, or the version's work takes no
+            wait_s = 0.0  # step's processors (stages on devices): it is taken while training goes on, done when it would have been after a wait
         sn.begin(step, self.parts.group.members(), with_step=False)
         sn.poll(block=True, timeout=wait_s, drop=False)
         log.info("step %d's snapshot taken again between steps to re-protect it: %s after %.2f s", step,

@@ -238,7 +238,7 @@ class Trainer:
         self.jobs.deaths(self.step)
         self.jobs.reprotect(self.step, self.executor, self.stream.at())  # a committed version that lost members: taken again now, not a step later
         self.jobs.standbys(self.step, self.failures, self.clock.perf_counter() - (self._t0 or self.clock.perf_counter()))
-        drains, grow_to = self.parts.elastic.look(self.drains_seen)
+        drains, grow_to = self.parts.elastic.look(self.drains_seen, self.step)
         return after_step(self.step, self.end, self.stop_requested, drains, self.parts.group.width, grow_to)
 
     def _start(self, state: Starting) -> State:
@@ -344,17 +344,17 @@ class Trainer:
         nodes = frozenset(d.node_id for d in state.drains)
         now, t0, alive = self.clock.time(), self.clock.perf_counter(), self.runtime.nodes.alive()
         try:
-            ev = self.parts.elastic.evacuate(nodes)
+            ev = self.parts.elastic.evacuate(state.drains)
         except (*self.runtime.errors, PlanNotFollowed, NodeGone) as err:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
             return self._failed_work(err, During.DRAIN, alive - nodes)
-        spans = self.parts.group.spans.totals(t0)
-        self.progress = self.progress.drained(nodes)
+        spans, self.progress = self.parts.group.spans.totals(t0), self.progress.drained(nodes)
         self._new_executor()
         for line in drain_records(state.drains, ev, self.step, now, spans):
             self.drains.append(self.metrics.emit(line))
         if ev.to_dp != ev.from_dp:
             self._resized(ev.from_dp, ev.to_dp, "drain: no room to move", ev.seconds, spans)
-        return self._next()
+        given_up = self.parts.elastic.give_up(state.drains, self.step + 1)  # what stayed and goes before the next step ends
+        return Recovering(given_up, 1, "given up at a drain before its nodes go: not charged") if given_up else self._next()
 
     def _resized(self, from_dp: int, to_dp: int, reason: str, seconds: float, spans: dict[str, float] | None = None) -> None:
         log.info("width %d -> %d replicas (%s, %.1f s)", from_dp, to_dp, reason, seconds)

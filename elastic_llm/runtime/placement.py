@@ -191,10 +191,12 @@ class Reservations:
 
     # ------------------------------------------------------------------ renewing
     def renew(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
-        """Lost actors whose group went with its node get a new group (the old one removed,
-        the new one aimed near the replica's other stages, off ``avoid``). Returns those keys."""
+        """Lost actors whose group went with its node, or sits on a node of ``avoid`` (an actor
+        given up at a drain), get a new group (the old one removed, the new one aimed near the
+        replica's other stages, off ``avoid``). Returns those keys."""
         lost = set(self.lost([self.groups[k] for k in keys if k in self.groups]))
-        renewed = [k for k in keys if self.groups.get(k) in lost]
+        where = self.bundle_nodes([k for k in keys if k in self.groups]) if avoid else {}
+        renewed = [k for k in keys if self.groups.get(k) in lost or where.get(k) in avoid]
         for key in renewed:
             remove_group(self.groups.pop(key))
         for key in renewed:

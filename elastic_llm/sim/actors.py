@@ -170,7 +170,13 @@ class SimActors:
             return {k: next(slots) if k in homeless else self.nodes[k] for k in keys}
 
     def renew(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
-        return []  # a slot is taken when its actor starts (bundle_nodes): none outlives its node
+        """A slot is taken when its actor starts (:meth:`bundle_nodes`) and none outlives its node;
+        a lost actor's slot on a node of ``avoid`` (given up at a drain) is let go."""
+        with self.charged:
+            renewed = [k for k in keys if self.nodes.get(k) in avoid]
+            for k in renewed:
+                self._host(k, None)
+            return renewed
 
     # ------------------------------------------------------------------ actors
     def _start_time(self, keys: list[ShardKey], adopt: dict[ShardKey, str]) -> float:
