@@ -82,6 +82,9 @@ def _validate_parallel(c: RunConfig) -> list[str]:
     _one_of(p, "parallel.placement_strategy", par.placement_strategy, PLACEMENT_STRATEGIES)
     if par.gpus_per_actor < 0:
         p.append(f"parallel.gpus_per_actor={par.gpus_per_actor} must be >= 0 (fractions like 0.5 share a GPU)")
+    elif par.gpus_per_actor > 1:
+        p.append(f"parallel.gpus_per_actor={par.gpus_per_actor:g}: a stage trains on one device (no tensor parallelism within a stage), "
+                 "so more would sit idle: use 1 (or a fraction like 0.5 to share a GPU), and more parallel.stages for a model one device cannot hold")
     if par.threads_per_actor is not None and par.threads_per_actor <= 0:
         p.append(f"parallel.threads_per_actor={par.threads_per_actor} must be > 0 (or null for cpus_per_actor)")
     return p

@@ -92,6 +92,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50  # 0 disables validation
     eval_batches: int = 2
+    deterministic: bool = False  # torch's deterministic algorithms (and the cuBLAS workspace they need): bit-exact recovery on CUDA needs it
 
 
 @dataclass

@@ -34,6 +34,7 @@ import torch
 from elastic_llm.config import RunConfig, config_from_dict
 from elastic_llm.lease import Lease, remove_run_groups
 from elastic_llm.model import StageModule, build_stage, lm_loss
+from elastic_llm.pipeline import device
 from elastic_llm.pipeline.copies import BackgroundCopies
 from elastic_llm.pipeline.optim import build_optimizer
 from elastic_llm.pipeline.plan import InjectedFault, StepPlan, StepReport, StepStats
@@ -65,7 +66,7 @@ class StageInfo:
     step: int
     layers: tuple[int, ...]
     parameters: int
-    gpu_ids: tuple[int, ...] = ()  # the devices Ray gave this process (a standby adopted in its place takes them)
+    gpu_ids: tuple[str, ...] = ()  # the devices Ray gave this process, indices or UUIDs (a standby adopted in its place takes them)
     links: int = -1  # the generation of its links to its step peers (-1: none yet): a new driver aborts a step of it left running
 
 
@@ -114,7 +115,7 @@ class StageWorker(OtherSources):
         self.run_id = run_id
         self.lease = Lease(grace_s, f"stage actor of run {run_id} (pid {os.getpid()})", lambda: remove_run_groups(run_id)) if grace_s > 0 else None
         self.standby = stage is None
-        self.adopted_gpus: tuple[int, ...] = ()  # devices taken over from a dead actor (a GPU run's standby)
+        self.adopted_gpus: tuple[str, ...] = ()  # devices taken over from a dead actor (a GPU run's standby)
         self.metrics = Metrics()
         self.relay: Any = None  # as stage 0 of a replica: its relay of the steps (relay_to)
         if stage is None:
@@ -125,7 +126,7 @@ class StageWorker(OtherSources):
             return
         self._build(stage, replica, dp)
 
-    def adopt(self, stage: int, replica: int, dp: int, gpu_ids: tuple[int, ...] | None = None) -> "StageInfo":
+    def adopt(self, stage: int, replica: int, dp: int, gpu_ids: tuple[str, ...] | None = None) -> "StageInfo":
         """A warm standby becomes ``(stage, replica)`` of a width of ``dp``: it builds the stage
         (fresh weights, as a new actor would; the caller loads the state next). ``gpu_ids``: the
         devices this process may use from now on (the dead actor's, on the same node), set before
@@ -133,8 +134,8 @@ class StageWorker(OtherSources):
         if not self.standby:
             raise RuntimeError(f"stage {self.stage} replica {self.replica} is not a standby: it cannot be adopted")
         if gpu_ids:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
-            self.adopted_gpus = tuple(gpu_ids)
+            self.adopted_gpus = device.gpu_ids(gpu_ids)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.adopted_gpus)
         self._build(stage, replica, dp)
         self.standby = False
         return self.info()
@@ -145,7 +146,8 @@ class StageWorker(OtherSources):
         self.dp = dp or par.dp  # data-parallel width now (it changes as the run resizes): which 1/dp slice of the state this replica snapshots
         self.n_stages = par.stages
         self.first, self.last = stage == 0, stage == par.stages - 1
-        self.device = torch.device("cuda" if par.gpus_per_actor > 0 and torch.cuda.is_available() else "cpu")
+        device.make_deterministic(train.deterministic)  # before the process's first CUDA call
+        self.device = device.stage_device(par.gpus_per_actor, torch.cuda.is_available(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         torch.set_num_threads(par.threads())
         torch.manual_seed(stage_seed(train.seed, stage, replica))
         self.module = build_stage(self.cfg.model.shape(), par.stages, stage, train.seed).to(self.device)
@@ -538,7 +540,7 @@ class StageWorker(OtherSources):
             step=self.step_count,
             layers=tuple(self.module.layer_ids),
             parameters=sum(p.numel() for p in self.module.parameters()),
-            gpu_ids=self.adopted_gpus or (tuple(int(g) for g in ray.get_gpu_ids()) if ctx else ()),
+            gpu_ids=self.adopted_gpus or (device.gpu_ids(ray.get_gpu_ids()) if ctx else ()),
             links=self.links.generation if self.links is not None else -1,
         )
 

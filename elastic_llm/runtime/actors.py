@@ -88,7 +88,7 @@ class ActorGroup(StateCalls):
         self.actors: list[list[Any]] = []  # [replica][stage]; the width is len(actors) once spawned
         self.nodes: dict[ShardKey, str] = {}
         self.pids: dict[ShardKey, int] = {}
-        self.gpus: dict[ShardKey, tuple[int, ...]] = {}  # devices of each actor (GPU runs): a standby adopted in its place takes them
+        self.gpus: dict[ShardKey, tuple[str, ...]] = {}  # devices of each actor (GPU runs): a standby adopted in its place takes them
         self.ready: set[ShardKey] = set()  # actors that answered since they were spawned
         self.fresh: set[ShardKey] = set()  # lost keys whose late stage spare took their place: no state yet, no process to start
         self.generation = 0  # actors started: part of each one's name (a SIGKILLed actor's name is released late)
@@ -173,7 +173,7 @@ class ActorGroup(StateCalls):
             self.describe(keys, calls, meanwhile)
             ray.get(widths, timeout=WIDTH_S)
 
-    def _devices_for(self, key: ShardKey) -> tuple[int, ...] | None:
+    def _devices_for(self, key: ShardKey) -> tuple[str, ...] | None:
         """The GPU ids a standby adopted as ``key`` takes: the dead actor's (GPU runs whose
         standbys hold no device of their own), else None."""
         if not self.cfg.parallel.gpus_per_actor or self.cfg.recovery.standby_gpus:

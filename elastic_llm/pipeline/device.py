@@ -1,0 +1,53 @@
+"""Which device a stage trains on, and the GPU ids Ray gives it.
+
+Owns: the choice of a stage process's device from ``parallel.gpus_per_actor`` and what the
+process sees (:func:`stage_device`: a stage that asked for a GPU and sees none refuses to start,
+never a silent CPU run), the GPU ids as strings in whatever form Ray gives them (indices or
+UUIDs: :func:`gpu_ids`), and ``train.deterministic`` (:func:`make_deterministic`: torch's
+deterministic algorithms and the cuBLAS workspace they need). Pure except
+:func:`make_deterministic`, which sets torch's global flags for the process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+CUBLAS_WORKSPACE = ":4096:8"  # what torch's deterministic algorithms need of cuBLAS (CUDA >= 10.2)
+
+
+class NoDevice(RuntimeError):
+    """A stage asked for a GPU (``parallel.gpus_per_actor`` > 0) and its process sees none."""
+
+
+def stage_device(gpus_per_actor: float, cuda_available: bool, visible: str | None = None) -> torch.device:
+    """``cuda`` when the stage asked for a GPU and the process sees one, ``cpu`` when it asked
+    for none; raises :class:`NoDevice` naming the field and the fix when it asked for one and sees
+    none (``visible``: the process's ``CUDA_VISIBLE_DEVICES``, for the message). Pure."""
+    if gpus_per_actor <= 0:
+        return torch.device("cpu")
+    if not cuda_available:
+        seen = "unset" if visible is None else repr(visible)
+        raise NoDevice(
+            f"parallel.gpus_per_actor={gpus_per_actor:g} but this stage process sees no CUDA device "
+            f"(torch.cuda.is_available() is False; CUDA_VISIBLE_DEVICES {seen}; torch {torch.__version__} "
+            f"built with CUDA {torch.version.cuda or 'none'}): install a CUDA build of torch on GPU nodes, "
+            "or set parallel.gpus_per_actor=0 to train on CPUs")
+    return torch.device("cuda")
+
+
+def gpu_ids(ids: Iterable[object]) -> tuple[str, ...]:
+    """The GPU ids Ray gave a process, as strings: indices (``0``, ``"1"``) and UUIDs
+    (``"GPU-5e2c..."``) alike, in Ray's order (what ``CUDA_VISIBLE_DEVICES`` takes). Pure."""
+    return tuple(str(i) for i in ids)
+
+
+def make_deterministic(on: bool) -> None:
+    """``train.deterministic``: torch's deterministic algorithms (an op without one raises
+    instead of running a non-deterministic kernel) and the cuBLAS workspace they need, set before
+    the process's first CUDA call. Off: torch's defaults."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(on)
