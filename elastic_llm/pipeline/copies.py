@@ -1,7 +1,7 @@
 """A stage's background snapshot copies: lazy and asynchronous (DataStates-LLM style).
 
 Owns: the reused, pre-touched copy buffers (two that alternate for snapshots, a third for direct
-captures; pinned host memory on CUDA), the one copy thread, the copies it holds (the last two,
+captures; on CUDA pinned in place at their exact size and allocated when the stage starts), the one copy thread, the copies it holds (the last two,
 by version), waking a snapshot manager that waits for a copy when the step it waits for is
 aborted, and cutting a finished copy into checksummed pieces.
 Never decides when to copy (the stage does, when its step is told to) and never talks to Ray.
@@ -20,7 +20,6 @@ import torch
 
 from elastic_llm.snapshot.erasure import checksum
 from elastic_llm.snapshot.records import Piece
-from elastic_llm.tensors import host
 
 WAIT_S = 600.0  # longest a copy may take, or a manager may wait for one
 
@@ -35,6 +34,16 @@ class Copy:
     hi: int
     manifest: str
     future: Future
+
+
+def pinned(buf: np.ndarray) -> np.ndarray:
+    """``buf`` page-locked in place for CUDA copies (``cudaHostRegister``): exactly its size,
+    where torch's pinned allocator rounds a request up to a power of two (a 2.4 GB state would
+    take 4 GB). Stays registered for the process's life, as the copy buffers do."""
+    err = torch.cuda.cudart().cudaHostRegister(buf.ctypes.data, buf.nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of a {buf.nbytes}-byte snapshot buffer failed ({err}): the node's pinned-memory limit (ulimit -l) is too low")
+    return buf
 
 
 def piece_size(nbytes: int, k: int) -> int:
@@ -68,15 +77,20 @@ class BackgroundCopies:
             self.wait_s += time.perf_counter() - t
 
     def buffer(self, i: int) -> np.ndarray:
+        """Buffer ``i`` (0 and 1 alternate for snapshots, 2 for direct captures), allocated on first
+        use (at the stage's start on CUDA: :meth:`preallocate`): exactly the state's size, every
+        page touched once, and on CUDA pinned where it lies (:func:`pinned`)."""
         if i not in self.buffers:
-            n = self.arena.layout.nbytes
-            if self.device.type == "cuda":
-                buf = host(torch.empty(n, dtype=torch.uint8, pin_memory=True))
-            else:
-                buf = np.empty(n, dtype=np.uint8)
+            buf = np.empty(self.arena.layout.nbytes, dtype=np.uint8)
             buf.fill(0)  # touch every page once: later copies write warm memory
-            self.buffers[i] = buf
+            self.buffers[i] = pinned(buf) if self.device.type == "cuda" else buf
         return self.buffers[i]
+
+    def preallocate(self) -> None:
+        """All three buffers now (a CUDA stage's start): pinning takes time a first snapshot or
+        a recovery's capture would otherwise stall on."""
+        for i in range(3):
+            self.buffer(i)
 
     def start(self, version: int, lo: int, hi: int, manifest: str) -> None:
         """Copy bytes [lo, hi) of the state in the background as ``version``.

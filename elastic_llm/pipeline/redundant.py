@@ -30,7 +30,11 @@ class Shadow:
         self.optimizer, self.scheduler = build_optimizer(self.module, cfg.train)
         self.arena = StateArena(self.module, self.optimizer)
         self.outputs: dict[int, torch.Tensor] = {}
-        self.buffer = np.zeros(self.arena.layout.nbytes, dtype=np.uint8)
+        self.buffer = np.zeros(self.arena.layout.nbytes, dtype=np.uint8)  # touched once; pinned in place on CUDA (exact size)
+        if device.type == "cuda":
+            from elastic_llm.pipeline.copies import pinned
+
+            self.buffer = pinned(self.buffer)
 
     def forward(self, mb: int, x: torch.Tensor, targets: np.ndarray | None, weight: float) -> None:
         """``weight``: the loss weight of microbatch ``mb``, as the real last stage uses it."""

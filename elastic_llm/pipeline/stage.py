@@ -169,6 +169,8 @@ class StageWorker(OtherSources):
         # reused buffer on a background thread while the next forward/backward run; the next
         # step() waits for it only if it is unfinished. A snapshot manager collects the copy.
         self.copies = BackgroundCopies(self.arena, self.device, f"{stage}-{replica}", self.cfg.chaos.snapshot_delay_s)
+        if self.device.type == "cuda":
+            self.copies.preallocate()  # pinned now, not in the first snapshot's step
         self.injected_error: str | None = None  # chaos: every forward raises this from now on
         self.links: Any = None  # SocketTransport: this actor's links to its step peers
 

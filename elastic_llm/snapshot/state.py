@@ -150,8 +150,11 @@ class StateArena:
 
         Blocks on a CUDA device are copied on a stream of their own (so the copy overlaps the
         compute stream's next forward/backward) into ``buffer`` (pinned memory), ordered after the
-        CUDA event ``after`` (recorded on the compute stream when the optimizer step was queued);
-        returns once the copy is complete."""
+        CUDA event ``after`` (recorded on the compute stream when the optimizer step was queued;
+        None: one recorded now on the device's current stream, so a capture outside the step, a
+        checkpoint's, a peer's or a promotion's, never reads weights the optimizer is still
+        writing); returns once the copy is complete. Every capture of a stage's state goes
+        through here."""
         hi = self.layout.nbytes if hi is None else hi
         dst = torch.from_numpy(buffer)
         streams = []
@@ -165,8 +168,7 @@ class StateArena:
             stream = self._streams.get(device)
             if stream is None:
                 stream = self._streams[device] = torch.cuda.Stream(device)
-            if after is not None:
-                stream.wait_event(after)
+            stream.wait_event(after if after is not None else torch.cuda.current_stream(device).record_event())
             with torch.cuda.stream(stream):
                 dst[a:b].copy_(block[a - a0 : b - a0], non_blocking=True)
             streams.append(stream)
