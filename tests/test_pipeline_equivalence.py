@@ -2,6 +2,8 @@
 same loss and gradients as the unsplit model: the loss, and every stage's gradient norm (reported
 before clipping, after the replicas' all-reduce), and replicas hold identical bits afterwards."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import ray
@@ -193,6 +195,26 @@ def test_redundant_mode_on_the_step_executor_matches_the_unsplit_model(ray_local
         kill_all(actors)
 
 
+def test_in_bf16_each_redundant_copy_holds_its_successors_state_bit_for_bit(ray_local):
+    """Redundant mode with ``train.precision: bf16``: each stage's copy of its successor runs in
+    the successor's precision on what the successor got (its bf16 input, its bf16 gradient), so
+    after two steps it holds the successor's fp32 state bit for bit (the promotion's premise)."""
+    d = small_config(4, 1, "1f1b").to_dict()
+    d["recovery"]["mode"], d["train"]["precision"] = "redundant", "bf16"
+    cfg = config_from_dict(d)
+    actors = stage_actors(cfg, 4, 1)
+    try:
+        ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches, redundant=True)
+        for step, seed in ((1, 5), (2, 6)):
+            ex.finish(ex.start(step, *token_batch(cfg, seed)))
+        for s in range(4):
+            copy = ray.get(actors[0][s].shadow_state.options(num_returns=2).remote()[0])  # (buffer, manifest): the bytes
+            real = ray.get(actors[0][(s + 1) % 4].capture_state.options(num_returns=2).remote()[0])
+            np.testing.assert_array_equal(copy, real, err_msg=f"stage {s}'s copy of stage {(s + 1) % 4}")
+    finally:
+        kill_all(actors)
+
+
 def test_a_width_change_rebuilds_the_links_and_the_all_reduce_group(ray_local):
     """Three replicas train a step; replica 1 is dropped and the others become replicas 0 and 1
     of two: the next executor sets up a new generation of links among them only, and their
@@ -312,6 +334,25 @@ def test_the_same_config_and_seed_give_the_same_bits_twice(ray_local):
         for s in range(2):
             for name in p_first[r][s]:
                 np.testing.assert_array_equal(p_first[r][s][name], p_second[r][s][name])
+
+
+def test_a_bf16_pipeline_on_ray_is_near_the_fp32_step_and_its_replicas_hold_the_same_fp32_bits(ray_local):
+    """``train.precision: bf16`` through the stage actors and their links (bf16 on the wire): two
+    steps at width 2 (2 stages, 4 microbatches) land within bf16's rounding of the same steps in
+    fp32, replicas hold identical fp32 parameters afterwards, and a second run gives the same bits."""
+    cfg = small_config(2, 2, "1f1b", micro=4, batch=8)
+    bf16 = replace(cfg, train=replace(cfg.train, precision="bf16"))
+    data = [token_batch(cfg, 11), token_batch(cfg, 12)]
+    fp32_results, _ = cached_steps(8, 4, 2, (11, 12))
+    results, params = train_steps(bf16, 2, data)
+    np.testing.assert_allclose([r.loss for r in results], [r.loss for r in fp32_results], rtol=2e-2)
+    assert [r.loss for r in results] != [r.loss for r in fp32_results]
+    for s in range(2):
+        for name, value in params[0][s].items():
+            assert value.dtype == np.float32
+            np.testing.assert_array_equal(params[1][s][name], value)
+    again, _ = train_steps(bf16, 2, data)
+    assert [r.loss for r in again] == [r.loss for r in results]
 
 
 def test_a_width_change_from_two_to_three_replicas_keeps_the_width_one_math(ray_local):

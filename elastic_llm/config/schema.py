@@ -19,6 +19,7 @@ from elastic_llm.model import ModelShape
 from elastic_llm.sources import Mode
 
 SCHEDULES = ("gpipe", "1f1b")
+PRECISIONS = ("fp32", "bf16")  # train.precision: what the forward and backward compute in (master weights and moments stay fp32)
 TOKENIZERS = ("byte", "bpe")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # lossless: in-memory snapshots + parity (CheckFree+ only as the last rung); checkfree /
@@ -92,6 +93,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50  # 0 disables validation
     eval_batches: int = 2
+    precision: str = "fp32"  # fp32 | bf16: forward and backward under bf16 autocast, bf16 between stages; weights, moments, snapshots stay fp32
     deterministic: bool = False  # torch's deterministic algorithms (and the cuBLAS workspace they need): bit-exact recovery on CUDA needs it
 
 

@@ -29,7 +29,7 @@ class Links(Protocol):
 
     def send(self, peer: ShardKey, kind: Msg, mb: int, hop: int, array: Any) -> None: ...
 
-    def recv(self, peer: ShardKey, kind: Msg, mb: int, hop: int) -> np.ndarray: ...
+    def recv(self, peer: ShardKey, kind: Msg, mb: int, hop: int) -> np.ndarray | torch.Tensor: ...  # gradient chunks are float32: numpy
 
 
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -52,7 +52,7 @@ def allreduce_sum(transport: Links, flat: np.ndarray, replicas: list[ShardKey], 
         if j != me:
             transport.send(replicas[j], Msg.CHUNK, 0, j, flat[lo:hi])
     lo, hi = bounds[me]
-    parts = [flat[lo:hi] if r == me else transport.recv(replicas[r], Msg.CHUNK, 0, me) for r in range(dp)]
+    parts = [flat[lo:hi] if r == me else np.asarray(transport.recv(replicas[r], Msg.CHUNK, 0, me)) for r in range(dp)]  # fp32 in every precision
     total = torch.from_numpy(np.array(parts[0]))  # torch's in-place adds
     for part in parts[1:]:  # fixed replica order: identical bits on every replica
         total += torch.from_numpy(part)
@@ -63,5 +63,5 @@ def allreduce_sum(transport: Links, flat: np.ndarray, replicas: list[ShardKey], 
             transport.send(replicas[j], Msg.GATHER, 0, me, total)
     for r, (a, b) in enumerate(bounds):
         if r != me:
-            out[a:b] = transport.recv(replicas[r], Msg.GATHER, 0, r)
+            out[a:b] = np.asarray(transport.recv(replicas[r], Msg.GATHER, 0, r))
     return out

@@ -1,10 +1,17 @@
-"""Which device a stage trains on, and the GPU ids Ray gives it.
+"""Which device a stage trains on, in which precision, and the GPU ids Ray gives it.
 
 Owns: the choice of a stage process's device from ``parallel.gpus_per_actor`` and what the
 process sees (:func:`stage_device`: a stage that asked for a GPU and sees none refuses to start,
 never a silent CPU run), the GPU ids as strings in whatever form Ray gives them (indices or
-UUIDs: :func:`gpu_ids`), and ``train.deterministic`` (:func:`make_deterministic`: torch's
-deterministic algorithms and the cuBLAS workspace they need). Pure except
+UUIDs: :func:`gpu_ids`), ``train.deterministic`` (:func:`make_deterministic`: torch's
+deterministic algorithms and the cuBLAS workspace they need), and ``train.precision``
+(:func:`compute`, :func:`on_wire`): in ``bf16`` a stage's forward (and so its backward) runs
+under bf16 autocast, its parameters, their gradients and AdamW's moments stay fp32 (autocast
+casts the weights per op; the gradients accumulate into the fp32 parameters' ``.grad``), so the
+data-parallel sum, the clipping and every snapshot, checkpoint and export are fp32 as in an fp32
+run (the sum in fp32: a bf16 sum would round each replica's share to 8 bits of mantissa and its
+result would depend on the width); activations leave a stage in bf16 and their gradients come
+back in bf16 (half the bytes on the wire); the loss is computed in fp32. Pure except
 :func:`make_deterministic`, which sets torch's global flags for the process.
 """
 
@@ -36,6 +43,18 @@ def stage_device(gpus_per_actor: float, cuda_available: bool, visible: str | Non
             f"built with CUDA {torch.version.cuda or 'none'}): install a CUDA build of torch on GPU nodes, "
             "or set parallel.gpus_per_actor=0 to train on CPUs")
     return torch.device("cuda")
+
+
+def compute(precision: str, device: torch.device) -> torch.autocast:
+    """The context a stage's forward runs in: bf16 autocast on ``device`` for ``bf16``, a no-op for ``fp32``."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def on_wire(activation: torch.Tensor, precision: str) -> torch.Tensor:
+    """An activation as it leaves a stage: bf16 in a bf16 run (whatever dtype the last op left
+    it in), else as it is. Autograd goes through the cast: the gradient that comes back in bf16
+    reaches the stage's fp32 residual stream as fp32."""
+    return activation.to(torch.bfloat16) if precision == "bf16" else activation
 
 
 def gpu_ids(ids: Iterable[object]) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ import torch
 
 from elastic_llm.config import RunConfig
 from elastic_llm.model import build_stage, lm_loss
+from elastic_llm.pipeline.device import compute, on_wire
 
 
 class Shadow:
@@ -37,21 +38,26 @@ class Shadow:
             self.buffer = pinned(self.buffer)
 
     def forward(self, mb: int, x: torch.Tensor, targets: np.ndarray | None, weight: float) -> None:
-        """``weight``: the loss weight of microbatch ``mb``, as the real last stage uses it."""
-        out = self.module(x.to(self.device))
+        """``weight``: the loss weight of microbatch ``mb``, as the real last stage uses it; in the
+        precision the real stage runs in (its output as it leaves it)."""
+        precision = self.cfg.train.precision
+        with compute(precision, self.device):
+            out = self.module(x.to(self.device))
+        if not self.last:
+            out = on_wire(out, precision)
         if self.last:
             if targets is None:
                 raise ValueError("the redundant copy of the last stage needs the targets")
             out = lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)) * weight
         self.outputs[mb] = out
 
-    def backward(self, grads: tuple[np.ndarray, ...], n_micro: int) -> None:
+    def backward(self, grads: tuple[np.ndarray | torch.Tensor, ...], n_micro: int) -> None:
         for mb in range(n_micro):
             out = self.outputs.pop(mb)
             if self.last:
                 out.backward()
             else:
-                out.backward(torch.from_numpy(np.asarray(grads[mb])).to(self.device))
+                out.backward(torch.as_tensor(grads[mb], device=self.device, dtype=out.dtype))
 
     def step(self, clip: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)

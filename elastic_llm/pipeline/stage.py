@@ -295,7 +295,11 @@ class StageWorker(OtherSources):
         inp = torch.as_tensor(x, device=self.device)
         if not hop.embed:
             inp.requires_grad_(True)
-        out = self.module.run(inp, hop.embed, hop.layers, hop.head)
+        precision = self.cfg.train.precision
+        with device.compute(precision, self.device):
+            out = self.module.run(inp, hop.embed, hop.layers, hop.head)
+        if not hop.head:
+            out = device.on_wire(out, precision)
         self.inputs[(mb, visit)] = inp
         if self.shadow is not None:
             copy_in = out.detach().requires_grad_(True) if shadow_x is None else torch.from_numpy(np.asarray(shadow_x))  # as the successor gets it
@@ -317,13 +321,13 @@ class StageWorker(OtherSources):
         if grad is None:
             out.backward()
         else:
-            out.backward(torch.as_tensor(grad, device=self.device))
+            out.backward(torch.as_tensor(grad, device=self.device, dtype=out.dtype))
         self.backwards_done += 1
         if self._hop(mb, visit).embed:
             return None
         return inp.grad
 
-    def shadow_backward(self, *grads: np.ndarray) -> None:
+    def shadow_backward(self, *grads: np.ndarray | torch.Tensor) -> None:
         """Backpropagate the redundant copy of the successor over every microbatch of the step
         (``grads[mb]``: the gradient the successor received for its output; none when the
         successor is the last stage), in microbatch order as the successor does."""
@@ -396,7 +400,7 @@ class StageWorker(OtherSources):
 
         lo, hi = self.arena.layout.slice_bounds(self.replica, self.dp)
         extra = st.json_state(self.optimizer, self.scheduler, self.step_count, data_position.to_dict() if data_position else {}, self.cfg.config_hash())
-        extra["slice"] = [lo, hi]
+        extra["slice"], extra["precision"] = [lo, hi], self.cfg.train.precision
         self.copies.start(self.step_count, lo, hi, st.make_manifest(self.arena.layout, extra, self.stage))
 
     def snapshot_now(self, data_position: StreamPosition | Mapping[str, Any] | None = None) -> int:
@@ -421,11 +425,12 @@ class StageWorker(OtherSources):
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def eval_forward(self, x: np.ndarray, targets: np.ndarray | None = None) -> np.ndarray | float:
-        out = self.module(torch.from_numpy(np.asarray(x)).to(self.device))
+    def eval_forward(self, x: np.ndarray | torch.Tensor, targets: np.ndarray | None = None) -> np.ndarray | float:
+        with device.compute(self.cfg.train.precision, self.device):
+            out = self.module(torch.as_tensor(x, device=self.device))
         if self.last:
             return float(lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)))
-        return host(out)
+        return host(device.on_wire(out, self.cfg.train.precision).float())  # the training wire's rounding; numpy carries it as float32
 
     # ------------------------------------------------------------------ state capture / restore
     def capture_state(self, data_position: StreamPosition | Mapping[str, Any] | None = None, replica_slice: bool = False) -> tuple[np.ndarray, str]:
@@ -446,7 +451,7 @@ class StageWorker(OtherSources):
 
         position = StreamPosition.of(data_position).to_dict() if data_position is not None else None
         extra = st.json_state(self.optimizer, self.scheduler, self.step_count, position, self.cfg.config_hash())
-        extra["slice"] = [lo, hi]
+        extra["slice"], extra["precision"] = [lo, hi], self.cfg.train.precision  # the state is fp32 either way: a resume at the other precision loads it
         return st.make_manifest(self.arena.layout, extra, self.stage)
 
     def load_state(self, buffer: np.ndarray, manifest: str) -> int:

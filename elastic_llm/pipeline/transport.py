@@ -4,7 +4,8 @@ Owns: the :class:`Transport` seam (send to a peer, receive from a peer, abort, c
 a failed step) and its CPU implementation, :class:`SocketTransport`: one TCP connection per
 directed pair of peers, set up by :meth:`~SocketTransport.connect` for one *generation* of the
 run's membership before the first step that uses it. Each message is a fixed header (generation,
-step, kind, microbatch, hop, shape) and the raw float32 bytes: nothing is pickled. Sends are
+step, kind, microbatch, hop, dtype, shape) and the raw bytes, float32 or bfloat16 (``train.precision:
+bf16``: half the bytes; any other dtype is refused by name): nothing is pickled. Sends are
 queued to one thread per link (a stage never blocks on a slow receiver, and the messages of one
 link stay in order); a receive blocks in ``select`` on the link and on a wake-up pipe, so it ends
 at once when the message arrives, when the peer's connection closes (the peer died, or failed
@@ -41,6 +42,7 @@ import time
 from typing import Any, Callable, Protocol
 
 import numpy as np
+import torch
 
 from elastic_llm.pipeline.plan import STEP_DEADLINE_S
 from elastic_llm.snapshot.records import ShardKey
@@ -48,7 +50,8 @@ from elastic_llm.tensors import host as to_host
 
 CONNECT_S = 30.0  # deadline for one generation's links to be set up
 HELLO = struct.Struct("<qii")  # generation, stage, replica of the connecting peer
-HEADER = struct.Struct("<qqiii i4q")  # generation, step, kind, microbatch, hop, ndim, shape (up to 4 dims)
+HEADER = struct.Struct("<qqiiiii4q")  # generation, step, kind, microbatch, hop, dtype code, ndim, shape (up to 4 dims)
+FLOAT32, BFLOAT16 = 0, 1  # the dtypes that travel (a bfloat16 body is its raw 2-byte words)
 STATE_COPY = -2  # the HELLO's generation of a connection that carries one whole state, not a step's link
 STATE_HEADER = struct.Struct("<qq")  # manifest bytes, state bytes
 STATE_WAIT_S = 600.0  # how late a state's sender may connect (one sending to several targets sends one after another); a dead one's wait is cancelled sooner
@@ -101,7 +104,7 @@ class Transport(Protocol):
 
     def send(self, peer: ShardKey, kind: Msg, mb: int, hop: int, array: Any) -> None: ...  # numpy or a tensor; None: an empty message
 
-    def recv(self, peer: ShardKey, kind: Msg, mb: int, hop: int) -> np.ndarray: ...
+    def recv(self, peer: ShardKey, kind: Msg, mb: int, hop: int) -> np.ndarray | torch.Tensor: ...  # float32 as numpy, bfloat16 as a CPU tensor
 
     def abort(self, generation: int) -> None: ...
 
@@ -164,7 +167,7 @@ class SocketTransport:
         self.inbound: dict[ShardKey, socket.socket] = {}
         self.arrived: dict[int, dict[ShardKey, socket.socket]] = {}
         self.sent: dict[Msg, int] = {}
-        self.early: dict[ShardKey, dict[tuple[int, int, int], np.ndarray]] = {}  # messages that came before they were asked for
+        self.early: dict[ShardKey, dict[tuple[int, int, int], np.ndarray | torch.Tensor]] = {}  # messages that came before they were asked for
         self.states_in: dict[ShardKey, socket.socket] = {}  # connections carrying a whole state (send_state), by sender
         self.state_cancelled = False
         self.changed = threading.Condition()
@@ -267,7 +270,12 @@ class SocketTransport:
         array is queued by reference, not copied: the caller must not change it until it is sent
         (the step's callers hand over fresh arrays: each microbatch's activation or gradient, the
         all-reduce's chunks of a gradient nothing writes to afterwards)."""
+        code = FLOAT32
         if hasattr(array, "detach"):
+            if array.dtype == torch.bfloat16:
+                array, code = array.detach().view(torch.int16), BFLOAT16  # numpy has no bfloat16: its bits travel
+            elif array.dtype != torch.float32:
+                raise ProtocolError(f"only float32 and bfloat16 tensors travel between stages, got {array.dtype} {tuple(array.shape)}")
             array = to_host(array)
         link = self.out.get(peer)
         if link is None:
@@ -279,20 +287,21 @@ class SocketTransport:
             body = None
             ndim = -1
         else:
-            if array.dtype != np.float32 or array.ndim > 4:
-                raise ProtocolError(f"only float32 arrays of up to 4 dimensions travel, got {array.dtype} {array.shape}")
+            if (array.dtype != np.float32 and not (code == BFLOAT16 and array.dtype == np.int16)) or array.ndim > 4:
+                raise ProtocolError(f"only float32 and bfloat16 arrays of up to 4 dimensions travel, got {array.dtype} {array.shape}")
             array = np.ascontiguousarray(array)
             shape, ndim = array.shape, array.ndim
             body = memoryview(array).cast("B")
             self.sent[kind] = self.sent.get(kind, 0) + array.nbytes
         dims = tuple(shape) + (0,) * (4 - len(shape))
-        link.queue.put((HEADER.pack(self.generation, self.step, int(kind), mb, hop, ndim, *dims), body))
+        link.queue.put((HEADER.pack(self.generation, self.step, int(kind), mb, hop, code, ndim, *dims), body))
 
-    def recv(self, peer: ShardKey, kind: Msg, mb: int, hop: int) -> np.ndarray:
+    def recv(self, peer: ShardKey, kind: Msg, mb: int, hop: int) -> np.ndarray | torch.Tensor:
         """The message ``(kind, mb, hop)`` of this step from ``peer``. A link carries one
         sender's messages in its order, which need not be the receiver's (a 1F1B stage visited
         twice by a swapped route sends in another order than its successor consumes): messages
-        that arrive early are kept until asked for."""
+        that arrive early are kept until asked for. A bfloat16 message comes back as a CPU
+        bfloat16 tensor over the received bytes (numpy has no bfloat16), a float32 one as numpy."""
         sock = self.inbound.get(peer)
         if sock is None:
             raise ProtocolError(f"{self.me} has no link from {peer} (generation {self.generation})")
@@ -303,12 +312,15 @@ class SocketTransport:
         while True:
             self._wait_readable(sock, peer)
             try:
-                gen, step, k, m, h, ndim, *dims = HEADER.unpack(_read_exact(sock, HEADER.size))
+                gen, step, k, m, h, code, ndim, *dims = HEADER.unpack(_read_exact(sock, HEADER.size))
                 if (gen, step) != (self.generation, self.step):
                     raise ProtocolError(f"{self.me} got a message of step {step} (generation {gen}) from {peer} in step {self.step} (generation {self.generation})")
-                out = np.empty(tuple(dims[:ndim]) if ndim >= 0 else 0, np.float32)
+                if code not in (FLOAT32, BFLOAT16):
+                    raise ProtocolError(f"{self.me} got a message of dtype code {code} from {peer}: only float32 (0) and bfloat16 (1) travel")
+                raw = np.empty(tuple(dims[:ndim]) if ndim >= 0 else 0, np.float32 if code == FLOAT32 else np.int16)
                 if ndim >= 0:
-                    _read_into(sock, out.data.cast("B"))
+                    _read_into(sock, raw.data.cast("B"))
+                out: np.ndarray | torch.Tensor = raw if code == FLOAT32 else torch.from_numpy(raw).view(torch.bfloat16)
             except EOFError as e:
                 raise PeerLost(peer, str(e)) from None
             except OSError as e:
