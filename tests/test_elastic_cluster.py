@@ -463,8 +463,9 @@ def test_every_node_noticed_at_once_is_said_at_the_notice_and_saved_by_an_emerge
     """A collapse: every worker node gets a 10 s notice at once, so the committed version's parts
     have no live node to go to. At the notice the run says so (a ``stranded`` re-protection line)
     and flushes the committed version to the durable tier (whose own cadence is never due here),
-    while the nodes live; they go, new ones come, and the run resumes from that flush: no
-    committed step lost, the undisturbed run's losses bit for bit. (The simulated test holds the
+    and each newer one while a flush can end before the nodes do; they go at the deadline, new
+    ones come, and the run resumes from the last flush: no committed step lost, the undisturbed
+    run's losses bit for bit. (The simulated test holds the
     same on a fleet; this is the real managers' flush and a real restore.)"""
     t = make_trainer(nodes, corpus_dir, tmp_path, "parallel.dp=1", "elastic.max_replicas=1", "snapshot.every=4",
                      f"durable.storage_path={tmp_path / 'durable'}", "durable.every=1000000")
@@ -472,9 +473,11 @@ def test_every_node_noticed_at_once_is_said_at_the_notice_and_saved_by_an_emerge
     try:
         wait_until(lambda: t.parts is not None and t.parts.snapshots.committed is not None or "error" in run.result, 120, "a commit")
         victims = [n.node_id for n in nodes.worker_nodes]
+        noticed = time.time()
         for v in victims:
             request_drain(v, 10, "test: every node at once")
         wait_until(lambda: t.parts.durable.flushed_version >= 0 and t.parts.durable.inflight is None or "error" in run.result, 10, "the emergency flush")
+        time.sleep(max(0.0, noticed + 10 - time.time()))  # the run trains on, flushing each newer committed version, until the deadline
         flushed = t.step
         for v in victims:
             nodes.remove_node(node_of(nodes, v))  # the deadline: every instance goes

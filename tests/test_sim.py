@@ -329,8 +329,9 @@ def test_a_collapse_with_no_node_to_re_home_to_is_said_at_the_notice_and_flushed
     """Every node of the fleet gets a 30 s notice at once: the committed version's parts have
     nowhere to go. At the notice, the run says so (a ``reprotect`` line with ``how: stranded``, and
     the run's status), long before the nodes go. With a durable tier (its cadence never due on
-    its own here), an emergency flush of each newer committed version runs while they live, and
-    the run comes back from it on new nodes with no committed step lost; without one it stops
+    its own here), an emergency flush of each newer committed version runs while one can end
+    before the nodes do, and the run comes back from the last on new nodes with no committed
+    step lost; without one it stops
     (exit 3) as it said it would."""
     nodes = [f"r{i}" for i in range(6)]
     plan = scripted(nodes, [ReplayAction(20.0, "drain", n, 30.0) for n in nodes] + [ReplayAction(50.0, "remove", n) for n in nodes]
@@ -340,10 +341,30 @@ def test_a_collapse_with_no_node_to_re_home_to_is_said_at_the_notice_and_flushed
     [said] = [r for r in events(tmp_path / "durable", "reprotect") if r["how"] == "stranded"]
     assert said["nodes"] == nodes and said["time"] - 1.8e9 < 30.0  # within seconds of the notice at 20 s, the nodes go at 50 s
     assert report["failed"] is None and report["committed_steps_lost"] == 0 and report["events"]["durable_flushes"] > 0
-    assert {(r.source, r.rollback_steps) for r in t.recoveries} == {("durable", 0)}
+    assert {r.source for r in t.recoveries} == {"durable"} and all(r.rollback_steps <= 6 for r in t.recoveries)  # only the steps after the last
+    # version that began while its flush could end before the nodes (twice a flush plus 2 s before their end): uncommitted work
     t, report = run(cfg, tmp_path / "none", plan, replicas=1, slots=1)
     [said] = [r for r in events(tmp_path / "none", "reprotect") if r["how"] == "stranded"]
     assert said["time"] - 1.8e9 < 30.0 and report["exit_code"] == 3
+
+
+def test_in_a_collapse_no_version_begins_that_its_flush_could_not_save_before_the_nodes_go(corpus_dir, tmp_path):
+    """The collapse above with a slow durable tier (a flush of seconds, steps of a fraction of
+    one, a version every step): the run keeps flushing each newer committed version while the
+    nodes live, but begins none within twice a flush (plus 2 s) of their end, so the newest
+    committed version is on the durable tier when they go: no committed step lost."""
+    from dataclasses import replace
+
+    nodes = [f"r{i}" for i in range(6)]
+    plan = scripted(nodes, [ReplayAction(20.0, "drain", n, 30.0) for n in nodes] + [ReplayAction(50.0, "remove", n) for n in nodes]
+                    + [ReplayAction(60.0, "add", f"n{i}") for i in range(6)], 120.0)
+    cfg = spot_tiny(corpus_dir, "parallel.dp=1", "elastic.max_replicas=1", "snapshot.group_size=6", "snapshot.every=1")
+    options = SimOptions(nodes=6, stages=4, replicas=1, slots_per_node=1, durable_every=10**6)
+    sim = Simulation(cfg, options, replace(COSTS, flush_mb_s=2.0), plan)
+    report = sim.run(tmp_path)
+    assert report["failed"] is None and report["committed_steps_lost"] == 0, report["committed_steps_lost"]  # 11 when versions began until the end
+    assert report["events"]["durable_flushes"] >= 2  # the emergency flush, and newer ones while they could end in time
+    assert {r.source for r in sim.trainer.recoveries} == {"durable"}
 
 
 def test_a_spot_trace_without_a_durable_tier_starts_with_a_warning_and_with_one_does_not(corpus_dir, tmp_path):

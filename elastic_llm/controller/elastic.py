@@ -218,6 +218,11 @@ def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int) -
     return ElasticPlan(avoid, tuple(cancel))
 
 
+def first_end(drains: Iterable[Drain]) -> float | None:
+    """The earliest deadline among ``drains`` (None: none has one). Pure."""
+    return min((d.deadline for d in drains if d.deadline is not None), default=None)
+
+
 def ending(view: ElasticView, seen: set[str] | frozenset[str]) -> tuple[Drain, ...]:
     """Drains acted on already (``seen``) whose nodes still host the run's stages (they stayed: no
     room) and go before the next look (:data:`MOVE_S` plus the time to it): the next step would
@@ -294,6 +299,8 @@ class ElasticExecutor:
         once a spare has started (else None)."""
         view = self.observe(seen, step=step)
         plan = decide(view, seen, self.cfg.elastic.bounds(self.cfg.parallel.dp)[1])
+        if self.snapshots is not None:
+            self.snapshots.ends_at = first_end(view.draining)
         self.act(plan)
         return plan.drains, plan.grow_to
 
@@ -307,6 +314,7 @@ class ElasticExecutor:
             return
         draining = self.nodes.draining()
         if self.snapshots is not None:  # the committed version's parts on them are re-homed now (and the copies read as they end)
+            self.snapshots.ends_at = first_end(draining.values())
             self.snapshots.avoid = frozenset(draining)
         hosting = set(self.group.nodes.values())
         new = {n for n in draining if n in hosting and n not in seen and n not in self.noticed}
@@ -321,7 +329,9 @@ class ElasticExecutor:
         announced their end since are re-homed now (and copies that ended are read). Nothing else
         starts: the recovery's plan stands, spares wait for the next look."""
         if self.cfg.elastic.drains and self.snapshots is not None:
-            self.snapshots.avoid = self.avoid(self.nodes.draining())
+            draining = self.nodes.draining()
+            self.snapshots.ends_at = first_end(draining.values())
+            self.snapshots.avoid = self.avoid(draining)
 
     def avoid(self, draining: dict[str, Drain]) -> frozenset[str]:
         """Nodes nothing new goes to: draining ones and the node probes' suspects."""

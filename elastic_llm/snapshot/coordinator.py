@@ -46,6 +46,7 @@ from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ParityRebuild
 log = logging.getLogger("elastic_llm.snapshot")
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
 WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
+COLLAPSE_MARGIN_S = 2.0  # in a collapse, no version begins closer than this (plus twice a flush) to the nodes' end
 PING_S = 10.0  # a manager that does not answer within this is slow ...
 SLOW_PING_S = 20.0  # ... and lost if it still has not answered this much later
 START_S = 120.0  # longest new managers may take to answer (a worker process start on a loaded node)
@@ -122,6 +123,10 @@ class SnapshotCoordinator:
         self.exposure = Exposure(cfg.snapshot.parity, clock)  # nodes about to go (draining): no parity duties, no new shards
         self.rehomer = Rehomer(self.calls, clock, cfg.snapshot.parity)  # the committed version's parts copied off draining nodes at the notice
         self.emergency = -1  # the newest version flushed because its parts had nowhere to go (a collapse)
+        self.collapse = False  # every node the run has is draining and the committed version is beyond parity on them (_time_to_flush)
+        self.ends_at: float | None = None  # clock.time() the first draining node goes (its notice's deadline), told by the elastic look
+        self.flush_s = 0.0  # the longest emergency flush so far (seconds)
+        self._flush_t0: float | None = None  # when the emergency flush under way started
         self.broadcast = Broadcast(self.calls, PING_S)  # commits and discards to every manager
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
@@ -254,6 +259,9 @@ class SnapshotCoordinator:
                 self.on_commit(moved)
             self.exposure.rehomed(moved)
         rec, draining = self.committed, self.exposure.draining
+        self.collapse = False
+        if self._flush_t0 is not None and self.durable is not None and self.durable.inflight is None:  # an emergency flush ended: how long they take
+            self.flush_s, self._flush_t0 = max(self.flush_s, self.clock.monotonic() - self._flush_t0), None
         if rec is not None and draining & {n for g in self.rehomer.planned(rec).placed for n in g}:
             up = self.fleet.nodes() - self.gone  # (asked only when parts on draining nodes are not moving yet)
             live = {n: h for n, h in self.managers.items() if n in up}
@@ -261,8 +269,10 @@ class SnapshotCoordinator:
             flush = self.durable is not None and self.durable.inflight is None and rec.version > self.emergency
             then = ("the run has no durable tier (durable.storage_path): it loses its committed steps if they go" if self.durable is None else
                     "an emergency flush of it to the durable tier starts now" if flush else "a flush to the durable tier is under way")
-            if self.exposure.stranded(stranded, rec, then) and flush and self.durable is not None:  # a collapse: save each newer one while the nodes live
-                self.emergency = rec.version
+            beyond = self.exposure.stranded(stranded, rec, then)
+            self.collapse = beyond and not set(live) - draining  # every node the run has is going: a newer version sits on them too
+            if beyond and flush and self.durable is not None:
+                self.emergency, self._flush_t0 = rec.version, self.clock.monotonic()
                 self._to_all("commit", rec.version, True, ())  # pinned for the flush
                 self.durable.start(rec)
 
@@ -275,6 +285,19 @@ class SnapshotCoordinator:
         return self.rehomer.done
 
     # ------------------------------------------------------------------ timing
+    def _time_to_flush(self) -> bool:
+        """In a collapse (every node draining): whether one more version may begin. Each newer
+        committed version is flushed while the nodes live (the emergency flush), one at a time; a
+        version begins only when no flush is under way and the nodes' end (:attr:`ends_at`) is
+        more than twice the longest emergency flush so far plus :data:`COLLAPSE_MARGIN_S` away, so
+        that the newest committed version is on the durable tier when they go (a later one, cut by
+        their end, would be committed steps lost)."""
+        if self.durable is None:
+            return True  # nothing outlives the nodes either way
+        if self.durable.inflight is not None or self._flush_t0 is not None:
+            return False
+        return self.ends_at is None or self.ends_at - self.clock.time() > 2 * self.flush_s + COLLAPSE_MARGIN_S
+
     def due(self, step: int, last: bool = False) -> bool:
         """Whether step ``step`` takes a snapshot. Skips it while two versions are in flight, unless
         the committed version would then trail by more than ``max_lag`` steps: then waits (with a
@@ -282,6 +305,9 @@ class SnapshotCoordinator:
         ``last`` step always takes one (waiting likewise): the run's end is what a resume or the
         durable tier's last flush starts from."""
         sn = self.cfg.snapshot
+        if self.collapse and not last and not self._time_to_flush():
+            self.stats.skipped += 1
+            return False
         if self.exposure.pending is not None and not self.inflight and not self.rehomer.moves:  # a burst of notices: re-protect now, whatever the cadence
             return True  # (unless its parts are being re-homed: a version is taken if that fails)
         if not last and ((step - self.last_begin < self.every) if self.auto else (step % self.every)):
@@ -310,7 +336,7 @@ class SnapshotCoordinator:
         (a replay lost a second node of a 4-node group 18 s after the first, during the recovery's
         first step). A version of the committed step replaces it on each manager only once it commits."""
         rec, flushing = self.committed, self.durable.inflight if self.durable is not None else None
-        if rec is None or self.exposure.pending is None or self.inflight or self.rehomer.moves or step < rec.version:
+        if rec is None or self.collapse or self.exposure.pending is None or self.inflight or self.rehomer.moves or step < rec.version:  # a collapse: nowhere to re-protect to
             return False
         return flushing is None or flushing.record.version != step
 
