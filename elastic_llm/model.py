@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ class StageModule(nn.Module):
         self.shape = shape
         self.layer_ids = list(layers)
         self.first, self.last = first, last
+        self.checkpoint_layers = False  # train.activation_checkpointing: layers (set by the stage)
         std = 0.02
         # GPT-2 style scaled init for residual projections keeps deep stacks stable.
         resid_std = std / math.sqrt(2 * shape.n_layers)
@@ -167,8 +169,9 @@ class StageModule(nn.Module):
         if embed:
             x = self.embed(x)  # (B, T) -> (B, T, C)
         if layers:
-            for block in self.layers:
-                x = block(x, self.rope_cos, self.rope_sin)
+            recompute = self.checkpoint_layers and torch.is_grad_enabled()
+            for block in self.layers:  # with checkpointing each layer keeps only its input; its backward runs it again
+                x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False) if recompute else block(x, self.rope_cos, self.rope_sin)
         if head:
             x = self.head(self.norm(x))  # (B, T, V)
         return x

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from elastic_llm.config.schema import (
-    CHAOS_DURING, CHAOS_HOW, CHAOS_KINDS, CHAOS_OPS, MAX_STANDBY, PLACEMENT_STRATEGIES, PRECISIONS, RECOVERY_MODES, SCHEDULES, TOKENIZERS, ConfigError, RunConfig,
+    CHAOS_DURING, CHAOS_HOW, CHECKPOINTING, CHAOS_KINDS, CHAOS_OPS, MAX_STANDBY, PLACEMENT_STRATEGIES, PRECISIONS, RECOVERY_MODES, SCHEDULES, TOKENIZERS, ConfigError, RunConfig,
 )
 
 
@@ -95,6 +95,7 @@ def _validate_train(c: RunConfig) -> list[str]:
     p: list[str] = []
     t = c.train
     _one_of(p, "train.precision", t.precision, PRECISIONS)
+    _one_of(p, "train.activation_checkpointing", t.activation_checkpointing, CHECKPOINTING)
     if t.min_lr < 0 or t.min_lr > t.lr:
         p.append(f"train.min_lr={t.min_lr} must be between 0 and train.lr={t.lr}")
     if t.warmup_steps < 0:

@@ -19,6 +19,7 @@ from elastic_llm.model import ModelShape
 from elastic_llm.sources import Mode
 
 SCHEDULES = ("gpipe", "1f1b")
+CHECKPOINTING = ("none", "layers")  # train.activation_checkpointing: keep every layer's activations, or only each layer's input (recomputed in the backward)
 PRECISIONS = ("fp32", "bf16")  # train.precision: what the forward and backward compute in (master weights and moments stay fp32)
 TOKENIZERS = ("byte", "bpe")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -94,6 +95,7 @@ class TrainConfig:
     eval_every: int = 50  # 0 disables validation
     eval_batches: int = 2
     precision: str = "fp32"  # fp32 | bf16: forward and backward under bf16 autocast, bf16 between stages; weights, moments, snapshots stay fp32
+    activation_checkpointing: str = "none"  # none | layers: each layer keeps only its input and runs again in the backward (less memory, ~1/3 more compute)
     deterministic: bool = False  # torch's deterministic algorithms (and the cuBLAS workspace they need): bit-exact recovery on CUDA needs it
 
 

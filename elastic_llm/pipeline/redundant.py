@@ -28,6 +28,7 @@ class Shadow:
         self.cfg, self.stage, self.device = cfg, stage, device
         self.last = stage == cfg.parallel.stages - 1
         self.module = build_stage(cfg.model.shape(), cfg.parallel.stages, stage, cfg.train.seed).to(device)
+        self.module.checkpoint_layers = cfg.train.activation_checkpointing == "layers"
         self.optimizer, self.scheduler = build_optimizer(self.module, cfg.train)
         self.arena = StateArena(self.module, self.optimizer)
         self.outputs: dict[int, torch.Tensor] = {}

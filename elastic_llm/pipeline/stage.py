@@ -151,6 +151,7 @@ class StageWorker(OtherSources):
         torch.set_num_threads(par.threads())
         torch.manual_seed(stage_seed(train.seed, stage, replica))
         self.module = build_stage(self.cfg.model.shape(), par.stages, stage, train.seed).to(self.device)
+        self.module.checkpoint_layers = train.activation_checkpointing == "layers"
         self._check_aborts(self.module)
         self.optimizer, self.scheduler = build_optimizer(self.module, train)
         from elastic_llm.snapshot.state import StateArena
