@@ -7,7 +7,8 @@ batches of the training stream, microbatches, per-stage clipping and AdamW) in t
   ``Trainer.run_step`` (``snapshot.enabled=false``, ``train.eval_every=0``: the pipeline alone);
 * ``single_process``: the same stage modules (``build_stage``) chained in one spawned process with
   every core (``torch.set_num_threads(os.cpu_count())``), gradient accumulation over microbatches
-  of the pipeline's size, per-stage clip + AdamW each step;
+  of the pipeline's size, per-stage clip + AdamW each step, in ``train.precision`` (bf16: the
+  forward under bf16 autocast, as the stages run it; fp32 weights and moments);
 * ``torch_pipelining``: ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` /
   ``Schedule1F1B`` as ``parallel.schedule``) over gloo on 127.0.0.1, one spawned process per stage
   (x ``dp`` replicas) with the actors' threads per stage, clip + AdamW each step;
@@ -97,7 +98,9 @@ def _build_single_process(cfg_dict: dict[str, Any], batches_path: str) -> tuple[
         c0, t0 = time.process_time(), time.perf_counter()
         total = 0.0
         for xm, ym in zip(np.split(xs[i], n_micro), np.split(ys[i], n_micro), strict=True):
-            loss = lm_loss(model(torch.from_numpy(xm)), torch.from_numpy(ym))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"):  # the stages' precision
+                logits = model(torch.from_numpy(xm))
+            loss = lm_loss(logits, torch.from_numpy(ym))
             (loss / n_micro).backward()
             total += float(loss.detach())
         for stage in stages:
@@ -378,9 +381,12 @@ def run_pipeline_bench(
             # Start the peers first: they build while Ray starts (nothing is timed yet).
             t0 = time.perf_counter()
             children["single_process"] = _ChildSystem("single_process", "single_process", [(cfg_dict, batches_path)])
-            children["torch_pipelining"] = _ChildSystem(
-                "torch_pipelining", "torch_pipelining", [(rank, world, port, cfg_dict, batches_path) for rank in range(world)]
-            )
+            if train.precision == "fp32":
+                children["torch_pipelining"] = _ChildSystem(
+                    "torch_pipelining", "torch_pipelining", [(rank, world, port, cfg_dict, batches_path) for rank in range(world)]
+                )
+            else:  # its stages would need autocast inside torch.distributed.pipelining and bf16 buffers declared: not written
+                failed["torch_pipelining"] = f"not run at train.precision={train.precision}: this peer runs fp32 only here"
             trainer.setup()
             ray_setup_s = time.perf_counter() - t0  # Ray start + actors (peers build meanwhile)
             for name, child in list(children.items()):
