@@ -228,9 +228,14 @@ def ending(view: ElasticView, seen: set[str] | frozenset[str]) -> tuple[Drain, .
     room) and go before the next look (:data:`MOVE_S` plus the time to it): the next step would
     fail when they go, so they are due again and what stayed on them is given up at this step
     boundary (:meth:`ElasticExecutor.give_up`). Pure."""
-    hosting = {n for _, n in view.nodes}
-    return tuple(d for d in view.draining if d.node_id in seen and d.node_id in hosting and d.node_id not in view.last_looked
-                 and (left := d.seconds_left(view.wall)) is not None and left <= view.step_s + MOVE_S)
+    hosting, going = {n for _, n in view.nodes}, going_before_next_look(view.draining, view.wall, view.step_s)
+    return tuple(d for d in view.draining if d.node_id in going and d.node_id in seen and d.node_id in hosting and d.node_id not in view.last_looked)
+
+
+def going_before_next_look(drains: Iterable[Drain], now: float, step_s: float) -> dict[str, float]:
+    """The nodes of ``drains`` that go before the next look (``step_s`` away) and a move's
+    :data:`MOVE_S` would end, with their seconds left. Pure."""
+    return {d.node_id: left for d in drains if (left := d.seconds_left(now)) is not None and left <= step_s + MOVE_S}
 
 
 def late_moves(view: ElasticView, seen: set[str] | frozenset[str], stage_spares: list[SpareView]) -> tuple[Drain, ...]:
@@ -481,8 +486,8 @@ class ElasticExecutor:
         the loss, without the failed step's lost work and the node watch's delay (fleet seed 1
         at 30 s notices: 22 of 23 failures were of nodes noticed and stayed). Only while every
         stage keeps an actor elsewhere (a data-parallel peer holds its state: lossless)."""
-        g, now, step_s = self.group, self.clock.time(), self.timer.peek()
-        going = {d.node_id: left for d in drains if (left := d.seconds_left(now)) is not None and left <= step_s + MOVE_S}
+        g = self.group
+        going = going_before_next_look(drains, self.clock.time(), self.timer.peek())
         self.last_looked |= set(going)
         keys = [k for k in g.keys() if g.nodes.get(k) in going]
         if not keys or {k.stage for k in g.keys() if k not in keys} != set(range(g.stages)):
