@@ -152,7 +152,7 @@ class RecoveryExecutor:
         if taken:
             log.info("%d lost stage actors take the places of their stage spares (started for a drain): %s", len(taken), ", ".join(map(str, taken)))
         self.group.renew(lost, avoid=avoid)
-        moved = {k.replica for k in lost if self.group.nodes.get(k) not in alive_nodes or self.group.nodes.get(k) in avoid}  # avoid: given up at a drain
+        moved = {k.replica for k in lost if (n := self.group.nodes.get(k)) not in alive_nodes or n in avoid}  # avoid: given up at a drain
         free_at = self.group.free_per_node(avoid) if moved else None
         standbys = self.standbys.ready() if self.standbys is not None and self.standbys.enabled else {}
         par = self.group.cfg.parallel

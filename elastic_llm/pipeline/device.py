@@ -18,7 +18,7 @@ back in bf16 (half the bytes on the wire); the loss is computed in fp32. Pure ex
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -55,6 +55,14 @@ def on_wire(activation: torch.Tensor, precision: str) -> torch.Tensor:
     it in), else as it is. Autograd goes through the cast: the gradient that comes back in bf16
     reaches the stage's fp32 residual stream as fp32."""
     return activation.to(torch.bfloat16) if precision == "bf16" else activation
+
+
+def forward(precision: str, device: torch.device, run: Callable[[], torch.Tensor], to_next: bool) -> torch.Tensor:
+    """``run()`` (a stage's forward) in the precision's context; its output as it leaves the
+    stage when ``to_next`` (:func:`on_wire`), else as computed (the logits, for the loss)."""
+    with compute(precision, device):
+        out = run()
+    return on_wire(out, precision) if to_next else out
 
 
 def gpu_ids(ids: Iterable[object]) -> tuple[str, ...]:

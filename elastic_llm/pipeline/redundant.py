@@ -13,7 +13,8 @@ import torch
 
 from elastic_llm.config import RunConfig
 from elastic_llm.model import build_stage, lm_loss
-from elastic_llm.pipeline.device import compute, on_wire
+from elastic_llm.pipeline.copies import pinned
+from elastic_llm.pipeline.device import forward
 
 
 class Shadow:
@@ -34,18 +35,12 @@ class Shadow:
         self.outputs: dict[int, torch.Tensor] = {}
         self.buffer = np.zeros(self.arena.layout.nbytes, dtype=np.uint8)  # touched once; pinned in place on CUDA (exact size)
         if device.type == "cuda":
-            from elastic_llm.pipeline.copies import pinned
-
             self.buffer = pinned(self.buffer)
 
     def forward(self, mb: int, x: torch.Tensor, targets: np.ndarray | None, weight: float) -> None:
         """``weight``: the loss weight of microbatch ``mb``, as the real last stage uses it; in the
         precision the real stage runs in (its output as it leaves it)."""
-        precision = self.cfg.train.precision
-        with compute(precision, self.device):
-            out = self.module(x.to(self.device))
-        if not self.last:
-            out = on_wire(out, precision)
+        out = forward(self.cfg.train.precision, self.device, lambda: self.module(x.to(self.device)), not self.last)
         if self.last:
             if targets is None:
                 raise ValueError("the redundant copy of the last stage needs the targets")

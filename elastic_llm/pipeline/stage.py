@@ -296,11 +296,7 @@ class StageWorker(OtherSources):
         inp = torch.as_tensor(x, device=self.device)
         if not hop.embed:
             inp.requires_grad_(True)
-        precision = self.cfg.train.precision
-        with device.compute(precision, self.device):
-            out = self.module.run(inp, hop.embed, hop.layers, hop.head)
-        if not hop.head:
-            out = device.on_wire(out, precision)
+        out = device.forward(self.cfg.train.precision, self.device, lambda: self.module.run(inp, hop.embed, hop.layers, hop.head), not hop.head)
         self.inputs[(mb, visit)] = inp
         if self.shadow is not None:
             copy_in = out.detach().requires_grad_(True) if shadow_x is None else torch.from_numpy(np.asarray(shadow_x))  # as the successor gets it
@@ -427,11 +423,10 @@ class StageWorker(OtherSources):
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def eval_forward(self, x: np.ndarray | torch.Tensor, targets: np.ndarray | None = None) -> np.ndarray | float:
-        with device.compute(self.cfg.train.precision, self.device):
-            out = self.module(torch.as_tensor(x, device=self.device))
+        out = device.forward(self.cfg.train.precision, self.device, lambda: self.module(torch.as_tensor(x, device=self.device)), not self.last)
         if self.last:
             return float(lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)))
-        return host(device.on_wire(out, self.cfg.train.precision).float())  # the training wire's rounding; numpy carries it as float32
+        return host(out.float())  # the training wire's rounding; numpy carries it as float32
 
     # ------------------------------------------------------------------ state capture / restore
     def capture_state(self, data_position: StreamPosition | Mapping[str, Any] | None = None, replica_slice: bool = False) -> tuple[np.ndarray, str]:
