@@ -1,10 +1,10 @@
-"""Command line: ``elastic-llm train | submit | status | spot-watcher | prepare | replay | simulate |
+"""Command line: ``elastic-llm train | plan | submit | status | spot-watcher | prepare | replay | simulate |
 chaos | experiment | checkpoints | export | bench``.
 
 Owns: argument parsing and turning user errors into one clear message and exit code 2.
 Everything else is delegated (controller, data, bench).
 
-Why ~630 lines: twelve subcommands, each with its options, help text and the checks that turn a
+Why ~670 lines: thirteen subcommands, each with its options, help text and the checks that turn a
 bad argument into a message naming it; each command body is a few lines handing over to the
 module that does the work.
 """
@@ -47,6 +47,30 @@ def cmd_train(args: argparse.Namespace) -> int:
             msg += f", val_loss {vals[-1]:.3f}"
         print(msg + f", {last['tokens']} tokens in {last['elapsed_s']:.1f} s")
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from elastic_llm.pipeline import memory
+    from elastic_llm.config import load_config
+
+    overrides = list(args.set or [])
+    if args.gpu_memory_gib is not None:
+        overrides.append(f"parallel.gpu_memory_gib={args.gpu_memory_gib}")
+    if args.nodes is not None and args.nodes < 1:
+        print(f"error: --nodes={args.nodes} must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    cfg = load_config(args.config, overrides)
+    p = memory.plan(cfg, args.nodes)
+    gib = cfg.parallel.gpu_memory_gib
+    fits = gib is None or memory.fits(cfg, gib * memory.GIB * min(1.0, cfg.parallel.gpus_per_actor or 1.0))
+    if args.json:
+        print(json.dumps({"config": cfg.name, "stages": [{**asdict(st), "device": st.device, "host": st.host} for st in p.stages],
+                          "object_store_per_node": p.object_store_per_node, "nodes": p.nodes, "gpu_memory_gib": gib, "fits": fits}))
+    else:
+        print(memory.render(cfg, p, gib))
+    return 0 if fits else 1
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -312,6 +336,16 @@ def _train_command(sub: Any) -> None:
     t.set_defaults(func=cmd_train)
 
 
+def _plan_command(sub: Any) -> None:
+    pl = sub.add_parser("plan", help="the memory plan of a config: per stage, device and host bytes; whether it fits a GPU (exit 1 if not)")
+    pl.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
+    pl.add_argument("--gpu-memory-gib", type=float, help="memory of each stage's GPU in GiB, e.g. 80 (default: the config's parallel.gpu_memory_gib)")
+    pl.add_argument("--nodes", type=int, help="worker nodes the stage actors spread over, for the host memory per node (default: one per actor)")
+    pl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value, as for train")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.set_defaults(func=cmd_plan)
+
+
 def _submit_command(sub: Any) -> None:
     sb = sub.add_parser("submit", help="submit a training run to a Ray cluster as a Ray job")
     sb.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
@@ -463,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic-llm", description="Elastic pipeline-parallel LLM pretraining on Ray")
     sub = p.add_subparsers(dest="command", required=True)
     _train_command(sub)
+    _plan_command(sub)
     _submit_command(sub)
     _status_command(sub)
     _spot_watcher_command(sub)

@@ -2,7 +2,8 @@
 (pure: ``ray.nodes()``-shaped dicts, no Ray)."""
 
 from elastic_llm.config import load_config
-from elastic_llm.runtime.session import NODE_STORE_BYTES, SNAPSHOT_BYTES_PER_PARAM, SNAPSHOT_VERSIONS_HELD, node_store_bytes, snapshot_store_bytes, store_warnings
+from elastic_llm.pipeline.memory import SNAPSHOT_BYTES_PER_PARAM, SNAPSHOT_VERSIONS_HELD
+from elastic_llm.runtime.session import NODE_STORE_BYTES, node_store_bytes, snapshot_store_bytes, store_warnings
 from elastic_llm.model import count_parameters
 
 MIB = 1 << 20

@@ -80,6 +80,8 @@ def _validate_parallel(c: RunConfig) -> list[str]:
     par = c.parallel
     _one_of(p, "parallel.schedule", par.schedule, SCHEDULES)
     _one_of(p, "parallel.placement_strategy", par.placement_strategy, PLACEMENT_STRATEGIES)
+    if par.gpu_memory_gib is not None and not par.gpu_memory_gib > 0:
+        p.append(f"parallel.gpu_memory_gib={par.gpu_memory_gib} must be > 0 (the memory of one GPU in GiB, e.g. 80), or null to read it from the device")
     if par.gpus_per_actor < 0:
         p.append(f"parallel.gpus_per_actor={par.gpus_per_actor} must be >= 0 (fractions like 0.5 share a GPU)")
     elif par.gpus_per_actor > 1:

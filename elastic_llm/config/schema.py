@@ -75,6 +75,7 @@ class ParallelConfig:
     gpus_per_actor: float = 0.0
     threads_per_actor: int | None = None  # None: max(1, int(cpus_per_actor))
     placement_strategy: str = "PACK"
+    gpu_memory_gib: float | None = None  # each stage's GPU memory: `train` checks the memory plan against it before Ray starts (None: each GPU stage checks against its device when it starts)
 
     def threads(self) -> int:
         return self.threads_per_actor or max(1, int(self.cpus_per_actor))

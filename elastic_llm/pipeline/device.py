@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from elastic_llm.config import RunConfig
 
 CUBLAS_WORKSPACE = ":4096:8"  # what torch's deterministic algorithms need of cuBLAS (CUDA >= 10.2)
 
@@ -43,6 +47,18 @@ def stage_device(gpus_per_actor: float, cuda_available: bool, visible: str | Non
             f"built with CUDA {torch.version.cuda or 'none'}): install a CUDA build of torch on GPU nodes, "
             "or set parallel.gpus_per_actor=0 to train on CPUs")
     return torch.device("cuda")
+
+
+def check_fits(cfg: "RunConfig", device: torch.device) -> None:
+    """A CUDA stage's check of the run's memory plan against the device it sees (its share of it
+    with a fractional ``gpus_per_actor``): :class:`~elastic_llm.pipeline.memory.DoesNotFit`, naming what
+    would make it fit, before a step runs. Nothing to check on a CPU."""
+    if device.type != "cuda":
+        return
+    from elastic_llm.pipeline.memory import check
+
+    props = torch.cuda.get_device_properties(device)
+    check(cfg, props.total_memory * min(1.0, cfg.parallel.gpus_per_actor), f"this stage's GPU ({props.name})")
 
 
 def compute(precision: str, device: torch.device) -> torch.autocast:

@@ -148,6 +148,7 @@ class StageWorker(OtherSources):
         self.first, self.last = stage == 0, stage == par.stages - 1
         device.make_deterministic(train.deterministic)  # before the process's first CUDA call
         self.device = device.stage_device(par.gpus_per_actor, torch.cuda.is_available(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        device.check_fits(self.cfg, self.device)  # a plan that does not fit this GPU stops here, naming what would make it fit
         torch.set_num_threads(par.threads())
         torch.manual_seed(stage_seed(train.seed, stage, replica))
         self.module = build_stage(self.cfg.model.shape(), par.stages, stage, train.seed).to(self.device)
@@ -155,7 +156,6 @@ class StageWorker(OtherSources):
         self._check_aborts(self.module)
         self.optimizer, self.scheduler = build_optimizer(self.module, train)
         from elastic_llm.snapshot.state import StateArena
-
         self.arena = StateArena(self.module, self.optimizer)  # state in one block: copies are single memcpys
         self.set_microbatches(microbatch_sizes(train.batch_size, par.microbatches), train.batch_size)  # the whole batch, until a plan sets this replica's
         self.backwards_done = 0  # visits backpropagated in the current step

@@ -203,5 +203,7 @@ def ray_trainer(cfg: RunConfig, address: str | None = None, metrics_out: str | P
                 dashboard: bool = False, cluster: Any = None, resume: str | None = None) -> Any:
     """A :class:`~elastic_llm.controller.trainer.Trainer` on Ray (see :class:`RayRuntime`)."""
     from elastic_llm.controller.trainer import Trainer
+    from elastic_llm.pipeline.memory import check_up_front
 
+    check_up_front(cfg)  # a GPU run that cannot fit its devices stops here, before Ray starts
     return Trainer(cfg, RayRuntime(cfg, address, dashboard, cluster), metrics_out=metrics_out, progress=progress, resume=resume)

@@ -171,29 +171,13 @@ FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 
 
 
 NODE_STORE_BYTES = 1 << 30  # object store of a loopback worker node (Cluster.add_node's default is 150 MiB)
-SNAPSHOT_BYTES_PER_PARAM = 12  # fp32 parameters + two AdamW moments
-SNAPSHOT_VERSIONS_HELD = 4  # by one manager at most: 2 in flight (snapshot.coordinator.MAX_INFLIGHT), the committed one, one pinned by a durable flush
-
-
 def snapshot_store_bytes(cfg: RunConfig, nodes: int) -> int:
-    """The most one node's object store holds of the run's snapshots (pure estimate): one copy of
-    the model's state (``SNAPSHOT_BYTES_PER_PARAM`` per parameter; with data parallelism each
-    replica snapshots a 1/dp slice of its stage) spread over ``nodes`` nodes, no finer than one
-    stage per node, plus the parity it holds for its erasure group and the copies of its peers'
-    data chunks it pulls to encode that parity (``snapshot.parity`` holders pull each chunk), for
-    every version a manager may hold at once (:data:`SNAPSHOT_VERSIONS_HELD`). 0 without snapshots."""
-    from elastic_llm.model import count_parameters
+    """The most one node's object store holds of the run's snapshots: the memory plan's
+    (:func:`elastic_llm.pipeline.memory.snapshot_store_bytes`), imported here when asked (this
+    module starts light: no torch)."""
+    from elastic_llm.pipeline.memory import snapshot_store_bytes as planned
 
-    if not cfg.snapshots_on or nodes < 1:
-        return 0
-    sn = cfg.snapshot
-    state = SNAPSHOT_BYTES_PER_PARAM * count_parameters(cfg.model.shape())
-    per_node = state / min(nodes, cfg.parallel.stages * cfg.parallel.dp)
-    group = min(sn.group_size, nodes)
-    if group <= sn.parity:  # no erasure group forms
-        return int(per_node * SNAPSHOT_VERSIONS_HELD)
-    parity_share = sn.parity / (group - sn.parity)  # parity held per byte of data
-    return int(per_node * (1 + parity_share + sn.parity) * SNAPSHOT_VERSIONS_HELD)
+    return planned(cfg, nodes)
 
 
 def node_store_bytes(cfg: RunConfig, nodes: int) -> int:
@@ -207,6 +191,8 @@ def store_warnings(cfg: RunConfig, nodes: list[dict[str, Any]]) -> list[str]:
     """One warning per live node with CPUs whose object store (``ray.nodes()``'s
     ``object_store_memory``) cannot hold what :func:`snapshot_store_bytes` says its snapshot
     manager keeps: Ray would spill the snapshots to disk, slowly. Pure."""
+    from elastic_llm.pipeline.memory import SNAPSHOT_VERSIONS_HELD
+
     workers = [n for n in nodes if n.get("Alive", True) and n.get("Resources", {}).get("CPU", 0) > 0]
     need = snapshot_store_bytes(cfg, len(workers))
     mib = 1 << 20
