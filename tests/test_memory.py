@@ -76,6 +76,7 @@ def test_plan_adds_up_and_counts_what_each_mode_holds():
     s0 = p.stages[0]
     assert s0.params == s0.grads == s0.optimizer // 2 == 4 * (384 * 8192 + 3 * (4 * 384 * 384 + 3 * 384 * 896 + 2 * 384))
     assert s0.device == s0.params + s0.grads + s0.optimizer + s0.in_flight * s0.activations + s0.working + s0.runtime
+    assert s0.working == 0 and p.stages[-1].working == 8 * 4 * 256 * 8192  # the logits' gradients of one microbatch
     assert s0.snapshot_buffers == 2 * (s0.params + s0.optimizer) and p.object_store_per_node > 0
     redundant = memory.plan(load_config("jobs/llama-25m.yaml", ["durable.storage_path=null", "recovery.mode=redundant"]))
     assert redundant.stages[0].redundant > redundant.stages[1].params  # the successor's state and its activations

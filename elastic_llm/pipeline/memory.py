@@ -24,8 +24,9 @@ them in ``tests/test_memory.py``):
   norm and head (``3rC`` or ``12C``) and the fp32 log-softmax of the logits (``4V``);
 * **in flight**: how many microbatches' activations a stage holds at once, played out from the
   schedule (1F1B: ``min(stages - s, microbatches)``; GPipe: all of them);
-* **working set**: the transient peak of one microbatch on top: with checkpointing the layer its
-  backward recomputes (without, a backward frees saved tensors as fast as it makes gradients);
+* **working set**: the transient peak of one microbatch on top: the gradients of the logits on
+  the last stage, the layer a backward recomputes with checkpointing (else none: a backward frees
+  saved tensors as fast as it makes gradients);
 * **runtime**: what the framework keeps besides tensors (:data:`RUNTIME_BYTES`);
 * **transport** (host): a message queued to send and one received, each a microbatch's
   boundary activation at the wire's dtype; **collective**: the flat gradient and the summed one
@@ -157,14 +158,15 @@ def activation_bytes(shape: ModelShape, precision: str, checkpointing: str, laye
     return tokens * per_token + weight_copies
 
 
-def working_bytes(shape: ModelShape, precision: str, checkpointing: str, layers: int, tokens: int) -> int:
-    """One microbatch's transient peak on top of what the stage keeps: with checkpointing, the
-    activations of the layer whose backward recomputes them. Without, none: a backward frees each
-    saved tensor as it consumes it, at least as fast as it makes gradients (measured: the step's
-    peak is the moment its last warm-up forward ends)."""
-    if checkpointing != "layers" or layers == 0:
-        return 0
-    return tokens * layer_bytes_per_token(shape, precision, 4 if precision == "fp32" else 2)
+def working_bytes(shape: ModelShape, precision: str, checkpointing: str, layers: int, last: bool, tokens: int) -> int:
+    """One microbatch's transient peak on top of what the stage keeps: on the last stage the
+    gradients of the log-probabilities and of the logits (8 bytes per token and vocabulary entry,
+    measured in either precision); with checkpointing the activations of the layer whose backward
+    recomputes them; the larger of the two, since the head's backward ends before the layers'
+    begin. Without either, none: a backward frees each saved tensor as it consumes it, at least
+    as fast as it makes gradients (measured: the peak is the moment the last warm-up forward ends)."""
+    layer = tokens * layer_bytes_per_token(shape, precision, 4 if precision == "fp32" else 2) if checkpointing == "layers" and layers else 0
+    return max(layer, 8 * tokens * shape.vocab_size if last else 0)
 
 
 def in_flight(cfg: RunConfig, micro: int) -> list[int]:
@@ -198,7 +200,7 @@ def plan(cfg: RunConfig, nodes: int | None = None) -> Plan:
         stages.append(StagePlan(
             stage=s, layers=n, params=4 * p, grads=4 * p, optimizer=ADAM_BYTES * p,
             activations=acts[train.activation_checkpointing], activations_none=acts["none"], activations_layers=acts["layers"],
-            in_flight=flights[s], working=working_bytes(shape, train.precision, train.activation_checkpointing, n, tokens),
+            in_flight=flights[s], working=working_bytes(shape, train.precision, train.activation_checkpointing, n, last, tokens),
             runtime=RUNTIME_BYTES[("cuda" if on_cuda else "cpu", train.precision)],
             collective=8 * p if par.dp > 1 else 0, redundant=0,
             transport=2 * tokens * shape.dim * wire, snapshot_buffers=(3 if on_cuda else 2) * SNAPSHOT_BYTES_PER_PARAM * p if cfg.snapshots_on else 0,
