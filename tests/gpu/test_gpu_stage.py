@@ -6,7 +6,8 @@ What they hold: a stage trains on the GPU; its pinned snapshot buffers are alloc
 starts, at the state's exact size; a snapshot copied in the background while the next step's
 kernels run equals the post-step state bit for bit (the copy is ordered after the update); a
 capture outside the step (a checkpoint's or a peer's) sees the finished update; and with
-``train.deterministic`` a restore into a fresh stage continues bit for bit."""
+``train.deterministic`` a restore into a fresh stage continues bit for bit; and a stage whose
+memory plan exceeds its GPU refuses to start, naming what would make it fit."""
 
 import numpy as np
 import pytest
@@ -74,3 +75,12 @@ def test_with_deterministic_a_restore_into_a_fresh_stage_continues_bit_for_bit(c
     fresh = StageWorker(cfg, 0, 0)
     assert fresh.load_state(*saved) == 2
     assert train(fresh, data[2:]) == want
+
+
+def test_a_stage_whose_plan_exceeds_its_gpu_refuses_to_start_naming_what_would_fit():
+    from elastic_llm.pipeline.memory import DoesNotFit
+
+    huge = load_config(None, ["model.dim=8192", "model.n_heads=64", "model.n_layers=64", "model.seq_len=8192", "train.batch_size=64",
+                              "parallel.microbatches=1", "parallel.stages=1", "parallel.gpus_per_actor=1"])
+    with pytest.raises(DoesNotFit, match="this stage's GPU .* set any of|a change of several"):
+        StageWorker(huge, 0, 0)  # the check runs before the stage allocates anything
