@@ -122,14 +122,14 @@ def _run_child(config: str, overrides: list[str], stage: int, steps: int) -> dic
 
 
 def run_memory_bench(configs: list[str] | None = None, overrides: list[str] | None = None, steps: int = 3,
-                     progress: Any = None) -> dict[str, Any]:
+                     progress: Any = None, precisions: tuple[str, ...] = PRECISIONS) -> dict[str, Any]:
     from elastic_llm.config import load_config
     from elastic_llm.pipeline.memory import plan
 
     started = _dt.datetime.now(_dt.timezone.utc)
     rows: list[dict[str, Any]] = []
     for config in configs or CONFIGS:
-        for precision in PRECISIONS:
+        for precision in precisions:
             stages = load_config(config, overrides or []).parallel.stages
             for stage in range(stages):
                 for ck in CHECKPOINTING:

@@ -70,7 +70,7 @@ def _bench_sweep(bench: ModuleType, args: argparse.Namespace) -> int:
     return 0
 
 
-LEAST_STEPS = {"snapshot": 2, "memory": 2}  # blocks of at least 2 steps: the first of each is not steady state
+LEAST_STEPS = {"snapshot": 2, "memory": 2, "precision": 2}  # blocks of at least 2 steps: the first of each is not steady state
 
 
 def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
@@ -100,6 +100,8 @@ def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "memory":
         return bench.run_memory_bench([args.config] if args.config else None, overrides=args.set or [], steps=args.steps or 3,
                                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.what == "precision":
+        return bench.run_precision_bench(args.config, steps=args.steps or 300, out=args.out, from_dir=args.from_dir, overrides=args.set or [])
     if args.what == "calibrate":
         return bench.run_calibrate_bench(out=args.out, from_dir=args.from_dir)
     raise AssertionError(args.what)  # argparse restricts choices
@@ -131,12 +133,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The ``bench`` subcommand on the product's command line (and the parser of ``python -m benchmarks.<what>``)."""
     b = sub.add_parser("bench", help="benchmarks against real peers (run from the root of a source checkout: they read jobs/*.yaml)")
-    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate", "fleet", "calibrate", "rehome", "memory"])
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate", "fleet", "calibrate", "rehome", "memory", "precision"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report")
     b.add_argument("--out", help=("simulate, fleet: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory; "
-                                  "calibrate: the profile to write (default elastic_llm/sim/profiles/cpu-2core.yaml)"))
-    b.add_argument("--from", dest="from_dir", help="calibrate: read the benchmarks' JSON from this directory instead of running them")
+                                  "calibrate: the profile to write (default elastic_llm/sim/profiles/cpu-2core.yaml); precision: where the runs' metrics and the plot go"))
+    b.add_argument("--from", dest="from_dir", help="calibrate: read the benchmarks' JSON from this directory instead of running them; precision: the runs' metrics")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml); memory: the one config to measure (default tiny and llama-25m)")
     b.add_argument("--steps", type=int, default=None, help=(
         "timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips "
