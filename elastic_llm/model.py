@@ -107,6 +107,9 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+LOSS_CHUNK = 256  # tokens per chunk of the LM head's loss under activation checkpointing
+
+
 def _init_linear_weights(module: nn.Module, generator: torch.Generator, std: float) -> None:
     for p in module.parameters():
         if p.dim() >= 2:
@@ -163,9 +166,10 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x, self.first, True, self.last)
 
-    def run(self, x: torch.Tensor, embed: bool, layers: bool, head: bool) -> torch.Tensor:
+    def run(self, x: torch.Tensor, embed: bool, layers: bool, head: bool, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Some of the stage's parts: the embedding, the transformer layers, the final norm and
-        LM head (CheckFree+'s swapped order visits the first and last stage twice)."""
+        LM head (CheckFree+'s swapped order visits the first and last stage twice); with ``targets``
+        the head's mean next-token loss instead of its logits (:meth:`head_loss`)."""
         if embed:
             x = self.embed(x)  # (B, T) -> (B, T, C)
         if layers:
@@ -173,8 +177,24 @@ class StageModule(nn.Module):
             for block in self.layers:  # with checkpointing each layer keeps only its input; its backward runs it again
                 x = checkpoint(block, x, self.rope_cos, self.rope_sin, use_reentrant=False) if recompute else block(x, self.rope_cos, self.rope_sin)
         if head:
-            x = self.head(self.norm(x))  # (B, T, V)
+            return self.head_loss(x, targets) if targets is not None else self.head(self.norm(x))  # the loss, or the logits (B, T, V)
         return x
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The final norm, the LM head and the mean next-token loss of ``x`` (B, T, C). With layer
+        checkpointing, a microbatch of more than :data:`LOSS_CHUNK` tokens runs in chunks of that
+        many, each recomputed in its backward: one chunk's logits and their gradients exist at a
+        time, where the whole microbatch's would be the last stage's largest tensors (the loss is
+        the chunks' summed losses over the token count: equal to the plain mean up to rounding)."""
+        if not (self.checkpoint_layers and torch.is_grad_enabled()) or targets.numel() <= LOSS_CHUNK:
+            return lm_loss(self.head(self.norm(x)), targets)
+        flat, flat_targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+        total = sum(checkpoint(self._summed_loss, flat[a : a + LOSS_CHUNK], flat_targets[a : a + LOSS_CHUNK], use_reentrant=False)
+                    for a in range(0, flat_targets.numel(), LOSS_CHUNK))
+        return total / flat_targets.numel()
+
+    def _summed_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.norm(x)).float(), targets, reduction="sum")
 
 
 def build_stage(shape: ModelShape, n_stages: int, stage: int, seed: int) -> StageModule:

@@ -153,3 +153,33 @@ def test_activation_checkpointing_keeps_less_for_the_backward_and_gives_the_same
     g1, g2 = plain[0].backward(0, torch.ones_like(h)), kept[0].backward(0, torch.ones_like(h2))
     assert g1 is None and g2 is None  # stage 0 starts from tokens
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain[0].module.parameters(), kept[0].module.parameters()))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_with_checkpointing_the_head_loss_runs_in_chunks_that_keep_no_logits(precision):
+    """A microbatch of more than ``LOSS_CHUNK`` tokens: the head's loss runs in chunks recomputed
+    in the backward (no logits kept for it), and its loss and gradients equal the plain head's up
+    to rounding (a sum of chunk sums over the token count is the same mean, in another order)."""
+    from elastic_llm.model import LOSS_CHUNK, ModelShape, build_stage
+    from elastic_llm.pipeline import device
+
+    shape = ModelShape(vocab_size=512, dim=32, n_heads=2, n_layers=2, seq_len=LOSS_CHUNK, ffn_hidden=64)
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(3, LOSS_CHUNK, 32, generator=g), torch.randint(0, 512, (3, LOSS_CHUNK), generator=g)
+    results = []
+    for ck in (False, True):
+        m = build_stage(shape, 2, 1, 0)
+        m.checkpoint_layers = ck
+        kept = []
+        inp = x.clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: kept.append(s.untyped_storage().nbytes()) or s, lambda s: s):
+            loss = device.forward(precision, torch.device("cpu"), lambda: m.run(inp, False, True, True, t), False)
+        loss.backward()
+        results.append((loss.detach(), inp.grad, [p.grad for p in m.parameters()], max(kept)))
+    (l0, g0, p0, big0), (l1, g1, p1, big1) = results
+    tol = dict(rtol=1e-5, atol=1e-7) if precision == "fp32" else dict(rtol=2e-2, atol=1e-4)
+    torch.testing.assert_close(l1, l0, **tol)
+    torch.testing.assert_close(g1, g0, **tol)
+    for a, b in zip(p1, p0):
+        torch.testing.assert_close(a, b, **tol)
+    assert big0 >= 3 * LOSS_CHUNK * 512 * 4 > big1  # the plain head keeps the whole microbatch's log-probabilities; the chunks keep none

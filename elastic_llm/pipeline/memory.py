@@ -21,12 +21,14 @@ them in ``tests/test_memory.py``):
   plus in bf16 the autocast copies of the stage's linear weights (2 bytes per weight, each
   microbatch its own); with ``activation_checkpointing: layers`` a layer keeps only its input
   (``rC``) and the weight copies are made again in the backward. The last stage adds its final
-  norm and head (``3rC`` or ``12C``) and the fp32 log-softmax of the logits (``4V``);
+  norm and head (``3rC`` or ``12C``) and the fp32 log-softmax of the logits (``4V``), or with
+  checkpointing, when the head's loss runs in chunks (:meth:`~elastic_llm.model.StageModule.head_loss`),
+  only the chunks' inputs (``rC``);
 * **in flight**: how many microbatches' activations a stage holds at once, played out from the
   schedule (1F1B: ``min(stages - s, microbatches)``; GPipe: all of them);
 * **working set**: the transient peak of one microbatch on top: the gradients of the logits on
-  the last stage, the layer a backward recomputes with checkpointing (else none: a backward frees
-  saved tensors as fast as it makes gradients);
+  the last stage (of one chunk's, when the loss runs in chunks), the layer a backward recomputes
+  with checkpointing (else none: a backward frees saved tensors as fast as it makes gradients);
 * **runtime**: what the framework keeps besides tensors (:data:`RUNTIME_BYTES`);
 * **transport** (host): a message queued to send and one received, each a microbatch's
   boundary activation at the wire's dtype; **collective**: the flat gradient and the summed one
@@ -42,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from elastic_llm.config import ConfigError, RunConfig
-from elastic_llm.model import ModelShape, count_parameters, stage_layer_range
+from elastic_llm.model import LOSS_CHUNK, ModelShape, count_parameters, stage_layer_range
 from elastic_llm.pipeline.schedules import build_schedule
 from elastic_llm.pipeline.shares import microbatch_sizes, replica_shares
 
@@ -150,11 +152,14 @@ def activation_bytes(shape: ModelShape, precision: str, checkpointing: str, laye
     c, v = shape.dim, shape.vocab_size
     per_layer = residual * c if checkpointing == "layers" else layer_bytes_per_token(shape, precision, residual)
     per_token = layers * per_layer + (8 if first else 0)  # the token ids the embedding keeps
-    if last:
+    chunked = last and checkpointing == "layers" and tokens > LOSS_CHUNK  # the head's loss in chunks, recomputed (model.head_loss)
+    if chunked:
+        per_token += residual * c + 8  # the chunks' inputs (the last layer's output) and targets
+    elif last:
         per_token += (3 * residual * c if bf16 else 12 * c) + residual + 4 * v + 8  # final norm, head input, fp32 log-softmax, targets
     else:
         per_token += (2 if bf16 else 4) * c  # the output the stage holds for its backward, at the wire's dtype
-    weight_copies = 2 * (_linear_weights(shape, 0 if checkpointing == "layers" else layers, last)) if bf16 else 0
+    weight_copies = 2 * (_linear_weights(shape, 0 if checkpointing == "layers" else layers, last and not chunked)) if bf16 else 0
     return tokens * per_token + weight_copies
 
 
@@ -165,8 +170,13 @@ def working_bytes(shape: ModelShape, precision: str, checkpointing: str, layers:
     recomputes them; the larger of the two, since the head's backward ends before the layers'
     begin. Without either, none: a backward frees each saved tensor as it consumes it, at least
     as fast as it makes gradients (measured: the peak is the moment the last warm-up forward ends)."""
-    layer = tokens * layer_bytes_per_token(shape, precision, 4 if precision == "fp32" else 2) if checkpointing == "layers" and layers else 0
-    return max(layer, 8 * tokens * shape.vocab_size if last else 0)
+    ckpt = checkpointing == "layers"
+    layer = tokens * layer_bytes_per_token(shape, precision, 4 if precision == "fp32" else 2) if ckpt and layers else 0
+    if not last:
+        return layer
+    if ckpt and tokens > LOSS_CHUNK:  # one chunk recomputed: its log-probabilities, their and the logits' gradients, its norm and head
+        return max(layer, LOSS_CHUNK * (12 * shape.vocab_size + 12 * shape.dim) + (2 * _linear_weights(shape, 0, True) if precision == "bf16" else 0))
+    return max(layer, 8 * tokens * shape.vocab_size)
 
 
 def in_flight(cfg: RunConfig, micro: int) -> list[int]:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from elastic_llm.config import RunConfig
-from elastic_llm.model import build_stage, lm_loss
+from elastic_llm.model import build_stage
 from elastic_llm.pipeline.copies import pinned
 from elastic_llm.pipeline.device import forward
 
@@ -40,12 +40,11 @@ class Shadow:
     def forward(self, mb: int, x: torch.Tensor, targets: np.ndarray | None, weight: float) -> None:
         """``weight``: the loss weight of microbatch ``mb``, as the real last stage uses it; in the
         precision the real stage runs in (its output as it leaves it)."""
-        out = forward(self.cfg.train.precision, self.device, lambda: self.module(x.to(self.device)), not self.last)
-        if self.last:
-            if targets is None:
-                raise ValueError("the redundant copy of the last stage needs the targets")
-            out = lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device)) * weight
-        self.outputs[mb] = out
+        if self.last and targets is None:
+            raise ValueError("the redundant copy of the last stage needs the targets")
+        tgt = torch.from_numpy(np.asarray(targets)).to(self.device) if self.last else None
+        out = forward(self.cfg.train.precision, self.device, lambda: self.module.run(x.to(self.device), self.module.first, True, self.last, tgt), not self.last)
+        self.outputs[mb] = out * weight if self.last else out  # the loss after the head, as the real stage computes it
 
     def backward(self, grads: tuple[np.ndarray | torch.Tensor, ...], n_micro: int) -> None:
         for mb in range(n_micro):

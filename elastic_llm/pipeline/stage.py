@@ -296,15 +296,16 @@ class StageWorker(OtherSources):
         inp = torch.as_tensor(x, device=self.device)
         if not hop.embed:
             inp.requires_grad_(True)
-        out = device.forward(self.cfg.train.precision, self.device, lambda: self.module.run(inp, hop.embed, hop.layers, hop.head), not hop.head)
+        if hop.head and targets is None:
+            raise ValueError("the stage applying the LM head needs targets to compute the loss")
+        tgt = torch.from_numpy(np.asarray(targets)).to(self.device) if hop.head else None
+        out = device.forward(self.cfg.train.precision, self.device, lambda: self.module.run(inp, hop.embed, hop.layers, hop.head, tgt), not hop.head)  # the loss after the head
         self.inputs[(mb, visit)] = inp
         if self.shadow is not None:
             copy_in = out.detach().requires_grad_(True) if shadow_x is None else torch.from_numpy(np.asarray(shadow_x))  # as the successor gets it
             self.shadow.forward(mb, copy_in, shadow_targets, self.loss_weights[mb])
         if hop.head:
-            if targets is None:
-                raise ValueError("the stage applying the LM head needs targets to compute the loss")
-            loss = lm_loss(out, torch.from_numpy(np.asarray(targets)).to(self.device))
+            loss = out
             self.outputs[(mb, visit)] = loss * self.loss_weights[mb]
             return float(loss.detach())
         self.outputs[(mb, visit)] = out
