@@ -166,8 +166,7 @@ def test_with_checkpointing_the_head_loss_runs_in_chunks_that_keep_no_logits(pre
     shape = ModelShape(vocab_size=512, dim=32, n_heads=2, n_layers=2, seq_len=LOSS_CHUNK, ffn_hidden=64)
     g = torch.Generator().manual_seed(0)
     x, t = torch.randn(3, LOSS_CHUNK, 32, generator=g), torch.randint(0, 512, (3, LOSS_CHUNK), generator=g)
-    results = []
-    for ck in (False, True):
+    def one(ck):
         m = build_stage(shape, 2, 1, 0)
         m.checkpoint_layers = ck
         kept = []
@@ -175,8 +174,9 @@ def test_with_checkpointing_the_head_loss_runs_in_chunks_that_keep_no_logits(pre
         with torch.autograd.graph.saved_tensors_hooks(lambda s: kept.append(s.untyped_storage().nbytes()) or s, lambda s: s):
             loss = device.forward(precision, torch.device("cpu"), lambda: m.run(inp, False, True, True, t), False)
         loss.backward()
-        results.append((loss.detach(), inp.grad, [p.grad for p in m.parameters()], max(kept)))
-    (l0, g0, p0, big0), (l1, g1, p1, big1) = results
+        return loss.detach(), inp.grad, [p.grad for p in m.parameters()], max(kept)
+
+    (l0, g0, p0, big0), (l1, g1, p1, big1) = one(False), one(True)
     tol = dict(rtol=1e-5, atol=1e-7) if precision == "fp32" else dict(rtol=2e-2, atol=1e-4)
     torch.testing.assert_close(l1, l0, **tol)
     torch.testing.assert_close(g1, g0, **tol)
