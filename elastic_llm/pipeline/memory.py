@@ -4,8 +4,8 @@ Owns: :func:`plan` (one :class:`StagePlan` per pipeline stage, from the config a
 check of a plan against a device's memory (:func:`check`, :class:`DoesNotFit`, whose message
 names the fields and values that would make the run fit), its text (:func:`render`), and the
 object store a node's snapshots need (:func:`snapshot_store_bytes`, which the loopback clusters
-size their nodes by and the run's start warns with). Pure:
-no torch, no Ray, no clock; ``elastic-llm plan`` prints it, ``train`` refuses a run that does not
+size their nodes by and the run's start warns with). Pure: arithmetic on the config, no
+tensor allocated, no Ray, no clock; ``elastic-llm plan`` prints it, ``train`` refuses a run that does not
 fit before a step runs (up front when ``parallel.gpu_memory_gib`` is set, else each GPU stage
 when it first sees its device).
 
