@@ -64,7 +64,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     p = memory.plan(cfg, args.nodes)
     gib = cfg.parallel.gpu_memory_gib
-    fits = gib is None or memory.fits(cfg, gib * memory.GIB * min(1.0, cfg.parallel.gpus_per_actor or 1.0))
+    fits = gib is None or memory.fits(cfg, memory.share(cfg, gib * memory.GIB))
     if args.json:
         print(json.dumps({"config": cfg.name, "stages": [{**asdict(st), "device": st.device, "host": st.host} for st in p.stages],
                           "object_store_per_node": p.object_store_per_node, "nodes": p.nodes, "gpu_memory_gib": gib, "fits": fits}))

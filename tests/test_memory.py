@@ -98,6 +98,9 @@ def test_a_plan_that_does_not_fit_names_what_would_make_it_fit():
         memory.check_up_front(load_config("jobs/llama-1.5b.yaml", ["durable.storage_path=null", "parallel.gpu_memory_gib=80"]))
     memory.check_up_front(load_config("jobs/llama-1.5b.yaml", ["durable.storage_path=null"]))  # memory unknown: the stages check their devices
     device.check_fits(cfg, torch.device("cpu"))  # a CPU stage has nothing to check
+    half = load_config("jobs/llama-1.5b.yaml", ["durable.storage_path=null", "parallel.gpus_per_actor=0.5", "train.precision=bf16"])
+    assert memory.share(half, 141 * memory.GIB) == 70.5 * memory.GIB and memory.share(cfg, 80.0) == 80.0
+    assert memory.fits(half, memory.share(half, 141 * memory.GIB)) and not memory.fits(half, memory.share(half, 80 * memory.GIB))  # 59.7 GiB
 
 
 def cli(*args):

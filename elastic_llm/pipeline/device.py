@@ -55,10 +55,10 @@ def check_fits(cfg: "RunConfig", device: torch.device) -> None:
     would make it fit, before a step runs. Nothing to check on a CPU."""
     if device.type != "cuda":
         return
-    from elastic_llm.pipeline.memory import check
+    from elastic_llm.pipeline.memory import check, share
 
     props = torch.cuda.get_device_properties(device)
-    check(cfg, props.total_memory * min(1.0, cfg.parallel.gpus_per_actor), f"this stage's GPU ({props.name})")
+    check(cfg, share(cfg, props.total_memory), f"this stage's GPU ({props.name})")
 
 
 def compute(precision: str, device: torch.device) -> torch.autocast:

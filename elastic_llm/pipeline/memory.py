@@ -272,13 +272,20 @@ def check(cfg: RunConfig, device_bytes: float, where: str) -> None:
     )
 
 
+def share(cfg: RunConfig, device_bytes: float) -> float:
+    """A stage's part of a device of ``device_bytes``: all of it, or ``gpus_per_actor`` of it when
+    that is a fraction (stages sharing a GPU)."""
+    gpus = cfg.parallel.gpus_per_actor
+    return device_bytes * (min(1.0, gpus) if gpus > 0 else 1.0)
+
+
 def check_up_front(cfg: RunConfig) -> None:
     """``train``'s check before Ray starts: a GPU run whose ``parallel.gpu_memory_gib`` its plan
     does not fit is a :class:`ConfigError` (exit 2) naming what would make it fit."""
     par = cfg.parallel
     if par.gpus_per_actor > 0 and par.gpu_memory_gib:
         try:
-            check(cfg, par.gpu_memory_gib * GIB * min(1.0, par.gpus_per_actor), f"parallel.gpu_memory_gib={par.gpu_memory_gib:g} (x gpus_per_actor={par.gpus_per_actor:g})")
+            check(cfg, share(cfg, par.gpu_memory_gib * GIB), f"parallel.gpu_memory_gib={par.gpu_memory_gib:g} (x gpus_per_actor={par.gpus_per_actor:g})")
         except DoesNotFit as e:
             raise ConfigError(str(e)) from None
 
@@ -305,9 +312,10 @@ def render(cfg: RunConfig, p: Plan, device_gib: float | None = None) -> str:
     lines.append(f"host per node ({p.actors_per_node:g} actors on each of {p.nodes} nodes): snapshot buffers and transport "
                  f"{_gib(p.actors_per_node * max(s.host for s in p.stages))} GiB, object store {_gib(p.object_store_per_node)} GiB")
     if device_gib is not None:
+        mine = share(cfg, device_gib * GIB)
         try:
-            check(cfg, device_gib * GIB, f"a {device_gib:g} GiB device")
-            lines.append(f"fits a {device_gib:g} GiB device: the largest stage needs {_gib(p.peak.device)} GiB of {device_gib * (1 - DEVICE_RESERVE):.2f} usable")
+            check(cfg, mine, f"a stage's share of a {device_gib:g} GiB device" if mine < device_gib * GIB else f"a {device_gib:g} GiB device")
+            lines.append(f"fits a {device_gib:g} GiB device: the largest stage needs {_gib(p.peak.device)} GiB of {mine * (1 - DEVICE_RESERVE) / GIB:.2f} usable")
         except DoesNotFit as e:
             lines.append(f"does NOT fit: {e}")
     return "\n".join(lines)
