@@ -443,9 +443,10 @@ def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_early
     assert got == {k: want[k] for k in got}
     assert not set(victims) & {n for g in t.parts.snapshots.committed.placed for n in g}
     assert not {m["target"] for m in moved} & set(victims)
-    # parts were re-homed at the notice; whether the first re-protection beat the 2 s deadline is a race with the
-    # versions committing every few 0.1-0.3 s steps on 2 loaded cores (a newer version's copies start over): not asserted
-    assert moved and protected, (protected, moved)
+    # parts were re-homed at the notice; whether a re-protection was needed (or beat the 2 s deadline) is a race with the
+    # versions committing every few 0.1-0.3 s steps (a newer version's copies start over; on a fast machine the moves
+    # alone covered the version once, with no re-protect line): not asserted
+    assert moved, (protected, moved)
 
 
 @pytest.mark.slow  # 100 s with its undisturbed width-2 run; the width-1 case below stays in the suite
