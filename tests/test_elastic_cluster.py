@@ -22,6 +22,7 @@ import ray
 from elastic_llm.config import load_config
 from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.snapshot.erasure import checksum
+from elastic_llm.snapshot.groups import exposed
 from elastic_llm.runtime.session import add_loopback_node, loopback_cluster
 from elastic_llm.runtime.drains import draining_nodes, request_drain
 from elastic_llm.data import open_run_data
@@ -441,7 +442,9 @@ def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_early
     got = {h["step"]: h["loss"] for h in history}  # (steps re-run after a rollback keep their last loss)
     want = clean_losses(clean_dp1, max(got), nodes, corpus_dir, tmp_path / "clean")
     assert got == {k: want[k] for k in got}
-    assert not set(victims) & {n for g in t.parts.snapshots.committed.placed for n in g}
+    # the committed version depends on the victims within its parity at most: a version taken while a stage still lived on
+    # a draining node keeps that stage's own part there (its spare takes over when the node goes), a lost part parity covers
+    assert not exposed(t.parts.snapshots.committed.placed, frozenset(victims), 1), t.parts.snapshots.committed.placed
     assert not {m["target"] for m in moved} & set(victims)
     # parts were re-homed at the notice; whether a re-protection was needed (or beat the 2 s deadline) is a race with the
     # versions committing every few 0.1-0.3 s steps (a newer version's copies start over; on a fast machine the moves
