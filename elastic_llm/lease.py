@@ -4,7 +4,8 @@ Owns: :class:`Lease`, what the run's detached actors (snapshot managers, stage a
 standbys) hold while ``recovery.driver_grace_s`` > 0: a driver's keepalive renews it
 (:meth:`Lease.renew`); once nobody has for ``grace_s`` seconds, the lease releases what the actor
 holds in the cluster (``release``: e.g. its placement group, which Ray keeps after the process
-ends) and ends the process, so a run nobody resumes leaks nothing.
+ends) and ends the process, so a run nobody resumes leaks nothing. Time is read from the
+:class:`~elastic_llm.clock.Clock` its holder passes (the machine's in an actor; a test's own).
 Never decides how long the grace is (the config does) and never talks to a driver.
 """
 
@@ -13,44 +14,49 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
+
+from elastic_llm.clock import Clock
 
 log = logging.getLogger("elastic_llm.lease")
 
 
 class Lease:
-    """Ends this process (``os._exit``) ``grace_s`` seconds after the last :meth:`renew`, first
-    calling ``release`` (its errors are logged: the process ends anyway). Its watch thread is a
+    """Ends this process (``os._exit``) ``grace_s`` seconds of ``clock.monotonic()`` after the last
+    :meth:`renew`, first calling ``release`` (its errors are logged: the process ends anyway). Its
+    watch thread looks (:meth:`expire_if_due`) at least every ``poll_s`` real seconds; it is a
     daemon that either ends the process or is stopped by :meth:`stop` (joined there)."""
 
-    def __init__(self, grace_s: float, what: str, release: Callable[[], object] | None = None, exit: Callable[[int], None] = os._exit) -> None:
+    def __init__(self, grace_s: float, what: str, clock: Clock, release: Callable[[], object] | None = None,
+                 exit: Callable[[int], None] = os._exit, poll_s: float = 1.0) -> None:
         if grace_s <= 0:
             raise ValueError(f"a lease needs a grace of more than 0 seconds (got {grace_s}): without one the actor ends with its driver")
         self.grace_s = grace_s
         self.what = what
+        self.clock = clock
         self.release = release
         self.exit = exit  # os._exit; a test passes its own
-        self.contact = time.monotonic()
+        self.poll_s = poll_s
+        self.contact = clock.monotonic()
         self.expired = False
+        self._lock = threading.Lock()  # one expiry, whether the watch thread or a caller looks
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="elastic-llm-lease", daemon=True)
         self._thread.start()
 
     def renew(self) -> None:
-        self.contact = time.monotonic()
+        self.contact = self.clock.monotonic()
 
     def left_s(self) -> float:
-        return self.grace_s - (time.monotonic() - self.contact)
+        return self.grace_s - (self.clock.monotonic() - self.contact)
 
-    def _watch(self) -> None:
-        while True:
-            left = self.left_s()
-            if left <= 0:
-                break
-            if self._stop.wait(min(left, 1.0)):
-                return
-        self.expired = True
+    def expire_if_due(self) -> bool:
+        """One look: once the grace has passed since the last renewal, release and end (once).
+        Returns whether the lease has expired."""
+        with self._lock:
+            if self.expired or self.left_s() > 0:
+                return self.expired
+            self.expired = True
         log.warning("%s: no driver for %.0f s (recovery.driver_grace_s): ending", self.what, self.grace_s)
         if self.release is not None:
             try:
@@ -58,6 +64,12 @@ class Lease:
             except Exception as e:  # noqa: BLE001 - the process ends either way; what could not be released is said
                 log.warning("%s: could not release what it holds (%s: %s)", self.what, type(e).__name__, e)
         self.exit(0)
+        return True
+
+    def _watch(self) -> None:
+        while not self.expire_if_due():
+            if self._stop.wait(min(max(self.left_s(), 0.0), self.poll_s)):
+                return
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop watching (the actor ends by other means: a clean shutdown, or an in-process test)."""

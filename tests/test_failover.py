@@ -2,13 +2,13 @@
 actor that outlives its driver holds."""
 
 import threading
-import time
 
 import pytest
 
 from elastic_llm.controller.ports import is_run_id
 from elastic_llm.lease import Lease
 from elastic_llm.runtime.failover import Keepalive
+from elastic_llm.sim.world import SimClock
 
 
 def test_a_resume_names_a_run_or_a_checkpoint():
@@ -59,23 +59,29 @@ def test_a_keepalive_that_cannot_reach_a_manager_goes_on_and_counts_it():
 
 
 def test_a_lease_renewed_in_time_holds_and_one_left_alone_releases_then_ends():
+    clock = SimClock()  # simulated seconds: only this test moves them, so each look sees a known instant
     ended, released = [], []
-    held = Lease(0.3, "held", release=lambda: released.append("held"), exit=ended.append)
-    left = Lease(0.3, "left", release=lambda: released.append("left"), exit=ended.append)
-    for _ in range(10):  # 0.5 s, past the grace: only the renewed one holds
+    held = Lease(30.0, "held", clock, release=lambda: released.append("held"), exit=ended.append)
+    left = Lease(30.0, "left", clock, release=lambda: released.append("left"), exit=ended.append, poll_s=0.01)
+    for _ in range(10):  # 50 simulated s, past the grace: only the renewed one holds
         held.renew()
-        time.sleep(0.05)
-    left._thread.join(5)
-    assert left.expired and not held.expired
-    assert released == ["left"] and ended == [0]  # what it holds released first, then the process ends
+        clock.advance(clock.now + 5.0)
+        assert not held.expire_if_due()
+        assert left.expire_if_due() == (clock.now >= 30.0), clock.now  # ends exactly when its grace has passed
+        assert left.left_s() == pytest.approx(30.0 - clock.now)
+    left._thread.join(5)  # its watch thread saw it expired and stopped
+    assert not left._thread.is_alive() and left.expired and not held.expired
+    assert released == ["left"] and ended == [0]  # what it holds released first, then the process ends, once
     held.stop()
     assert not held._thread.is_alive() and not held.expired
 
 
-def test_a_lease_whose_release_fails_still_ends_the_process():
-    ended = []
-    lease = Lease(0.05, "broken", release=lambda: 1 / 0, exit=ended.append)
+def test_a_lease_whose_release_fails_still_ends_the_process_from_its_watch_thread():
+    clock, ended = SimClock(), []
+    lease = Lease(1.0, "broken", clock, release=lambda: 1 / 0, exit=ended.append, poll_s=0.01)
+    assert not lease.expired
+    clock.advance(1.0)  # the grace passes with nobody looking but the lease's own thread
     lease._thread.join(5)
-    assert ended == [0]
+    assert ended == [0] and lease.expired
     with pytest.raises(ValueError, match="more than 0 seconds"):
-        Lease(0, "none")
+        Lease(0, "none", clock)

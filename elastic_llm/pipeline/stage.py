@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from elastic_llm.clock import SYSTEM
 from elastic_llm.config import RunConfig, config_from_dict
 from elastic_llm.lease import Lease, remove_run_groups
 from elastic_llm.model import StageModule, build_stage, lm_loss
@@ -113,7 +114,7 @@ class StageWorker(OtherSources):
         placement groups) once no driver's :meth:`keepalive` came for that long."""
         self.cfg = config if isinstance(config, RunConfig) else config_from_dict(config)
         self.run_id = run_id
-        self.lease = Lease(grace_s, f"stage actor of run {run_id} (pid {os.getpid()})", lambda: remove_run_groups(run_id)) if grace_s > 0 else None
+        self.lease = Lease(grace_s, f"stage actor of run {run_id} (pid {os.getpid()})", SYSTEM, lambda: remove_run_groups(run_id)) if grace_s > 0 else None
         self.standby = stage is None
         self.adopted_gpus: tuple[str, ...] = ()  # devices taken over from a dead actor (a GPU run's standby)
         self.metrics = Metrics()

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from elastic_llm.clock import SYSTEM
 from elastic_llm.lease import Lease, remove_run_groups
 from elastic_llm.snapshot.erasure import ReedSolomon, checksum
 from elastic_llm.snapshot.layout import ParityLayout
@@ -128,7 +129,7 @@ class SnapshotManager:
         self.node_id = node_id
         self.run_id = run_id
         self.grace_s = grace_s  # > 0: a detached manager that ends itself this long after its driver's last keepalive
-        self.lease = Lease(grace_s, repr(self), release=lambda: remove_run_groups(run_id)) if grace_s > 0 else None
+        self.lease = Lease(grace_s, repr(self), SYSTEM, release=lambda: remove_run_groups(run_id)) if grace_s > 0 else None
         self.metrics = Metrics()
         self.codec_backend = codec_backend
         self.versions: dict[int, Version] = {}
