@@ -1,6 +1,8 @@
 """The step's links and the gradient all-reduce, in one process without Ray: real sockets on
 loopback, one thread per actor."""
 
+import inspect
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -76,26 +78,45 @@ def test_messages_arriving_before_they_are_asked_for_are_kept():
         close(ts)
 
 
+def blocked_receive(receive):
+    """Run ``receive`` in a thread; return the thread and the list of what it raises once the
+    thread is blocked in the transport's ``select``: its innermost Python frame is
+    :meth:`SocketTransport._wait_readable` at the ``select`` call, seen twice in a row (a look
+    from outside, so the wake-up a test then causes is tested, not a receive started too late)."""
+    caught: list[BaseException] = []
+
+    def run():
+        try:
+            receive()
+        except BaseException as e:  # noqa: BLE001 - the test asserts what it was
+            caught.append(e)
+
+    th = threading.Thread(target=run, name="blocked-receive", daemon=True)
+    th.start()
+    lines, first = inspect.getsourcelines(SocketTransport._wait_readable)
+    select_line = first + next(i for i, line in enumerate(lines) if "select.select(" in line)
+    code, seen = SocketTransport._wait_readable.__code__, None
+    give_up = time.monotonic() + 30  # a hang guard, not a time bound: a blocked receive is seen within milliseconds
+    while time.monotonic() < give_up:
+        assert th.is_alive(), f"the receive ended before it blocked: {caught}"
+        frame = sys._current_frames().get(th.ident)
+        at_select = frame is not None and frame.f_code is code and frame.f_lineno == select_line
+        if at_select and seen is frame:
+            return th, caught
+        seen = frame if at_select else None
+        time.sleep(0.002)
+    pytest.fail("the receive never blocked in select")
+
+
 def test_a_peer_that_closes_its_links_wakes_a_blocked_receiver_naming_it():
     a, b, c = ShardKey(0, 0), ShardKey(1, 0), ShardKey(2, 0)
     ts = linked([a, b, c])
-    caught = {}
-
-    def wait():
-        t0 = time.monotonic()
-        try:
-            ts[c].recv(b, Msg.ACT, 0, 2)
-        except PeerLost as e:
-            caught["peer"], caught["s"] = e.peer, time.monotonic() - t0
-
     try:
-        th = threading.Thread(target=wait)
-        th.start()
-        time.sleep(0.2)
+        th, caught = blocked_receive(lambda: ts[c].recv(b, Msg.ACT, 0, 2))
         ts[b].poison()  # b failed: it closes its links
-        th.join(5)
+        th.join(10)
         assert not th.is_alive(), "the receiver stayed blocked on a peer that closed its links"
-        assert caught["peer"] == b
+        assert len(caught) == 1 and isinstance(caught[0], PeerLost) and caught[0].peer == b, caught
     finally:
         close(ts)
 
@@ -107,9 +128,11 @@ def test_abort_wakes_a_blocked_receive_and_only_for_its_generation():
         ts[b].abort(4)  # a late abort of an older generation does not touch this one
         ts[a].send(b, Msg.GRAD, 0, 0, np.ones(4, np.float32))
         assert ts[b].recv(a, Msg.GRAD, 0, 0).sum() == 4
-        threading.Timer(0.2, ts[b].abort, args=(5,)).start()
-        with pytest.raises(Aborted):
-            ts[b].recv(a, Msg.GRAD, 1, 0)
+        th, caught = blocked_receive(lambda: ts[b].recv(a, Msg.GRAD, 1, 0))
+        ts[b].abort(5)
+        th.join(10)
+        assert not th.is_alive(), "the abort did not wake the blocked receive"
+        assert len(caught) == 1 and isinstance(caught[0], Aborted), caught
     finally:
         close(ts)
 
