@@ -44,22 +44,21 @@ def cluster_yaml_health(path: str = "cluster.yaml") -> dict[str, Any]:
 
 def _rounds(system_config: dict[str, Any], rounds: int, watch: bool = False) -> list[float]:
     import ray
-    from ray.cluster_utils import Cluster
 
     from elastic_llm.runtime.liveness import REFRESH_S
     from elastic_llm.runtime.ray_runtime import RayNodes
+    from elastic_llm.runtime.session import add_loopback_node, loopback_cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": dict(system_config)})
+    c = loopback_cluster(0, 1, system_config=system_config)
     w = None
     try:
-        ray.init(address=c.address, logging_level="ERROR")
         rc = RecoveryConfig()
         if watch:  # the run's own: probes every period, holds a connection to each raylet between rounds
             w = RayNodes()
             w.start(rc.node_probe_s, rc.node_probe_failures, rc.node_probe_declare)
         out = []
         for _ in range(rounds):
-            node = c.add_node(num_cpus=1)
+            node = add_loopback_node(c, 1)
             c.wait_for_nodes()
             seen_by = time.monotonic() + 10 * REFRESH_S
             while w is not None and w.watch is not None and node.node_id not in w.watch.watching():  # a run's nodes are watched long before they die

@@ -111,7 +111,6 @@ DRAIN_MAX_STEPS = 30  # a drain run stops one step after the move; this is only 
 # torch, the warm-up: seconds of CPU on the 2 cores the loopback nodes share), measured 1.5-1.8x
 # a steady step on llama-25m
 STEADY_FROM = 3
-HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 1000}
 COMMON = ["train.eval_every=0", "snapshot.enabled=true", "snapshot.every=1", "recovery.capacity_report_s=1"]
 EXPECTED = {"local_smp": "local_smp", "dp_peer": "dp_peer", "parity": "parity"}
 VICTIM = {"local_smp": (0, 0), "dp_peer": (0, 1), "parity": (1, 0), "shrink": (0, 1)}  # (stage, replica) path_overrides strikes
@@ -445,6 +444,7 @@ def _set_workers(cluster: Any, n: int, node_args: dict[str, Any]) -> None:
     import ray
 
     from elastic_llm.runtime.drains import draining_nodes
+    from elastic_llm.runtime.session import add_loopback_node
 
     draining = set(draining_nodes())
     for node in list(cluster.worker_nodes):
@@ -453,7 +453,7 @@ def _set_workers(cluster: Any, n: int, node_args: dict[str, Any]) -> None:
     while len(cluster.worker_nodes) > n:
         cluster.remove_node(max(cluster.worker_nodes, key=lambda x: x.node_id))
     while len(cluster.worker_nodes) < n:
-        cluster.add_node(**node_args)
+        add_loopback_node(cluster, node_args["num_cpus"], node_args["object_store_memory"])
     cluster.wait_for_nodes()
     _wait_until(lambda: len(_alive_workers()) == n, WAIT_S, f"{n} live worker nodes")
     total = n * float(node_args["num_cpus"])
@@ -820,10 +820,9 @@ def _check(path: str, t: dict[str, Any]) -> dict[str, Any]:
 def _bench_config(config_path: str, overrides: Sequence[str], warmup: int, after: int, restarts: int, probe_rounds: int, shots: int) -> dict[str, Any]:
     import ray
     from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
 
     from elastic_llm.config import load_config
-    from elastic_llm.runtime.session import NAMESPACE
+    from elastic_llm.runtime.session import FAST_HEALTH, loopback_cluster
     from elastic_llm.model import count_parameters
 
     started = time.perf_counter()
@@ -850,16 +849,7 @@ def _bench_config(config_path: str, overrides: Sequence[str], warmup: int, after
     cluster = None
     with tempfile.TemporaryDirectory(prefix="elastic-llm-recbench-") as workdir:
         try:
-            cluster = Cluster(
-                initialize_head=True,
-                head_node_args={
-                    "num_cpus": 0,
-                    "include_dashboard": False,
-                    "object_store_memory": 512 << 20,
-                    "_system_config": HEALTH_CHECKS,
-                },
-            )
-            ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
+            cluster = loopback_cluster(0, 1, node_args["object_store_memory"], head_store_bytes=512 << 20, log_to_driver=False)
             addresses = sorted({n["NodeManagerAddress"] for n in ray.nodes()})
             if probe_rounds:
                 _set_workers(cluster, plan["restart"], node_args)
@@ -912,7 +902,7 @@ def _bench_config(config_path: str, overrides: Sequence[str], warmup: int, after
             "worker_cpus": 1,
             "worker_nodes_per_path": {k: v for k, v in plan.items() if k != "slots_per_node"},
             "object_store_bytes_per_worker": node_args["object_store_memory"],
-            "health_checks": HEALTH_CHECKS,
+            "health_checks": FAST_HEALTH,
             "node_addresses": addresses,
         },
         settings={"warmup_steps": warmup, "steps_after": after, "fail_step": warmup + 1, "restart_rounds": restarts, "shots_per_in_memory_path": shots,

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -213,19 +214,36 @@ def add_loopback_node(cluster: Any, cpus: float, store_bytes: int = NODE_STORE_B
     return cluster.add_node(num_cpus=cpus, object_store_memory=store_bytes, **({"labels": labels} if labels else {}))
 
 
-def loopback_cluster(workers: int, cpus_per_node: float, store_bytes: int = NODE_STORE_BYTES) -> Any:
+def loopback_cluster(
+    workers: int,
+    cpus_per_node: float,
+    store_bytes: int = NODE_STORE_BYTES,
+    *,
+    head_store_bytes: int | None = None,
+    system_config: Mapping[str, object] | None = None,
+    log_to_driver: bool = True,
+) -> Any:
     """A ``ray.cluster_utils.Cluster`` on 127.0.0.1 (for tests, replays and benchmarks): a head
     without CPUs plus ``workers`` nodes of ``cpus_per_node`` CPUs and ``store_bytes`` of object
     store each, a lost node noticed within about 2 s by Ray (the run's node watch notices sooner);
-    this driver is connected to it. The caller shuts down Ray, then the cluster."""
+    this driver is connected to it. The caller shuts down Ray, then the cluster.
+    ``head_store_bytes``: the head's object store (default ``store_bytes``); ``system_config``:
+    the head's Ray system config (default :data:`FAST_HEALTH`; ``{}``: Ray's own defaults);
+    ``log_to_driver``: whether the workers' output reaches this driver."""
     import ray
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": store_bytes, "include_dashboard": False, "_system_config": FAST_HEALTH})
+    head = {
+        "num_cpus": 0,
+        "object_store_memory": store_bytes if head_store_bytes is None else head_store_bytes,
+        "include_dashboard": False,
+        "_system_config": dict(FAST_HEALTH if system_config is None else system_config),
+    }
+    c = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(workers):
         add_loopback_node(c, cpus_per_node, store_bytes)
     c.wait_for_nodes()
-    ray.init(address=c.address, namespace=NAMESPACE, logging_level="WARNING")
+    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=log_to_driver, logging_level="WARNING")
     return c
