@@ -2,8 +2,8 @@
 ratios, stdout kept for the result, and the ``python -m benchmarks.<name>`` entry point.
 
 Owns: reading per-process and whole-machine CPU time on Linux (None elsewhere), describing the
-machine, picking a free TCP port on 127.0.0.1. Never measures anything itself and never copies
-product code.
+machine (the filesystem a path is on included), picking a free TCP port on 127.0.0.1. Never
+measures anything itself and never copies product code.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import socket
 import sys
 from collections.abc import Collection, Iterator
@@ -124,6 +125,33 @@ def machine_info() -> dict[str, Any]:
     if hasattr(os, "getloadavg"):
         info["loadavg_1m_at_start"] = round(os.getloadavg()[0], 2)
     return info
+
+
+def fs_type(path: str) -> str | None:
+    """The filesystem type (``ext4``, ``tmpfs``, ...) of the mount holding ``path`` (its real
+    path), from /proc/self/mountinfo (:func:`mount_fs_type`); None where there is none (not Linux)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
+    except OSError:
+        return None
+    return mount_fs_type(os.path.realpath(path), mountinfo)
+
+
+def mount_fs_type(path: str, mountinfo: str) -> str | None:
+    """Pure: the filesystem type of the longest mount point in ``mountinfo`` (the text of
+    /proc/self/mountinfo) that is the absolute ``path`` or a directory above it: ``/tmp`` holds
+    ``/tmp/x``, not ``/tmpfoo``; of two mounts on one point, the later (it hides the earlier)."""
+    longest, kind = -1, None
+    for line in mountinfo.splitlines():
+        fields = line.split()  # ID parent major:minor root point options [optional fields...] - type source super-options
+        sep = fields.index("-", 6) if "-" in fields[6:] else len(fields)
+        if sep + 1 >= len(fields):
+            continue  # not a mount line
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # a space in a path is written \040
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= longest:
+            longest, kind = len(point), fields[sep + 1]
+    return kind
 
 
 def load_at_end(machine: dict[str, Any]) -> None:

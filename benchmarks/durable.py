@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from benchmarks.common import MID_RUN
+from benchmarks.common import MID_RUN, fs_type
 from elastic_llm import events
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.durable.storage import fsync_path
@@ -258,19 +258,6 @@ def _auto_on_cluster(config_path: str, overrides: Sequence[str], steps: int, set
         c.shutdown()
 
 
-def _fs_type(path: str) -> str | None:
-    best, kind = "", None
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                dev, mnt, fs = line.split()[:3]
-                if path.startswith(mnt) and len(mnt) > len(best):
-                    best, kind = mnt, fs
-    except OSError:
-        return None
-    return kind
-
-
 def run_durable_bench(config_path: str = "jobs/tiny.yaml", overrides: Sequence[str] = (), rounds: int = 5, steps: int = 36, cluster_steps: int = 48,
                       auto_only: bool = False) -> dict[str, Any]:
     """The durable tier against its peers (see the module doc); ``auto_only``: just the
@@ -282,7 +269,7 @@ def run_durable_bench(config_path: str = "jobs/tiny.yaml", overrides: Sequence[s
     load_config(config_path, list(overrides))  # a bad config fails here, before anything starts
     with tempfile.TemporaryDirectory(prefix="elastic-llm-bench-durable-", dir=os.environ.get("ELASTIC_LLM_BENCH_DIR")) as workdir:
         out: dict[str, Any] = {"config": config_path, "overrides": list(overrides), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__, "fs": _fs_type(workdir)}}
+                               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__, "fs": fs_type(workdir)}}
         if not auto_only:
             out.update(_in_process(config_path, overrides, workdir, rounds))
             out.update(_embedded(config_path, overrides, workdir, steps))

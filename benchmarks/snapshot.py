@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import MID_RUN, free_port, load_at_end, machine_busy_s, machine_info, outside_share, process_tree_cpu, ratio
+from benchmarks.common import MID_RUN, free_port, fs_type, load_at_end, machine_busy_s, machine_info, outside_share, process_tree_cpu, ratio
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.runtime.session import NAMESPACE, loopback_env
 from elastic_llm.controller.trainer import Trainer
@@ -108,21 +108,6 @@ def _cpu_delta(before: dict[int, tuple[str, float]] | None, after: dict[int, tup
         c0 = before.get(pid, (kind, 0.0))[1]
         out[kind] = out.get(kind, 0.0) + max(0.0, c1 - c0)
     return out
-
-
-def _fs_type(path: str) -> str | None:
-    """Filesystem type of the mount holding ``path`` (from /proc/mounts)."""
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return None
-    path = os.path.realpath(path)
-    best, kind = "", None
-    for m in mounts:
-        if len(m) >= 3 and (path == m[1] or path.startswith(m[1].rstrip("/") + "/")) and len(m[1]) > len(best):
-            best, kind = m[1], m[2]
-    return kind
 
 
 # --------------------------------------------------------------------------- in-process part
@@ -182,7 +167,7 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
         "snapshot_buffer_bytes": buf_bytes,
         "state_tensors": len(tensors),
         "torch_threads": torch.get_num_threads(),
-        "checkpoint_dir_fs": _fs_type(workdir),
+        "checkpoint_dir_fs": fs_type(workdir),
     }
 
     # ---- memcpy yardstick and our copy: preallocated, warmed

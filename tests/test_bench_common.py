@@ -1,0 +1,31 @@
+"""Pure helpers of ``benchmarks/common.py`` every benchmark shares: the filesystem a path is on."""
+
+from benchmarks.common import fs_type, mount_fs_type
+
+MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 259:1 / / rw,relatime shared:1 - ext4 /dev/root rw
+30 27 0:30 / /tmp rw,nosuid shared:5 - tmpfs tmpfs rw,size=1024k
+31 27 0:31 / /tmp/scratch rw master:7 - xfs /dev/sdb1 rw
+32 27 0:32 / /mnt/my\\040disk rw - btrfs /dev/sdc1 rw
+33 27 0:33 / /tmp rw - overlay overlay rw
+"""
+
+
+def test_the_longest_mount_above_a_path_names_its_filesystem_and_a_prefix_is_not_a_parent():
+    assert mount_fs_type("/tmpfoo/x", MOUNTINFO) == "ext4"  # /tmp is not above /tmpfoo
+    assert mount_fs_type("/tmp/scratch/run", MOUNTINFO) == "xfs"
+    assert mount_fs_type("/tmp/scratchy", MOUNTINFO) == "overlay"
+    assert mount_fs_type("/proc", MOUNTINFO) == "proc"
+    assert mount_fs_type("/home", MOUNTINFO) == "ext4"
+
+
+def test_a_later_mount_on_the_same_point_hides_the_earlier_and_escaped_spaces_are_read():
+    assert mount_fs_type("/tmp/x", MOUNTINFO) == "overlay"
+    assert mount_fs_type("/mnt/my disk/a", MOUNTINFO) == "btrfs"
+    assert mount_fs_type("/x", "not a mount line\n") is None
+
+
+def test_the_probe_reads_this_machines_mounts(tmp_path):
+    kind = fs_type(str(tmp_path))
+    assert kind is None or (isinstance(kind, str) and kind)
