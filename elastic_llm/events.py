@@ -147,6 +147,7 @@ class Drain(Event):
     seconds: float
     rollback_steps: int = 0
     how: str = ""
+    settle: str = ""  # snapshot versions in flight before whole replicas moved: "committed", "cut" at the nodes' time, "skipped" (none left), "" none
     spans: dict[str, float] = flat()
 
 

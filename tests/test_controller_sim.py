@@ -23,7 +23,7 @@ from elastic_llm.replay.trace import ReplayAction
 from elastic_llm.sim.costs import load_costs
 from elastic_llm.sim.runtime import SimExecutor, SimNodes, SimRuntime
 from elastic_llm.sim.snapshots import SimManagers
-from elastic_llm.sim.world import Charged, Fleet, SimClock, World
+from elastic_llm.sim.world import EPOCH, Charged, Fleet, SimClock, World
 from elastic_llm.snapshot.records import ShardKey
 
 from .conftest import REPO
@@ -523,3 +523,30 @@ def test_a_committed_record_is_published_before_any_manager_frees_the_version_it
     t.fit(6)
     assert [v for v, _ in rt.published] == [2, 4, 6]
     assert all(max(told) < version for version, told in rt.published), rt.published
+
+
+def test_a_whole_replica_drained_under_a_short_notice_never_waits_for_snapshots_past_its_nodes_end(corpus_dir, tmp_path):
+    """Both nodes of replica 1 (one slot each) get a 12 s notice at once; a spare replica starts
+    on the two free nodes (4.8 s on cpu-2core) and the replica moves onto it whole, with ~7 s
+    left. Versions take ~25 s here (parity at 1 MB/s per node), so one is always in flight:
+    letting it commit first (up to SETTLE_S = 60 s) would run past the nodes' end. The settling is
+    cut to the time they have left less a move's: the version in flight is dropped, the move is
+    made before they go, the drain's line says so, and nothing fails when they go."""
+    import dataclasses
+
+    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [
+        "snapshot.every=1", "snapshot.max_lag=100000", "snapshot.parity=1", "snapshot.group_size=3", "train.eval_every=0",
+        "parallel.stages=2", "parallel.dp=2", "train.batch_size=8", "model.seq_len=16", f"data.dir={corpus_dir}",
+        "recovery.capacity_timeout_s=5", "recovery.driver_grace_s=0", "elastic.min_replicas=1", "elastic.max_replicas=2"])
+    clock = SimClock()
+    costs = dataclasses.replace(load_costs("cpu-2core"), parity_mb_s=1.0, cores=0.0)  # a device per actor: parity does not slow the steps
+    actions = (ReplayAction(30.0, "drain", "n2", 12.0), ReplayAction(30.0, "drain", "n3", 12.0),
+               ReplayAction(42.0, "remove", "n2"), ReplayAction(42.0, "remove", "n3"))
+    rt = ScriptedRuntime(World(clock, Fleet(clock, ("n0", "n1", "n2", "n3", "n4", "n5"), actions, 1), costs, Charged()), {})
+    t = Trainer(cfg, rt, metrics_out=tmp_path / "metrics.jsonl")
+    t.fit(UNTIL_STOPPED, on_step=lambda r: t.request_stop() if clock.now > 50.0 else None)
+    assert {t.group.nodes[k] for k in t.group.keys() if k.replica == 1} == {"n4", "n5"}  # the replica moved onto the spare's nodes
+    [drain] = [d for d in t.drains if d["node"] == "n2"]
+    assert (drain["moved"], drain["how"], drain["settle"]) == (2, "replica", "cut"), drain
+    assert drain["time"] < EPOCH + 42.0, drain  # its moves were over before the nodes went (waiting for the version: at 44.2 s)
+    assert t.failures == 0 and t.recoveries == [] and t.group.width == 2

@@ -2,7 +2,7 @@
 start or give up, when a drain is acted on, when the run grows. Pure: views are built by hand."""
 
 from elastic_llm.controller.drains import Drain
-from elastic_llm.controller.elastic import SPARE_START_S, ElasticView, SpareView, decide
+from elastic_llm.controller.elastic import MOVE_S, SETTLE_S, SPARE_START_S, ElasticView, SpareView, decide, settle_within
 from elastic_llm.snapshot.records import ShardKey
 
 NODES = tuple((ShardKey(s, r), f"n{s + 2 * r}") for r in range(2) for s in range(2))  # 2 stages x 2 replicas on n0..n3
@@ -117,3 +117,11 @@ def test_regrowth_starts_every_spare_the_room_allows_and_joins_the_started_ones_
     assert decide(view(spares=[*started, spare(ready=False, nodes={"n6"})]), set(), 5).grow_to is None  # one still starting: wait for it
     assert decide(view(spares=[*started, spare(ready=False)]), set(), 5).grow_to == 4  # one still waits for room: the started ones join
     assert decide(view(spares=[*started, spare(ready=True, nodes={"n6"})]), set(), 3).grow_to == 3  # never past max_replicas
+
+
+def test_snapshot_settling_before_a_whole_replica_moves_gets_the_time_its_first_node_has_left_less_a_move():
+    now = 1000.0
+    assert settle_within((), now) == SETTLE_S  # a grow: no node is going
+    assert settle_within((Drain("n1", None),), now) == SETTLE_S  # a drain without a deadline
+    assert settle_within((Drain("n1", now + 3600), Drain("n2", now + 10.0)), now) == 10.0 - MOVE_S  # the first to go bounds it
+    assert settle_within((Drain("n1", now + MOVE_S / 2),), now) == 0.0  # no time: skipped

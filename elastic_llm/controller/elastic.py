@@ -65,6 +65,7 @@ class Evacuation:
     to_dp: int
     seconds: float
     how: str = "none"
+    settle: str = ""  # versions in flight before whole replicas moved: "" none, "committed", "cut" (dropped at the bound), "skipped" (no time left)
 
 
 def drain_records(drains: Iterable[Drain], ev: Evacuation, step: int, now: float, spans: dict[str, float]) -> list[events.Drain]:
@@ -72,10 +73,10 @@ def drain_records(drains: Iterable[Drain], ev: Evacuation, step: int, now: float
     out = []
     for d in drains:
         left = d.seconds_left(now)
-        log.info("node %s is draining (%s): %d stage actors moved, %d replicas left in place, %.1f s", d.node_id[:12],
-                 "no deadline" if left is None else f"{left:.0f} s left", ev.moved, ev.stayed, ev.seconds)
+        log.info("node %s is draining (%s): %d stage actors moved, %d replicas left in place, %.1f s%s", d.node_id[:12],
+                 "no deadline" if left is None else f"{left:.0f} s left", ev.moved, ev.stayed, ev.seconds, SETTLED.get(ev.settle, ""))
         out.append(events.Drain(step=step, node=d.node_id, deadline_s=left, moved=ev.moved, dropped=0,
-                                stayed=ev.stayed, seconds=ev.seconds, rollback_steps=0, how=ev.how, spans=spans))
+                                stayed=ev.stayed, seconds=ev.seconds, rollback_steps=0, how=ev.how, settle=ev.settle, spans=spans))
     return out
 
 
@@ -216,6 +217,18 @@ def decide(view: ElasticView, seen: set[str] | frozenset[str], max_width: int) -
         which = f"replica {first}" if more == 1 else f"replicas {first}-{first + more - 1}"
         return ElasticPlan(avoid, tuple(cancel), start_spares=more, note=f"room for {which}: starting {'it' if more == 1 else 'them'} in the background")
     return ElasticPlan(avoid, tuple(cancel))
+
+
+SETTLED = {"cut": " (the snapshot versions in flight were dropped at the time the nodes left them)",
+           "skipped": " (no time was left to let the snapshot versions in flight commit: dropped, the committed one stands)"}
+
+
+def settle_within(drains: Iterable[Drain], now: float) -> float:
+    """How long the snapshot versions in flight may take to commit before a drain moves whole
+    replicas: :data:`SETTLE_S`, cut to the time the first of ``drains``' nodes has left less the
+    :data:`MOVE_S` its moves need (0: none left). Pure."""
+    end = first_end(drains)
+    return SETTLE_S if end is None else max(0.0, min(SETTLE_S, end - now - MOVE_S))
 
 
 def first_end(drains: Iterable[Drain]) -> float | None:
@@ -388,9 +401,19 @@ class ElasticExecutor:
         if plan.note:
             log.info(plan.note)
 
-    def _settle_snapshots(self) -> None:
-        if self.snapshots is not None:
-            self.snapshots.poll(block=True, timeout=SETTLE_S)
+    def _settle_snapshots(self, within_s: float = SETTLE_S) -> str:
+        """Let the snapshot versions in flight commit before the membership changes, for at most
+        ``within_s``; what is still in flight then is dropped (the committed version stands).
+        Returns how it went (:attr:`Evacuation.settle`)."""
+        sn = self.snapshots
+        if sn is None or not sn.inflight:
+            return ""
+        if within_s > 0:
+            sn.poll(block=True, timeout=within_s, drop=False)
+            if not sn.inflight:
+                return "committed"
+        sn.poll(block=True, timeout=0.0)  # drops what is left
+        return "cut" if within_s > 0 else "skipped"
 
     def _ready_spare(self) -> Any:
         """A spare replica that has started, if any (no waiting)."""
@@ -446,8 +469,11 @@ class ElasticExecutor:
             # whole replicas change: let the versions in flight commit first. Per-stage moves do
             # not wait: a version whose copy of a moved actor was not collected yet is discarded
             # (the committed one stays), so the pause is only the state copy; nor does a drain
-            # that moves nothing whole (no spare replica has started: they stay)
-            self._settle_snapshots()
+            # that moves nothing whole (no spare replica has started: they stay). Never past the
+            # time the nodes have left (less a move's): what has not committed by then is dropped
+            settle = self._settle_snapshots(settle_within(drains, now))
+        else:
+            settle = ""
         moved = stayed = 0
         hows: set[str] = set()
         swaps, swapped = [], set()  # every replica's stages that move onto their started spares: one batch of copies
@@ -476,7 +502,7 @@ class ElasticExecutor:
         for sp in list(g.stage_spares.values()):  # prepared for actors that moved another way
             if sp.key is None or g.nodes.get(sp.key) not in nodes:
                 g.cancel_stage_spare(sp)
-        return Evacuation(moved, stayed, width, g.width, self.clock.perf_counter() - t0, "+".join(sorted(hows)) or "none")
+        return Evacuation(moved, stayed, width, g.width, self.clock.perf_counter() - t0, "+".join(sorted(hows)) or "none", settle)
 
     def give_up(self, drains: Iterable[Drain], step: int) -> StepFailure | None:
         """After a drain's moves: the stage actors still on its nodes that go before the next
