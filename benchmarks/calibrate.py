@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.common import machine_info
+from benchmarks.common import machine_info, median
 
 PROFILE = "elastic_llm/sim/profiles/cpu-2core.yaml"
 CONFIG = "jobs/tiny.yaml"
@@ -43,11 +43,6 @@ MB = 1e6
 
 def _stage_mb(parameters: int, stages: int) -> float:
     return parameters * 12 / stages / MB  # fp32 weights + two AdamW moments, one stage's whole state
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(x for x in xs if x is not None)
-    return xs[len(xs) // 2] if xs else 0.0
 
 
 def profile_from(runs: dict[str, Any], cores: int, batch: int = 16) -> tuple[dict[str, Any], list[str]]:
@@ -68,7 +63,7 @@ def profile_from(runs: dict[str, Any], cores: int, batch: int = 16) -> tuple[dic
         "seq_stage_s": clean * cores / (batch * stages),
         "allreduce_s": 2 * grad_mb / socket_mb_s,
         "actor_start_s": float(rec["full_restart"]["actor_s"]) * min(cores, stages) / stages,
-        "adopt_s": _median(adopted),
+        "adopt_s": median(adopted, or_none=True) or 0.0,
         "detect_process_s": float(paths["local_smp"]["detect_s"]),
         "detect_node_s": float(det["node_watch"]["median_s"]),
         "network_mb_s": stage_mb / float(paths["dp_peer"]["state_s"]),

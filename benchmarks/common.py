@@ -2,8 +2,8 @@
 ratios, stdout kept for the result, and the ``python -m benchmarks.<name>`` entry point.
 
 Owns: reading per-process and whole-machine CPU time on Linux (None elsewhere), describing the
-machine (the filesystem a path is on included), picking a free TCP port on 127.0.0.1. Never
-measures anything itself and never copies product code.
+machine (the filesystem a path is on included), picking a free TCP port on 127.0.0.1, the median
+every benchmark reports. Never measures anything itself and never copies product code.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import os
 import platform
 import re
 import socket
+import statistics
 import sys
-from collections.abc import Collection, Iterator
-from typing import Any
+from collections.abc import Collection, Iterable, Iterator
+from typing import Any, Literal, overload
 
 MID_RUN = "train.max_steps=1000000"  # a trainer's timed steps are a run's middle: past train.max_steps every step is its last (and snapshots)
 
@@ -36,6 +37,21 @@ def free_port() -> int:
 def ratio(a: float | None, b: float | None, nd: int = 3) -> float | None:
     """``a / b`` rounded to ``nd`` digits; None when either is missing or ``b`` is zero."""
     return round(a / b, nd) if a is not None and b else None
+
+
+@overload
+def median(xs: Iterable[float], *, or_none: Literal[False] = False) -> float: ...
+@overload
+def median(xs: Iterable[float], *, or_none: Literal[True]) -> float | None: ...
+def median(xs: Iterable[float], *, or_none: bool = False) -> float | None:
+    """The median of ``xs`` as a float (of an even count, the mean of the middle two). Of no
+    values: None with ``or_none``, else ValueError (a figure that must exist)."""
+    values = [float(x) for x in xs]
+    if values:
+        return float(statistics.median(values))
+    if or_none:
+        return None
+    raise ValueError("the median of no values: nothing was measured")
 
 
 def machine_busy_s() -> float | None:

@@ -21,11 +21,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import statistics
 import time
 from typing import Any
 
-from benchmarks.common import machine_info
+from benchmarks.common import machine_info, median
 from elastic_llm.config import RecoveryConfig
 
 DEAD_S = 120.0  # longest a round waits for Ray to report the node dead
@@ -92,7 +91,7 @@ def run_detect_bench(rounds: int = 3, cluster_yaml: str = "cluster.yaml") -> dic
     result: dict[str, Any] = {"bench": "detect", "machine": machine_info(), "rounds": rounds}
     for name, sc, watch in (("ray_default", {}, False), ("cluster_yaml", ours, False), ("node_watch", ours, True)):
         times = _rounds(sc, rounds, watch)
-        result[name] = {"median_s": round(statistics.median(times), 2), "max_s": round(max(times), 2), "runs_s": [round(x, 2) for x in times], "system_config": sc}
+        result[name] = {"median_s": round(median(times), 2), "max_s": round(max(times), 2), "runs_s": [round(x, 2) for x in times], "system_config": sc}
     result["node_watch"]["probe"] = {"node_probe_s": RecoveryConfig().node_probe_s, "node_probe_failures": RecoveryConfig().node_probe_failures}
     med = {k: max(result[k]["median_s"], 0.01) for k in ("ray_default", "cluster_yaml", "node_watch")}
     result["speedup"] = round(med["ray_default"] / med["cluster_yaml"], 2)

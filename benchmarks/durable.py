@@ -31,14 +31,13 @@ import datetime as _dt
 import os
 import platform
 import shutil
-import statistics
 import tempfile
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 
-from benchmarks.common import MID_RUN, fs_type
+from benchmarks.common import MID_RUN, fs_type, median
 from elastic_llm import events
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.durable.storage import fsync_path
@@ -97,7 +96,7 @@ def _in_process(config_path: str, overrides: Sequence[str], workdir: str, rounds
         for p in (plain, pt):
             os.remove(p)
         run.delete_dir(name)
-    med = {k: statistics.median(v) for k, v in res.items()}
+    med = {k: median(v) for k, v in res.items()}
     return {
         "bytes": nbytes,
         "write_GBps": nbytes / med["write"] / 1e9,
@@ -143,7 +142,7 @@ def _alternate(cfgs: Sequence[RunConfig], warmup: int, blocks: int, block_steps:
         per_block = [[rates[i][r] / rates[0][r] for r in range(blocks)] for i in range(len(ts))]
         if after is not None:
             after(ts)
-        return [statistics.median(rates[0])] + [statistics.median(x) for x in per_block[1:]], ts, per_block
+        return [median(rates[0])] + [median(x) for x in per_block[1:]], ts, per_block
     finally:
         for t in ts:
             t.shutdown()
@@ -164,7 +163,7 @@ def _embedded(config_path: str, overrides: Sequence[str], workdir: str, steps: i
         during = [f for f in flushes[:-FLUSH_ROUNDS - 1] if f.gbps > 0]
         return {
             **side,
-            "flush_GBps_during_training": statistics.median(f.gbps for f in during) if during else None,
+            "flush_GBps_during_training": median(f.gbps for f in during) if during else None,
             "flushes": len(flushes),
             "train_overhead_pct": 100.0 * (1 - ratio),
             "tokens_per_s_durable_off": off,
@@ -217,7 +216,7 @@ def _flush_rounds(t: Any, workdir: str, rounds: int) -> dict[str, Any]:
                     os.fsync(f.fileno())
                 plain_s.append(time.perf_counter() - t0)
                 os.remove(path)
-    fl, pl = statistics.median(flush_s), statistics.median(plain_s)
+    fl, pl = median(flush_s), median(plain_s)
     return {"flush_bytes": nbytes, "flush_GBps": nbytes / fl / 1e9, "flush_rounds_s": [round(x, 4) for x in flush_s],
             "plain_same_bytes_GBps": nbytes / pl / 1e9, "plain_rounds_s": [round(x, 4) for x in plain_s], "flush_vs_plain": pl / fl}
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine_info
+from benchmarks.common import machine_info, median
 from elastic_llm import events
 from elastic_llm.events import read_lines
 
@@ -146,9 +145,9 @@ def run_failover_bench(config: str = "jobs/tiny.yaml", rounds: int = 2, kill_at:
         cluster.shutdown()
     for how, rs in runs.items():
         result[how] = {
-            "first_step_s_median": round(statistics.median(x["first_step_s"] for x in rs), 2),
-            "restore_s_median": round(statistics.median(x["restore_s"] for x in rs), 3),
-            "steps_redone_median": statistics.median(x["killed_at"] - x["resumed_at"] for x in rs),
+            "first_step_s_median": round(median(x["first_step_s"] for x in rs), 2),
+            "restore_s_median": round(median(x["restore_s"] for x in rs), 3),
+            "steps_redone_median": median(x["killed_at"] - x["resumed_at"] for x in rs),
             "new_stage_processes_max": max(x["new_stage_processes"] for x in rs),
             "runs": rs,
         }

@@ -33,7 +33,6 @@ import os
 import platform
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import threading
@@ -46,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import ratio
+from benchmarks.common import median, ratio
 
 EXIT_NO_DEVICE = 2
 REPO = Path(__file__).resolve().parent.parent
@@ -61,10 +60,6 @@ PRECISIONS = {"fp32": ["train.precision=fp32"], "bf16": ["train.precision=bf16"]
 SHARES = {"pytest": 3, "copies": 1, "stall": 2, "precision": 3}  # relative shares of the budget
 GRACE_S = 40.0  # past the budget the watchdog stops the run: the default budget's run stays under 8 minutes
 Part = Callable[[Path, float], dict]  # (DIR, deadline on time.monotonic()) -> its figures
-
-
-def median(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 def ms(s: float | None) -> float | None:
@@ -157,7 +152,7 @@ def copy_bandwidth(deadline: float, sizes: Sequence[int] = COPY_SIZES, repeats: 
             try:  # one kind of memory failing (pinning refused, say) leaves the others' figures
                 dst = host(name, n)
                 try:
-                    t = statistics.median(time_copy(dst, src, repeats, deadline))
+                    t = median(time_copy(dst, src, repeats, deadline))
                 finally:
                     if name == "registered":
                         unregister(dst.data_ptr())
@@ -252,14 +247,14 @@ def snapshot_stall(sets: Sequence[str], deadline: float, block: int = 5, rounds:
         wait0 = worker.snapshot_wait_s
         times = alternate({"none": variant("none"), "snapshot": variant("snapshot")}, block, rounds, deadline)
         worker.copies.wait()
-        none, snap, nbytes = median(times["none"]), median(times["snapshot"]), worker.arena.layout.nbytes
+        none, snap, nbytes = median(times["none"], or_none=True), median(times["snapshot"], or_none=True), worker.arena.layout.nbytes
         stall = snap - none if none is not None and snap is not None else None
         return {
             "config": sets, "device": str(worker.device), "state_bytes": nbytes, "block": block, "steps_timed": {k: len(v) for k, v in times.items()},
             "step_ms": {"none": ms(none), "snapshot": ms(snap)}, "step_ms_all": {k: [ms(t) for t in v] for k, v in times.items()},
             "stall_ms_per_step": ms(stall), "stall_pct": round(100 * stall / none, 2) if stall is not None and none else None,
-            "snapshot_wait_s_growth": round(worker.snapshot_wait_s - wait0, 4), "wait_ms_per_step": {k: ms(median(v)) for k, v in waits.items()},
-            "copy_ms": ms(median(copy_s)), "copy_gbps": round(nbytes / statistics.median(copy_s) / 1e9, 2) if copy_s else None,
+            "snapshot_wait_s_growth": round(worker.snapshot_wait_s - wait0, 4), "wait_ms_per_step": {k: ms(median(v, or_none=True)) for k, v in waits.items()},
+            "copy_ms": ms(median(copy_s, or_none=True)), "copy_gbps": round(nbytes / median(copy_s) / 1e9, 2) if copy_s else None,
         }
     finally:
         release(worker)
@@ -301,7 +296,7 @@ def precision_speed(sets: Sequence[str], deadline: float, block: int = 4, rounds
 
         times = alternate({name: variant(name) for name in workers}, block, rounds, deadline)
         for name, ts in times.items():
-            step = median(ts)
+            step = median(ts, or_none=True)
             res["variants"][name] = {"step_ms": ms(step), "tokens_per_s": round(tokens / step, 1) if step else None, "steps_timed": len(ts),
                                      **{k: v if cuda else None for k, v in peak[name].items()}}
         got = res["variants"]

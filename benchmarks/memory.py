@@ -26,13 +26,12 @@ import ctypes
 import datetime as _dt
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
-from benchmarks.common import machine_info, ratio
+from benchmarks.common import machine_info, median, ratio
 
 CONFIGS = ("jobs/tiny.yaml", "jobs/llama-25m.yaml")
 PRECISIONS = ("fp32", "bf16")
@@ -108,7 +107,7 @@ def measure_stage(config: str, overrides: list[str], stage: int, steps: int) -> 
         "activation_peak_bytes": (peak_kib - before_kib) * 1024 - grads,
         "built_bytes": (built_kib - base_kib) * 1024,
         "before_step_bytes": (before_kib - base_kib) * 1024,
-        "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
+        "step_s": median(times[1:]) if len(times) > 1 else times[0],
     }
 
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import free_port, load_at_end, machine_busy_s, machine_info, outside_share, ratio, tree_cpu_s
+from benchmarks.common import free_port, load_at_end, machine_busy_s, machine_info, median, outside_share, ratio, tree_cpu_s
 from elastic_llm.config import RunConfig, config_from_dict, load_config
 from elastic_llm.model import count_parameters
 
@@ -316,7 +316,7 @@ def _summary(records: list[dict[str, Any]], tokens_per_step: int) -> dict[str, A
     return {
         "tokens_per_s": round(tokens_per_step * len(times) / total, 1) if total > 0 else None,
         "timed_s": round(total, 4),
-        "median_step_s": round(float(np.median(times)), 4),
+        "median_step_s": round(median(times), 4),
         "step_s": [round(t, 4) for t in times],
         "cpu_s_per_step": round(float(np.mean(cpus)), 4) if len(cpus) == len(records) else None,
         "loss_first_step": losses[0],

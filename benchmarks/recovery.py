@@ -84,7 +84,6 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -93,7 +92,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import load_at_end, machine_info, ratio, stdout_to_stderr
+from benchmarks.common import load_at_end, machine_info, median, ratio, stdout_to_stderr
 from elastic_llm import events
 
 DEFAULT_CONFIGS = ("jobs/tiny.yaml", "jobs/llama-25m.yaml")
@@ -118,10 +117,6 @@ WAIT_S = 120.0
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def _median(xs: Sequence[float]) -> float | None:
-    return float(statistics.median(xs)) if xs else None
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
@@ -215,7 +210,7 @@ def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t
     resizes = [ev for ev in window if isinstance(ev, events.Resize)]
     product = [float(ev.seconds) for ev in (*recov, *drains, *resizes) if ev.seconds is not None]
     steady = [s["step_s"] for s in steps if s["t"] < t0 and s["step"] >= steady_from]
-    steady_s = _median(steady)
+    steady_s = median(steady, or_none=True)
     out: dict[str, Any] = {
         "seconds": _r(nxt["t"] - t0),
         "strike_s": _r(died_at - t0) if died_at is not None else None,
@@ -343,7 +338,7 @@ def reference_rates(nbytes: int, rounds: int = 5) -> dict[str, Any]:
             thread.join()
             sender.close()
             conn.close()
-    gbs = lambda xs: _r(nbytes / _median(xs) / 1e9)  # noqa: E731
+    gbs = lambda xs: _r(nbytes / median(xs) / 1e9)  # noqa: E731
     return {"bytes": nbytes, "memcpy_gb_s": gbs(copy_s), "loopback_tcp_gb_s": gbs(tcp_s), "rounds": rounds}
 
 
@@ -517,7 +512,7 @@ def _full_restart(cluster: Any, cfg: Any, warmup: int, rounds: int, workdir: str
         driver_file = os.path.join(workdir, "ckpt-driver.pt")
         torch.save({"step": step, "data_position": position}, driver_file)
         expected_loss = old.run_step()["loss"]  # the undisturbed run's next step
-        steady = _median([cfg.tokens_per_step() / h["tokens_per_s"] for h in old.history[STEADY_FROM - 1 :]])
+        steady = median([cfg.tokens_per_step() / h["tokens_per_s"] for h in old.history[STEADY_FROM - 1 :]], or_none=True)
     finally:
         old.shutdown()
     out_rounds = []
@@ -554,7 +549,7 @@ def _full_restart(cluster: Any, cfg: Any, warmup: int, rounds: int, workdir: str
             "steps_restored": sorted({g["step"] for g in got}),
             "loadavg_1m": [load0, _loadavg()],
         })
-    med = {k: _r(_median([r[k] for r in out_rounds])) for k in out_rounds[0] if k.endswith("_s")}
+    med = {k: _r(median([r[k] for r in out_rounds], or_none=True)) for k in out_rounds[0] if k.endswith("_s")}
     return {
         **full_restart_lost(med, steady),
         "full_restart_s": med["total_s"],
@@ -658,14 +653,14 @@ def _probe_actor_starts(cfg: Any, rounds: int) -> dict[str, Any]:
         kinds["stage_actor"].append(timed(lambda: Product.options(num_cpus=cpus, max_restarts=0).remote(config, 0, 0, 1), "info"))
         kinds[f"stage_actors_x{stages}"].append(timed(lambda: Product.options(num_cpus=cpus, max_restarts=0).remote(config, 0, 0, 1), "info", stages))
         time.sleep(0.5)
-    out: dict[str, Any] = {k: _r(_median([t for t, _ in v])) for k, v in kinds.items()}
+    out: dict[str, Any] = {k: _r(median([t for t, _ in v], or_none=True)) for k, v in kinds.items()}
     inside: dict[str, Any] = {}
     for kind in ("import_torch", "build_stage"):
         infos = [i for _, got in kinds[kind] for i in got]
         for key in ("import_torch_s", "import_stage_module_s", "build_stage_s"):
             vals = [i[key] for i in infos if key in i]
             if vals:
-                inside[f"{kind}.{key}"] = _r(_median(vals))
+                inside[f"{kind}.{key}"] = _r(median(vals))
     ages = [i.get("process_age_at_init_s") for _, got in kinds["bare"] for i in got]
     inside["bare.process_age_at_init_s"] = [_r(a) for a in ages]
     out["inside_actor_s"] = inside
@@ -753,7 +748,7 @@ def _run_path(
         elif path == "drain" and rec["step"] == warmup and timer is None:
             victim = trainer.group.nodes[ShardKey(0, 0)]
             drain["node"] = victim
-            delay = DRAIN_AT * (_median([s["step_s"] for s in steps[1:]]) or steps[-1]["step_s"])
+            delay = DRAIN_AT * (median([s["step_s"] for s in steps[1:]], or_none=True) or steps[-1]["step_s"])
             timer = threading.Timer(delay, request, args=(victim,))
             timer.daemon = True
             timer.start()

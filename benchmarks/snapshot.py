@@ -43,7 +43,6 @@ import datetime as _dt
 import gc
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -52,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import MID_RUN, free_port, fs_type, load_at_end, machine_busy_s, machine_info, outside_share, process_tree_cpu, ratio
+from benchmarks.common import MID_RUN, free_port, fs_type, load_at_end, machine_busy_s, machine_info, median, outside_share, process_tree_cpu, ratio
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.runtime.session import NAMESPACE, loopback_env
 from elastic_llm.controller.trainer import Trainer
@@ -61,10 +60,6 @@ from elastic_llm.model import count_parameters
 
 
 # --------------------------------------------------------------------------- small helpers
-
-
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs))
 
 
 def _r(x: float | None, nd: int = 6) -> float | None:
@@ -322,7 +317,7 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
         if os.path.exists(save_path):
             os.remove(save_path)
 
-    med = {k: _median(v) for k, v in times.items() if v}
+    med = {k: median(v) for k, v in times.items() if v}
     out.update(
         torch_save_s=_r(med["torch_save"]),
         torch_save_file_bytes=file_bytes,
@@ -419,9 +414,9 @@ def _restore_from_trainer(trainer: Trainer, cfg: RunConfig, repeats: int) -> dic
             for a in fresh:
                 ray.kill(a)
     return {
-        "restore_from_smp_s": _r(_median([a + b for a, b in zip(fetch_s, load_s)])),
+        "restore_from_smp_s": _r(median([a + b for a, b in zip(fetch_s, load_s)])),
         # fetch_stage_state calls (shard_parts with CRC checks), then the wait for the loads still running
-        "restore_from_smp_components_s": {"shard_parts_with_crc": _r(_median(fetch_s)), "load_parts": _r(_median(load_s))},
+        "restore_from_smp_components_s": {"shard_parts_with_crc": _r(median(fetch_s)), "load_parts": _r(median(load_s))},
         "restore_from_smp_bytes": int(sum(s.nbytes for s in record.shards)),
         "restore_from_smp_sources": sorted(sources),
         "restore_from_smp_stage_actors": par.stages,
@@ -520,7 +515,7 @@ def _compare_trainers(
         return {
             "tokens_per_s_steady": round(tokens * len(steady) / sum(steady), 1),
             "tokens_per_s_all_steps": round(tokens * len(every) / sum(every), 1),
-            "median_step_s": round(_median(every), 4),
+            "median_step_s": round(median(every), 4),
             "cpu_s_per_step": round(cpu_total / len(every), 4) if cpu_total is not None else None,
             "cpu_s_per_step_by_process": {k: round(v / len(every), 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1]) if v / len(every) >= 0.0005},
             "block_tokens_per_s_steady": [round(tokens * (len(b["step_s"]) - 1) / sum(b["step_s"][1:]), 1) for b in bl],
@@ -540,8 +535,8 @@ def _compare_trainers(
         "overhead_pct": pct("tokens_per_s_steady"),
         "overhead_all_steps_pct": pct("tokens_per_s_all_steps"),
         # how much the snapshot-free system alone moved between its blocks: the resolution of the above
-        "overhead_paired_median_pct": round(_median(paired) * 100, 2),
-        "noise_pct": round((max(offb) - min(offb)) / _median(offb) * 100, 2) if len(offb) > 1 else None,
+        "overhead_paired_median_pct": round(median(paired) * 100, 2),
+        "noise_pct": round((max(offb) - min(offb)) / median(offb) * 100, 2) if len(offb) > 1 else None,
         "cpu_overhead_pct": round((s_on["cpu_s_per_step"] / s_off["cpu_s_per_step"] - 1) * 100, 2)
         if s_on["cpu_s_per_step"] and s_off["cpu_s_per_step"]
         else None,

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import free_port, machine_info, ratio
+from benchmarks.common import free_port, machine_info, median, ratio
 
 SIZES = (64 << 10, 512 << 10, 4 << 20)  # bytes: a micro model's, tiny's and a larger activation
 
@@ -166,7 +166,7 @@ def _driver_calls(a: Any, b: Any, n: int, stages: int = 64, replicas: int = 16, 
             c = time.process_time()
             ray.get(calls(), timeout=300)
             out.append(time.process_time() - c)
-        return float(np.median(out))
+        return median(out)
 
     ray.get([a.reports.remote(stages), b.report.remote(0)])  # warm
     direct = step_cpu(lambda: [(a if i % 2 else b).report.remote(i) for i in range(stages * replicas)])
@@ -220,8 +220,8 @@ def _kill_mid_step(repeats: int = 3) -> dict[str, Any]:
                 ray.kill(h)
     return {
         "stages": 4, "replicas": 2, "victim": str(victim), "held_at": "backward", "repeats": repeats,
-        "peers_failed_s_median": float(np.median(peers_s)), "peers_failed_s_max": float(max(peers_s)),
-        "step_failed_s_median": float(np.median(driver_s)), "step_failed_s_max": float(max(driver_s)),
+        "peers_failed_s_median": median(peers_s), "peers_failed_s_max": float(max(peers_s)),
+        "step_failed_s_median": median(driver_s), "step_failed_s_max": float(max(driver_s)),
         "target_s": 5.0,
     }
 

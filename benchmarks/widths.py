@@ -11,7 +11,6 @@ Never a replay: no node comes or goes.
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ WARMUP = 3  # steps left out: process starts, first forward and backward, cold s
 def run_widths_bench(config: str = CONFIG, steps: int = 24, nodes: int = 4, cpus_per_node: float = 1.0) -> dict[str, Any]:
     import ray
 
-    from benchmarks.common import machine_info
+    from benchmarks.common import machine_info, median
     from elastic_llm.config import load_config
     from elastic_llm.runtime.ray_runtime import ray_trainer
     from elastic_llm.runtime.session import loopback_cluster, node_store_bytes
@@ -41,7 +40,7 @@ def run_widths_bench(config: str = CONFIG, steps: int = 24, nodes: int = 4, cpus
                 finally:
                     t.shutdown()
                 took = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(history, history[1:]) if b["step"] == a["step"] + 1][WARMUP:]
-                rows[f"width_{width}"] = {"median_step_s": round(statistics.median(took), 4), "steps_timed": len(took),
+                rows[f"width_{width}"] = {"median_step_s": round(median(took), 4), "steps_timed": len(took),
                                           "step_s": [round(x, 4) for x in took]}
     finally:
         ray.shutdown()

@@ -1,6 +1,8 @@
-"""Pure helpers of ``benchmarks/common.py`` every benchmark shares: the filesystem a path is on."""
+"""Pure helpers of ``benchmarks/common.py`` every benchmark shares: the filesystem a path is on, the median."""
 
-from benchmarks.common import fs_type, mount_fs_type
+import pytest
+
+from benchmarks.common import fs_type, median, mount_fs_type
 
 MOUNTINFO = """\
 22 27 0:21 / /proc rw,relatime - proc proc rw
@@ -29,3 +31,10 @@ def test_a_later_mount_on_the_same_point_hides_the_earlier_and_escaped_spaces_ar
 def test_the_probe_reads_this_machines_mounts(tmp_path):
     kind = fs_type(str(tmp_path))
     assert kind is None or (isinstance(kind, str) and kind)
+
+
+def test_one_median_for_every_benchmark_and_no_values_are_refused_unless_none_is_asked_for():
+    assert median([3, 1, 2]) == 2.0 and median([4.0, 1.0, 3.0, 2.0]) == 2.5 and median(x for x in (5.0,)) == 5.0
+    assert median([], or_none=True) is None
+    with pytest.raises(ValueError, match="no values"):
+        median([])
