@@ -20,7 +20,7 @@ then, during step ``warmup + 1``:
   ``Cluster.remove_node`` and waits until Ray sees the node dead) while other nodes have room: the
   stage is rebuilt from the erasure group's parity on another node;
 * ``drain``: dp=1, the node hosting stage 0 is drained for preemption with a deadline
-  (:func:`elastic_llm.controller.drains.request_drain`, what ``ray drain-node --reason
+  (:func:`elastic_llm.runtime.drains.request_drain`, what ``ray drain-node --reason
   DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N`` does), half a step into the step;
   the controller moves the stages off it (per stage or as a whole replica: the drain line's
   ``how``); timed from the request, the run stops one step after the move;
@@ -68,7 +68,7 @@ not absolute numbers, and treat single-shot path times as noisy. Ray reads
 take the machine's network address instead of 127.0.0.1, so the benchmark refuses to start (export
 it, and ``RAY_AUTH_MODE=token``, before running).
 
-Why it is this long (~850 lines): five recovery paths need five cluster shapes, fault injections
+Why it is this long (~1,000 lines): five recovery paths need five cluster shapes, fault injections
 and checks, plus the restart peer and the actor-start probes; the pure helpers that turn metrics
 lines into seconds come first (tested in ``tests/test_bench_recovery.py``).
 

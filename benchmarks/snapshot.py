@@ -27,7 +27,7 @@ Measures, on the whole model's training state (parameters + AdamW moments) of a 
 Everything heavy is measured side by side in one run (medians of rounds), because the machine is
 shared: compare ratios, not absolute numbers.
 
-Why it is this long (~800 lines): it drives five peers and three settings (in process, a
+Why it is this long (~850 lines): it drives five peers and three settings (in process, a
 loopback cluster, an embedded Ray) in one run so that their figures are comparable, and each
 needs its own setup and teardown; the pieces are one function each, in the order above.
 

@@ -4,7 +4,7 @@ chaos | experiment | checkpoints | export | bench``.
 Owns: argument parsing and turning user errors into one clear message and exit code 2.
 Everything else is delegated (controller, data, bench).
 
-Why ~670 lines: thirteen subcommands, each with its options, help text and the checks that turn a
+Why ~570 lines: thirteen subcommands, each with its options, help text and the checks that turn a
 bad argument into a message naming it; each command body is a few lines handing over to the
 module that does the work.
 """

@@ -2,7 +2,7 @@
 
 Owns: polling the instance metadata service (IMDSv2) of this machine for a spot interruption
 notice, and, on one, asking Ray once to drain this machine's Ray node for preemption with the
-notice's deadline (:func:`elastic_llm.controller.drains.request_drain`); then it exits 0, its work
+notice's deadline (:func:`elastic_llm.runtime.drains.request_drain`); then it exits 0, its work
 done. Parsing a notice (:func:`parse_notice`) and picking the local node among the cluster's
 (:func:`pick_node`) are pure; the HTTP client (:class:`MetadataClient`) and the loop
 (:func:`watch`) do the I/O, with the drain call and the clock passed in.

@@ -2,7 +2,7 @@
 
 Owns: the run's *roster* (:func:`roster`: each actor of the width by its Ray name and the
 id of its placement group, JSON, published by the driver at every change of membership) and taking
-a roster over (:meth:`Handover.take_over`: the actors that still answer become this driver's, with
+a roster over (:func:`take_over`: the actors that still answer become this driver's, with
 their state in place; a step they were left running is aborted; the groups of those that did not
 answer are kept for their replacements, or made afresh where their node went), and which actors a
 driver's keepalive must reach (:func:`leased`: with ``recovery.driver_grace_s`` > 0 the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from elastic_llm.snapshot.ports import ManagerHandle
+from elastic_llm.snapshot.ports import ManagerHandle, ManagerLost
 from elastic_llm.snapshot.groups import domain_of
 from elastic_llm.snapshot.manager import SnapshotManager
 from elastic_llm.sources import NodeGone
@@ -27,13 +27,26 @@ class RayCalls:
 
     def get(self, ref: Any, timeout: float | None = None) -> Any:
         """Ray's ``get``; a manager that Ray's scheduler refuses to start on its node (the node
-        is gone, whatever Ray's node table says yet) raises :class:`NodeGone`."""
+        is gone, whatever Ray's node table says yet) raises :class:`NodeGone`, a call that an
+        actor's or node's death failed (:func:`death_errors`; also when the manager re-raised a
+        peer's or a stage's) :class:`ManagerLost`. Anything else the manager raised comes as Ray
+        gives it (an instance of the manager's own exception): a bug there is not a lost manager."""
         import ray
 
         try:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.ActorUnschedulableError as e:
             raise NodeGone(frozenset(), f"Ray's scheduler refused a snapshot manager there ({str(e).splitlines()[0]})") from e
+        except death_errors() as e:
+            raise ManagerLost(e) from e
+
+
+def death_errors() -> tuple[type[BaseException], ...]:
+    """Ray's errors for a call whose actor, worker process, object owner or node is gone (an
+    actor's task that re-raised one is an instance of it too)."""
+    import ray.exceptions as x
+
+    return (x.RayActorError, x.ObjectLostError, x.NodeDiedError, x.WorkerCrashedError, x.LocalRayletDiedError, x.OutOfMemoryError)
 
 
 class RayManagers:

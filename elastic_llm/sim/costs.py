@@ -6,7 +6,7 @@ durable flush bandwidths), loading a profile by name (``cpu-2core``: measured by
 its 2-core VM by ``elastic-llm bench calibrate`` from the benchmarks, never from a replay;
 ``gpu-a100``: derived from published figures, marked as such in the file) or from
 a path, and the arithmetic of a step's and a transfer's simulated seconds. Never reads a clock,
-never runs anything: :mod:`elastic_llm.sim.parts` asks it how long things take.
+never runs anything: :mod:`elastic_llm.sim.actors` and :mod:`elastic_llm.sim.snapshots` ask it how long things take.
 """
 
 from __future__ import annotations

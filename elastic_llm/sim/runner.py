@@ -2,7 +2,7 @@
 
 Owns: turning a config, a fleet size, a trace (optional) and a cost model into one simulated run
 (:func:`simulate`): the world (:mod:`elastic_llm.sim.world`), the simulated executors
-(:mod:`elastic_llm.sim.parts`) injected into the real :class:`~elastic_llm.controller.Trainer`
+(:mod:`elastic_llm.sim.runtime`) injected into the real :class:`~elastic_llm.controller.Trainer`
 (its states, failure budget, recovery and elastic policies, snapshot coordinator, data stream),
 the stage-process fault schedule (seeded), the timeline, and the report in the replay's format
 (``replay.json``, ``replay.png``) plus what the controller's own code cost: process CPU seconds

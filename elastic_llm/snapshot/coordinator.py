@@ -18,7 +18,7 @@ Commits and discards reach the managers ~16 per driver call (:mod:`elastic_llm.s
 It talks to its managers through :class:`~elastic_llm.snapshot.ports.Calls` (Ray's ``wait``/``get``, or a simulation's) and
 reads time from a :class:`~elastic_llm.clock.Clock`: ``elastic-llm simulate`` runs it unchanged.
 
-Why ~500 lines: the two-phase commit, the cadence it is driven by (the cost model and its bookkeeping are in
+Why ~600 lines: the two-phase commit, the cadence it is driven by (the cost model and its bookkeeping are in
 :mod:`elastic_llm.cadence`), the lost-part census a recovery observes and the restore that follows
 a plan all read and change the same in-flight and committed records; split apart, each would need
 the others' bookkeeping.
@@ -39,7 +39,8 @@ from elastic_llm.snapshot.broadcast import Broadcast
 from elastic_llm.snapshot.exposure import Exposure
 from elastic_llm.snapshot.groups import make_groups
 from elastic_llm.snapshot.layout import LayoutError
-from elastic_llm.snapshot.ports import Calls, Flusher, ManagerFleet, ManagerHandle
+from elastic_llm.snapshot.ports import Calls, Flusher, ManagerFleet, ManagerHandle, ManagerLost
+from elastic_llm.snapshot.rebuild import SnapshotMissingError
 from elastic_llm.snapshot.rehome import Rehomer
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ParityRebuild, ShardInfo, ShardKey, StageSource, VersionRecord
 
@@ -51,6 +52,10 @@ PING_S = 10.0  # a manager that does not answer within this is slow ...
 SLOW_PING_S = 20.0  # ... and lost if it still has not answered this much later
 START_S = 120.0  # longest new managers may take to answer (a worker process start on a loaded node)
 ATTEMPT_BITS = 40  # a driver's attempts: its epoch << ATTEMPT_BITS, then one more per version begun
+# What a manager's answer raises when the run lost something, not when our code is wrong (that propagates): an actor or node
+# gone (ManagerLost from Ray's calls, NodeGone; a simulated manager's death is a plain RuntimeError, as is the manager's "no snapshot
+# of step ..." from its stages), the version or shard not held or failing its checksum (SnapshotMissingError), no answer in time.
+CALL_FAILED: tuple[type[Exception], ...] = (ManagerLost, NodeGone, SnapshotMissingError, TimeoutError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -201,8 +206,8 @@ class SnapshotCoordinator:
             except TimeoutError:  # Ray's GetTimeoutError is one
                 why[node] = f"its manager did not answer within {PING_S + SLOW_PING_S:g} s"
                 continue
-            except Exception as e:
-                why[node] = f"its manager is gone ({type(e).__name__})"
+            except CALL_FAILED as e:
+                why[node] = f"its manager is gone ({type(getattr(e, 'cause', None) or e).__name__})"
                 continue
             if rec is not None and node in part_of and rec.version not in held:
                 why[node] = f"its manager no longer holds step {rec.version} (a successor of a killed manager)"
@@ -432,7 +437,7 @@ class SnapshotCoordinator:
                 try:
                     p.results.update((part.node_id, part) for part in self.calls.get(ref))
                     p.answered.add(lead)
-                except Exception as e:  # a manager or a stage died mid-snapshot: drop this version
+                except CALL_FAILED as e:  # a manager or a stage died mid-snapshot: drop this version
                     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
                     self._discard(p, lines[-1] if lines else type(e).__name__)
             for p in list(self.inflight):
@@ -513,7 +518,7 @@ class SnapshotCoordinator:
         for ref in done:
             try:
                 self.calls.get(ref, timeout=0)
-            except Exception:  # noqa: BLE001 - the version was dropped for this failure already
+            except CALL_FAILED:  # the version was dropped for this failure already
                 continue
 
     def abandon_pending(self, from_version: int = 0) -> None:
@@ -564,7 +569,7 @@ class SnapshotCoordinator:
                 continue
             try:
                 got = self.calls.get(self.managers[node].shard_parts.remote(rec.version, info.key), timeout=WAIT_S)
-            except Exception as e:
+            except CALL_FAILED as e:
                 self.unloadable[node] = rec.version
                 why = getattr(e, "cause", None) or e  # a task's error: the manager's own exception
                 raise SourceLost(f"{info.key}'s shard of step {rec.version} failed to load on its node {node[:12]} "

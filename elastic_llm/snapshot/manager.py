@@ -21,7 +21,7 @@ when this node's part of the version is complete.
 Never decides anything: the controller tells it which version to take, commit or hand out.
 Never unpickles data it did not produce: pieces are numpy arrays, manifests JSON text.
 
-Why ~500 lines: it is one Ray actor, and everything it does (collect, offer, encode, commit,
+Why ~580 lines: it is one Ray actor, and everything it does (collect, offer, encode, commit,
 pin and free, hand out pieces and parity, flush) works on the same versions under one lock, with
 buffers it preallocates and reuses; the erasure code itself is in :mod:`elastic_llm.snapshot.erasure`.
 """

@@ -1,6 +1,7 @@
 """The snapshot coordinator's seams: its managers as it calls them (:class:`ManagerHandle`,
 started and ended by a :class:`ManagerFleet`), how it waits for their answers (:class:`Calls`:
-Ray's, or a simulation's) and the durable tier as it drives it (:class:`Flusher`). Types only."""
+Ray's, or a simulation's), the error a call to a lost manager raises (:class:`ManagerLost`) and the
+durable tier as it drives it (:class:`Flusher`). Types only."""
 
 from __future__ import annotations
 
@@ -21,9 +22,22 @@ class Flusher(Protocol):
     def start(self, record: VersionRecord) -> None: ...
 
 
+class ManagerLost(RuntimeError):
+    """A manager's call failed because an actor or node it involved is gone: the manager itself,
+    a peer manager it relayed to, or a stage it called. What :class:`Calls` ``get`` raises for
+    Ray's death errors (``cause``: Ray's own, e.g. ``ActorDiedError``), so the coordinator tells
+    a lost manager from a bug in the code without importing Ray."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+        super().__init__(str(cause))
+
+
 class Calls(Protocol):
     """How the coordinator waits for and reads its managers' answers: Ray's ``wait`` and ``get``
-    (:class:`RayCalls`), or a simulation's over simulated managers."""
+    (:class:`RayCalls`), or a simulation's over simulated managers. ``get`` raises what the
+    manager's method raised, :class:`ManagerLost` when an actor or node the call involved is gone,
+    ``TimeoutError`` when there is no answer within ``timeout``."""
 
     def wait(self, refs: list[Any], num_returns: int, timeout: float | None) -> tuple[list[Any], list[Any]]: ...
 
