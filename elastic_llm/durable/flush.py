@@ -16,6 +16,7 @@ to flush, never commits (the driver writes the manifest and marker once every pa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -26,9 +27,18 @@ from typing import Any
 import numpy as np
 
 from elastic_llm.durable.format import PartResult, TensorSpec, checkpoint_dir, global_name, shard_file, write_shard
-from elastic_llm.durable.storage import Storage, Syncs
+from elastic_llm.durable.storage import Storage, StorageHung, Syncs
 from elastic_llm.snapshot.erasure import checksum
 from elastic_llm.snapshot.records import Piece, ShardKey, VersionRecord
+
+log = logging.getLogger("elastic_llm.durable")
+WRITE_S = 1500.0
+"""Longest a node's writer thread (:func:`write_parts`) is waited for before its call fails.
+Shorter than the driver's own deadline for a flush (``FLUSH_S``, 1800 s, in
+:mod:`elastic_llm.durable.tier`), so that the driver hears which file hung and for how long
+rather than failing the flush without a reason; a part written that long is a storage that
+does not answer (a write or open that never returns), and the snapshot manager goes on
+answering its other calls while the previous checkpoint stays the newest."""
 
 
 @dataclass(frozen=True)
@@ -164,8 +174,12 @@ def write_parts(plans: tuple[FlushPlan, ...], local: Callable[[ShardKey], list[n
     together, while the pieces are checked against their records (one wait for the disk per
     node, not one per part; on the 2-core VM one thread writing tiny's four parts this way took
     26 ms, four threads in parallel 27 ms with twice the CPU). A part's ``seconds`` run until all
-    are durable. The thread is joined before an error is raised."""
+    are durable. The thread is joined before an error is raised, for at most :data:`WRITE_S`: a
+    storage that hangs raises :class:`~elastic_llm.durable.storage.StorageHung` naming the file
+    being written then (the thread is left to end on its own)."""
     out: list[Any] = []
+    where = plans[0].storage_uri.split("?", 1)[0]  # (a URI's options left out of messages)
+    doing = [f"starting to write under {where}"]  # what the thread is at, for the message if it hangs
 
     def run() -> None:
         try:
@@ -177,11 +191,15 @@ def write_parts(plans: tuple[FlushPlan, ...], local: Callable[[ShardKey], list[n
                     pass  # not permitted here: write at normal priority
             t0 = time.perf_counter()
             syncs = Syncs()
+            written: list[PartResult] = []
             try:
-                written = [_write_part(plan, local, syncs) for plan in plans]
+                for plan in plans:
+                    doing[0] = f"writing {where}/{plan.file}"
+                    written.append(_write_part(plan, local, syncs))
             except BaseException:
                 syncs.abandon()
                 raise
+            doing[0] = f"the fsync of its {len(plans)} file(s) under {where}"
             syncs.finish()
             seconds = time.perf_counter() - t0
             out.extend(replace(r, seconds=seconds) for r in written)
@@ -189,8 +207,15 @@ def write_parts(plans: tuple[FlushPlan, ...], local: Callable[[ShardKey], list[n
             out.append(e)
 
     worker = threading.Thread(target=run, name=f"flush-{plans[0].version}", daemon=True)
+    t0 = time.monotonic()
     worker.start()
-    worker.join()
+    worker.join(WRITE_S)
+    if worker.is_alive():
+        why = (f"step {plans[0].version}: {doing[0]} has not ended after {time.monotonic() - t0:.3g} s (WRITE_S={WRITE_S:g}): the storage "
+               "does not answer (a lost mount, a stuck device); nothing of this flush is committed and the previous checkpoint stays the "
+               "newest; check that storage (durable.storage_path)")
+        log.warning("%s", why)
+        raise StorageHung(why)
     if out and isinstance(out[-1], BaseException):
         raise out[-1]
     return out

@@ -13,6 +13,7 @@ their commit marker (written last, and on a local disk atomically through a rena
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,14 @@ import pyarrow.fs as pafs
 GATHER = 1 << 20  # local writes smaller than this are gathered and go to the file together (fewer system calls)
 IOV_MAX = 512  # at most this many of them in one writev (Linux takes 1024)
 KICK = 4 << 20  # a local file's written bytes are sent on to the device every this many (see _writeback)
+FSYNC_S = 600.0
+"""Longest :meth:`Syncs.finish` waits for the fsyncs of its files. A healthy device ends them in
+seconds to minutes: each file's bytes were sent on to it every :data:`KICK` as they were written
+and the kernel holds writers to its dirty-page limit, so an fsync waits for a tail. One that has not
+returned after 10 minutes is a filesystem that hangs (a lost NFS server, a stuck device): the
+files are then not durable, and the flush fails instead of holding its snapshot manager forever."""
+
+log = logging.getLogger("elastic_llm.durable")
 
 
 def _start_writeback() -> Callable[[int, int, int], bool] | None:
@@ -61,6 +70,11 @@ _writeback = _start_writeback()
 
 class StorageError(OSError):
     """The storage path cannot be used; the message names it and the fix."""
+
+
+class StorageHung(StorageError):
+    """A file operation on the storage did not return within its bound (:data:`FSYNC_S`, the
+    flush's ``WRITE_S``): the message names the file and how long it was waited for."""
 
 
 class Storage:
@@ -125,7 +139,7 @@ class Storage:
         (``during_sync`` runs after it closed)."""
         if self.local:
             fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            w: Writer = FileWriter(fd, max_mb_s, syncs)
+            w: Writer = FileWriter(fd, max_mb_s, syncs, self.path(rel))
         else:
             w = Writer(self.fs.open_output_stream(self.path(rel)), max_mb_s)
         ok = False
@@ -275,9 +289,9 @@ class FileWriter(Writer):
     buffers must stay unchanged until the writer is closed. The close hands the file to
     ``syncs`` (or to a :class:`Syncs` of its own, finished at once): one fsync per file."""
 
-    def __init__(self, fd: int, max_mb_s: float, syncs: "Syncs | None" = None) -> None:
+    def __init__(self, fd: int, max_mb_s: float, syncs: "Syncs | None" = None, path: str = "") -> None:
         super().__init__(None, max_mb_s)
-        self.fd = fd
+        self.fd, self.path = fd, path
         self.syncs = syncs
         self.gathered: list[memoryview] = []
         self.used = 0  # bytes gathered
@@ -325,7 +339,7 @@ class FileWriter(Writer):
                 os.close(self.fd)
                 raise
             syncs = self.syncs if self.syncs is not None else Syncs()
-            syncs.add(self.fd, self.during_sync)  # the descriptor is the Syncs' to close now
+            syncs.add(self.fd, self.during_sync, self.path)  # the descriptor is the Syncs' to close now
             if self.syncs is None:
                 syncs.finish()
         else:
@@ -336,42 +350,59 @@ class Syncs:
     """Local files written and not yet durable, made durable together by :meth:`finish`: each
     file's fsync on a helper thread of its own (the device writes their tails at once) while each
     file's ``during_sync`` check runs on the caller's thread; every descriptor is closed and the
-    first error raised once all have ended. :meth:`abandon` closes them without waiting."""
+    first error raised once all have ended, or once :data:`FSYNC_S` has passed: a file whose fsync
+    still has not returned then raises :class:`StorageHung` (its descriptor is closed by its
+    fsync's thread, if that ever returns). :meth:`abandon` closes them without waiting."""
 
     def __init__(self) -> None:
-        self.files: list[tuple[int, Callable[[], None] | None]] = []
+        self.files: list[tuple[int, Callable[[], None] | None, str]] = []
 
-    def add(self, fd: int, during_sync: Callable[[], None] | None) -> None:
-        self.files.append((fd, during_sync))
+    def add(self, fd: int, during_sync: Callable[[], None] | None, path: str = "") -> None:
+        self.files.append((fd, during_sync, path))
 
     def finish(self) -> None:
         files, self.files = self.files, []
         failed: list[OSError] = []
+        ended: set[int] = set()  # the descriptors whose fsync returned
+        lock, gave_up = threading.Lock(), threading.Event()
 
         def fsync(fd: int) -> None:
             try:
                 os.fsync(fd)
             except OSError as e:  # raised in the caller's thread below
                 failed.append(e)
+            with lock:
+                ended.add(fd)
+                if gave_up.is_set():  # the caller no longer waits: the descriptor is this thread's to close
+                    os.close(fd)
 
-        threads = [threading.Thread(target=fsync, args=(fd,), name="elastic-llm-fsync") for fd, _ in files]
+        threads = [threading.Thread(target=fsync, args=(fd,), name="elastic-llm-fsync", daemon=True) for fd, _, _ in files]
+        t0 = time.monotonic()
         for t in threads:
             t.start()
         try:
-            for _, check in files:
+            for _, check, _ in files:
                 if check is not None:
                     check()
         finally:
             for t in threads:
-                t.join()
-            for fd, _ in files:
-                os.close(fd)
+                t.join(max(0.0, t0 + FSYNC_S - time.monotonic()))
+            with lock:
+                gave_up.set()
+                hung = [path or f"descriptor {fd}" for fd, _, path in files if fd not in ended]
+                for fd in ended:
+                    os.close(fd)
+        if hung:
+            why = (f"the fsync of {', '.join(hung)} has not returned after {time.monotonic() - t0:.3g} s (FSYNC_S={FSYNC_S:g}): the filesystem "
+                   "holding it hangs (a lost NFS server or mount, a stuck device) and the file is not durable; check that storage")
+            log.warning("%s", why)
+            raise StorageHung(why)
         if failed:
             raise failed[0]
 
     def abandon(self) -> None:
         files, self.files = self.files, []
-        for fd, _ in files:
+        for fd, _, _ in files:
             os.close(fd)
 
 
