@@ -297,14 +297,16 @@ def test_the_spot_watcher_drains_on_a_notice_so_the_stages_move_first_with_no_ro
 
         def drained():
             seen_draining.update(draining_nodes())
-            return events(tmp_path, "drain") or time.monotonic() - asked > NOTICE_S
+            return bool(events(tmp_path, "drain"))
 
-        wait_until(drained, NOTICE_S + 10, "the drain")
-        moved_in_s = time.monotonic() - asked
+        # how soon the stages move after a notice is measured by `elastic-llm bench rehome` (its
+        # notice_to_moved_s), not bounded here: the wait below is a hang guard on a loaded machine
+        wait_until(drained, 10 * NOTICE_S, "the drain")
         try:
             watcher_rc = watcher.wait(timeout=max(1.0, asked + NOTICE_S - time.monotonic()))
         except subprocess.TimeoutExpired:
             pytest.fail("the spot watcher did not exit within the notice's deadline:\n" + (tmp_path / "watcher.log").read_text())
+        drains_before_removal = events(tmp_path, "drain")
         nodes.remove_node(node_of(nodes, victim))  # the deadline: the instance goes
         moved_at = t.step
         wait_until(lambda: t.step >= moved_at + 3, 60, "three steps after the move")
@@ -339,7 +341,7 @@ def test_the_spot_watcher_drains_on_a_notice_so_the_stages_move_first_with_no_ro
     assert f"Ray accepted the drain of node {victim}" in watcher_log
     assert victim in seen_draining, "Ray never showed the victim as draining"
     [drain] = events(tmp_path, "drain")
-    assert moved_in_s < NOTICE_S, "the stages were not moved before the deadline"
+    assert drains_before_removal == [drain] and drain["step"] <= moved_at, "the stages were not moved before the node went"
     # the victim hosts one of the two stages and the other nodes have room for it: just that stage moves
     assert drain["node"] == victim and drain["moved"] == 1 and drain["how"] == "stages" and drain["rollback_steps"] == 0
     assert 0 < drain["deadline_s"] <= NOTICE_S
