@@ -255,7 +255,7 @@ def test_a_drain_whose_stage_spare_is_late_keeps_the_replica_and_the_recovery_ta
     [rec] = t.recoveries  # given up at that look: no step failed, nothing charged
     assert (rec["stage"], rec["replica"], rec["source"]) == (1, 1, "dp_peer") and "NodeEnding" in rec["failure"] and t.failures == 0
     assert rec["actor_s"] < load_costs("cpu-2core").actor_start_s  # the spare had been starting since the notice
-    assert "n3" not in t.group.nodes.values() and not t.group.stage_spares
+    assert "n3" not in t.group.nodes.values() and not t.group.spares.of()
 
 
 def test_a_replica_without_room_trains_on_until_the_last_step_boundary_before_its_node_goes_and_is_given_up_there(corpus_dir, tmp_path):
@@ -402,13 +402,13 @@ def test_a_spare_on_a_node_the_run_knows_dead_does_not_join_while_the_placement_
     t, rt = make(corpus_dir, tmp_path, "parallel.dp=1", "elastic.min_replicas=1", "elastic.max_replicas=2", "elastic.grow_check_s=1000000",
                  "recovery.max_failures=0", nodes=("n0", "n1", "n2", "n3"), slots=1)
     t.fit(1)  # the first look saw room for one more replica: its spare starts on the two free nodes
-    [spare] = t.group.spares
+    [spare] = t.group.spares.replicas()
     wait_steps = 0
-    while not t.group.spare_ready(spare) and wait_steps < 50:
+    while not t.group.spares.ready(spare) and wait_steps < 50:
         t.fit(t.step + 1)
         wait_steps += 1
-    assert t.group.spare_ready(spare) and t.group.width == 1
-    gone = min(t.group.spare_nodes(spare))
+    assert t.group.spares.ready(spare) and t.group.width == 1
+    gone = min(t.group.spares.nodes(spare))
     rt.nodes.declare_gone(frozenset({gone}), "test: refused")
     t.fit(t.step + 5)
     assert t.group.width == 1 and t.failures == 0 and t.recoveries == [] and gone not in t.group.nodes.values()

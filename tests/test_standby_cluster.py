@@ -154,7 +154,7 @@ def test_drain_with_room_for_its_stages_only_moves_just_them(nodes, clean, corpu
             request_drain(node, 60, "test: per-stage move")
         if rec["step"] == 5:  # the controller saw the drain at step 4's end; its stage spare starts meanwhile
             g = t.group
-            wait_until(lambda: g.stage_spares and all(g.stage_spare_ready(sp) for sp in g.stage_spares.values()), 120, "the stage spare")
+            wait_until(lambda: g.spares.tend() or g.spares.of() and all(g.spares.ready(sp) for sp in g.spares.of().values()), 120, "the stage spare")
 
     try:
         got = losses(t.fit(STEPS, on_step=on_step))

@@ -90,7 +90,8 @@ class Move(enum.Enum):
 
 def spare_nodes(group: StageActors) -> set[str]:
     """The nodes of ``group``'s spare replicas and stage spares (started, not in the width yet)."""
-    return {n for sp in group.spares for n in group.spare_nodes(sp)} | {n for sp in group.stage_spares.values() for n in group.spare_nodes_of(sp)}
+    sp = group.spares
+    return {n for s in [*sp.replicas(), *sp.of().values()] for n in sp.nodes(s)}
 
 
 def drain_moves(on_drain: dict[int, int], stages: int, free_slots: int, spare_ready: bool) -> dict[int, Move]:
@@ -315,6 +316,7 @@ class ElasticExecutor:
         :func:`decide`, then :meth:`act`. Returns the draining nodes that host this run's stages,
         not acted on yet (``seen``), once it is time to act on them, and the width to grow to
         once a spare has started (else None)."""
+        self.group.spares.tend(self.avoid(self.nodes.draining() if self.cfg.elastic.drains else {}))  # placed spares start; lost ones start over
         view = self.observe(seen, step=step)
         plan = decide(view, seen, self.cfg.elastic.bounds(self.cfg.parallel.dp)[1])
         if self.snapshots is not None:
@@ -339,6 +341,7 @@ class ElasticExecutor:
         if not new:
             return
         self.noticed |= new
+        self.group.spares.tend(self.avoid(draining))
         plan = decide(self.observe(seen, between=True), seen, self.cfg.elastic.bounds(self.cfg.parallel.dp)[1])
         self.act(replace(plan, start_spares=0))
 
@@ -360,14 +363,13 @@ class ElasticExecutor:
         bundles were placed since the last look gets its actors started: the start it was made
         for), and, only when they matter, the free slots for a drain's moves and whether there is
         room for one more replica (every ``elastic.grow_check_s``)."""
-        g, el = self.group, self.cfg.elastic
+        g, el, sp = self.group, self.cfg.elastic, self.group.spares
         draining = self.nodes.draining() if el.drains else {}
         now = self.clock.monotonic()
-        alive = self.nodes.alive() if g.spares or g.stage_spares else set()  # a spare on a node the run knows dead is not ready, whatever Ray's placement table says yet
-        spares = tuple(SpareView(sp, None, frozenset(ns), g.spare_age(sp), g.spare_ready(sp) and ns <= alive)
-                       for sp in g.spares for ns in [g.spare_nodes(sp)])
-        stage_spares = tuple(SpareView(sp, k, frozenset(ns), g.spare_age(sp), g.stage_spare_ready(sp) and ns <= alive)
-                             for k, sp in g.stage_spares.items() for ns in [g.spare_nodes_of(sp)])
+        replicas, by_key = sp.replicas(), sp.of()
+        alive = self.nodes.alive() if replicas or by_key else set()  # a spare on a node the run knows dead is not ready, whatever Ray's placement table says yet
+        spares = tuple(SpareView(s, None, ns, sp.age(s), sp.ready(s) and ns <= alive) for s in replicas for ns in [sp.nodes(s)])
+        stage_spares = tuple(SpareView(s, k, ns, sp.age(s), sp.ready(s) and ns <= alive) for k, s in by_key.items() for ns in [sp.nodes(s)])
         avoid = self.avoid(draining)
         affected = {k.replica for k in g.keys() if g.nodes.get(k) in draining and g.nodes[k] not in seen}
         free = g.free_slots(avoid) if affected else None
@@ -389,15 +391,12 @@ class ElasticExecutor:
         if self.snapshots is not None:
             self.snapshots.avoid = plan.avoid
         for sp in plan.cancel:
-            if sp.key is None:
-                g.cancel(sp.handle)
-            else:
-                g.cancel_stage_spare(sp.handle)
+            g.spares.cancel(sp.handle)
         avoid = plan.avoid | frozenset(self.nodes.suspects())
         for key in plan.start_stage_spares:
-            g.start_stage_spare(key, avoid)
+            g.spares.start(key, avoid)
         for _ in range(plan.start_spares + plan.start_spare):
-            g.start_spare()
+            g.spares.start(None, avoid)
         if plan.note:
             log.info(plan.note)
 
@@ -417,7 +416,8 @@ class ElasticExecutor:
 
     def _ready_spare(self) -> Any:
         """A spare replica that has started, if any (no waiting)."""
-        return next((sp for sp in self.group.spares if self.group.spare_ready(sp)), None)
+        sp = self.group.spares
+        return next((s for s in sp.replicas() if sp.ready(s)), None)
 
     def grow(self, to: int | None = None) -> ResizeOutcome:
         """The started spares join at once (at most up to width ``to``), each with the state of
@@ -426,7 +426,8 @@ class ElasticExecutor:
         :class:`CapacityUnavailable` (and changes nothing) if no spare has started after all."""
         t0 = self.clock.perf_counter()
         width, alive = self.group.width, self.nodes.alive()
-        ready = [sp for sp in self.group.spares if self.group.spare_ready(sp) and self.group.spare_nodes(sp) <= alive]
+        sp = self.group.spares
+        ready = [s for s in sp.replicas() if sp.ready(s) and sp.nodes(s) <= alive]
         if to is not None:
             ready = ready[: max(1, to - width)]
         if not ready:
@@ -465,7 +466,7 @@ class ElasticExecutor:
         width = g.width
         affected = g.replicas_on(movable)
         on_nodes = [k for k in g.keys() if g.nodes.get(k) in movable]
-        if affected and not all(k in g.stage_spares for k in on_nodes) and self._ready_spare() is not None:
+        if affected and not all(k in g.spares.of() for k in on_nodes) and self._ready_spare() is not None:
             # whole replicas change: let the versions in flight commit first. Per-stage moves do
             # not wait: a version whose copy of a moved actor was not collected yet is discarded
             # (the committed one stays), so the pause is only the state copy; nor does a drain
@@ -499,9 +500,9 @@ class ElasticExecutor:
                 hows.add(Move.REPLICA.value)
             else:  # no room (it trains on until the last look before its nodes go), or its spares are late (kept: they move it later, or take its lost actors' places)
                 stayed += 1
-        for sp in list(g.stage_spares.values()):  # prepared for actors that moved another way
-            if sp.key is None or g.nodes.get(sp.key) not in nodes:
-                g.cancel_stage_spare(sp)
+        for k, sp in g.spares.of().items():  # prepared for actors that moved another way
+            if g.nodes.get(k) not in nodes:
+                g.spares.cancel(sp)
         return Evacuation(moved, stayed, width, g.width, self.clock.perf_counter() - t0, "+".join(sorted(hows)) or "none", settle)
 
     def give_up(self, drains: Iterable[Drain], step: int) -> StepFailure | None:
@@ -529,9 +530,9 @@ class ElasticExecutor:
     def _ready_stage_spares(self, keys: list[ShardKey]) -> list[Any] | None:
         """The started stage spares of every one of ``keys``; None if a key has none or one is
         still starting (no waiting: the whole run would wait with it; a late spare is kept)."""
-        g = self.group
-        if not keys or any(k not in g.stage_spares for k in keys):
+        sp, by_key = self.group.spares, self.group.spares.of()
+        if not keys or any(k not in by_key for k in keys):
             return None
-        spares = [g.stage_spares[k] for k in keys]
+        spares = [by_key[k] for k in keys]
         alive = self.nodes.alive()
-        return spares if all(g.stage_spare_ready(sp) and g.spare_nodes_of(sp) <= alive for sp in spares) else None
+        return spares if all(sp.ready(s) and sp.nodes(s) <= alive for s in spares) else None

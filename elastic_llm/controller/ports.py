@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
@@ -64,6 +64,31 @@ def is_run_id(text: str) -> bool:
     return bool(RUN_ID.match(text))
 
 
+class SpareRef(Protocol):
+    """A spare as the controller holds it (opaque but for the key it is for; None: a whole replica)."""
+
+    @property
+    def key(self) -> ShardKey | None: ...
+
+
+class Spares(Protocol):
+    """Stage actors started in the background ahead of a need: whole replicas (a grow, a drain's
+    whole-replica move) and single actors for a key (a drain's per-stage move). Queries are pure;
+    :meth:`start` reserves what a plan asks for and :meth:`tend` is the one call that starts
+    processes on what was placed since (and starts over, off ``avoid``, a spare whose node went).
+    Installing a started one changes the membership: :class:`StageActors` ``adopt``, ``swap_in``,
+    ``take_stage_spares``."""
+
+    def start(self, key: ShardKey | None = None, avoid: frozenset[str] = frozenset()) -> SpareRef: ...
+    def tend(self, avoid: frozenset[str] = frozenset()) -> None: ...
+    def replicas(self) -> Sequence[SpareRef]: ...
+    def of(self) -> Mapping[ShardKey, SpareRef]: ...  # the stage spares by key
+    def ready(self, spare: SpareRef) -> bool: ...  # every process of it has started
+    def nodes(self, spare: SpareRef) -> frozenset[str]: ...  # where it is placed (empty while waiting for room)
+    def age(self, spare: SpareRef) -> float: ...
+    def cancel(self, spare: SpareRef) -> None: ...
+
+
 class StageActors(Protocol):
     """The run's stage actors, ``actors[replica][stage]`` (opaque handles: the step executor's
     business), on actor slots of the fleet; spares started in the background; and the primitives
@@ -73,14 +98,21 @@ class StageActors(Protocol):
 
     cfg: RunConfig
     stages: int
-    width: int
-    actors: list[list[Any]]
-    nodes: dict[ShardKey, str]
-    pids: dict[ShardKey, int]
-    ready: set[ShardKey]  # actors that answered since they were started
-    spares: list[Any]  # whole replicas started in the background, not yet in the width
-    stage_spares: dict[ShardKey, Any]  # single actors started in the background to take a key's place
     spans: Spans  # "actor" (starting or adopting), "state" (copies between actors and stores)
+
+    # the membership (one :class:`~elastic_llm.controller.membership.Membership` table in both runtimes), read-only here
+    @property
+    def width(self) -> int: ...
+    @property
+    def actors(self) -> list[list[Any]]: ...  # [replica][stage] (empty until spawned)
+    @property
+    def nodes(self) -> dict[ShardKey, str]: ...
+    @property
+    def ready(self) -> set[ShardKey]: ...  # actors that answered since they were started
+    @property
+    def pids(self) -> Mapping[ShardKey, int]: ...
+    @property
+    def spares(self) -> Spares: ...  # started in the background, not yet in the width
 
     def keys(self) -> list[ShardKey]: ...
 
@@ -110,18 +142,9 @@ class StageActors(Protocol):
     def take_over(self, roster: dict[str, Any]) -> set[ShardKey]: ...  # a dead driver's actors that answer become this group's, state in place; the keys adopted
     def leased(self) -> list[tuple[Any, str | None]]: ...  # the actors a keepalive must reach (detached ones end without it), with the thread group of the call
 
-    # ---- spares
-    def start_spare(self) -> Any: ...
-    def spare_ready(self, spare: Any) -> bool: ...
-    def spare_nodes(self, spare: Any) -> set[str]: ...
-    def spare_age(self, spare: Any) -> float: ...
-    def adopt(self, spare: Any) -> int: ...
-    def cancel(self, spare: Any) -> None: ...
-    def start_stage_spare(self, key: ShardKey, avoid: frozenset[str] = frozenset()) -> Any: ...
-    def stage_spare_ready(self, spare: Any) -> bool: ...
-    def spare_nodes_of(self, spare: Any) -> set[str]: ...
-    def cancel_stage_spare(self, spare: Any) -> None: ...
-    def swap_in(self, spares: list[Any]) -> None: ...  # started stage spares take their keys' state from the old actors (all copies at once) and their places
+    # ---- installing started spares (see Spares)
+    def adopt(self, spare: SpareRef) -> int: ...  # a started spare replica joins as the last; its index
+    def swap_in(self, spares: list[SpareRef]) -> None: ...  # started stage spares take their keys' state from the old actors (all copies at once) and their places
     def take_stage_spares(self, keys: list[ShardKey]) -> list[ShardKey]: ...  # lost keys whose placed stage spare becomes their (empty) actor
 
     # ---- state

@@ -148,7 +148,7 @@ class RecoveryExecutor:
         avoid = frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects())
         # a lost actor whose stage spare (started for a drain, late for the move) is placed takes
         # it; one whose slot went with its node gets a new one (none outlives its node)
-        taken = self.group.take_stage_spares(lost) if lost and self.group.stage_spares else []
+        taken = self.group.take_stage_spares(lost) if lost and self.group.spares.of() else []
         if taken:
             log.info("%d lost stage actors take the places of their stage spares (started for a drain): %s", len(taken), ", ".join(map(str, taken)))
         self.group.renew(lost, avoid=avoid)
@@ -188,13 +188,14 @@ class RecoveryExecutor:
             for key in survivors:
                 g.kill(key)
             lost += survivors
-        where = g.bundle_nodes(lost) if g.spares else {}
-        if g.spares and any(where.get(k) is None for k in lost):
+        grown = g.spares.replicas()
+        where = g.bundle_nodes(lost) if grown else {}
+        if grown and any(where.get(k) is None for k in lost):
             # the run's own width comes first: replicas started for growth give their slots up (the
             # elastic look starts them again once there is room left)
-            log.info("recovery: %d spare replica(s) started to grow give their slots to the lost actors", len(g.spares))
-            for spare in list(g.spares):
-                g.cancel(spare)
+            log.info("recovery: %d spare replica(s) started to grow give their slots to the lost actors", len(grown))
+            for spare in grown:
+                g.spares.cancel(spare)
         if self.snapshots is not None:
             refused = self.snapshots.ensure_managers(self.nodes.alive())
             if refused:  # the plan was made with these nodes alive: made again without them

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
-from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, Standbys
+from elastic_llm.controller.membership import Column, Members, Membership
+from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys
 from elastic_llm.controller.states import Capacity
 from elastic_llm.runtime import handover
-from elastic_llm.runtime.placement import PLACE_S, Reservations, remove_group
+from elastic_llm.runtime.placement import PLACE_S, Reservations, kill_actor
+from elastic_llm.runtime.spares import RaySpares, Spare, StageSpare, own
 from elastic_llm.runtime.stage_calls import StateCalls
 from elastic_llm.snapshot.coordinator import StageMember
 from elastic_llm.snapshot.records import ShardKey
@@ -35,46 +36,7 @@ PROBE_S = 60.0  # longest the survivors of a failed step may take to reset
 WIDTH_S = 60.0  # longest the actors may take to learn a new width
 
 
-@dataclass(eq=False)
-class Spare:
-    """A replica started in the background: its placement groups (one per stage) and, once they
-    are placed, its actors (warm standbys adopted on the bundles' nodes, or new processes) and the
-    calls that answer when they have started."""
-
-    pgs: tuple[Any, ...]
-    started: float  # Clock.monotonic
-    actors: tuple[Any, ...] = ()
-    infos: tuple[Any, ...] = ()
-    adopted: int = 0  # how many of its actors are adopted standbys
-
-
-@dataclass(eq=False)
-class StageSpare:
-    """One stage actor started in the background to take over ``key`` (a per-stage drain move):
-    its one-bundle placement group and, once placed, its actor and the call that answers once it
-    has started."""
-
-    key: ShardKey
-    pg: Any
-    started: float
-    actor: Any = None
-    info: Any = None
-    adopted: bool = False
-
-
-def kill_actor(handle: Any) -> None:
-    """End an actor; one already gone is fine, anything else is logged with its cause."""
-    import ray
-
-    try:
-        ray.kill(handle, no_restart=True)
-    except ray.exceptions.ActorHandleNotFoundError:  # of an earlier Ray session: nothing to end
-        pass
-    except Exception as e:  # noqa: BLE001 - ending an actor must not stop a shutdown or a recovery; said, not swallowed
-        log.warning("actor %r not ended: %s: %s", handle, type(e).__name__, e)
-
-
-class ActorGroup(StateCalls):
+class ActorGroup(Members, StateCalls):
     def __init__(self, cfg: RunConfig, run_id: str, pool: Standbys | None = None, clock: Clock = SYSTEM) -> None:
         self.cfg = cfg
         self.run_id = run_id
@@ -85,23 +47,34 @@ class ActorGroup(StateCalls):
         self.slots = Reservations(cfg, clock, run_id)
         self.grace_s = cfg.recovery.driver_grace_s if cfg.outlives_driver else 0.0  # > 0: detached actors that outlive the driver this long (elastic_llm.lease)
         self.names: dict[Any, str] = {}  # actor handle -> its Ray name (the roster a next driver takes over)
-        self.actors: list[list[Any]] = []  # [replica][stage]; the width is len(actors) once spawned
-        self.nodes: dict[ShardKey, str] = {}
-        self.pids: dict[ShardKey, int] = {}
-        self.gpus: dict[ShardKey, tuple[str, ...]] = {}  # devices of each actor (GPU runs): a standby adopted in its place takes them
-        self.ready: set[ShardKey] = set()  # actors that answered since they were spawned
-        self.fresh: set[ShardKey] = set()  # lost keys whose late stage spare took their place: no state yet, no process to start
+        self.table = Membership(self.stages, cfg.parallel.dp)  # width, nodes, ready, fresh (late stage spares in lost keys' places)
+        self.handles: Column[Any] = self.table.column()  # each key's actor handle
+        self.pids: Column[int] = self.table.column()
+        self.gpus: Column[tuple[str, ...]] = self.table.column()  # devices of each actor (GPU runs): a standby adopted in its place takes them
+        self.spawned = False
         self.generation = 0  # actors started: part of each one's name (a SIGKILLed actor's name is released late)
-        self.width = cfg.parallel.dp
-        self.spares: list[Spare] = []  # replicas started in the background, not yet in the width
-        self.stage_spares: dict[ShardKey, StageSpare] = {}  # single stages started in the background (drain moves)
+        self.spares = RaySpares(self)  # replicas and single stages started in the background, not yet in the width
         self._cls: Any = None
 
-    def keys(self) -> list[ShardKey]:
-        return [ShardKey(s, r) for r in range(self.width) for s in range(self.stages)]
+
+    @property
+    def actors(self) -> list[list[Any]]:
+        """``[replica][stage]`` handles once spawned (None where none runs), else empty."""
+        return [[self.handles.get(ShardKey(s, r)) for s in range(self.stages)] for r in range(self.width)] if self.spawned else []
 
     def actor(self, key: ShardKey) -> Any:
-        return self.actors[key.replica][key.stage]
+        return self.handles.get(key)
+
+    def hold(self, key: ShardKey, actor: Any, name: str) -> None:
+        """``actor`` (Ray name ``name``) runs as ``key`` from now on."""
+        self.handles[key] = actor
+        self.names[actor] = name
+
+    def record(self, key: ShardKey, info: Any) -> None:
+        """``key``'s actor answered with ``info`` (a :class:`~elastic_llm.pipeline.stage.StageInfo`): its node, pid, devices."""
+        self.table.host(key, info.node_id)
+        self.pids[key], self.gpus[key] = info.pid, info.gpu_ids
+        self.table.ready.add(key)
 
     # ------------------------------------------------------------------ slots (see placement.py)
     def place(self, at_once: bool = False, avoid: frozenset[str] = frozenset(), wait_s: float = PLACE_S) -> None:
@@ -138,7 +111,7 @@ class ActorGroup(StateCalls):
 
     # ------------------------------------------------------------------ actors
     def spawn_all(self) -> None:
-        self.actors = [[None] * self.stages for _ in range(self.width)]
+        self.spawned = True
         self.replace(self.keys())
 
     def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None, meanwhile: Callable[[], None] | None = None) -> None:
@@ -155,20 +128,19 @@ class ActorGroup(StateCalls):
             calls: dict[ShardKey, Any] = {}
             widths = []
             for key in keys:
-                if key in self.fresh:  # a late stage spare took its place (take_stage_spares): started, no state yet
-                    self.fresh.discard(key)
+                if key in self.table.fresh:  # a late stage spare took its place (take_stage_spares): started, no state yet
+                    self.table.fresh.pop(key)
                     widths.append(self.actor(key).set_width.remote(key.replica, self.width))
                     continue
                 self.kill(key)
                 node = adopt.get(key)
                 if node is None:
-                    self.actors[key.replica][key.stage] = self._spawn(key, self.slots.groups[key])
+                    self._spawn(key, self.slots.groups[key])
                     continue
                 sb = self.pool.take(node) if self.pool is not None else None
                 if sb is None:
                     raise PlanNotFollowed(f"the plan has stage {key.stage} replica {key.replica} adopt a warm standby on node {node[:12]}, but none is left there")
-                self.actors[key.replica][key.stage] = sb.actor
-                self.names[sb.actor] = sb.name
+                self.hold(key, sb.actor, sb.name)
                 calls[key] = sb.actor.adopt.remote(key.stage, key.replica, self.width, self._devices_for(key))
             self.describe(keys, calls, meanwhile)
             ray.get(widths, timeout=WIDTH_S)
@@ -180,8 +152,9 @@ class ActorGroup(StateCalls):
             return None
         return self.gpus.get(key) or None
 
-    def _spawn(self, key: ShardKey, pg: Any) -> Any:
-        """Start the actor of ``key`` in the one-bundle group ``pg`` (returns at once)."""
+    def _spawn(self, key: ShardKey, pg: Any, spare: bool = False) -> Any:
+        """Start an actor for ``key`` in the one-bundle group ``pg`` (returns at once): ``key``'s
+        own unless ``spare`` (a spare's, not held as ``key`` until it is installed)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -202,7 +175,10 @@ class ActorGroup(StateCalls):
             lifetime="detached" if self.grace_s > 0 else None,  # outlives a dead driver (see elastic_llm.runtime.handover)
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
         ).remote(self.cfg, key.stage, key.replica, self.width, self.run_id, self.grace_s)
-        self.names[actor] = name
+        if spare:
+            self.names[actor] = name
+        else:
+            self.hold(key, actor, name)
         return actor
 
     def describe(self, keys: list[ShardKey], calls: dict[ShardKey, Any] | None = None, meanwhile: Callable[[], None] | None = None) -> list[Any]:
@@ -234,16 +210,12 @@ class ActorGroup(StateCalls):
                 raise TimeoutError(f"{len(pending)} stage actors were placed but did not start within {START_S:.0f} s")
         infos = ray.get(list(refs), timeout=START_S)
         for info, key in zip(infos, refs.values()):
-            self.nodes[key] = info.node_id
-            self.pids[key] = info.pid
-            self.gpus[key] = info.gpu_ids
-            self.ready.add(key)
+            self.record(key, info)
         return infos
 
     def kill(self, key: ShardKey) -> None:
-        old = self.actors[key.replica][key.stage] if self.actors else None
-        self.ready.discard(key)
-        self.fresh.discard(key)
+        old = self.handles.get(key)
+        self.table.forget(key)
         if old is not None:
             self.names.pop(old, None)
             kill_actor(old)
@@ -261,18 +233,14 @@ class ActorGroup(StateCalls):
             try:
                 steps[key] = ray.get(ref, timeout=0)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # died, or did not answer in time
-                self.ready.discard(key)
+                self.table.ready.discard(key)
             except ray.exceptions.RayTaskError as e:  # its reset raised: a fault of its own, not a death
                 log.warning("%s could not reset after the failed step (%s); it is replaced", key, (str(e.cause) or type(e.cause).__name__).splitlines()[0])
-                self.ready.discard(key)
+                self.table.ready.discard(key)
         return steps
 
     def members(self) -> list[StageMember]:
         return [StageMember(k, self.actor(k), self.nodes[k]) for k in self.keys()]
-
-    def replicas_on(self, nodes: frozenset[str]) -> list[int]:
-        """Replicas with at least one actor on ``nodes``."""
-        return sorted({k.replica for k in self.keys() if self.nodes.get(k) in nodes})
 
     # ------------------------------------------------------------------ width
     def borrow(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
@@ -282,21 +250,13 @@ class ActorGroup(StateCalls):
         The actor learns its new number with :meth:`set_width`, its links with the next executor."""
         for giver, taker in pairs:
             self.kill(taker)
-            self.actors[taker.replica][taker.stage] = self.actors[giver.replica][giver.stage]
-            self.actors[giver.replica][giver.stage] = None
             groups = self.slots.groups
             mine, theirs = groups.pop(giver, None), groups.pop(taker, None)
             if mine is not None:
                 groups[taker] = mine
             if theirs is not None:
                 groups[giver] = theirs
-            tables: tuple[dict[ShardKey, Any], ...] = (self.nodes, self.pids, self.gpus)
-            for table in tables:
-                if giver in table:
-                    table[taker] = table.pop(giver)
-            if giver in self.ready:
-                self.ready.discard(giver)
-                self.ready.add(taker)
+        self.table.borrow(pairs)
 
     def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]:
         """Kill the actors of ``replicas``, release their placement groups and renumber the rest
@@ -307,16 +267,7 @@ class ActorGroup(StateCalls):
             for s in range(self.stages):
                 self.kill(ShardKey(s, r))
             self.slots.drop(r)
-            del self.actors[r]
-            self.width -= 1
-            tables: tuple[dict[ShardKey, Any], ...] = (self.nodes, self.pids, self.gpus)
-            for table in tables:
-                moved = {(ShardKey(k.stage, k.replica - 1) if k.replica > r else k): v for k, v in table.items() if k.replica != r}
-                table.clear()
-                table.update(moved)
-            self.ready = {ShardKey(k.stage, k.replica - 1) if k.replica > r else k for k in self.ready if k.replica != r}
-            self.fresh = {ShardKey(k.stage, k.replica - 1) if k.replica > r else k for k in self.fresh if k.replica != r}
-        return {old: new for new, old in enumerate(r for r in range(self.width + len(gone)) if r not in gone)}
+        return self.table.drop_replicas(gone)
 
     def set_width(self) -> None:
         """Tell every actor its replica index and the width (after adding or dropping replicas)."""
@@ -324,18 +275,8 @@ class ActorGroup(StateCalls):
 
         ray.get([self.actor(k).set_width.remote(k.replica, self.width) for k in self.keys()], timeout=WIDTH_S)
 
-    # ------------------------------------------------------------------ spare replicas and stages
-    def start_spare(self) -> Spare:
-        """Place one more replica in the background (nothing waits); :meth:`spare_ready` gives it
-        its actors once its placement groups are placed. Not part of the width until :meth:`adopt`."""
-        spare = Spare(tuple(self.slots.make(self.stages)), self.clock.monotonic())
-        self.spares.append(spare)
-        return spare
-
-    def spare_age(self, spare: Spare | StageSpare) -> float:
-        return self.clock.monotonic() - spare.started
-
-    def _fill(self, pgs: tuple[Any, ...], keys: list[ShardKey], width: int) -> list[tuple[Any, Any, bool]]:
+    # ------------------------------------------------------------------ spares (see spares.py): starting them, installing them
+    def fill(self, pgs: tuple[Any, ...], keys: list[ShardKey], width: int) -> list[tuple[Any, Any, bool]]:
         """Actors for ``keys`` in the placed one-bundle groups ``pgs``: a warm standby of the
         group's node where one is ready (adopted: it builds the stage), else a new process in the
         group. Returns (actor, call answering its info, adopted) per key."""
@@ -348,7 +289,7 @@ class ActorGroup(StateCalls):
                 self.names[sb.actor] = sb.name
                 out.append((sb.actor, sb.actor.adopt.remote(key.stage, key.replica, width, None), True))
             else:
-                actor = self._spawn(key, pg)
+                actor = self._spawn(key, pg, spare=True)
                 out.append((actor, actor.info.remote(), False))
         return out
 
@@ -357,97 +298,24 @@ class ActorGroup(StateCalls):
         (a new GPU bundle has no dead actor's device to hand over)."""
         return not self.cfg.parallel.gpus_per_actor or self.cfg.recovery.standby_gpus
 
-    def spare_ready(self, spare: Spare) -> bool:
-        """Whether every actor of ``spare`` has started (no waiting; gives it its actors once its
-        placement groups are placed). A spare that lost a node starts over on new groups."""
-        import ray
-
-        lost = set(self.slots.lost(spare.pgs))
-        if lost:
-            for a in spare.actors:
-                kill_actor(a)
-            for pg in lost:
-                remove_group(pg)
-            spare.pgs = tuple(pg if pg not in lost else self.slots.make(1)[0] for pg in spare.pgs)
-            spare.actors, spare.infos, spare.adopted = (), (), 0
-        if not spare.actors:
-            if any(n is None for n in self.slots.nodes_of(spare.pgs).values()):
-                return False
-            made = self._fill(spare.pgs, [ShardKey(s, self.width) for s in range(self.stages)], self.width + 1)
-            spare.actors = tuple(a for a, _, _ in made)
-            spare.infos = tuple(i for _, i, _ in made)
-            spare.adopted = sum(1 for _, _, ad in made if ad)
-        done, _ = ray.wait(list(spare.infos), num_returns=len(spare.infos), timeout=0)
-        return len(done) == len(spare.infos)
-
-    def spare_nodes(self, spare: Spare) -> set[str]:
-        """Nodes the bundles of ``spare`` are placed on (empty while unplaced)."""
-        return {n for n in self.slots.nodes_of(spare.pgs).values() if n}
-
-    def adopt(self, spare: Spare) -> int:
+    def adopt(self, ref: SpareRef) -> int:
         """Make a started spare the last replica; returns its index. The caller copies state in
         and then calls :meth:`set_width`."""
         import ray
 
-        self.spares.remove(spare)
-        r = self.width
+        spare = own(ref)
+        assert isinstance(spare, Spare), "adopt takes a spare replica"
+
+        infos = ray.get(list(spare.infos), timeout=START_S)
+        self.spares.taken(spare)
+        r = self.table.add_replica([info.node_id for info in infos])
         self.slots.groups.update({ShardKey(s, r): pg for s, pg in enumerate(spare.pgs)})
-        self.actors.append(list(spare.actors))
-        self.width += 1
-        for s, info in enumerate(ray.get(list(spare.infos), timeout=START_S)):
-            self.nodes[ShardKey(s, r)], self.pids[ShardKey(s, r)] = info.node_id, info.pid
-            self.gpus[ShardKey(s, r)] = info.gpu_ids
-            self.ready.add(ShardKey(s, r))
+        for s, (actor, info) in enumerate(zip(spare.actors, infos)):
+            self.handles[ShardKey(s, r)] = actor
+            self.record(ShardKey(s, r), info)
         return r
 
-    def cancel(self, spare: Spare) -> None:
-        """Stop a spare's actors and release its placement groups."""
-        if spare in self.spares:
-            self.spares.remove(spare)
-        for a in spare.actors:
-            kill_actor(a)
-        for pg in spare.pgs:
-            remove_group(pg)
-
-    def start_stage_spare(self, key: ShardKey, avoid: frozenset[str] = frozenset()) -> StageSpare:
-        """Reserve room for one more actor of ``key`` elsewhere and start it in the background: a
-        new one-bundle placement group aimed at a node not in ``avoid``, near the replica's other
-        stages (Ray places no new bundle on a draining node)."""
-        spare = StageSpare(key, self.slots.make(1, avoid, self.slots.homes(key.replica, avoid))[0], self.clock.monotonic())
-        self.stage_spares[key] = spare
-        return spare
-
-    def stage_spare_ready(self, spare: StageSpare) -> bool:
-        """Whether the actor of ``spare`` has started (no waiting; gives it its actor once placed).
-        A stage spare that lost its node starts over on a new group."""
-        import ray
-
-        if self.slots.lost([spare.pg]):
-            if spare.actor is not None:
-                kill_actor(spare.actor)
-            remove_group(spare.pg)
-            spare.pg, spare.actor, spare.info, spare.adopted = self.slots.make(1)[0], None, None, False
-        if spare.actor is None:
-            if self.slots.node_of(spare.pg) is None:
-                return False
-            (actor, info, adopted), = self._fill((spare.pg,), [spare.key], self.width)
-            spare.actor, spare.info, spare.adopted = actor, info, adopted
-        done, _ = ray.wait([spare.info], timeout=0)
-        return bool(done)
-
-    def spare_nodes_of(self, spare: StageSpare) -> set[str]:
-        """The node the bundle of a stage spare is placed on (empty while unplaced)."""
-        node = self.slots.node_of(spare.pg)
-        return {node} if node else set()
-
-    def cancel_stage_spare(self, spare: StageSpare) -> None:
-        if self.stage_spares.get(spare.key) is spare:
-            del self.stage_spares[spare.key]
-        if spare.actor is not None:
-            kill_actor(spare.actor)
-        remove_group(spare.pg)
-
-    def swap_in(self, spares: list[StageSpare]) -> None:
+    def swap_in(self, refs: list[SpareRef]) -> None:
         """The started ``spares`` take over their keys: each gets its old actor's whole state
         (actor to actor: the old ones still live; all copies at once), becomes the key's actor
         with its group as the reservation, and the old actor and its group go. The caller builds
@@ -456,23 +324,23 @@ class ActorGroup(StateCalls):
 
         from elastic_llm.runtime.stage_calls import stream_states
 
+        spares = [sp for sp in map(own, refs) if isinstance(sp, StageSpare)]
+        assert len(spares) == len(refs), "swap_in takes stage spares"
         infos = ray.get([sp.info for sp in spares], timeout=START_S)
         with self.spans.span("state"):
             stream_states([(self.actor(sp.key), sp.key, sp.actor) for sp in spares])
         for sp, info in zip(spares, infos):
-            key = sp.key
             self._install(sp)
-            self.nodes[key], self.pids[key], self.gpus[key] = info.node_id, info.pid, info.gpu_ids
-            self.ready.add(key)
+            self.record(sp.key, info)
 
     def _install(self, spare: StageSpare) -> None:
         """``spare`` becomes its key's actor and its group the key's reservation; the old actor
         and its group go."""
         key = spare.key
-        del self.stage_spares[key]
+        self.spares.taken(spare)
         self.kill(key)
         self.slots.release(key)
-        self.actors[key.replica][key.stage] = spare.actor
+        self.handles[key] = spare.actor
         self.slots.groups[key] = spare.pg
 
     def take_stage_spares(self, keys: list[ShardKey]) -> list[ShardKey]:
@@ -480,14 +348,15 @@ class ActorGroup(StateCalls):
         live node: the spare becomes the key's actor, without state, and its group the key's
         reservation (the old one goes with its node). :meth:`replace` then starts no process for
         them; the recovery gives them their state. Returns the keys taken."""
-        taken = []
+        taken, spares = [], self.spares.of()
         for key in keys:
-            spare = self.stage_spares.get(key)
-            if spare is None or self.slots.lost([spare.pg]) or self.slots.node_of(spare.pg) is None:
+            spare = spares.get(key)
+            node = self.slots.node_of(spare.pg) if spare is not None else None
+            if spare is None or node is None or self.slots.lost([spare.pg]):
                 continue
-            self.stage_spare_ready(spare)  # gives it its actor (placed: it starts now if it has not)
+            self.spares.fill_stage(spare)  # placed: it starts now if it has not
             self._install(spare)
-            self.fresh.add(key)
+            self.table.install(key, node, up_at=0.0)
             taken.append(key)
         return taken
 
@@ -505,13 +374,12 @@ class ActorGroup(StateCalls):
         return handover.leased(self)
 
     def shutdown(self) -> None:
-        for spare in list(self.spares):
-            self.cancel(spare)
+        spares: list[SpareRef] = [*self.spares.replicas(), *self.spares.of().values()]
+        for spare in spares:
+            self.spares.cancel(spare)
         if self.pool is not None:
             self.pool.shutdown()
-        for stage_spare in list(self.stage_spares.values()):
-            self.cancel_stage_spare(stage_spare)
-        for key in self.keys() if self.actors else []:
+        for key in self.keys() if self.spawned else []:
             self.kill(key)
         self.slots.release_all()
-        self.actors = []
+        self.spawned = False

@@ -16,13 +16,40 @@ committed snapshot) and never restores anything.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
+from elastic_llm.controller.membership import Column, Membership
+from elastic_llm.controller.ports import Standbys
+from elastic_llm.runtime.placement import Reservations
+from elastic_llm.runtime.spares import RaySpares
 from elastic_llm.snapshot.records import ShardKey
 
 log = logging.getLogger("elastic_llm.runtime")
 ANSWER_S = 10.0  # longest an adopted actor may take to say what it is (it answers in its "status" thread, even mid-step)
 CONTROL = "control"  # the stage actors' thread for the driver's control calls (see elastic_llm.pipeline.stage.CONCURRENCY_GROUPS)
+
+
+class Held(Protocol):
+    """What a handover reads and sets of the :class:`~elastic_llm.runtime.actors.ActorGroup` whose methods call it."""
+
+    stages: int
+    spawned: bool
+    generation: int
+    names: dict[Any, str]
+    slots: Reservations
+    pool: Standbys | None
+    table: Membership
+    handles: Column[Any]
+    spares: RaySpares
+
+    @property
+    def width(self) -> int: ...
+    @property
+    def actors(self) -> list[list[Any]]: ...
+    def keys(self) -> list[ShardKey]: ...
+    def actor(self, key: ShardKey) -> Any: ...
+    def hold(self, key: ShardKey, actor: Any, name: str) -> None: ...
+    def record(self, key: ShardKey, info: Any) -> None: ...
 
 
 def name_generation(name: str) -> int:
@@ -31,26 +58,26 @@ def name_generation(name: str) -> int:
     return int(tail) if tail.isdigit() else 0
 
 
-def leased(group: Any) -> list[tuple[Any, str | None]]:
+def leased(group: Held) -> list[tuple[Any, str | None]]:
     """Every stage-class actor of the run (the width's, spares', stage spares', warm standbys'),
     each with the thread group its keepalive goes to."""
     out = [a for row in list(group.actors) for a in list(row) if a is not None]
-    out += [a for sp in list(group.spares) for a in sp.actors]
-    out += [sp.actor for sp in list(group.stage_spares.values()) if sp.actor is not None]
+    out += [a for sp in group.spares.replicas() for a in sp.actors]
+    out += [sp.actor for sp in group.spares.of().values() if sp.actor is not None]
     if group.pool is not None:
         out += group.pool.actors()
     return [(a, CONTROL) for a in out]
 
-def roster(group: Any) -> dict[str, Any]:
+def roster(group: Held) -> dict[str, Any]:
     """The width's actors as a next driver finds them: by name and placement group (JSON)."""
     rows = []
     for k in group.keys():
-        actor, pg = group.actors[k.replica][k.stage], group.slots.groups.get(k)
+        actor, pg = group.actor(k), group.slots.groups.get(k)
         rows.append({"stage": k.stage, "replica": k.replica, "name": group.names.get(actor) if actor is not None else None,
                      "group": pg.id.hex() if pg is not None else None})
     return {"width": group.width, "stages": group.stages, "actors": rows}
 
-def take_over(group: Any, roster: dict[str, Any]) -> tuple[set[ShardKey], list[Any]]:
+def take_over(group: Held, roster: dict[str, Any]) -> tuple[set[ShardKey], list[Any]]:
     """Make the roster's actors ``group``'s (an :class:`~elastic_llm.runtime.actors.ActorGroup`):
     those that answer within :data:`ANSWER_S` are adopted with their state (a step they still run
     is aborted), the others are left for its ``replace`` (their placement group kept if it
@@ -62,8 +89,8 @@ def take_over(group: Any, roster: dict[str, Any]) -> tuple[set[ShardKey], list[A
 
     if roster.get("stages") != group.stages:
         raise ValueError(f"the run's roster has {roster.get('stages')} stages, this driver {group.stages}")
-    group.width = int(roster["width"])
-    group.actors = [[None] * group.stages for _ in range(group.width)]
+    group.table.width = int(roster["width"])
+    group.spawned = True
     table = group.slots.table()
     asks: dict[Any, ShardKey] = {}
     for row in roster["actors"]:
@@ -78,28 +105,27 @@ def take_over(group: Any, roster: dict[str, Any]) -> tuple[set[ShardKey], list[A
             actor = ray.get_actor(row["name"])
         except ValueError:  # it died while no driver ran
             continue
-        group.actors[key.replica][key.stage], group.names[actor] = actor, row["name"]
+        group.hold(key, actor, row["name"])
         asks[actor.info.options(concurrency_group="status").remote()] = key
     ray.wait(list(asks), num_returns=len(asks), timeout=ANSWER_S)
     adopted, ended = set(), []
     for ref, key in asks.items():
-        actor = group.actors[key.replica][key.stage]
+        actor = group.actor(key)
         try:
             info = ray.get(ref, timeout=0)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             log.info("%s of the run did not answer the new driver (%s): it is replaced", key, type(e).__name__)
             ended.append(actor)
-            group.actors[key.replica][key.stage] = None
+            group.handles.pop(key, None)
             continue
         if (info.stage, info.replica) != (key.stage, key.replica):
             log.warning("%s of the roster says it is stage %d replica %d: it is replaced", key, info.stage, info.replica)
             ended.append(actor)
-            group.actors[key.replica][key.stage] = None
+            group.handles.pop(key, None)
             continue
         if info.links >= 0:  # a step the dead driver left running stops at its next layer or receive
             actor.abort_step.options(concurrency_group=CONTROL).remote(info.links)
-        group.nodes[key], group.pids[key], group.gpus[key] = info.node_id, info.pid, info.gpu_ids
-        group.ready.add(key)
+        group.record(key, info)
         adopted.add(key)
     lost = [k for k in group.keys() if k not in adopted]
     if lost:

@@ -81,6 +81,18 @@ def choose_nodes(free: Mapping[str, int], n: int, spread: bool, prefer: Sequence
     return out + [None] * (n - len(out))
 
 
+def kill_actor(handle: Any) -> None:
+    """End an actor; one already gone is fine, anything else is logged with its cause."""
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except ray.exceptions.ActorHandleNotFoundError:  # of an earlier Ray session: nothing to end
+        pass
+    except Exception as e:  # noqa: BLE001 - ending an actor must not stop a shutdown or a recovery; said, not swallowed
+        log.warning("actor %r not ended: %s: %s", handle, type(e).__name__, e)
+
+
 class Reservations:
     """The one-bundle placement groups of the run's stage actors (``groups``), made like
     ``bundle``; spares' groups are made here and handed over when a spare is adopted."""

@@ -68,7 +68,10 @@ class StateCalls:
 
     spans: Spans
     stages: int
-    width: int
+
+    @property
+    def width(self) -> int:
+        raise NotImplementedError  # the group's
 
     def actor(self, key: ShardKey) -> Any:
         raise NotImplementedError  # the group's

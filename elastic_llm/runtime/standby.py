@@ -275,7 +275,7 @@ class StandbyPool:
             sbs.remove(sb)
 
     def _kill(self, sb: Standby) -> None:
-        from elastic_llm.runtime.actors import kill_actor
+        from elastic_llm.runtime.placement import kill_actor
 
         self._remove(sb)
         kill_actor(sb.actor)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_llm.config import RunConfig
-from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, Standbys
+from elastic_llm.controller.membership import Column, Members, Membership, SpareBook
+from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys
 from elastic_llm.controller.states import Capacity
 from elastic_llm.model import count_parameters
 from elastic_llm.sim.costs import MB
@@ -48,33 +49,43 @@ class SimSpare:
     ready_s: float = float("inf")  # when its processes have started
 
 
-class SimActors:
+class SimActors(Members):
     """``actors[replica][stage]`` (each a :class:`ShardKey`) on the fleet's slots."""
 
     def __init__(self, cfg: RunConfig, world: World, standbys: Standbys | None) -> None:
         self.cfg, self.world, self.standbys = cfg, world, standbys
         self.charged = world.charged
         self.stages = cfg.parallel.stages
-        self.width = cfg.parallel.dp
-        self.actors: list[list[Any]] = []
-        self.ready: set[ShardKey] = set()
-        self.nodes: dict[ShardKey, str] = {}
-        self.pids: dict[ShardKey, int] = {}
-        self.at: dict[ShardKey, int | None] = {}  # the step each actor's state is at (None: a new, empty one)
-        self.spares: list[SimSpare] = []
-        self.stage_spares: dict[ShardKey, SimSpare] = {}
-        self.fresh: dict[ShardKey, float] = {}  # lost keys a late stage spare took: when its process is up
+        self.table = Membership(self.stages, cfg.parallel.dp, on_host=self._count)  # width, nodes, ready, fresh (late stage spares: when their process is up)
+        self.spawned = False
+        self.pids: Column[int] = self.table.column()
+        self.at: Column[int | None] = self.table.column()  # the step each actor's state is at (None: a new, empty one)
+        self.spares = SimSpares(self)  # replicas and single stages started in the background, not yet in the width
         self.spans = Spans(world.clock.perf_counter)
         self.parameters = count_parameters(cfg.model.shape())
         self._members: tuple[tuple[tuple[ShardKey, str], ...], list[StageMember]] = ((), [])
 
-    def keys(self) -> list[ShardKey]:
-        return [ShardKey(s, r) for r in range(self.width) for s in range(self.stages)]
+    @property
+    def fresh(self) -> dict[ShardKey, float]:
+        return self.table.fresh
+
+
+    @property
+    def actors(self) -> list[list[ShardKey]]:
+        """``[replica][stage]``: each actor is its key here; empty until spawned."""
+        return [[ShardKey(s, r) for s in range(self.stages)] for r in range(self.width)] if self.spawned else []
+
+    def _count(self, old: str | None, new: str | None) -> None:
+        """The actors per node (the world's ``host_counts``) follow each change of a key's node."""
+        if old is not None:
+            self.world.host_counts[old] -= 1
+        if new is not None:
+            self.world.host_counts[new] += 1
 
     # ------------------------------------------------------------------ slots
     def _used(self) -> dict[str, int]:
         used = dict(self.world.host_counts)
-        for sp in self.spares + list(self.stage_spares.values()):
+        for sp in [*self.spares.replicas(), *self.spares.of().values()]:
             for n in sp.nodes:
                 used[n] = used.get(n, 0) + 1
         return used
@@ -112,14 +123,6 @@ class SimActors:
             if len(out) == count:
                 return out
         raise CapacityUnavailable(self.capacity(count))
-
-    def _host(self, key: ShardKey, node: str | None) -> None:
-        old = self.nodes.pop(key, None)
-        if old is not None:
-            self.world.host_counts[old] -= 1
-        if node is not None:
-            self.nodes[key] = node
-            self.world.host_counts[node] += 1
 
     def _homeless(self, keys: list[ShardKey]) -> list[ShardKey]:
         fleet = self.world.fleet
@@ -175,7 +178,7 @@ class SimActors:
         with self.charged:
             renewed = [k for k in keys if self.nodes.get(k) in avoid]
             for k in renewed:
-                self._host(k, None)
+                self.table.host(k, None)
             return renewed
 
     # ------------------------------------------------------------------ actors
@@ -187,13 +190,13 @@ class SimActors:
         with self.charged:
             keys = self.keys()
             for k, n in zip(keys, self._take(len(keys))):
-                self._host(k, n)
-            self.actors = [[ShardKey(s, r) for s in range(self.stages)] for r in range(self.width)]
-            self.pids = {k: 1 for k in keys}
-            self.at = {k: 0 for k in keys}
+                self.table.host(k, n)
+            self.spawned = True
+            for k in keys:
+                self.pids[k], self.at[k] = 1, 0
         self.world.clock.sleep(self.world.costs.actor_start_s)
         self._check("starting the stage actors", [self.nodes[k] for k in keys])
-        self.ready = set(keys)
+        self.table.ready |= set(keys)
         self._shard_size()
 
     def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None, meanwhile: Callable[[], None] | None = None) -> None:
@@ -207,13 +210,13 @@ class SimActors:
             for k in homeless:  # an adopted standby's actor runs on its node when a slot is free there
                 node = adopt.get(k)
                 if node is not None and free.get(node, 0) > 0:
-                    self._host(k, node)
+                    self.table.host(k, node)
                     free[node] -= 1
             homeless = self._homeless(homeless)
             slots = iter(self._take(len(homeless)))
             for k in keys:
-                self._host(k, next(slots) if k in homeless else self.nodes[k])
-                self.ready.discard(k)
+                self.table.host(k, next(slots) if k in homeless else self.nodes[k])
+                self.table.ready.discard(k)
                 self.at[k] = None
                 if k in self.fresh:
                     continue
@@ -228,13 +231,12 @@ class SimActors:
                 if meanwhile is not None and clock.now < end:
                     meanwhile()
         for k in keys:
-            self.fresh.pop(k, None)
+            self.table.fresh.pop(k, None)
         self._check("starting replacement actors", [self.nodes[k] for k in keys])
-        self.ready |= set(keys)
+        self.table.ready |= set(keys)
 
     def kill(self, key: ShardKey) -> None:
-        self.ready.discard(key)
-        self.fresh.pop(key, None)
+        self.table.forget(key)
 
     def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]:
         with self.charged:
@@ -243,38 +245,16 @@ class SimActors:
     def borrow(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
         """Each giver's actor (its node slot, state and step) becomes the taker's."""
         with self.charged:
-            for giver, taker in pairs:
+            for _, taker in pairs:
                 self.kill(taker)
-                self._host(taker, self.nodes.get(giver))
-                self._host(giver, None)
-                self.at[taker] = self.at.pop(giver, None)
-                if giver in self.ready:
-                    self.ready.discard(giver)
-                    self.ready.add(taker)
+            self.table.borrow(pairs)
 
     def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]:
         """Remove ``replicas``; the others are renumbered 0..w-1 in order."""
         with self.charged:
-            drop = set(replicas)
-            kept = [r for r in range(self.width) if r not in drop]
-            old_nodes, old_ready, old_at, old_fresh = dict(self.nodes), set(self.ready), dict(self.at), dict(self.fresh)
-            for k in list(self.nodes):
-                self._host(k, None)
-            self.ready, self.at, self.fresh = set(), {}, {}
-            for new, r in enumerate(kept):
-                for s in range(self.stages):
-                    k, n = ShardKey(s, r), ShardKey(s, new)
-                    if k in old_nodes:
-                        self._host(n, old_nodes[k])
-                    if k in old_ready:
-                        self.ready.add(n)
-                    if k in old_fresh:
-                        self.fresh[n] = old_fresh[k]
-                    self.at[n] = old_at.get(k)
-            self.width = len(kept)
-            self.actors = [[ShardKey(s, r) for s in range(self.stages)] for r in range(self.width)]
+            renumbered = self.table.drop_replicas(replicas)
             self._shard_size()
-            return {old: new for new, old in enumerate(kept)}
+            return renumbered
 
     def set_width(self) -> None:
         pass  # one small call per actor: nothing the cost model charges
@@ -285,9 +265,6 @@ class SimActors:
             if self._members[0] != key:
                 self._members = (key, [StageMember(k, None, n) for k, n in key])
             return self._members[1]
-
-    def replicas_on(self, nodes: frozenset[str]) -> list[int]:
-        return sorted({k.replica for k, n in self.nodes.items() if n in nodes})
 
     def shutdown(self) -> None:
         pass
@@ -308,8 +285,8 @@ class SimActors:
     def stage_mb(self) -> float:
         return self.world.costs.stage_mb(self.parameters, self.stages)
 
-    # ------------------------------------------------------------------ spares
-    def _try_place(self, sp: SimSpare, avoid: frozenset[str] = frozenset()) -> bool:
+    # ------------------------------------------------------------------ spares (see SimSpares): placing them, installing them
+    def place_spare(self, sp: SimSpare, avoid: frozenset[str] = frozenset()) -> bool:
         """Place a waiting spare if there is room now (as Ray places a pending placement group)."""
         if sp.nodes:
             return True
@@ -318,7 +295,7 @@ class SimActors:
             sp.nodes = self._take(sp.slots, avoid, first=pool.ready() if pool is not None else None)
         except CapacityUnavailable:
             return False
-        # as on Ray (StageActors._fill): a warm standby ready on a slot's node becomes its actor
+        # as on Ray (ActorGroup.fill): a warm standby ready on a slot's node becomes its actor
         adopted = sum(1 for n in sp.nodes if pool is not None and pool.take(n) is not None)
         c, now = self.world.costs, self.world.clock.now
         sp.ready_s = now + (c.adopt_s if adopted == sp.slots else c.actor_start_s)
@@ -326,69 +303,22 @@ class SimActors:
             self.world.starting(now, sp.ready_s, sp.slots - adopted)
         return True
 
-    def start_spare(self) -> SimSpare:
-        with self.charged:
-            sp = SimSpare(None, self.stages, self.world.clock.now)
-            self.spares.append(sp)
-            self._try_place(sp)
-            return sp
-
-    def spare_ready(self, spare: SimSpare) -> bool:
-        """Placed and started. A spare that lost a node starts over on new slots, as on Ray (its
-        lost placement groups are made anew) once Ray knows the node is gone: here at once."""
-        with self.charged:
-            if spare.nodes and self._gone(spare.nodes):
-                spare.nodes, spare.ready_s = [], float("inf")
-            if not self._try_place(spare):
-                return False
-            return self.world.clock.now >= spare.ready_s
-
-    def spare_nodes(self, spare: SimSpare) -> set[str]:
-        return set(spare.nodes)
-
-    def spare_age(self, spare: SimSpare) -> float:
-        return self.world.clock.now - spare.started
-
-    def adopt(self, spare: SimSpare) -> int:
+    def adopt(self, ref: SpareRef) -> int:
+        spare = own(ref)
         with self.charged:
             self._check("adopting a spare replica", spare.nodes)
-            self.spares.remove(spare)
-            r = self.width
-            self.width += 1
-            for s, n in enumerate(spare.nodes):
-                k = ShardKey(s, r)
-                self._host(k, n)
-                self.ready.add(k)
-                self.at[k] = None
-            self.actors.append([ShardKey(s, r) for s in range(self.stages)])
+            self.spares.taken(spare)
+            r = self.table.add_replica(spare.nodes)
+            for s in range(self.stages):
+                self.at[ShardKey(s, r)] = None
             self._shard_size()
             return r
 
-    def cancel(self, spare: SimSpare) -> None:
-        if spare in self.spares:
-            self.spares.remove(spare)
-
-    def start_stage_spare(self, key: ShardKey, avoid: frozenset[str] = frozenset()) -> SimSpare:
-        with self.charged:
-            sp = SimSpare(key, 1, self.world.clock.now)
-            self.stage_spares[key] = sp
-            self._try_place(sp, avoid)
-            return sp
-
-    def stage_spare_ready(self, spare: SimSpare) -> bool:
-        return self.spare_ready(spare)
-
-    def spare_nodes_of(self, spare: SimSpare) -> set[str]:
-        return set(spare.nodes)
-
-    def cancel_stage_spare(self, spare: SimSpare) -> None:
-        if spare.key is not None and self.stage_spares.get(spare.key) is spare:
-            del self.stage_spares[spare.key]
-
-    def swap_in(self, spares: list[SimSpare]) -> None:
+    def swap_in(self, refs: list[SpareRef]) -> None:
         """The started spares take their keys' state from the old actors (copies over the
         network, all at once, while the old ones live) and their places; both ends of every copy
         must be alive when the copies end."""
+        spares = [own(r) for r in refs]
         with self.spans.span("state"):
             self.world.clock.sleep(self.stage_mb() / self.world.costs.network_mb_s)
         for sp in spares:
@@ -397,8 +327,8 @@ class SimActors:
         with self.charged:
             for sp in spares:
                 assert sp.key is not None
-                del self.stage_spares[sp.key]
-                self._host(sp.key, sp.nodes[0])
+                self.spares.taken(sp)
+                self.table.install(sp.key, sp.nodes[0])
 
     def take_stage_spares(self, keys: list[ShardKey]) -> list[ShardKey]:
         """Lost ``keys`` whose stage spare is placed on a live node: the spare's slot becomes the
@@ -406,13 +336,11 @@ class SimActors:
         taken = []
         with self.charged:
             for key in keys:
-                sp = self.stage_spares.get(key)
+                sp = self.spares.of().get(key)
                 if sp is None or not sp.nodes or self._gone(sp.nodes):
                     continue
-                del self.stage_spares[key]
-                self.ready.discard(key)
-                self._host(key, sp.nodes[0])
-                self.fresh[key] = sp.ready_s
+                self.spares.taken(sp)
+                self.table.install(key, sp.nodes[0], up_at=sp.ready_s)
                 taken.append(key)
         return taken
 
@@ -504,3 +432,58 @@ class SimActors:
 
     def load_checkpoints(self, root: str, step: int) -> None:
         self._unmodelled("the checkpointing baseline")
+
+
+def own(spare: SpareRef) -> SimSpare:
+    """A spare the controller hands back, as the simulated one it is."""
+    if not isinstance(spare, SimSpare):
+        raise TypeError(f"not a spare of a simulated run: {spare!r}")
+    return spare
+
+
+class SimSpares(SpareBook[SimSpare, SimSpare]):
+    """The spares of one :class:`SimActors` (the :class:`~elastic_llm.controller.ports.Spares`
+    port in simulated time): placed when there is room, ready once their processes started.
+    Queries are pure; :meth:`tend` is the one call that places a waiting spare and starts over,
+    off the nodes to avoid, one whose node went (as Ray re-places a lost placement group)."""
+
+    def __init__(self, group: SimActors) -> None:
+        super().__init__()
+        self.group = group
+
+    def start(self, key: ShardKey | None = None, avoid: frozenset[str] = frozenset()) -> SimSpare:
+        g = self.group
+        with g.charged:
+            sp = SimSpare(key, g.stages if key is None else 1, g.world.clock.now)
+            self.add_replica(sp) if key is None else self.add_stage(key, sp)
+            g.place_spare(sp, avoid)
+            return sp
+
+    def tend(self, avoid: frozenset[str] = frozenset()) -> None:
+        g = self.group
+        with g.charged:
+            for sp in [*self.replicas(), *self.of().values()]:
+                if sp.nodes and g._gone(sp.nodes):
+                    sp.nodes, sp.ready_s = [], float("inf")
+                g.place_spare(sp, avoid)
+
+    def ready(self, ref: SpareRef) -> bool:
+        spare = own(ref)
+        g = self.group
+        return bool(spare.nodes) and not g._gone(spare.nodes) and g.world.clock.now >= spare.ready_s
+
+    def nodes(self, ref: SpareRef) -> frozenset[str]:
+        spare = own(ref)
+        return frozenset(spare.nodes)
+
+    def age(self, ref: SpareRef) -> float:
+        spare = own(ref)
+        return self.group.world.clock.now - spare.started
+
+    def cancel(self, ref: SpareRef) -> None:
+        spare = own(ref)
+        self.remove(spare, spare.key)
+
+    def taken(self, ref: SpareRef) -> None:
+        spare = own(ref)
+        self.cancel(spare)

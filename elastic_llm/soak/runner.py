@@ -311,11 +311,11 @@ class _Trial:
             w.step, w.shrunk = step, True
             return
         hi = self.t.cfg.elastic.bounds(self.t.cfg.parallel.dp)[1]
-        if not w.primed and g.width >= hi and not g.spares and step < w.step + RESIZE_STEPS:
+        if not w.primed and g.width >= hi and not g.spares.replicas() and step < w.step + RESIZE_STEPS:
             self.growing = None  # the earlier shrink grew back before this fault's turn: shrink the run again
             self._shrink_first(w.fault, step)
             return
-        if g.spares or self.resizing.is_set():
+        if g.spares.replicas() or self.resizing.is_set():
             moment = Moment.RESIZE
         elif g.width >= hi or step >= w.step + RESIZE_STEPS:
             moment = Moment.STEP
@@ -358,8 +358,9 @@ class _Trial:
         started, as a step of real length would: tiny steps outrun an actor's start."""
         g = self.t.group
         while time.monotonic() < until:
-            spares = getattr(g, "stage_spares", None)
-            if spares and all(g.stage_spare_ready(sp) for sp in spares.values()):
+            g.spares.tend()  # the run's looks would start what was placed: it is parked here
+            spares = g.spares.of()
+            if spares and all(g.spares.ready(sp) for sp in spares.values()):
                 return
             time.sleep(POLL_S)
 
