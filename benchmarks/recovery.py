@@ -675,7 +675,7 @@ def _wait_for_standbys(trainer: Any) -> float | None:
     """Block (between steps) until every node hosting the run's stages has a started warm standby,
     at most :data:`STANDBY_WAIT_S`; returns the seconds waited (None: the run keeps no standbys).
     Raises TimeoutError when they do not start in time."""
-    pool = getattr(trainer.group, "pool", None)
+    pool = trainer.parts.standbys if trainer.parts is not None else None
     if pool is None or not pool.enabled:
         return None
     t = time.perf_counter()
@@ -730,7 +730,7 @@ def _run_path(
     def on_step(rec: dict[str, Any]) -> None:
         nonlocal timer
         steps.append({"step": rec["step"], "t": time.time(), "step_s": tokens / rec["tokens_per_s"], "dp": rec.get("dp")})
-        pool = getattr(trainer.group, "pool", None)
+        pool = trainer.parts.standbys if trainer.parts is not None else None
         if rec["step"] == 1 and "standby_wait_s" not in seen:
             # before the failure (the point of standbys), and before the steady steps: standbys starting
             # beside the warm-up (importing torch on the same cores) would slow the steps taken as steady

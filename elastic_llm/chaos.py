@@ -23,16 +23,17 @@ Never recovers anything and never decides: it only breaks things, as configured.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from elastic_llm import events
 from elastic_llm.config import ChaosEvent, ConfigError, RunConfig
+from elastic_llm.pipeline.executor import StepExecutor
 from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
+from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.stream import StreamPosition
 
@@ -59,13 +60,39 @@ def prob_per_step(rate_per_hour: float, step_s: float) -> float:
     return 1.0 - (1.0 - rate_per_hour) ** (step_s / 3600.0)
 
 
-@dataclass
-class ChaosTargets:
-    """What chaos can hit: the run's actor group, snapshot coordinator and metrics."""
+class StageHits(Protocol):
+    """What fault injection does to a run's stage actors; the runtime does it (a simulated run
+    models none of it: its faults come from its trace and fault schedule)."""
 
-    group: Any
-    snapshots: Any
-    metrics: Any
+    def kill_process(self, key: ShardKey, how: str) -> None: ...  # "sigkill": the process from its node; else Ray's kill
+    def inject_error(self, key: ShardKey, message: str) -> None: ...  # its next calls raise
+    def corrupt_own_copies(self, key: ShardKey) -> None: ...  # its background copies of its state
+    def kill_standbys(self, node: str) -> int: ...  # every warm standby of ``node`` (SIGKILL); how many
+
+
+class Hittable(Protocol):
+    """The run's stage actors as fault injection sees them."""
+
+    @property
+    def width(self) -> int: ...
+    @property
+    def nodes(self) -> Mapping[ShardKey, str]: ...
+    @property
+    def hits(self) -> StageHits: ...
+
+
+class Emitter(Protocol):
+    def emit(self, event: events.Event) -> object: ...
+
+
+@dataclass(frozen=True)
+class FaultTargets:
+    """What fault injection may hit: the stage actors, the snapshot coordinator (its managers),
+    and the metrics (a fault's line). The one type the controller's ``Faults`` port and chaos use."""
+
+    group: Hittable
+    snapshots: SnapshotCoordinator | None
+    metrics: Emitter
 
 
 class Chaos:
@@ -84,7 +111,7 @@ class Chaos:
         self.step_times: list[float] = []
         self.removals: list[tuple[threading.Thread, list[BaseException]]] = []  # node removals under way (remove_later)
 
-    def remove_later(self, evs: list[ChaosEvent], step: int, t: ChaosTargets) -> None:
+    def remove_later(self, evs: list[ChaosEvent], step: int, t: FaultTargets) -> None:
         """Strike node removals on a thread: their chaos lines now, the removals (one after the
         other, each until Ray sees its node dead) meanwhile; :meth:`join_removals` waits for them."""
         nodes, errors = [], []
@@ -144,32 +171,31 @@ class Chaos:
                 out.append(ev)
         return out
 
-    def fire(self, point: str, step: int, t: ChaosTargets) -> None:
+    def fire(self, point: str, step: int, t: FaultTargets) -> None:
         """Fire the events due at ``point`` of ``step`` (one of :data:`POINTS`)."""
         assert point in POINTS, point
         for ev in self.due(point, step):
             self.strike(ev, step, t)
 
     @staticmethod
-    def record(ev: ChaosEvent, step: int, metrics: Any) -> None:
+    def record(ev: ChaosEvent, step: int, metrics: Emitter) -> None:
         metrics.emit(events.Chaos(step=step, kill=ev.kill, stage=ev.stage, replica=ev.replica, how=ev.how, corrupt=ev.corrupt, during=ev.during, op=ev.op))
 
-    def strike(self, ev: ChaosEvent, step: int, t: ChaosTargets) -> None:
+    def strike(self, ev: ChaosEvent, step: int, t: FaultTargets) -> None:
         import ray
 
         key = ShardKey(ev.stage, ev.replica)
         self.record(ev, step, t.metrics)
         if ev.kill == "error":
-            ray.get(t.group.actor(key).inject_error.remote(f"chaos: injected error from step {step} on"), timeout=60)
+            t.group.hits.inject_error(key, f"chaos: injected error from step {step} on")
         elif ev.kill == "stage" and ev.corrupt:
-            ray.get(t.group.actor(key).corrupt_own_copies.remote(), timeout=60)
+            t.group.hits.corrupt_own_copies(key)
         elif ev.kill == "stage":
-            if ev.how == "sigkill":
-                os.kill(t.group.pids[key], signal.SIGKILL)
-            else:
-                ray.kill(t.group.actor(key), no_restart=True)
+            t.group.hits.kill_process(key, ev.how)
         elif ev.kill == "smp":
-            smp = t.snapshots.managers[self._node(ev, t)]
+            if t.snapshots is None:
+                raise ConfigError("chaos event kill: smp needs snapshots: set snapshot.enabled: true")
+            smp: Any = t.snapshots.managers[self._node(ev, t)]  # a Ray actor: chaos kills it or has it corrupt a shard
             if ev.corrupt:
                 ray.get(smp.corrupt_shard.remote(key), timeout=60)
             else:
@@ -177,9 +203,7 @@ class Chaos:
         elif ev.kill == "node":
             self._remove_node(self._node(ev, t))
         elif ev.kill == "standby":  # every warm standby of the stage's node (idle, or named by a recovery plan)
-            pool = t.group.pool
-            for pid in pool.pids(self._node(ev, t)) if pool is not None else []:
-                os.kill(pid, signal.SIGKILL)
+            t.group.hits.kill_standbys(self._node(ev, t))
 
     @staticmethod
     def ray_lists_alive(node_id: str) -> bool:
@@ -199,7 +223,7 @@ class Chaos:
             time.sleep(0.1)
 
     @staticmethod
-    def _node(ev: ChaosEvent, t: ChaosTargets) -> str:
+    def _node(ev: ChaosEvent, t: FaultTargets) -> str:
         """The node an event hits: ``node`` (index into the live nodes with CPUs, sorted by node
         id) or else the node hosting the event's stage/replica."""
         import ray
@@ -219,8 +243,8 @@ class ChaosExecutor:
     one): stage kills ride in the victim's plan, node removals and snapshot-manager kills strike
     right after the step's plans went out. With no events due it only forwards."""
 
-    def __init__(self, inner: Any, chaos: Chaos, targets: Any) -> None:
-        self.inner, self.chaos, self.targets = inner, chaos, targets  # targets: () -> ChaosTargets
+    def __init__(self, inner: StepExecutor, chaos: Chaos, targets: Callable[[], FaultTargets]) -> None:
+        self.inner, self.chaos, self.targets = inner, chaos, targets
 
     def start(self, step: int, x: Any, y: Any, snapshot: StreamPosition | None = None, faults: Any = None) -> Any:
         events = self.chaos.due("in_step", step)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic_llm.chaos import Chaos, ChaosExecutor, ChaosTargets
+from elastic_llm.chaos import Chaos, ChaosExecutor, FaultTargets
 from elastic_llm.config import load_config
 from elastic_llm.pipeline.plan import FaultAction
 from elastic_llm.snapshot.records import ShardKey
@@ -56,7 +56,7 @@ def chaos_run(cluster, events="[{step: 2, kill: node, stage: 1}]"):
     chaos.ray_lists_alive = lambda node: node not in cluster.removed  # Ray's view follows the removal at once
     lines = []
     group = SimpleNamespace(nodes={ShardKey(s, 0): f"node-{'ab'[s % 2]}" for s in range(4)})
-    targets = ChaosTargets(group=group, snapshots=None, metrics=SimpleNamespace(emit=lines.append))
+    targets = FaultTargets(group=group, snapshots=None, metrics=SimpleNamespace(emit=lines.append))
     inner = Inner()
     return ChaosExecutor(inner, chaos, lambda: targets), inner, lines
 
@@ -101,7 +101,7 @@ def test_a_resize_strike_fires_in_the_first_grow_after_its_step_on_the_joining_r
     chaos.ray_lists_alive = lambda node: node not in cluster.removed
     lines = []
     group = SimpleNamespace(width=2, nodes={ShardKey(0, 0): "node-a", ShardKey(1, 0): "node-a", ShardKey(0, 1): "node-a", ShardKey(1, 1): "node-b"})
-    targets = ChaosTargets(group=group, snapshots=None, metrics=SimpleNamespace(emit=lines.append))
+    targets = FaultTargets(group=group, snapshots=None, metrics=SimpleNamespace(emit=lines.append))
     assert chaos.due("in_step", 3) == [] and chaos.due("recovery", 3) == []
     chaos.fire("resize", 2, targets)  # a grow before the event's step
     assert cluster.removed == []

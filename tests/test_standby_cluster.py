@@ -55,11 +55,11 @@ def clean(cluster, corpus_dir, tmp_path_factory):
 
 
 def standby_pids(trainer, node):
-    return set(trainer.group.pool.pids(node))
+    return set(trainer.parts.standbys.pids(node))
 
 
 def wait_for_standby(trainer, node, seconds=120):
-    wait_until(lambda: trainer.group.pool.ready().get(node, 0) >= 1, seconds, f"a warm standby on node {node[:12]}")
+    wait_until(lambda: trainer.parts.standbys.ready().get(node, 0) >= 1, seconds, f"a warm standby on node {node[:12]}")
 
 
 def test_killed_stage_adopts_the_standby_on_its_node(nodes, clean, corpus_dir, tmp_path):

@@ -47,7 +47,7 @@ class CheckpointExecutor:
     def save(self, step: int, data_position: StreamPosition) -> float:
         """Every stage writes checkpoint ``step``, then the commit marker; returns the seconds."""
         t0 = self.clock.perf_counter()
-        self.stats.nbytes += self.group.save_checkpoints(self.root, step)
+        self.stats.nbytes += self.group.state.save_checkpoints(self.root, step)
         files.commit(self.root, step, data_position.to_dict())
         self._latest = (step, data_position)
         seconds = self.clock.perf_counter() - t0
@@ -62,7 +62,7 @@ class CheckpointExecutor:
 
     def restore(self, step: int) -> None:
         """Every stage loads checkpoint ``step``."""
-        self.group.load_checkpoints(self.root, step)
+        self.group.state.load_checkpoints(self.root, step)
 
     def close(self) -> None:
         if self._tmp is not None:

@@ -372,13 +372,13 @@ class ElasticExecutor:
         stage_spares = tuple(SpareView(s, k, ns, sp.age(s), sp.ready(s) and ns <= alive) for k, s in by_key.items() for ns in [sp.nodes(s)])
         avoid = self.avoid(draining)
         affected = {k.replica for k in g.keys() if g.nodes.get(k) in draining and g.nodes[k] not in seen}
-        free = g.free_slots(avoid) if affected else None
+        free = g.placement.free_slots(avoid) if affected else None
         room = None
         placed = all(sp.nodes for sp in spares)  # a spare still waiting for room would be counted twice
         if (not between and not affected and placed and g.width + len(spares) < el.bounds(self.cfg.parallel.dp)[1]
                 and now - self._last_grow_look >= el.grow_check_s):
             self._last_grow_look = now
-            room = g.free_slots(avoid) // g.stages
+            room = g.placement.free_slots(avoid) // g.stages
         self.last_looked &= set(draining)  # a node that went (or stopped draining) is forgotten
         return ElasticView(tuple(d for _, d in sorted(draining.items())), tuple((k, g.nodes[k]) for k in g.keys() if k in g.nodes),
                            g.width, g.stages, spares, stage_spares, free, room, self.clock.time(),
@@ -431,7 +431,7 @@ class ElasticExecutor:
         if to is not None:
             ready = ready[: max(1, to - width)]
         if not ready:
-            raise CapacityUnavailable(self.group.capacity(replicas=1))
+            raise CapacityUnavailable(self.group.placement.capacity(replicas=1))
         self._settle_snapshots()
         self._join(ready, [i % width for i in range(len(ready))], self.joined)
         return ResizeOutcome(width, self.group.width, self.clock.perf_counter() - t0, "capacity")
@@ -442,12 +442,12 @@ class ElasticExecutor:
         new: list[int] = []
         try:
             for spare in spares:
-                new.append(self.group.adopt(spare))
+                new.append(self.group.resize.adopt(spare))
             joined()
-            self.group.copy_stages([(ShardKey(s, src), ShardKey(s, r)) for r, src in zip(new, sources) for s in range(self.group.stages)])
-            self.group.set_width()
+            self.group.state.copy_stages([(ShardKey(s, src), ShardKey(s, r)) for r, src in zip(new, sources) for s in range(self.group.stages)])
+            self.group.resize.set_width()
         except BaseException:
-            self.group.drop_replicas(new)
+            self.group.resize.drop_replicas(new)
             raise
         return new
 
@@ -484,7 +484,7 @@ class ElasticExecutor:
                 swaps += spares
                 swapped.add(r)
         if swaps:
-            g.swap_in(swaps)
+            g.resize.swap_in(swaps)
             moved += len(swaps)
             hows.add(Move.STAGES.value)
         for r in sorted(affected, reverse=True):  # a swapped replica keeps its number: the others still shift in order
@@ -494,8 +494,8 @@ class ElasticExecutor:
             spare = self._ready_spare()
             if spare is not None:
                 self._join([spare], [peers[0] if peers else r])
-                g.drop_replicas([r])
-                g.set_width()
+                g.resize.drop_replicas([r])
+                g.resize.set_width()
                 moved += g.stages
                 hows.add(Move.REPLICA.value)
             else:  # no room (it trains on until the last look before its nodes go), or its spares are late (kept: they move it later, or take its lost actors' places)

@@ -28,6 +28,7 @@ from elastic_llm.snapshot.records import ShardKey
 
 T = TypeVar("T")
 R = TypeVar("R")
+M = TypeVar("M", bound="Members")
 K = TypeVar("K")
 
 
@@ -173,6 +174,28 @@ class Members:
     def replicas_on(self, nodes: frozenset[str]) -> list[int]:
         """Replicas with at least one actor on ``nodes``."""
         return self.table.replicas_on(nodes)
+
+    # the small ports of :class:`~elastic_llm.controller.ports.StageActors`: each runtime's group
+    # implements them all, so each is the group itself, seen through one port
+    @property
+    def placement(self: M) -> M:
+        return self
+
+    @property
+    def resize(self: M) -> M:
+        return self
+
+    @property
+    def state(self: M) -> M:
+        return self
+
+    @property
+    def handover(self: M) -> M:
+        return self
+
+    @property
+    def hits(self: M) -> M:
+        return self
 
 
 class SpareBook(Generic[R, K]):

@@ -28,12 +28,12 @@ def rebuild_from_neighbours(group: StageActors, actions: list[Action], step: int
         key = ShardKey(a.stage, a.replica)
         if a.source is Source.CHECKFREE:
             nxt, prev = a.donors
-            norms = group.grad_norms([nxt, prev])
+            norms = group.state.grad_norms([nxt, prev])
             w_next, w_prev = weights(norms[nxt], norms[prev])
-            crc = group.rebuild(key, step, lr_scale, w_next, w_prev, (nxt, prev), None)
+            crc = group.state.rebuild(key, step, lr_scale, w_next, w_prev, (nxt, prev), None)
             out[key] = {"weights": [w_next, w_prev], "donors": [k.stage for k in a.donors]}
         else:  # checkfree_plus: copy the neighbour's layers, the embedding / head from its mirror
-            crc = group.rebuild(key, step, lr_scale, 1.0, 0.0, (a.donors[0],), a.mirror)
+            crc = group.state.rebuild(key, step, lr_scale, 1.0, 0.0, (a.donors[0],), a.mirror)
             out[key] = {"donors": [a.donors[0].stage], "mirror": a.mirror is not None}
         out[key]["params_crc32"] = crc
         out[key]["lr_scale"] = lr_scale
@@ -45,7 +45,7 @@ def promote_copies(group: StageActors, actions: list[Action]) -> None:
     copy of its successor from that successor's state."""
     for a in actions:
         holder, successor = a.donors
-        group.promote(ShardKey(a.stage, a.replica), holder, successor)
+        group.state.promote(ShardKey(a.stage, a.replica), holder, successor)
 
 
 def refresh_mirrors(group: StageActors, step: int) -> None:
@@ -55,4 +55,4 @@ def refresh_mirrors(group: StageActors, step: int) -> None:
     pairs = []
     for r in range(group.width):
         pairs += [(ShardKey(0, r), ShardKey(1, r)), (ShardKey(n - 1, r), ShardKey(n - 2, r))]
-    group.mirror(pairs, step)
+    group.state.mirror(pairs, step)

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Callable, Iterable, Mapping, Protocol, Sequence, TypedDict
 
+from elastic_llm.chaos import FaultTargets, StageHits
 from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.drains import Drain, NodeDeath
 from elastic_llm.controller.states import Capacity
 from elastic_llm.monitor import RunStatus
 from elastic_llm.pipeline.executor import StepExecutor
-from elastic_llm.snapshot.coordinator import StageMember
-from elastic_llm.snapshot.ports import ManagerFleet
+from elastic_llm.controller.metrics import MetricsWriter
+from elastic_llm.snapshot.coordinator import SnapshotCoordinator, StageMember
+from elastic_llm.snapshot.ports import Flush, ManagerFleet
 from elastic_llm.snapshot.records import Piece, ShardKey, StageSource, VersionRecord
 from elastic_llm.spans import Spans
 from elastic_llm.stream import StreamPosition
@@ -53,6 +54,25 @@ class PlanNotFollowed(RuntimeError):
 
 class ResumeError(RuntimeError):
     """A run cannot be resumed as asked; the message says why and what to do."""
+
+
+ActorRef = object  # a runtime's handle of an actor: opaque above the ports (the step executor and the runtime use it)
+Json = dict[str, object]  # a JSON object
+
+
+class RosterRow(TypedDict):
+    stage: int
+    replica: int
+    name: str | None  # its Ray name (None: no actor ran as it)
+    group: str | None  # its placement group's id (hex)
+
+
+class Roster(TypedDict):
+    """The width's actors as a next driver finds them (JSON; see :mod:`elastic_llm.runtime.handover`)."""
+
+    width: int
+    stages: int
+    actors: list[RosterRow]
 
 
 RUN_ID = re.compile(r"^[0-9a-f]{6}$")
@@ -89,34 +109,9 @@ class Spares(Protocol):
     def cancel(self, spare: SpareRef) -> None: ...
 
 
-class StageActors(Protocol):
-    """The run's stage actors, ``actors[replica][stage]`` (opaque handles: the step executor's
-    business), on actor slots of the fleet; spares started in the background; and the primitives
-    that move state. Every call that waits has a deadline; a call whose actor or node died raises
-    one of :attr:`Runtime.errors`. A primitive that takes time succeeds only if the actors it
-    involves are alive when it ends."""
+class Placement(Protocol):
+    """The actor slots of the fleet: where the run's actors (and their replacements) go."""
 
-    cfg: RunConfig
-    stages: int
-    spans: Spans  # "actor" (starting or adopting), "state" (copies between actors and stores)
-
-    # the membership (one :class:`~elastic_llm.controller.membership.Membership` table in both runtimes), read-only here
-    @property
-    def width(self) -> int: ...
-    @property
-    def actors(self) -> list[list[Any]]: ...  # [replica][stage] (empty until spawned)
-    @property
-    def nodes(self) -> dict[ShardKey, str]: ...
-    @property
-    def ready(self) -> set[ShardKey]: ...  # actors that answered since they were started
-    @property
-    def pids(self) -> Mapping[ShardKey, int]: ...
-    @property
-    def spares(self) -> Spares: ...  # started in the background, not yet in the width
-
-    def keys(self) -> list[ShardKey]: ...
-
-    # ---- slots
     def place(self, at_once: bool = False, avoid: frozenset[str] = frozenset()) -> None: ...  # raises CapacityUnavailable
     def placed(self) -> bool: ...
     def capacity(self, replicas: int | None = None) -> Capacity: ...
@@ -125,29 +120,23 @@ class StageActors(Protocol):
     def bundle_nodes(self, keys: list[ShardKey]) -> dict[ShardKey, str | None]: ...  # where a replacement of each would start
     def renew(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]: ...  # lost actors whose slot went with its node get a new one
 
-    # ---- actors
-    def spawn_all(self) -> None: ...
-    def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None, meanwhile: Callable[[], None] | None = None) -> None: ...  # meanwhile: called about every second until they start
-    def kill(self, key: ShardKey) -> None: ...
-    def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]: ...
+
+class Resizes(Protocol):
+    """Changes of the width and of who runs as a key (the membership table's changes, with the
+    processes and slots behind them)."""
+
     def borrow(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None: ...  # (giver, taker): the giver's actor, slot and state become the taker's (the giver's replica is dropped next)
-    def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]: ...
-    def set_width(self) -> None: ...
-    def members(self) -> list[StageMember]: ...
-    def replicas_on(self, nodes: frozenset[str]) -> list[int]: ...
-    def shutdown(self) -> None: ...
-
-    # ---- driver failover (see elastic_llm.runtime.handover)
-    def roster(self) -> dict[str, Any]: ...  # the width's actors as a next driver finds them (JSON)
-    def take_over(self, roster: dict[str, Any]) -> set[ShardKey]: ...  # a dead driver's actors that answer become this group's, state in place; the keys adopted
-    def leased(self) -> list[tuple[Any, str | None]]: ...  # the actors a keepalive must reach (detached ones end without it), with the thread group of the call
-
-    # ---- installing started spares (see Spares)
+    def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]: ...  # old replica -> new, for the kept
     def adopt(self, spare: SpareRef) -> int: ...  # a started spare replica joins as the last; its index
     def swap_in(self, spares: list[SpareRef]) -> None: ...  # started stage spares take their keys' state from the old actors (all copies at once) and their places
     def take_stage_spares(self, keys: list[ShardKey]) -> list[ShardKey]: ...  # lost keys whose placed stage spare becomes their (empty) actor
+    def set_width(self) -> None: ...  # every actor learns its replica and the width
 
-    # ---- state
+
+class StateMoves(Protocol):
+    """The calls that move stage state between actors, the snapshot managers' pieces, the durable
+    tier and the checkpointing baseline's files; each waits with a deadline."""
+
     def copy_stages(self, pairs: list[tuple[ShardKey, ShardKey]]) -> dict[ShardKey, tuple[int, float]]: ...  # per target: bytes, seconds
     def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> dict[ShardKey, tuple[int, float]]: ...  # per actor that rebuilt from parity: bytes, seconds
     def holds_own_copy(self, keys: list[ShardKey], version: int) -> set[ShardKey]: ...
@@ -159,6 +148,62 @@ class StageActors(Protocol):
     def mirror(self, pairs: list[tuple[ShardKey, ShardKey]], step: int) -> None: ...
     def save_checkpoints(self, root: str, step: int) -> int: ...
     def load_checkpoints(self, root: str, step: int) -> None: ...
+
+
+class Handover(Protocol):
+    """Driver failover (see :mod:`elastic_llm.runtime.handover`): the width's actors as a next
+    driver finds them, and taking them over."""
+
+    def roster(self) -> Roster: ...  # the width's actors as a next driver finds them
+    def take_over(self, roster: Roster) -> set[ShardKey]: ...  # a dead driver's actors that answer become this group's, state in place; the keys adopted
+    def leased(self) -> list[tuple[ActorRef, str | None]]: ...  # the actors a keepalive must reach (detached ones end without it), with the thread group of the call
+
+
+class StageActors(Protocol):
+    """The run's stage actors, ``actors[replica][stage]`` (opaque handles: the step executor's
+    business), on actor slots of the fleet, and the small ports for what else the controller asks
+    of them: :attr:`placement`, :attr:`spares`, :attr:`resize`, :attr:`state`, :attr:`handover`,
+    :attr:`hits` (fault injection). The membership (width, nodes, readiness) is one
+    :class:`~elastic_llm.controller.membership.Membership` table in both runtimes, read-only here.
+    Every call that waits has a deadline; a call whose actor or node died raises one of
+    :attr:`Runtime.errors`. A primitive that takes time succeeds only if the actors it involves
+    are alive when it ends."""
+
+    cfg: RunConfig
+    stages: int
+    spans: Spans  # "actor" (starting or adopting), "state" (copies between actors and stores)
+
+    @property
+    def width(self) -> int: ...
+    @property
+    def actors(self) -> list[list[ActorRef]]: ...  # [replica][stage] (empty until spawned)
+    @property
+    def nodes(self) -> dict[ShardKey, str]: ...
+    @property
+    def ready(self) -> set[ShardKey]: ...  # actors that answered since they were started
+    @property
+    def pids(self) -> Mapping[ShardKey, int]: ...
+    @property
+    def placement(self) -> Placement: ...
+    @property
+    def spares(self) -> Spares: ...  # started in the background, not yet in the width
+    @property
+    def resize(self) -> Resizes: ...
+    @property
+    def state(self) -> StateMoves: ...
+    @property
+    def handover(self) -> Handover: ...
+    @property
+    def hits(self) -> StageHits: ...
+
+    def keys(self) -> list[ShardKey]: ...
+    def replicas_on(self, nodes: frozenset[str]) -> list[int]: ...
+    def members(self) -> list[StageMember]: ...
+    def spawn_all(self) -> None: ...
+    def replace(self, keys: list[ShardKey], adopt: dict[ShardKey, str] | None = None, meanwhile: Callable[[], None] | None = None) -> None: ...  # meanwhile: called about every second until they start
+    def kill(self, key: ShardKey) -> None: ...
+    def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]: ...
+    def shutdown(self) -> None: ...
 
 
 class Nodes(Protocol):
@@ -173,6 +218,15 @@ class Nodes(Protocol):
     def declare_gone(self, nodes: frozenset[str], why: str) -> None: ...  # nodes found gone another way (Ray's scheduler refused them): dead in this run's view from now on
     def deaths(self) -> list[NodeDeath]: ...  # deaths declared since the last call
     def stop(self) -> None: ...
+
+
+class Standby(Protocol):
+    """A warm standby taken from the pool: the process a key's actor becomes."""
+
+    @property
+    def actor(self) -> ActorRef: ...
+    @property
+    def name(self) -> str: ...
 
 
 class Standbys(Protocol):
@@ -193,9 +247,9 @@ class Standbys(Protocol):
     def ready(self) -> dict[str, int]: ...
     def count(self) -> tuple[int, int]: ...  # (ready, starting)
     def pids(self, node: str) -> list[int]: ...
-    def take(self, node: str) -> Any: ...  # a ready standby on ``node`` (its ``actor`` to adopt), removed from the pool; None if there is none
+    def take(self, node: str) -> Standby | None: ...  # a ready standby on ``node`` (its ``actor`` to adopt), removed from the pool; None if there is none
     def take_over(self) -> int: ...  # a dead driver's standbys of the run join the pool; how many
-    def actors(self) -> list[Any]: ...  # every standby's actor (a keepalive reaches them)
+    def actors(self) -> list[ActorRef]: ...  # every standby's actor (a keepalive reaches them)
     def shutdown(self) -> None: ...
 
 
@@ -207,34 +261,24 @@ class RunRegistry(Protocol):
     """What outlives a driver: the run's config, its committed record and its managers, for
     ``--resume RUN_ID`` (driver failover)."""
 
-    def check_same_model(self, run_id: str, config: dict[str, Any]) -> None: ...  # raises ResumeError
+    def check_same_model(self, run_id: str, config: Json) -> None: ...  # raises ResumeError
     def retire_old_driver(self, run_id: str, keep: frozenset[str] = frozenset(), keep_standbys: bool = False) -> None: ...  # ends what is not taken over
-    def publish_roster(self, run_id: str, roster: dict[str, Any]) -> None: ...
-    def roster(self, run_id: str) -> dict[str, Any] | None: ...  # the dead driver's stage actors (None: none published)
-    def find(self, run_id: str) -> tuple[dict[str, Any], VersionRecord | None]: ...  # managers by node, committed record
+    def publish_roster(self, run_id: str, roster: Roster) -> None: ...
+    def roster(self, run_id: str) -> Roster | None: ...  # the dead driver's stage actors (None: none published)
+    def find(self, run_id: str) -> tuple[dict[str, ActorRef], VersionRecord | None]: ...  # managers by node, committed record
     def epoch(self, run_id: str) -> int: ...  # drivers the run had so far (0: none known)
-    def publish_run(self, run_id: str, config: dict[str, Any], epoch: int) -> None: ...
+    def publish_run(self, run_id: str, config: Json, epoch: int) -> None: ...
     def publish_committed(self, run_id: str, record: VersionRecord) -> None: ...
-    def keepalive(self, handles: Any, period_s: float) -> Keepalive: ...
+    def keepalive(self, handles: Callable[[], list[tuple[ActorRef, str | None]]], period_s: float) -> Keepalive: ...
     def forget(self, run_id: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class FaultTargets:
-    """What fault injection may hit: the stage actors, the snapshot coordinator (its managers),
-    the metrics (a fault's line)."""
-
-    group: Any
-    snapshots: Any
-    metrics: Any
 
 
 class Faults(Protocol):
     """Fault injection (``chaos``): at fixed points, at a rate, and inside steps."""
 
-    def fire(self, point: str, step: int, targets: Any) -> None: ...
+    def fire(self, point: str, step: int, targets: FaultTargets) -> None: ...
     def observe_step(self, step: int, seconds: float, width: int) -> float | None: ...
-    def wrap(self, executor: StepExecutor, targets: Any) -> StepExecutor: ...
+    def wrap(self, executor: StepExecutor, targets: Callable[[], FaultTargets]) -> StepExecutor: ...
 
 
 class DurableTier(Protocol):
@@ -242,7 +286,8 @@ class DurableTier(Protocol):
     on Ray; a simulated one in :mod:`elastic_llm.sim`)."""
 
     every: int
-    inflight: Any
+    @property
+    def inflight(self) -> Flush | None: ...  # the flush in flight, or None
 
     def wants(self, record: VersionRecord) -> bool: ...  # at a commit: flush this version? (the coordinator asks)
     def start(self, record: VersionRecord) -> None: ...
@@ -277,8 +322,8 @@ class Runtime(Protocol):
     def start(self, cfg: RunConfig, run_id: str, spans: Spans) -> list[tuple[str, str]]: ...  # what a run needs first (Ray: start or join it); warnings for the user: (what, message)
     def standbys(self, cfg: RunConfig, run_id: str) -> Standbys | None: ...
     def group(self, cfg: RunConfig, run_id: str, standbys: Standbys | None) -> StageActors: ...
-    def monitor(self, status: RunStatus) -> Any: ...  # the run's monitor, holding its first status (see elastic_llm.monitor.Publisher)
-    def durable(self, cfg: RunConfig, snapshots: Any, data_dir: str, metrics: Any) -> DurableTier | None: ...  # None: no durable tier
-    def executor(self, actors: list[list[Any]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None) -> StepExecutor: ...  # node_of: where each actor runs
+    def monitor(self, status: RunStatus) -> ActorRef: ...  # the run's monitor, holding its first status (see elastic_llm.monitor.Publisher)
+    def durable(self, cfg: RunConfig, snapshots: SnapshotCoordinator, data_dir: str, metrics: MetricsWriter) -> DurableTier | None: ...  # None: no durable tier
+    def executor(self, actors: list[list[ActorRef]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None) -> StepExecutor: ...  # node_of: where each actor runs
     def cpu(self) -> float: ...  # the controller's own CPU seconds so far (a simulation leaves out its own bookkeeping)
     def shutdown(self) -> None: ...

@@ -148,19 +148,19 @@ class RecoveryExecutor:
         avoid = frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects())
         # a lost actor whose stage spare (started for a drain, late for the move) is placed takes
         # it; one whose slot went with its node gets a new one (none outlives its node)
-        taken = self.group.take_stage_spares(lost) if lost and self.group.spares.of() else []
+        taken = self.group.resize.take_stage_spares(lost) if lost and self.group.spares.of() else []
         if taken:
             log.info("%d lost stage actors take the places of their stage spares (started for a drain): %s", len(taken), ", ".join(map(str, taken)))
-        self.group.renew(lost, avoid=avoid)
+        self.group.placement.renew(lost, avoid=avoid)
         moved = {k.replica for k in lost if (n := self.group.nodes.get(k)) not in alive_nodes or n in avoid}  # avoid: given up at a drain
-        free_at = self.group.free_per_node(avoid) if moved else None
+        free_at = self.group.placement.free_per_node(avoid) if moved else None
         standbys = self.standbys.ready() if self.standbys is not None and self.standbys.enabled else {}
         par = self.group.cfg.parallel
         anywhere = not par.gpus_per_actor or self.group.cfg.recovery.standby_gpus
         return build_observation(
             steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, free_at,
             o.mode, o.mirrors, ckpt[0] if ckpt else None, durable[0] if durable else None,
-            standbys, self.group.bundle_nodes(lost) if lost else {}, anywhere, self._own_copies(steps),
+            standbys, self.group.placement.bundle_nodes(lost) if lost else {}, anywhere, self._own_copies(steps),
             from_start and self.initial_position is not None,
         )
 
@@ -172,16 +172,16 @@ class RecoveryExecutor:
         if rec is None or rec.width != 1 or self.group.width != 1:
             return frozenset()
         survivors = [k for k, st in steps.items() if st is not None and (k, rec.version) not in self.bad_own_copies]
-        return frozenset(self.group.holds_own_copy(survivors, rec.version)) if survivors else frozenset()
+        return frozenset(self.group.state.holds_own_copy(survivors, rec.version)) if survivors else frozenset()
 
     def execute(self, plan: RecoveryPlan, obs: Observation, step: int) -> RecoveryOutcome:
         """Carry ``plan`` out. New actors that did not get their state are killed again if
         anything fails, so the next observation sees them as lost."""
         g = self.group
         if plan.borrow:
-            g.borrow(list(plan.borrow))
+            g.resize.borrow(list(plan.borrow))
         if plan.drop_replicas:
-            g.drop_replicas(plan.drop_replicas)
+            g.resize.drop_replicas(plan.drop_replicas)
         lost = [ShardKey(a.stage, a.replica) for a in plan.actions]
         if plan.rollback_from is RollbackFrom.INITIAL:  # every actor a new process (or an adopted standby): the seed's weights
             survivors = sorted(set(g.keys()) - set(lost))
@@ -189,7 +189,7 @@ class RecoveryExecutor:
                 g.kill(key)
             lost += survivors
         grown = g.spares.replicas()
-        where = g.bundle_nodes(lost) if grown else {}
+        where = g.placement.bundle_nodes(lost) if grown else {}
         if grown and any(where.get(k) is None for k in lost):
             # the run's own width comes first: replicas started for growth give their slots up (the
             # elastic look starts them again once there is room left)
@@ -200,7 +200,7 @@ class RecoveryExecutor:
             refused = self.snapshots.ensure_managers(self.nodes.alive())
             if refused:  # the plan was made with these nodes alive: made again without them
                 raise NodeGone(refused, "Ray's scheduler refused a snapshot manager there")
-        g.place(at_once=True, avoid=frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects()))
+        g.placement.place(at_once=True, avoid=frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects()))
         try:
             fetched = {}
             if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.SNAPSHOT:
@@ -208,7 +208,7 @@ class RecoveryExecutor:
                     fetched = self._fetch(plan, obs)
             g.replace(lost, {ShardKey(a.stage, a.replica): a.adopt for a in plan.actions if a.adopt is not None}, self.meanwhile)
             if plan.drop_replicas:
-                g.set_width()
+                g.resize.set_width()
             with g.spans.span("state"):
                 if plan.rollback_to is not None and plan.rollback_from is RollbackFrom.CHECKPOINT:
                     return self._from_checkpoint(plan, step)
@@ -218,7 +218,7 @@ class RecoveryExecutor:
                     sources = tuple((k, Source.INITIAL) for k in lost)
                     return RecoveryOutcome(plan, 0, step, sources, 0, self.initial_position)
                 if plan.rollback_to is not None:
-                    decoded = g.load_parts(fetched)
+                    decoded = g.state.load_parts(fetched)
                     rec = self.snapshots.committed if self.snapshots else None
                     raw = rec.shard(ShardKey(0, 0)).data_position() if rec else None
                     position = StreamPosition.of(raw) if raw else None
@@ -260,7 +260,7 @@ class RecoveryExecutor:
         if self.snapshots is not None:
             self.snapshots.forget_all()
         uri, position = tier.checkpoint(latest[1])
-        self.group.load_durable(self.group.keys(), uri, latest[1])
+        self.group.state.load_durable(self.group.keys(), uri, latest[1])
         sources = tuple((ShardKey(a.stage, a.replica), a.source) for a in plan.actions)
         return RecoveryOutcome(plan, plan.rollback_to, step - plan.rollback_to, sources, 0, position)
 
@@ -277,7 +277,7 @@ class RecoveryExecutor:
         rec = sn.committed
         if plan.own_copies:
             own = list(plan.own_copies)
-            failed = self.group.restore_own_copies(own, rec.version, {k: rec.shard(k).pieces for k in own})
+            failed = self.group.state.restore_own_copies(own, rec.version, {k: rec.shard(k).pieces for k in own})
             if failed:
                 self.bad_own_copies.update((k, rec.version) for k in failed)
                 raise SourceLost(f"the own copy of step {rec.version} held by {', '.join(map(str, failed))} failed its checksums")
@@ -291,7 +291,7 @@ class RecoveryExecutor:
         for a in (a for a in plan.actions if a.source is Source.DP_PEER):
             assert a.peer is not None, f"{a}: a dp_peer action names its peer"
             pairs.append((ShardKey(a.stage, a.peer), ShardKey(a.stage, a.replica)))
-        got = self.group.copy_stages(pairs) if pairs else {}
+        got = self.group.state.copy_stages(pairs) if pairs else {}
         return {k: {"state_bytes": int(n), "transfer_s": float(t)} for k, (n, t) in got.items()}
 
 

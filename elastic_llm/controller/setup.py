@@ -23,7 +23,7 @@ from elastic_llm.config import ConfigError, RunConfig
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.elastic import ElasticExecutor
 from elastic_llm.controller.metrics import MetricsWriter
-from elastic_llm.controller.ports import DurableTier, Keepalive, ResumeError, Runtime, StageActors, Standbys, is_run_id
+from elastic_llm.controller.ports import DurableTier, Keepalive, ResumeError, Roster, Runtime, StageActors, Standbys, is_run_id
 from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor
 from elastic_llm.data import RunData, open_run_data
 from elastic_llm.durable.format import Checkpoint, open_checkpoint
@@ -53,7 +53,7 @@ class RunParts:
     elastic: ElasticExecutor
     publisher: Publisher | None
     keepalive: Keepalive | None
-    roster: dict[str, Any] | None = None  # --resume RUN_ID: the dead driver's stage actors, until taken over (take_over)
+    roster: Roster | None = None  # --resume RUN_ID: the dead driver's stage actors, until taken over (take_over)
 
 
 @dataclass(frozen=True)
@@ -128,16 +128,16 @@ def publish_run(cfg: RunConfig, runtime: Runtime, run_id: str, sn: SnapshotCoord
     sn.on_commit = lambda record: registry.publish_committed(run_id, record)
     log.info("run %s: if this driver dies, `elastic-llm train --resume %s` with the same config goes on from its snapshots in memory "
              "within recovery.driver_grace_s=%g s", run_id, run_id, sn.grace_s)
-    return registry.keepalive(lambda: [(h, None) for h in list(sn.managers.values())] + group.leased(), min(5.0, sn.grace_s / 4))
+    return registry.keepalive(lambda: [(h, None) for h in list(sn.managers.values())] + group.handover.leased(), min(5.0, sn.grace_s / 4))
 
 
-def retire(runtime: Runtime, cfg: RunConfig, run_id: str, spans: Spans) -> dict[str, Any] | None:
+def retire(runtime: Runtime, cfg: RunConfig, run_id: str, spans: Spans) -> Roster | None:
     """``--resume RUN_ID``, before this driver's actors take the run's names: check the model is
     the run's, read the dead driver's roster, and end what of its actors is not taken over.
     Returns the roster (None: none published)."""
     runtime.registry.check_same_model(run_id, cfg.to_dict())
     roster = runtime.registry.roster(run_id)
-    keep = frozenset(a["name"] for a in roster["actors"] if a.get("name")) if roster else frozenset()
+    keep = frozenset(name for a in roster["actors"] if (name := a.get("name"))) if roster else frozenset()
     with spans.span("retire"):
         runtime.registry.retire_old_driver(run_id, keep, keep_standbys=cfg.recovery.standby != 0)
     return roster
@@ -146,7 +146,7 @@ def retire(runtime: Runtime, cfg: RunConfig, run_id: str, spans: Spans) -> dict[
 def publish_roster(runtime: Runtime, run_id: str, parts: RunParts) -> None:
     """The stage actors of the width as a next driver takes them over (with failover on)."""
     if parts.keepalive is not None:
-        runtime.registry.publish_roster(run_id, parts.group.roster())
+        runtime.registry.publish_roster(run_id, parts.group.handover.roster())
 
 
 def take_over(parts: RunParts) -> set[ShardKey]:
@@ -157,7 +157,7 @@ def take_over(parts: RunParts) -> set[ShardKey]:
     roster, parts.roster = parts.roster, None
     if roster is None:
         return set()
-    adopted = parts.group.take_over(roster)
+    adopted = parts.group.handover.take_over(roster)
     if parts.standbys is not None and parts.standbys.enabled:
         n = parts.standbys.take_over()
         if n:
@@ -215,7 +215,7 @@ def reattach(runtime: Runtime, run_id: str, group: StageActors, sn: SnapshotCoor
         if srcs is None:
             raise UnrecoverableError("every snapshot part failed to load")
         if srcs:
-            group.load_parts(srcs)
+            group.state.load_parts(srcs)
     except (UnrecoverableError, *runtime.errors) as e:  # type: ignore[misc]  # the runtime's errors: a tuple of exception types
         raise ResumeError(
             f"--resume {run_id}: nothing to resume from in memory ({str(e).splitlines()[0]}; its driver died more than "
@@ -233,7 +233,7 @@ def resume_durable(runtime: Runtime, group: StageActors, ck: Checkpoint) -> Resu
     """Every stage loads its layers from the durable checkpoint ``ck`` (whatever width or stage
     count wrote it); a damaged or foreign file is refused with its :class:`DurableError`."""
     t = runtime.clock.perf_counter()
-    group.load_durable(group.keys(), ck.storage.uri, ck.name)
+    group.state.load_durable(group.keys(), ck.storage.uri, ck.name)
     raw = ck.manifest.get("data_position")
     seconds = runtime.clock.perf_counter() - t
     log.info("resumed from %s at step %d (%s replica(s) x %s stages then) in %.1f s", ck.uri, ck.step, ck.manifest.get("width"), ck.manifest.get("stages"), seconds)

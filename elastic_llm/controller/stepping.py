@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from elastic_llm.chaos import FaultTargets
 from elastic_llm import events
 from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
@@ -68,7 +69,7 @@ class StepRunner:
     """Submits steps and waits for them (see the module's docstring)."""
 
     def __init__(self, cfg: RunConfig, clock: Clock, stream: TokenStream, parts: RunParts, faults: Faults, nodes: Nodes,
-                 targets: Any, errors: tuple[type[BaseException], ...]) -> None:
+                 targets: Callable[[], FaultTargets], errors: tuple[type[BaseException], ...]) -> None:
         self.cfg, self.clock, self.stream, self.parts = cfg, clock, stream, parts
         self.faults, self.nodes, self.targets, self.errors = faults, nodes, targets, errors
         self.interrupted: InterruptedStep | None = None

@@ -118,7 +118,7 @@ class Trainer:
         g = self.parts.group
         with spans.span("stages"):
             take_over(self.parts)  # --resume RUN_ID: the dead driver's stage actors that answer
-            g.place()
+            g.placement.place()
             missing = [k for k in g.keys() if k not in g.ready]
             if missing:
                 g.spawn_all() if not g.actors else g.replace(missing)
@@ -363,7 +363,7 @@ class Trainer:
     def _wait(self, state: WaitingForCapacity) -> State:
         assert self.group is not None
         self.clock.sleep(self.wait_poll_s)
-        new = while_waiting(state, self.group.placed(), self.group.capacity(), self.clock.monotonic())
+        new = while_waiting(state, self.group.placement.placed(), self.group.placement.capacity(), self.clock.monotonic())
         if isinstance(new, WaitingForCapacity) and self.jobs is not None:
             self.jobs.capacity(self.step, new)
         return new

@@ -14,13 +14,15 @@ recovery plan which actor adopts a standby.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.membership import Column, Members, Membership
-from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys
+from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys, Roster
 from elastic_llm.controller.states import Capacity
 from elastic_llm.runtime import handover
 from elastic_llm.runtime.placement import PLACE_S, Reservations, kill_actor
@@ -140,8 +142,9 @@ class ActorGroup(Members, StateCalls):
                 sb = self.pool.take(node) if self.pool is not None else None
                 if sb is None:
                     raise PlanNotFollowed(f"the plan has stage {key.stage} replica {key.replica} adopt a warm standby on node {node[:12]}, but none is left there")
-                self.hold(key, sb.actor, sb.name)
-                calls[key] = sb.actor.adopt.remote(key.stage, key.replica, self.width, self._devices_for(key))
+                adopted: Any = sb.actor  # a Ray actor handle
+                self.hold(key, adopted, sb.name)
+                calls[key] = adopted.adopt.remote(key.stage, key.replica, self.width, self._devices_for(key))
             self.describe(keys, calls, meanwhile)
             ray.get(widths, timeout=WIDTH_S)
 
@@ -286,8 +289,9 @@ class ActorGroup(Members, StateCalls):
             node = where[pg]
             sb = self.pool.take(node) if node is not None and self.pool is not None and self._standby_fits() else None
             if sb is not None:
-                self.names[sb.actor] = sb.name
-                out.append((sb.actor, sb.actor.adopt.remote(key.stage, key.replica, width, None), True))
+                standby: Any = sb.actor  # a Ray actor handle
+                self.names[standby] = sb.name
+                out.append((standby, standby.adopt.remote(key.stage, key.replica, width, None), True))
             else:
                 actor = self._spawn(key, pg, spare=True)
                 out.append((actor, actor.info.remote(), False))
@@ -360,11 +364,36 @@ class ActorGroup(Members, StateCalls):
             taken.append(key)
         return taken
 
+    # ------------------------------------------------------------------ fault injection (chaos.StageHits)
+    def kill_process(self, key: ShardKey, how: str) -> None:
+        import ray
+
+        if how == "sigkill":
+            os.kill(self.pids[key], signal.SIGKILL)
+        else:
+            ray.kill(self.actor(key), no_restart=True)
+
+    def inject_error(self, key: ShardKey, message: str) -> None:
+        import ray
+
+        ray.get(self.actor(key).inject_error.remote(message), timeout=WIDTH_S)
+
+    def corrupt_own_copies(self, key: ShardKey) -> None:
+        import ray
+
+        ray.get(self.actor(key).corrupt_own_copies.remote(), timeout=WIDTH_S)
+
+    def kill_standbys(self, node: str) -> int:
+        pids = self.pool.pids(node) if self.pool is not None else []
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        return len(pids)
+
     # ------------------------------------------------------------------ driver failover (see handover.py)
-    def roster(self) -> dict[str, Any]:
+    def roster(self) -> Roster:
         return handover.roster(self)
 
-    def take_over(self, roster: dict[str, Any]) -> set[ShardKey]:
+    def take_over(self, roster: Roster) -> set[ShardKey]:
         adopted, ended = handover.take_over(self, roster)
         for actor in ended:
             kill_actor(actor)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic_llm.controller.ports import ResumeError
+from elastic_llm.controller.ports import ResumeError, Roster
 from elastic_llm.lease import KV_NAMESPACE, driver_alive, read_run, run_key
 from elastic_llm.snapshot.records import VersionRecord, record_from_json, record_json
 
@@ -189,10 +189,10 @@ class RayRegistry:
     def retire_old_driver(self, run_id: str, keep: frozenset[str] = frozenset(), keep_standbys: bool = False) -> None:
         retire_old_driver(self.namespace, run_id, keep, keep_standbys)
 
-    def publish_roster(self, run_id: str, roster: dict[str, Any]) -> None:
+    def publish_roster(self, run_id: str, roster: Roster) -> None:
         publish(run_id, "roster", json.dumps(roster))
 
-    def roster(self, run_id: str) -> dict[str, Any] | None:
+    def roster(self, run_id: str) -> Roster | None:
         text = read_run(run_id, "roster")
         return json.loads(text) if text is not None else None
 

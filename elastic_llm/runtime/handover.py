@@ -19,7 +19,7 @@ import logging
 from typing import Any, Protocol
 
 from elastic_llm.controller.membership import Column, Membership
-from elastic_llm.controller.ports import Standbys
+from elastic_llm.controller.ports import Roster, RosterRow, Standbys
 from elastic_llm.runtime.placement import Reservations
 from elastic_llm.runtime.spares import RaySpares
 from elastic_llm.snapshot.records import ShardKey
@@ -68,16 +68,16 @@ def leased(group: Held) -> list[tuple[Any, str | None]]:
         out += group.pool.actors()
     return [(a, CONTROL) for a in out]
 
-def roster(group: Held) -> dict[str, Any]:
+def roster(group: Held) -> Roster:
     """The width's actors as a next driver finds them: by name and placement group (JSON)."""
-    rows = []
+    rows: list[RosterRow] = []
     for k in group.keys():
         actor, pg = group.actor(k), group.slots.groups.get(k)
         rows.append({"stage": k.stage, "replica": k.replica, "name": group.names.get(actor) if actor is not None else None,
                      "group": pg.id.hex() if pg is not None else None})
     return {"width": group.width, "stages": group.stages, "actors": rows}
 
-def take_over(group: Held, roster: dict[str, Any]) -> tuple[set[ShardKey], list[Any]]:
+def take_over(group: Held, roster: Roster) -> tuple[set[ShardKey], list[Any]]:
     """Make the roster's actors ``group``'s (an :class:`~elastic_llm.runtime.actors.ActorGroup`):
     those that answer within :data:`ANSWER_S` are adopted with their state (a step they still run
     is aborted), the others are left for its ``replace`` (their placement group kept if it
@@ -98,14 +98,15 @@ def take_over(group: Held, roster: dict[str, Any]) -> tuple[set[ShardKey], list[
         gid = row.get("group")
         if gid and table.get(gid, {}).get("state") not in (None, "REMOVED"):
             group.slots.groups[key] = PlacementGroup(PlacementGroupID(bytes.fromhex(gid)))
-        if not row.get("name"):
+        name = row.get("name")
+        if not name:
             continue
-        group.generation = max(group.generation, name_generation(row["name"]))
+        group.generation = max(group.generation, name_generation(name))
         try:
-            actor = ray.get_actor(row["name"])
+            actor = ray.get_actor(name)
         except ValueError:  # it died while no driver ran
             continue
-        group.hold(key, actor, row["name"])
+        group.hold(key, actor, name)
         asks[actor.info.options(concurrency_group="status").remote()] = key
     ray.wait(list(asks), num_returns=len(asks), timeout=ANSWER_S)
     adopted, ended = set(), []

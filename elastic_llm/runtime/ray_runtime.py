@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from elastic_llm.chaos import Chaos, ChaosExecutor
+from elastic_llm.chaos import Chaos, ChaosExecutor, FaultTargets
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.config.rules import SPOT_LABEL, spot_warning
@@ -116,13 +116,13 @@ class ChaosFaults:
     def __init__(self, cfg: RunConfig, cluster: Any = None) -> None:
         self.chaos = Chaos(cfg, cluster)
 
-    def fire(self, point: str, step: int, targets: Any) -> None:
+    def fire(self, point: str, step: int, targets: FaultTargets) -> None:
         self.chaos.fire(point, step, targets)
 
     def observe_step(self, step: int, seconds: float, width: int) -> float | None:
         return self.chaos.observe_step(step, seconds, width)
 
-    def wrap(self, executor: StepExecutor, targets: Any) -> StepExecutor:
+    def wrap(self, executor: StepExecutor, targets: Callable[[], FaultTargets]) -> StepExecutor:
         return ChaosExecutor(executor, self.chaos, targets)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.membership import Column, Members, Membership, SpareBook
-from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys
+from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys, Roster
 from elastic_llm.controller.states import Capacity
 from elastic_llm.model import count_parameters
 from elastic_llm.sim.costs import MB
@@ -71,7 +71,7 @@ class SimActors(Members):
 
 
     @property
-    def actors(self) -> list[list[ShardKey]]:
+    def actors(self) -> list[list[object]]:
         """``[replica][stage]``: each actor is its key here; empty until spawned."""
         return [[ShardKey(s, r) for s in range(self.stages)] for r in range(self.width)] if self.spawned else []
 
@@ -270,10 +270,10 @@ class SimActors(Members):
         pass
 
     # a simulated run has one driver (SimRegistry): nothing to hand over
-    def roster(self) -> dict[str, Any]:
-        return {}
+    def roster(self) -> Roster:
+        return {"width": self.width, "stages": self.stages, "actors": []}
 
-    def take_over(self, roster: dict[str, Any]) -> set[ShardKey]:
+    def take_over(self, roster: Roster) -> set[ShardKey]:
         return self._unmodelled("taking a dead driver's actors over")
 
     def leased(self) -> list[tuple[Any, str | None]]:
@@ -406,6 +406,19 @@ class SimActors(Members):
         digits = re.findall(r"\d+", name)
         for k in keys:
             self.at[k] = int(digits[-1]) if digits else 0
+
+    # fault injection (chaos): a simulation's faults come from its trace and fault schedule
+    def kill_process(self, key: ShardKey, how: str) -> None:
+        self._unmodelled("chaos")
+
+    def inject_error(self, key: ShardKey, message: str) -> None:
+        self._unmodelled("chaos")
+
+    def corrupt_own_copies(self, key: ShardKey) -> None:
+        self._unmodelled("chaos")
+
+    def kill_standbys(self, node: str) -> int:
+        return self._unmodelled("chaos")
 
     def _unmodelled(self, what: str) -> Any:
         raise NotImplementedError(f"simulate models recovery.mode=lossless only: {what} is not simulated")

@@ -20,10 +20,11 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from elastic_llm.chaos import FaultTargets
 from elastic_llm.config import RunConfig
 from elastic_llm.config.rules import spot_warning
 from elastic_llm.controller.drains import Drain, NodeDeath
-from elastic_llm.controller.ports import DurableTier, Standbys
+from elastic_llm.controller.ports import DurableTier, Standbys, Roster
 from elastic_llm.monitor import RunStatus
 from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
 from elastic_llm.sim.actors import SimActors, SimLost
@@ -163,10 +164,10 @@ class SimRegistry:
     def retire_old_driver(self, run_id: str, keep: frozenset[str] = frozenset(), keep_standbys: bool = False) -> None:
         pass
 
-    def publish_roster(self, run_id: str, roster: dict[str, Any]) -> None:
+    def publish_roster(self, run_id: str, roster: Roster) -> None:
         pass
 
-    def roster(self, run_id: str) -> dict[str, Any] | None:
+    def roster(self, run_id: str) -> Roster | None:
         return None
 
     def find(self, run_id: str) -> tuple[dict[str, Any], VersionRecord | None]:
@@ -191,13 +192,13 @@ class SimRegistry:
 class NoFaults:
     """A simulation's faults come from its trace and fault schedule, not from ``chaos``."""
 
-    def fire(self, point: str, step: int, targets: Any) -> None:
+    def fire(self, point: str, step: int, targets: FaultTargets) -> None:
         pass
 
     def observe_step(self, step: int, seconds: float, width: int) -> float | None:
         return None
 
-    def wrap(self, executor: StepExecutor, targets: Any) -> StepExecutor:
+    def wrap(self, executor: StepExecutor, targets: Callable[[], FaultTargets]) -> StepExecutor:
         return executor
 
 

@@ -10,12 +10,20 @@ from typing import Any, Protocol
 from elastic_llm.snapshot.records import VersionRecord
 
 
+class Flush(Protocol):
+    """A durable flush in flight."""
+
+    @property
+    def record(self) -> VersionRecord: ...  # the version it writes
+
+
 class Flusher(Protocol):
     """What the coordinator needs of the durable tier (it never imports it): at each commit,
     whether that version is flushed, the flush in flight (its version stays pinned), and
     starting a flush."""
 
-    inflight: Any  # the flush in flight (``.record``: its VersionRecord), or None
+    @property
+    def inflight(self) -> Flush | None: ...  # the flush in flight, or None
 
     def wants(self, record: VersionRecord) -> bool: ...
 
