@@ -36,11 +36,20 @@ from elastic_llm.stream import StreamPosition
 
 
 class SimNodes:
-    """The fleet's nodes as the controller sees them: alive, under notice (a drain with its deadline)."""
+    """The fleet's nodes as the controller sees them: alive, under notice (a drain with its deadline).
 
-    def __init__(self, world: World) -> None:
+    ``reclaims_known``: the one way this differs from Ray on purpose. True (``elastic-llm
+    simulate``'s default): the simulated cloud says which removals were reclaims, so a node the
+    trace removes without notice is a reclaim, as its notice would have said (a spot trace's
+    removals are); a stage process dying on a live node is not. False: as on Ray, where a node that
+    dies without notice is not known as a reclaim (only what was seen draining is), so the failure
+    it causes is charged to the failure budget (the contract suite holds both runtimes to that)."""
+
+    def __init__(self, world: World, reclaims_known: bool = True) -> None:
         self.world = world
+        self.reclaims_known = reclaims_known
         self.gone: set[str] = set()  # nodes declared gone (a refused placement) before the fleet removed them
+        self.announced: set[str] = set()  # nodes seen draining
 
     def alive(self) -> set[str]:
         return set(self.world.fleet.alive()) - self.gone
@@ -49,13 +58,15 @@ class SimNodes:
         return sorted(self.alive())
 
     def draining(self) -> dict[str, Drain]:
-        return {n: Drain(n, EPOCH + t) for n, t in self.world.fleet.draining().items()}
+        now = {n: Drain(n, EPOCH + t) for n, t in self.world.fleet.draining().items()}
+        self.announced |= set(now)
+        return now
 
     def reclaimed(self) -> set[str]:
-        """Every node the trace removes is a reclaim (a spot trace's removals are); a stage
-        process dying on a live node is not."""
+        """Nodes seen draining, and (``reclaims_known``) every node the trace removed."""
         fleet = self.world.fleet
-        return {n for n, x in fleet.nodes.items() if not x.alive} | set(fleet.draining())
+        known = {n for n, x in fleet.nodes.items() if not x.alive} if self.reclaims_known else set()
+        return known | self.announced | set(fleet.draining())
 
     def suspects(self) -> set[str]:
         return set()  # a simulated node is alive or gone: no probe ever times out
@@ -282,12 +293,12 @@ class SimRuntime:
     """The ports of a simulated run (see the module's docstring). ``durable_every``: flush every
     N-th committed snapshot to a simulated durable tier (0: none)."""
 
-    def __init__(self, world: World, seed: int = 0, durable_every: int = 0, standbys_per_node: int = 0) -> None:
+    def __init__(self, world: World, seed: int = 0, durable_every: int = 0, standbys_per_node: int = 0, reclaims_known: bool = True) -> None:
         self.world = world
         self.clock = world.clock
         self.rng = random.Random(seed)
         self.errors: tuple[type[BaseException], ...] = (SimLost,)
-        self.nodes = SimNodes(world)
+        self.nodes = SimNodes(world, reclaims_known)
         self.fleet = SimManagers(world, SimCalls(world.clock, world.charged))
         self.registry = SimRegistry()
         self.faults = NoFaults()

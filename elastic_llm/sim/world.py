@@ -91,15 +91,18 @@ class Fleet:
 
     def apply_until(self, t: float) -> None:
         while self.applied < len(self.pending) and self.pending[self.applied].at_s <= t:
-            a = self.pending[self.applied]
             self.applied += 1
-            self._alive = None
-            if a.kind == "add":
-                self.nodes[a.node] = SimNode(a.node, self.slots, a.at_s)
-            elif a.kind == "drain":
-                self.nodes[a.node].drain_deadline_s = a.at_s + (a.deadline_s or 0.0)
-            else:
-                self.nodes[a.node].removed_s = a.at_s
+            self.play(self.pending[self.applied - 1])
+
+    def play(self, a: ReplayAction) -> None:
+        """Play ``a`` (one of the plan's, or a harness's at its own time: a node added, drained or removed now)."""
+        self._alive = None
+        if a.kind == "add":
+            self.nodes[a.node] = SimNode(a.node, self.slots, a.at_s)
+        elif a.kind == "drain":
+            self.nodes[a.node].drain_deadline_s = a.at_s + (a.deadline_s or 0.0)
+        else:
+            self.nodes[a.node].removed_s = a.at_s
 
     def alive(self) -> list[str]:
         if self._alive is None:

@@ -1,0 +1,134 @@
+"""The contract suite: every scenario of :mod:`tests.contract` (join, drop, borrow and merge, a
+stage spare's install, a spare whose node went, a drain, a reclaim with and without notice) on
+the simulated runtime's primitives and on the Ray runtime's on a loopback cluster (real actors,
+real node removals and drains), each held to the same facts: the same membership and the same
+failure-budget charges. The one intended difference, that a simulated cloud can say which
+removals were reclaims (``elastic-llm simulate``'s default, ``SimNodes.reclaims_known``), is a
+named option, tested here by what it changes and nothing else.
+
+One loopback ``Cluster`` (a head without CPUs and six worker nodes of one CPU: one stage actor
+each) is shared by the module's Ray scenarios; the nodes a scenario removes are replaced before
+the next one.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import ray
+
+from elastic_llm.controller.ports import StageActors
+from elastic_llm.replay.trace import ReplayAction
+from elastic_llm.runtime.drains import request_drain
+from elastic_llm.runtime.ray_runtime import RayRuntime
+from elastic_llm.sim.costs import load_costs
+from elastic_llm.sim.runtime import SimRuntime
+from elastic_llm.sim.world import Charged, Fleet, SimClock, World
+
+from .conftest import loopback_cluster_fixture, top_up, wait_until
+from .contract import EXPECTED, SCENARIOS, WORKERS, Side, contract_config
+
+pytestmark = pytest.mark.timeout(300)
+RUN_IDS = (f"c0{i:04x}" for i in itertools.count())
+
+
+def started(g: StageActors) -> StageActors:
+    """``g`` placed and its actors started."""
+    g.placement.place()
+    g.spawn_all()
+    return g
+
+
+class SimSide:
+    """The simulated runtime on six nodes of one slot; its clock moves half a second per look."""
+
+    name = "simulated"
+
+    def __init__(self, reclaims_known: bool = False) -> None:
+        self.clock = SimClock()
+        self.fleet = Fleet(self.clock, tuple(f"n{i}" for i in range(WORKERS)), (), 1)
+        self.rt = SimRuntime(World(self.clock, self.fleet, load_costs("cpu-2core"), Charged()), reclaims_known=reclaims_known)
+        self.nodes = self.rt.nodes
+
+    def group(self) -> StageActors:
+        return started(self.rt.group(contract_config(), next(RUN_IDS), None))
+
+    def remove(self, node: str) -> None:
+        self.fleet.play(ReplayAction(self.clock.now, "remove", node))
+
+    def drain(self, node: str, seconds: float) -> None:
+        self.fleet.play(ReplayAction(self.clock.now, "drain", node, seconds))
+
+    def until(self, done, what: str) -> None:
+        for _ in range(1200):  # 600 simulated seconds
+            if done():
+                return
+            self.clock.sleep(0.5)
+        raise AssertionError(f"{what}: not within 600 simulated seconds")
+
+    end = staticmethod(lambda group: group.shutdown())
+
+
+class RaySide:
+    """The Ray runtime's primitives on the module's loopback cluster."""
+
+    name = "ray"
+
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+        self.rt = RayRuntime(contract_config(), cluster=cluster)
+        self.nodes = self.rt.nodes
+
+    def group(self) -> StageActors:
+        return started(self.rt.group(contract_config(), next(RUN_IDS), None))
+
+    def remove(self, node: str) -> None:
+        self.cluster.remove_node(next(n for n in self.cluster.worker_nodes if n.node_id == node), allow_graceful=False)
+        wait_until(lambda: node not in self.nodes.alive(), 60, f"Ray seeing node {node[:12]} gone")
+
+    def drain(self, node: str, seconds: float) -> None:
+        request_drain(node, seconds, "contract suite")
+
+    def until(self, done, what: str) -> None:
+        wait_until(done, 120, what)
+
+    end = staticmethod(lambda group: group.shutdown())
+
+
+def play(side: Side, name: str) -> dict[str, object]:
+    g = side.group()
+    try:
+        assert g.width == 2 and g.ready == set(g.keys()) and len(set(g.nodes.values())) == 4  # one actor per node, as the scenarios assume
+        return SCENARIOS[name](side, g)
+    finally:
+        side.end(g)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_the_simulated_runtime_keeps_the_contract(name):
+    assert play(SimSide(), name) == EXPECTED[name]
+
+
+def test_the_simulations_named_option_says_removals_were_reclaims_and_changes_only_that():
+    """``reclaims_known`` (simulate's default): a node removed without notice is a reclaim, so
+    the failure it causes is not charged; a process dying on a live node still is."""
+    got = play(SimSide(reclaims_known=True), "reclaim_without_notice")
+    assert got == {**EXPECTED["reclaim_without_notice"], "reclaimed": True, "charged": False}
+    for name in ("drain_then_reclaim", "join", "borrow_and_merge"):
+        assert play(SimSide(reclaims_known=True), name) == EXPECTED[name]
+
+
+cluster = loopback_cluster_fixture(WORKERS, 1)
+
+
+@pytest.fixture
+def ray_side(cluster):
+    top_up(cluster, WORKERS, 1, exact=True)
+    return RaySide(cluster)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_the_ray_runtime_keeps_the_contract(ray_side, name):
+    assert ray.is_initialized()
+    assert play(ray_side, name) == EXPECTED[name]
