@@ -4,7 +4,9 @@ Owns: ``snapshot.every: auto`` (:func:`snapshot_every`: the smallest interval wh
 per snapshot keeps the training overhead under ``snapshot.max_overhead_pct``; :class:`SnapshotCost`:
 which steps are the clean baseline and what each version cost the steps), ``durable.every:
 auto`` (:func:`young_daly_s` and :func:`flush_every`: the optimal interval sqrt(2 x cost x MTBF) of
-Young (1974) / Daly (2006), in committed snapshots), and :class:`Ema`, the smoothing both use.
+Young (1974) / Daly (2006), in committed snapshots), whose turn a committed snapshot is
+(:class:`FlushTurns`, kept by the durable tier on Ray and the simulated one alike), and
+:class:`Ema`, the smoothing both use.
 Never measures anything itself and never talks to Ray: the coordinator and the durable tier feed
 it what they measured, and say the choice and its inputs in the metrics and the progress bar.
 """
@@ -235,3 +237,25 @@ class SnapshotCost:
                 "max_overhead_pct": self.pct, "why": self.why, "version": version,
             })
             self.every = every
+
+
+@dataclass
+class FlushTurns:
+    """Every ``every``-th committed snapshot is flushed, one flush at a time: a snapshot whose
+    turn comes while a flush is still in flight is not flushed (``skipped`` counts those), and
+    the count goes on until one is."""
+
+    every: int
+    since: int = 0  # committed snapshots since the last flush started
+    skipped: int = 0
+
+    def wants(self, busy: bool) -> bool:
+        """A snapshot committed now: is it flushed? (``busy``: a flush is in flight)."""
+        self.since += 1
+        due = self.since >= self.every
+        if due and busy:
+            self.skipped += 1
+        return due and not busy
+
+    def started(self) -> None:
+        self.since = 0

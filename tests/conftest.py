@@ -100,3 +100,12 @@ def top_up(cluster, workers, cpus_per_node, exact=False):
     cluster.wait_for_nodes()
     wait_until(lambda: (live_workers() == workers) if exact else (live_workers() >= workers), 60, "worker nodes coming up")
     return cluster
+
+
+@pytest.fixture(autouse=True)
+def elastic_llm_logs_reach_caplog(monkeypatch):
+    """Every test starts with the ``elastic_llm`` loggers propagating (``caplog`` reads them): a
+    CLI test earlier in the process may have configured them not to (:func:`elastic_llm.logs.configure`)."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("elastic_llm"), "propagate", True)

@@ -143,3 +143,13 @@ def test_slow_first_steps_do_not_stay_the_baseline_and_the_interval_leaves_a_cle
     assert c.clean_s.value == pytest.approx(0.42)  # the steady steps, not the first ones
     assert c.every >= 12  # 0.12 s / (0.42 s x 2%) = 14.3 (less while the deviation settles)
     assert sum(overhead) / len(overhead) <= 0.0201  # the budget holds (7 versions of 0.12 s in these 100 steps of 0.42 s: 2.0%)
+
+
+def test_flush_turns_flush_every_nth_commit_one_at_a_time_and_count_the_turns_a_busy_flush_took():
+    from elastic_llm.cadence import FlushTurns
+
+    turns = FlushTurns(3)
+    assert [turns.wants(busy=False) for _ in range(3)] == [False, False, True]
+    turns.started()
+    assert [turns.wants(busy=b) for b in (False, False, True, True, False)] == [False, False, False, False, True]  # due at the third, the flush in flight
+    assert turns.skipped == 2

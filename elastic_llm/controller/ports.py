@@ -285,7 +285,8 @@ class DurableTier(Protocol):
     """The durable tier as the controller drives it (:class:`elastic_llm.durable.tier.DurableTier`
     on Ray; a simulated one in :mod:`elastic_llm.sim`)."""
 
-    every: int
+    @property
+    def every(self) -> int: ...
     @property
     def inflight(self) -> Flush | None: ...  # the flush in flight, or None
 

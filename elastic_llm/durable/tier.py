@@ -90,9 +90,8 @@ class DurableTier:
         self.data_dir = data_dir
         self.run = run_storage(cfg)
         self.auto = du.every == "auto"
-        self.every = 1 if self.auto else int(du.every)  # auto: the first commit is flushed, to measure the cost
+        self.turns = cadence.FlushTurns(1 if self.auto else int(du.every))  # auto: the first commit is flushed, to measure the cost
         self.why = "auto: the first committed snapshot is flushed to measure the cost" if self.auto else f"durable.every={du.every}"
-        self.since = 0  # committed snapshots since the last flush started
         self.inflight: _Flush | None = None
         self.stats = DurableStats()
         self.cost = cadence.Ema(alpha=0.5)
@@ -124,21 +123,18 @@ class DurableTier:
                 every=every, previous=self.every, interval_s=interval, flush_cost_s=self.cost.value, mtbf_s=mtbf,
                 snapshot_every=snap_every, step_s=self.step_s.value, why=self.why,
             ))
-        self.every = every
+        self.turns.every = every
 
     # ------------------------------------------------------------------ at every commit
     def wants(self, record: VersionRecord) -> bool:
         """Whether ``record`` (being committed now) is flushed; its managers then pin it."""
-        self.since += 1
-        if self.inflight is not None:
-            if self.since >= self.every:
-                self.stats.skipped += 1
-            return False
-        return self.since >= self.every
+        wanted = self.turns.wants(self.inflight is not None)
+        self.stats.skipped = self.turns.skipped
+        return wanted
 
     def start(self, record: VersionRecord) -> None:
         """Send every writer its parts of ``record`` (pinned by its managers). Returns at once."""
-        self.since = 0
+        self.turns.started()
         managers = self.coordinator.managers
         n, stages = self.cfg.model.n_layers, self.cfg.parallel.stages
         du = self.cfg.durable
@@ -232,6 +228,11 @@ class DurableTier:
             m.unpin.remote(version)
 
     # ------------------------------------------------------------------ queries and the end
+    @property
+    def every(self) -> int:
+        """Flush every this many committed snapshots (``durable.every``, or auto's choice)."""
+        return self.turns.every
+
     def latest(self) -> tuple[int, str] | None:
         """(step, directory name) of the newest committed checkpoint."""
         return self.newest

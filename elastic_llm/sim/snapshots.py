@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_llm.cadence import FlushTurns
 from elastic_llm.sim.world import SimManager, SimRef, World, _Call
 from elastic_llm.snapshot.records import ShardKey
 
@@ -54,20 +55,19 @@ class SimFlusher:
     parallel at the cost model's ``flush_mb_s``; one at a time; a flush whose node goes first fails."""
 
     def __init__(self, world: World, every: int) -> None:
-        self.world, self.every = world, every
-        self.since = 0
+        self.world = world
+        self.turns = FlushTurns(every)
         self.inflight: _SimFlush | None = None
         self.done: tuple[int, str] | None = None  # (step, name) of the newest committed checkpoint
         self.flushes = 0
 
     def wants(self, record: Any) -> bool:
         self.poll()
-        self.since += 1
-        return self.inflight is None and self.since >= self.every
+        return self.turns.wants(self.inflight is not None)
 
     def start(self, record: Any) -> None:
         w = self.world
-        self.since = 0
+        self.turns.started()
         per_node: dict[str, int] = {}
         for info in record.shards:
             node = record.home(info.node_id)
@@ -84,13 +84,17 @@ class SimFlusher:
             self.done = (f.record.version, f"step-{f.record.version:08d}")
             self.flushes += 1
 
+    @property
+    def every(self) -> int:
+        return self.turns.every
+
     def latest(self) -> tuple[int, str] | None:
         self.poll()
         return self.done
 
     def reset(self) -> None:
         self.inflight = None
-        self.since = 0
+        self.turns.started()
 
     def observe(self, step_s: float, elapsed_s: float, failures: int) -> None:
         pass  # a fixed interval (--durable-every): nothing to measure
