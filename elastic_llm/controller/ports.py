@@ -3,8 +3,11 @@
 Owns: the contract between the controller (its state machine, :mod:`.trainer`, and the
 orchestration that carries plans out: :mod:`.setup`, :mod:`.stepping`, :mod:`.recovery`,
 :mod:`.elastic`, :mod:`.neighbours`, :mod:`.checkpoints`) and a runtime that provides the
-primitives: :class:`StageActors` (actor slots and placement, the stage actors, spares, and the
-calls that move state between actors and stores), :class:`Nodes` (liveness and drains),
+primitives: :class:`StageActors` (the stage actors and their membership) with its small ports
+:class:`Placement` (actor slots), :class:`Spares` (actors started ahead), :class:`Resizes`
+(changes of the width and of who runs as a key), :class:`StateMoves` (the calls that move state
+between actors and stores), :class:`Handover` (driver failover) and chaos's
+:class:`~elastic_llm.chaos.StageHits`; :class:`Nodes` (liveness and drains),
 :class:`Standbys` (warm processes), :class:`RunRegistry` (what a new driver finds of a run whose
 driver died), :class:`Faults` (fault injection), :class:`DurableTier` and the snapshot managers
 (:class:`~elastic_llm.snapshot.coordinator.ManagerFleet`, owned by the snapshot package), the
@@ -12,6 +15,15 @@ step executor (:class:`~elastic_llm.pipeline.executor.StepExecutor`), the monito
 clock (:class:`~elastic_llm.clock.Clock`) and every random draw (:attr:`Runtime.rng`), bundled in
 :class:`Runtime`. :mod:`elastic_llm.runtime` implements them on Ray; :mod:`elastic_llm.sim` in
 simulated time. Both run the same controller: nothing above these ports asks which it runs on.
+
+The style of every port here: a dozen methods or fewer; typed throughout (no ``Any``: an actor's
+handle is the opaque :data:`ActorRef`, JSON a :class:`Roster` or :data:`Json`); what the
+controller reads of a runtime's state is a read-only property (the membership is one
+:class:`~elastic_llm.controller.membership.Membership` table in both runtimes, changed only
+through :class:`Resizes` and :class:`StageActors`' own calls); a query is pure (it places or starts
+nothing: asking whether a spare is ready starts no process), and one explicit call starts what a
+plan asks for (:meth:`Spares.start`, :meth:`Spares.tend`). ``tests/test_contract.py`` holds both
+runtimes' primitives to the same facts.
 
 Also the exceptions a runtime raises that the orchestration acts on (:class:`CapacityUnavailable`,
 :class:`PlanNotFollowed`); the others a runtime raises when an actor or node it called died are
@@ -169,10 +181,12 @@ class StageActors(Protocol):
     :attr:`Runtime.errors`. A primitive that takes time succeeds only if the actors it involves
     are alive when it ends."""
 
-    cfg: RunConfig
-    stages: int
-    spans: Spans  # "actor" (starting or adopting), "state" (copies between actors and stores)
-
+    @property
+    def cfg(self) -> RunConfig: ...
+    @property
+    def stages(self) -> int: ...
+    @property
+    def spans(self) -> Spans: ...  # "actor" (starting or adopting), "state" (copies between actors and stores)
     @property
     def width(self) -> int: ...
     @property

@@ -2,11 +2,13 @@
 
 Owns: spawning an actor on its bundle, replacing lost ones (a warm standby adopted where the plan
 says so, :mod:`.standby` keeps the pool), describing them (node, pid, devices), resetting the
-survivors of a failed step, changing the width (add a replica, drop replicas and renumber the
-rest), and the actors started ahead in the background: spare replicas (so that growing or moving
-off a draining node waits for no process start) and single stage spares (per-stage drain moves).
-The calls that move state are :mod:`.stage_calls`'. This is the Ray implementation of
-:class:`~elastic_llm.controller.ports.StageActors`. Every wait has a deadline.
+survivors of a failed step, changing the width (add a replica, drop replicas, borrow, install a
+started spare: the processes and placement groups behind each change; the bookkeeping is the
+one :class:`~elastic_llm.controller.membership.Membership` table both runtimes keep), and what
+fault injection does to the actors. Spares started ahead are :mod:`.spares`'; the calls that move
+state :mod:`.stage_calls`'. This is the Ray implementation of
+:class:`~elastic_llm.controller.ports.StageActors` and its small ports (``Placement``,
+``Resizes``, ``StateMoves``, ``Handover``, chaos's ``StageHits``). Every wait has a deadline.
 Never decides anything: the controller says which actors to place, replace, add or drop, and the
 recovery plan which actor adopts a standby.
 """

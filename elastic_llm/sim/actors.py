@@ -1,5 +1,7 @@
 """The stage actors of a simulated run: the :class:`~elastic_llm.controller.ports.StageActors`
-primitives on the fleet's actor slots, in simulated time.
+primitives (and its small ports, :class:`SimSpares` the ``Spares`` one) on the fleet's actor
+slots, in simulated time, with the same :class:`~elastic_llm.controller.membership.Membership`
+table as on Ray.
 
 Owns: where each actor runs (an actor slot of a live node; nodes under notice take nothing new),
 the actors' processes (a start takes the cost model's ``actor_start_s``, a warm standby's
