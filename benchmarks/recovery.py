@@ -508,7 +508,7 @@ def _full_restart(cluster: Any, cfg: Any, warmup: int, rounds: int, workdir: str
         step, position = old.step, dict(old.stream.state_dict())
         keys = old.group.keys()
         files = {k: os.path.join(workdir, f"ckpt-stage{k.stage}-replica{k.replica}.pt") for k in keys}
-        saved = ray.get([old.group.actor(k).__ray_call__.remote(save, files[k], position) for k in keys], timeout=600)
+        saved = ray.get([old.group.actors[k.replica][k.stage].__ray_call__.remote(save, files[k], position) for k in keys], timeout=600)
         driver_file = os.path.join(workdir, "ckpt-driver.pt")
         torch.save({"step": step, "data_position": position}, driver_file)
         expected_loss = old.run_step()["loss"]  # the undisturbed run's next step
@@ -527,7 +527,7 @@ def _full_restart(cluster: Any, cfg: Any, warmup: int, rounds: int, workdir: str
             new.setup()
             t2 = time.perf_counter()
             loads = new.group.keys()
-            refs = [new.group.actor(k).__ray_call__.remote(load, files[k]) for k in loads]
+            refs = [new.group.actors[k.replica][k.stage].__ray_call__.remote(load, files[k]) for k in loads]
             drv = torch.load(driver_file, weights_only=True)
             got = ray.get(refs, timeout=600)
             t3 = time.perf_counter()

@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from elastic_llm.controller.ports import StageActors
 from elastic_llm.snapshot.records import ShardKey
 
 
@@ -34,12 +35,13 @@ def manager_pid(snapshots: Any, node: str, timeout_s: float) -> int | None:
         return None
 
 
-def stage_pid(group: Any, key: ShardKey, timeout_s: float) -> int:
+def stage_pid(group: StageActors, key: ShardKey, timeout_s: float) -> int:
     """The process of stage ``key``'s actor now (see the module's docstring)."""
     import ray
 
+    actor: Any = group.actors[key.replica][key.stage]  # a Ray actor: this soak runs on Ray
     try:
-        return int(ray.get(group.actor(key).__ray_call__.remote(_pid), timeout=timeout_s))
+        return int(ray.get(actor.__ray_call__.remote(_pid), timeout=timeout_s))
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # gone, or busy: the recorded pid, if it still is a stage actor's
         pid = group.pids[key]
     try:
