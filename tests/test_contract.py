@@ -132,3 +132,22 @@ def ray_side(cluster):
 def test_the_ray_runtime_keeps_the_contract(ray_side, name):
     assert ray.is_initialized()
     assert play(ray_side, name) == EXPECTED[name]
+
+
+def test_asking_about_a_spare_places_and_starts_nothing_tend_does():
+    """A spare replica started with no room waits unplaced however often it is asked about (the
+    elastic look's view is built from these queries); once room is there, the one explicit
+    ``tend`` places it, and its processes start from then."""
+    side = SimSide()
+    g = side.group()
+    first = g.spares.start()  # takes the two free slots
+    waiting = g.spares.start()  # no room left
+    assert len(g.spares.nodes(first)) == 2 and not g.spares.nodes(waiting)
+    g.spares.cancel(first)  # room again
+    for _ in range(5):
+        assert not g.spares.ready(waiting) and not g.spares.nodes(waiting) and g.spares.replicas() == [waiting]
+        side.clock.sleep(10.0)
+    g.spares.tend()
+    assert len(g.spares.nodes(waiting)) == 2 and not g.spares.ready(waiting)
+    side.until(lambda: g.spares.ready(waiting), "the spare started")
+    assert g.spares.age(waiting) >= 50.0
