@@ -257,7 +257,7 @@ def test_a_resize_fault_whose_shrink_grew_back_before_its_turn_shrinks_the_run_a
 
     fault = Fault(FaultKind.MANAGER, 7, 1, Moment.RESIZE)
     elastic = SimpleNamespace(bounds=lambda dp: (1, 2))
-    t = SimpleNamespace(group=SimpleNamespace(spares=[], width=2), cfg=SimpleNamespace(elastic=elastic, parallel=SimpleNamespace(dp=2)), state=None, observers=[])
+    t = SimpleNamespace(group=SimpleNamespace(spares=SimpleNamespace(replicas=list), width=2), cfg=SimpleNamespace(elastic=elastic, parallel=SimpleNamespace(dp=2)), state=None, observers=[])
     trial = _Trial(None, TrialPlan(0, (fault,), 14), t)
     primed = []
     trial._shrink_first = lambda f, step: primed.append((f, step))
