@@ -16,7 +16,7 @@ clock (:class:`~elastic_llm.clock.Clock`) and every random draw (:attr:`Runtime.
 :class:`Runtime`. :mod:`elastic_llm.runtime` implements them on Ray; :mod:`elastic_llm.sim` in
 simulated time. Both run the same controller: nothing above these ports asks which it runs on.
 
-The style of every port here: a dozen methods or fewer; typed throughout (no ``Any``: an actor's
+The style of every port here: a dozen methods or fewer; typed throughout (no untyped seam: an actor's
 handle is the opaque :data:`ActorRef`, JSON a :class:`Roster` or :data:`Json`); what the
 controller reads of a runtime's state is a read-only property (the membership is one
 :class:`~elastic_llm.controller.membership.Membership` table in both runtimes, changed only

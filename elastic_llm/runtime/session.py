@@ -241,7 +241,7 @@ def loopback_cluster(
         "include_dashboard": False,
         "_system_config": dict(FAST_HEALTH if system_config is None else system_config),
     }
-    c = Cluster(initialize_head=True, head_node_args=head)
+    c = Cluster(initialize_head=True, head_node_args=head)  # the head's object_store_memory is in ``head``: not Ray's 150 MiB
     for _ in range(workers):
         add_loopback_node(c, cpus_per_node, store_bytes)
     c.wait_for_nodes()
