@@ -76,3 +76,10 @@ def test_a_spare_replica_joins_as_the_last_and_replicas_on_nodes_sees_it():
     assert r == 2 and m.width == 3 and {K(0, 2), K(1, 2)} <= m.ready
     assert m.replicas_on(["y", "n00"]) == [0, 2] and K(0, 2) not in handles  # its handles are the runtime's to add
     assert +counts == Counter(m.nodes.values())
+
+
+def test_a_change_keeps_the_tables_a_reader_holds():
+    m, _, _, _ = table()
+    node_of, ready = m.nodes.get, m.ready  # as an executor holds node_of
+    m.drop_replicas([0])
+    assert node_of(K(0, 0)) == "n10" and ready is m.ready and K(0, 2) not in ready

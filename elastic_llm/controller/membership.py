@@ -127,6 +127,7 @@ class Membership:
         taker had is let go (the runtime ended it first)."""
         for giver, taker in pairs:
             self._apply({giver: taker}, {taker})
+
     def drop_replicas(self, replicas: Iterable[int]) -> dict[int, int]:
         """Remove ``replicas``; the others are renumbered 0..w-1 in their order. Returns old
         replica index -> new one, for the kept."""
@@ -143,9 +144,15 @@ class Membership:
         if self._on_host is not None:
             for k in sorted(dropped & set(self.nodes)):
                 self._on_host(self.nodes[k], None)
-        self.nodes = {moves.get(k, k): n for k, n in self.nodes.items() if k not in dropped}
-        self.ready = {moves.get(k, k) for k in self.ready if k not in dropped}
-        self.fresh = {moves.get(k, k): t for k, t in self.fresh.items() if k not in dropped}
+        nodes = {moves.get(k, k): n for k, n in self.nodes.items() if k not in dropped}
+        ready = {moves.get(k, k) for k in self.ready if k not in dropped}
+        fresh = {moves.get(k, k): t for k, t in self.fresh.items() if k not in dropped}
+        self.nodes.clear()  # changed in place: a reader holding them (an executor's node_of) sees the change
+        self.nodes.update(nodes)
+        self.ready.clear()
+        self.ready.update(ready)
+        self.fresh.clear()
+        self.fresh.update(fresh)
         for col in self._columns:
             col._move(moves, dropped)
 
