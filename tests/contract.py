@@ -2,8 +2,8 @@
 
 A scenario drives one runtime's stage actors (:class:`~elastic_llm.controller.ports.StageActors`
 and its small ports) and nodes (:class:`~elastic_llm.controller.ports.Nodes`) through a
-:class:`Side` (a loopback Ray cluster, or a simulated fleet), and returns what it observed as
-plain facts: the width, who is ready, where a key went relative to where things were, what is
+:class:`Side` (a loopback Ray cluster, or a simulated fleet), or (:data:`RUNS`) the controller
+itself training on that runtime, and returns what it observed as plain facts: the width, who is ready, where a key went relative to where things were, what is
 charged to the failure budget. ``tests/test_contract.py`` runs every scenario on both sides and
 asserts each side's facts equal :data:`EXPECTED` (so equal each other). Node ids differ between
 the runtimes (and Ray places bundles its own way), so the facts are relations: "the key now runs
@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.controller.ports import Nodes, StageActors
+from elastic_llm.controller.trainer import Trainer
 from elastic_llm.recovery.failure import StepFailure, reclaims_behind
 from elastic_llm.snapshot.records import ShardKey as K
 
@@ -29,8 +31,8 @@ SHAPE = ["model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=
 WORKERS = 6  # one slot each: the width's 4 actors and 2 free slots
 
 
-def contract_config() -> RunConfig:
-    return load_config(os.path.join(REPO, "jobs", "tiny.yaml"), SHAPE)
+def contract_config(*extra: str) -> RunConfig:
+    return load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*SHAPE, *extra])
 
 
 class Side(Protocol):
@@ -43,7 +45,10 @@ class Side(Protocol):
     def remove(self, node: str) -> None: ...  # the node goes now, without notice; returns once the runtime sees it gone
     def drain(self, node: str, seconds: float) -> None: ...  # a notice: the node goes in ``seconds``
     def until(self, done: Callable[[], bool], what: str) -> None: ...  # wait (Ray: real time, bounded; simulated: the clock moves)
+    def cut(self, node: str) -> None: ...  # the driver can no longer reach the node (it lives: hung, or cut off by the network)
+    def heal(self, node: str) -> None: ...  # the driver reaches it again
     def end(self, group: StageActors) -> None: ...  # shut the group down
+    def trainer(self, out: Path) -> Trainer: ...  # the controller on this runtime, on the contract's shape and the built-in corpus
 
 
 def charged(side: Side, group: StageActors, key: K) -> bool:
@@ -123,17 +128,40 @@ def drain_then_reclaim(side: Side, g: StageActors) -> dict[str, object]:
 
 
 def reclaim_without_notice(side: Side, g: StageActors) -> dict[str, object]:
-    """The node of stage 1 replica 1 goes without notice: nothing said it was a reclaim, so the
-    failure its actor's end causes is charged (a process dying on a live node is charged too)."""
+    """The node of stage 1 replica 1 goes without notice: the node watch's next probe is refused
+    (one death), nothing said it was a reclaim, so the failure its actor's end causes is charged
+    (a process dying on a live node is charged too)."""
     node = g.nodes[K(1, 1)]
     side.remove(node)
     return {"alive": node in side.nodes.alive(), "reclaimed": node in side.nodes.reclaimed(), "charged": charged(side, g, K(1, 1)),
-            "live_process_charged": charged(side, g, K(0, 0))}
+            "live_process_charged": charged(side, g, K(0, 0)), "deaths": [d.outcome.value for d in side.nodes.deaths() if d.node == node]}
+
+
+def suspect_node(side: Side, g: StageActors) -> dict[str, object]:
+    """The node of stage 0 replica 1 stops answering the driver: after ``node_probe_failures``
+    probes in a row time out it is a suspect, and only it; it is still alive, not a reclaim and
+    not dead (no death reported), so a failure there is charged; a stage spare placed off the
+    nodes to avoid does not go there; once it answers again it is no suspect."""
+    node = g.nodes[K(0, 1)]
+    side.cut(node)
+    side.until(lambda: node in side.nodes.suspects(), "the node suspected")
+    avoid = frozenset(side.nodes.suspects())
+    spare = g.spares.start(K(0, 1), avoid)
+    side.until(lambda: (g.spares.tend(avoid), g.spares.ready(spare))[1], "the stage spare")
+    facts: dict[str, object] = {
+        "only_it": avoid == {node}, "alive": node in side.nodes.alive(), "reclaimed": node in side.nodes.reclaimed(),
+        "deaths": [d.node == node for d in side.nodes.deaths()], "charged": charged(side, g, K(0, 1)), "spare_off_it": node not in g.spares.nodes(spare),
+    }
+    g.spares.cancel(spare)
+    side.heal(node)
+    side.until(lambda: node not in side.nodes.suspects(), "the suspicion cleared")
+    return {**facts, "cleared": not side.nodes.suspects()}
 
 
 SCENARIOS: dict[str, Callable[[Side, StageActors], dict[str, object]]] = {
     "join": join, "drop": drop, "borrow_and_merge": borrow_and_merge, "stage_spare_install": stage_spare_install,
     "spare_whose_node_went": spare_whose_node_went, "drain_then_reclaim": drain_then_reclaim, "reclaim_without_notice": reclaim_without_notice,
+    "suspect_node": suspect_node,
 }
 
 EXPECTED: dict[str, dict[str, object]] = {
@@ -143,5 +171,40 @@ EXPECTED: dict[str, dict[str, object]] = {
     "stage_spare_install": {"moved": True, "on_spare_node": True, "spares_left": 0, "all_ready": True, "width": 2},
     "spare_whose_node_went": {"off_the_gone_node": True, "off_avoided": True, "placed": 1, "spares_left": 0},
     "drain_then_reclaim": {"draining_seen": True, "reclaimed": True, "charged": False, "replicas_on_it": [0]},
-    "reclaim_without_notice": {"alive": False, "reclaimed": False, "charged": True, "live_process_charged": True},
+    "reclaim_without_notice": {"alive": False, "reclaimed": False, "charged": True, "live_process_charged": True, "deaths": ["refused"]},
+    "suspect_node": {"only_it": True, "alive": True, "reclaimed": False, "deaths": [], "charged": True, "spare_off_it": True, "cleared": True},
+}
+
+
+def drain_moves_its_stage(side: Side, out: Path) -> dict[str, object]:
+    """The controller trains on the side's runtime (2 stages x 2 replicas on four of the six
+    nodes); after step 4 the node of stage 0 replica 0 gets a 60 s notice, with room for that one
+    stage elsewhere. Its stage spare starts, the stage moves at a step boundary before the node
+    goes (then the node goes): nothing is rolled back, recovered or charged, and the run keeps its
+    width and every step."""
+    t = side.trainer(out)
+    drained: list[str] = []
+
+    def on_step(rec: dict[str, object]) -> None:
+        g = t.group
+        if rec["step"] == 4:
+            drained.append(g.nodes[K(0, 0)])
+            side.drain(drained[0], 60.0)
+        if rec["step"] == 5:  # the controller saw the notice at step 4's end and started the stage spare
+            side.until(lambda: (g.spares.tend(), bool(g.spares.of()) and all(g.spares.ready(sp) for sp in g.spares.of().values()))[1], "the stage spare")
+
+    try:
+        history = t.fit(10, on_step=on_step)
+        facts = {"steps": [h["step"] for h in history], "drains": [(d.how, d.moved, d.stayed, d.dropped, d.rollback_steps) for d in t.drains],
+                 "recoveries": len(t.recoveries), "charged": t.budget.total, "off_the_node": drained[0] not in t.group.nodes.values(), "width": t.group.width}
+    finally:
+        t.shutdown()
+    side.remove(drained[0])
+    return facts
+
+
+RUNS: dict[str, Callable[[Side, Path], dict[str, object]]] = {"drain_moves_its_stage": drain_moves_its_stage}
+
+EXPECTED_RUNS: dict[str, dict[str, object]] = {
+    "drain_moves_its_stage": {"steps": list(range(1, 11)), "drains": [("stages", 1, 0, 0, 0)], "recoveries": 0, "charged": 0, "off_the_node": True, "width": 2},
 }

@@ -309,6 +309,36 @@ def test_a_notice_that_arrives_mid_step_starts_its_spare_at_once_so_the_move_mak
     assert t.recoveries == [] and "n3" not in t.group.nodes.values()
 
 
+def test_a_node_cut_off_mid_step_is_suspected_the_step_fails_at_the_suspect_deadline_and_its_stage_moves(corpus_dir, tmp_path):
+    """After step 3, n3 (stage 1 of replica 1; one slot per node) stops answering the driver. The
+    node watch's probes time out (0.25 s apart, 0.5 s each): three in a row make it a suspect
+    while step 4 runs, which gives step 4 the suspect deadline from then (30 s, not the
+    executor's 900 s). The recovery does not wait for the suspect's actor (60 s on Ray) and puts
+    stage 1 of replica 1 on a free node off it; the failure is charged (a silent node is not a
+    reclaim), and a node_dead line comes only when the node is removed."""
+    t, rt = make(corpus_dir, tmp_path, "elastic.min_replicas=1", nodes=tuple(f"n{i}" for i in range(6)), slots=1)
+    cut = {}
+
+    def on_step(rec):
+        if rec["step"] == 3:
+            cut.update(node=t.group.nodes[ShardKey(1, 1)], at=rt.clock.now)
+            rt.world.fleet.play(ReplayAction(rt.clock.now, "cut", cut["node"]))
+        if rec["step"] == 6:
+            rt.world.fleet.play(ReplayAction(rt.clock.now, "remove", cut["node"]))
+
+    history = t.fit(8, on_step=on_step)
+    assert [h["step"] for h in history] == list(range(1, 9)) and cut["node"] == "n3"
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    failed = next(x["time"] - EPOCH for x in lines if x.get("event") == "state" and x["new"] == "recovering")
+    suspected = 3 * (0.25 + 0.5)  # the third timed-out probe
+    assert 30.0 <= failed - cut["at"] <= 30.0 + suspected + 2.0, failed - cut["at"]
+    [rec] = t.recoveries
+    assert rec["source"] == "dp_peer" and rec["seconds"] < 10.0  # the suspect's actor was not waited for
+    assert t.group.nodes[ShardKey(1, 1)] not in {"n3"} and t.budget.total == 1
+    [dead] = [x for x in lines if x.get("event") == "node_dead"]
+    assert dead["node"] == "n3" and dead["outcome"] == "refused" and dead["failures"] > 3 and dead["step"] >= 6
+
+
 def test_a_used_standby_is_replaced_after_the_first_step_of_the_resumed_run_not_beside_it(corpus_dir, tmp_path):
     """A recovery adopts a warm standby; the new standby that takes its place starts once the run
     has completed a step after the recovery (a process start competes with that step's CPU)."""

@@ -1,6 +1,6 @@
-"""Warm standby stage processes, per-stage drain moves and instant shrink decisions, on a real
-loopback Ray cluster with real kills (SIGKILL of stage and standby processes, node removal,
-Ray drains). Lossless recoveries are checked bit for bit against an undisturbed run.
+"""Warm standby stage processes and instant shrink decisions, on a real loopback Ray cluster with
+real kills (SIGKILL of stage and standby processes, node removal). A drain that moves one stage
+is the contract suite's (``tests/test_contract.py``, on both runtimes). Lossless recoveries are checked bit for bit against an undisturbed run.
 
 One ``ray.cluster_utils.Cluster`` (a head without CPUs + 3 worker nodes of 2 CPUs) is shared by
 the module; nodes removed or drained by a test are replaced before the next one.
@@ -14,7 +14,6 @@ import ray
 
 from elastic_llm.config import load_config
 from elastic_llm.runtime.ray_runtime import ray_trainer
-from elastic_llm.runtime.drains import request_drain
 from elastic_llm.runtime.session import NODE_STORE_BYTES
 from elastic_llm.snapshot.records import ShardKey
 
@@ -138,37 +137,6 @@ def test_standby_killed_while_being_adopted_replans(nodes, clean, corpus_dir, tm
         assert got == clean
     finally:
         t.shutdown()
-
-
-def test_drain_with_room_for_its_stages_only_moves_just_them(nodes, clean, corpus_dir, tmp_path):
-    t = make_trainer(nodes, corpus_dir, tmp_path)
-    drained = {}
-
-    def on_step(rec):
-        if rec["step"] == 4:
-            per_node = {}
-            for k, n in t.group.nodes.items():
-                per_node.setdefault(n, []).append(k)
-            node = next(n for n, ks in sorted(per_node.items()) if len(ks) == 1)  # room for this one, not for a replica
-            drained.update(node=node, keys=per_node[node])
-            request_drain(node, 60, "test: per-stage move")
-        if rec["step"] == 5:  # the controller saw the drain at step 4's end; its stage spare starts meanwhile
-            g = t.group
-            wait_until(lambda: g.spares.tend() or g.spares.of() and all(g.spares.ready(sp) for sp in g.spares.of().values()), 120, "the stage spare")
-
-    try:
-        got = losses(t.fit(STEPS, on_step=on_step))
-        (drain,) = events(tmp_path, "drain")
-        assert drain["how"] == "stages" and drain["moved"] == 1 and drain["rollback_steps"] == 0, drain
-        assert drain["dropped"] == 0 and drain["stayed"] == 0
-        assert not t.recoveries
-        assert all(t.group.nodes[k] != drained["node"] for k in drained["keys"])
-        assert t.group.width == 1
-        assert got == clean
-    finally:
-        t.shutdown()
-        victim = next(n for n in nodes.worker_nodes if n.node_id == drained.get("node"))
-        nodes.remove_node(victim, allow_graceful=False)  # a drained node takes no new work: replace it
 
 
 def test_a_removed_node_is_declared_dead_by_the_run_itself(nodes, clean, corpus_dir, tmp_path):

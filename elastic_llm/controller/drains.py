@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+PROBE_TIMEOUT_S = 0.5  # a node watch's probe not answered this long timed out (a suspect's round is longer by this)
+
 
 @dataclass(frozen=True)
 class Drain:

@@ -50,6 +50,8 @@ from elastic_llm.snapshot.records import Piece, ShardKey, StageSource, VersionRe
 from elastic_llm.spans import Spans
 from elastic_llm.stream import StreamPosition
 
+RESET_S = 60.0  # longest the survivors of a failed step may take to reset (:meth:`StageActors.reset_survivors`, both runtimes)
+
 
 class CapacityUnavailable(RuntimeError):
     """The actors' slots cannot all be placed now; ``capacity`` says what is missing."""

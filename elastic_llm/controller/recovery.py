@@ -128,7 +128,7 @@ class RecoveryExecutor:
         self.nodes.sweep()  # before waiting for the failed step's calls: a dead node's calls then fail at once
         if runner is not None:
             runner.settle()
-        alive_nodes = self.nodes.alive()
+        alive_nodes = self.nodes.alive() - self.nodes.suspects()  # a suspect's actors and parts are not waited for: lost
         steps = self.group.reset_survivors(alive_nodes)
         sn = self.snapshots
         dead_managers: frozenset[str] = frozenset()

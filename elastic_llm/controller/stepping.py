@@ -2,8 +2,8 @@
 
 Owns: submitting a step (the next batch of the data stream, the in-step faults, whether it takes
 a snapshot, beginning that snapshot version once the plans are out), waiting for it with a
-deadline (short when an actor sits on a node the probes suspect) and looking meanwhile for drain
-notices (:attr:`StepRunner.between`, every :data:`NOTICE_LOOK_S`), rewinding the stream when it
+deadline (short when an actor sits on a node the probes suspect, from the moment it is
+suspected, also mid-step) and looking meanwhile for drain notices (:attr:`StepRunner.between`, every :data:`NOTICE_LOOK_S`), rewinding the stream when it
 fails, and what the driver holds of a submitted step (:class:`InterruptedStep`: if every survivor
 finished it, a recovery counts it from their reports). Then, after every completed step, each job
 in a method of its own (:class:`StepJobs`): the snapshot cadence's bookkeeping, the durable
@@ -100,11 +100,8 @@ class StepRunner:
             self.interrupted = InterruptedStep(step, pending, self.stream.at(), started)
             if snap and sn is not None:
                 sn.begin(step, self.parts.group.members())
-            deadline = self.deadline_s()
-            waited = self._look_while_running(executor, pending, deadline)
-            if deadline is not None:
-                deadline = max(0.0, deadline - waited)
-            result = executor.finish(pending) if deadline is None else executor.finish(pending, deadline)
+            left = self._look_while_running(executor, pending)
+            result = executor.finish(pending) if left is None else executor.finish(pending, left)
         except StepFailed:
             self.stream.seek(position)
             raise
@@ -115,19 +112,26 @@ class StepRunner:
         self.typical_s = took if self.typical_s is None else min(took, 0.9 * self.typical_s + 0.1 * took)
         return result, started
 
-    def _look_while_running(self, executor: StepExecutor, pending: Any, deadline: float | None) -> float:
+    def _look_while_running(self, executor: StepExecutor, pending: Any) -> float | None:
         """While the step runs, call :attr:`between` every :data:`NOTICE_LOOK_S` (a notice that
-        arrives mid-step is acted on then, not at the next step boundary), until the step ends
-        or its deadline (at most :data:`NOTICE_LOOK_MAX_S`) passes. Returns the seconds waited."""
-        if self.between is None:
-            return 0.0
+        arrives mid-step is acted on then, not at the next step boundary) and look at the
+        suspects again (a node of the step suspected mid-step gives the step its suspect deadline
+        from then: a hung node does not hold the run for the executor's whole deadline), until the
+        step ends, its deadline passes or :data:`NOTICE_LOOK_MAX_S` did. Returns the seconds left
+        of the step's deadline (None: the executor's own)."""
         t0 = self.clock.perf_counter()
-        limit = NOTICE_LOOK_MAX_S if deadline is None else min(deadline, NOTICE_LOOK_MAX_S)
+        d = self.deadline_s()
+        ends = None if d is None else t0 + d
+        if self.between is None:
+            return d
         while not executor.wait(pending, NOTICE_LOOK_S):
             self.between()
-            if self.clock.perf_counter() - t0 >= limit:
+            now = self.clock.perf_counter()
+            if ends is None and (d := self.deadline_s()) is not None:
+                ends = now + d
+            if now - t0 >= NOTICE_LOOK_MAX_S or (ends is not None and now >= ends):
                 break
-        return self.clock.perf_counter() - t0
+        return None if ends is None else max(0.0, ends - self.clock.perf_counter())
 
 
 class StepJobs:

@@ -24,7 +24,7 @@ from typing import Any
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.membership import Column, Members, Membership
-from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys, Roster
+from elastic_llm.controller.ports import RESET_S, CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys, Roster
 from elastic_llm.controller.states import Capacity
 from elastic_llm.runtime import handover
 from elastic_llm.runtime.placement import PLACE_S, Reservations, kill_actor
@@ -36,7 +36,6 @@ from elastic_llm.spans import Spans
 
 log = logging.getLogger("elastic_llm.runtime")
 START_S = 300.0  # longest an actor may take to start once placed (imports torch, builds the model)
-PROBE_S = 60.0  # longest the survivors of a failed step may take to reset
 WIDTH_S = 60.0  # longest the actors may take to learn a new width
 
 
@@ -228,12 +227,12 @@ class ActorGroup(Members, StateCalls):
     def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]:
         """Drop the partial work of a failed step on every live actor; return each actor's
         completed steps (None: dead, never started, on a dead node, or not answering within
-        :data:`PROBE_S`). An actor whose reset raised is logged with its error and counted lost."""
+        :data:`~elastic_llm.controller.ports.RESET_S`). An actor whose reset raised is logged with its error and counted lost."""
         import ray
 
         steps: dict[ShardKey, int | None] = {k: None for k in self.keys()}
         asks = {self.actor(k).reset_step.remote(): k for k in self.keys() if k in self.ready and self.nodes.get(k) in alive_nodes}
-        ray.wait(list(asks), num_returns=len(asks), timeout=PROBE_S)
+        ray.wait(list(asks), num_returns=len(asks), timeout=RESET_S)
         for ref, key in asks.items():
             try:
                 steps[key] = ray.get(ref, timeout=0)

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from elastic_llm.controller.drains import NodeDeath, Outcome
+from elastic_llm.controller.drains import PROBE_TIMEOUT_S, NodeDeath, Outcome
 
 
 log = logging.getLogger("elastic_llm.runtime")
@@ -177,7 +177,7 @@ class NodeWatch:
     with :meth:`sweep`): declares the dead ones to Ray (``declare``; else it only reports them)
     and keeps them for :meth:`take`; keeps the suspects for :meth:`suspects`."""
 
-    def __init__(self, table: NodeTable, period_s: float, failures: int, timeout_s: float = 0.5, probe: Probe = tcp_probe,
+    def __init__(self, table: NodeTable, period_s: float, failures: int, timeout_s: float = PROBE_TIMEOUT_S, probe: Probe = tcp_probe,
                  clock: Callable[[], float] = time.monotonic, declare: bool = True, hold: Hold | None = None) -> None:
         """``hold``: opens the idle connections the watch's thread waits on between rounds (None:
         rounds only)."""

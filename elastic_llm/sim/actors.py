@@ -25,7 +25,7 @@ from typing import Any
 
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.membership import Column, Members, Membership, SpareBook
-from elastic_llm.controller.ports import CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys, Roster
+from elastic_llm.controller.ports import RESET_S, CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys, Roster
 from elastic_llm.controller.states import Capacity
 from elastic_llm.model import count_parameters
 from elastic_llm.sim.costs import MB
@@ -62,6 +62,7 @@ class SimActors(Members):
         self.spawned = False
         self.pids: Column[int] = self.table.column()
         self.at: Column[int | None] = self.table.column()  # the step each actor's state is at (None: a new, empty one)
+        self.off: Column[frozenset[str]] = self.table.column()  # lost actors renewed off nodes to avoid: their next slot is not there
         self.spares = SimSpares(self)  # replicas and single stages started in the background, not yet in the width
         self.spans = Spans(world.clock.perf_counter)
         self.parameters = count_parameters(cfg.model.shape())
@@ -126,6 +127,10 @@ class SimActors(Members):
                 return out
         raise CapacityUnavailable(self.capacity(count))
 
+    def _off(self, keys: list[ShardKey]) -> frozenset[str]:
+        """The nodes the slots of ``keys`` are taken off (those renewed off nodes to avoid)."""
+        return frozenset().union(*(self.off.get(k, frozenset()) for k in keys))
+
     def _homeless(self, keys: list[ShardKey]) -> list[ShardKey]:
         fleet = self.world.fleet
         return [k for k in keys if k not in self.nodes or not fleet.is_alive(self.nodes[k])]
@@ -169,18 +174,20 @@ class SimActors(Members):
             homeless = self._homeless(keys)
             try:
                 pool = self._pool()
-                slots = iter(self._take(len(homeless), first=pool.ready() if pool is not None else None))
+                slots = iter(self._take(len(homeless), self._off(homeless), first=pool.ready() if pool is not None else None))
             except CapacityUnavailable:
                 return {k: self.nodes.get(k) for k in keys if k not in homeless}
             return {k: next(slots) if k in homeless else self.nodes[k] for k in keys}
 
     def renew(self, keys: list[ShardKey], avoid: frozenset[str] = frozenset()) -> list[ShardKey]:
         """A slot is taken when its actor starts (:meth:`bundle_nodes`) and none outlives its node;
-        a lost actor's slot on a node of ``avoid`` (given up at a drain) is let go."""
+        a lost actor's slot on a node of ``avoid`` (given up at a drain, or suspect) is let go, and
+        its next one is taken off ``avoid`` (as Ray's new placement group for it is made)."""
         with self.charged:
             renewed = [k for k in keys if self.nodes.get(k) in avoid]
             for k in renewed:
                 self.table.host(k, None)
+                self.off[k] = avoid
             return renewed
 
     # ------------------------------------------------------------------ actors
@@ -215,9 +222,10 @@ class SimActors(Members):
                     self.table.host(k, node)
                     free[node] -= 1
             homeless = self._homeless(homeless)
-            slots = iter(self._take(len(homeless)))
+            slots = iter(self._take(len(homeless), self._off(homeless)))
             for k in keys:
                 self.table.host(k, next(slots) if k in homeless else self.nodes[k])
+                self.off.pop(k, None)
                 self.table.ready.discard(k)
                 self.at[k] = None
                 if k in self.fresh:
@@ -241,8 +249,16 @@ class SimActors(Members):
         self.table.forget(key)
 
     def reset_survivors(self, alive_nodes: set[str]) -> dict[ShardKey, int | None]:
+        """As on Ray: each ready actor on a live node answers with its completed steps; one on a
+        node cut off from the driver does not, so the ask waits its :data:`~elastic_llm.controller.ports.RESET_S` and counts
+        it lost (no longer ready)."""
         with self.charged:
-            return {k: (self.at.get(k) if k in self.ready and self.nodes.get(k) in alive_nodes else None) for k in self.keys()}
+            asked = [k for k in self.keys() if k in self.ready and self.nodes.get(k) in alive_nodes]
+            silent = {k for k in asked if self.world.fleet.cut_off(self.nodes[k])}
+            if silent:
+                self.world.clock.sleep(RESET_S)
+                self.table.ready -= silent
+            return {k: (self.at.get(k) if k in asked and k not in silent else None) for k in self.keys()}
 
     def borrow(self, pairs: list[tuple[ShardKey, ShardKey]]) -> None:
         """Each giver's actor (its node slot, state and step) becomes the taker's."""

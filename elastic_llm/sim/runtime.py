@@ -2,10 +2,10 @@
 
 Owns: :class:`SimRuntime` (what :class:`~elastic_llm.controller.trainer.Trainer` runs on in
 ``elastic-llm simulate``: the world's clock, a seeded random source, the simulated nodes, snapshot
-managers, stage actors, warm standbys, durable tier and monitor), :class:`SimNodes` (liveness and
-drains from the fleet), :class:`SimStandbys` (warm processes per node, one used coming back after
+managers, stage actors, warm standbys, durable tier and monitor), :class:`SimNodes` (liveness,
+drains, and the node watch's suspects and deaths, from the fleet), :class:`SimStandbys` (warm processes per node, one used coming back after
 a process start), :class:`SimExecutor` (a step takes the cost model's 1F1B time and fails at the
-first death of a node or process it runs on) and the parts a simulation has none of
+first death of a node or process it runs on, or at its deadline when one of its nodes is cut off) and the parts a simulation has none of
 (:class:`SimRegistry`, :class:`NoFaults`). These are primitives only: every decision and every
 sequence of side effects is the controller's code (:mod:`elastic_llm.controller`), the same that
 runs on Ray. Never reads the machine's clock and never sleeps.
@@ -23,20 +23,27 @@ import numpy as np
 from elastic_llm.chaos import FaultTargets
 from elastic_llm.config import RunConfig
 from elastic_llm.config.rules import spot_warning
-from elastic_llm.controller.drains import Drain, NodeDeath
+from elastic_llm.controller.drains import PROBE_TIMEOUT_S, Drain, NodeDeath, Outcome
 from elastic_llm.controller.ports import DurableTier, Standbys, Roster
 from elastic_llm.monitor import RunStatus
 from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
+from elastic_llm.pipeline.plan import STEP_DEADLINE_S
 from elastic_llm.sim.actors import SimActors, SimLost
 from elastic_llm.sim.snapshots import SimFlusher, SimManagers
-from elastic_llm.sim.world import EPOCH, SimCalls, SimMonitor, World
+from elastic_llm.sim.world import EPOCH, NEVER, SimCalls, SimMonitor, World
 from elastic_llm.snapshot.records import ShardKey, VersionRecord
 from elastic_llm.spans import Spans
 from elastic_llm.stream import StreamPosition
 
 
 class SimNodes:
-    """The fleet's nodes as the controller sees them: alive, under notice (a drain with its deadline).
+    """The fleet's nodes as the controller sees them: alive, under notice (a drain with its
+    deadline), and what the driver's node watch would say of them (as on Ray, after
+    :meth:`start`): a node cut off from the driver (``cut`` in a replay plan: hung, or unreachable
+    through the network) times a probe out every ``node_probe_s`` plus the probe's timeout, and one
+    more at each :meth:`sweep`; ``node_probe_failures`` in a row make it a suspect, until it is
+    healed. A node the fleet removes refuses the next probe: one death each (:meth:`deaths`), as
+    are nodes the run found gone itself (:meth:`declare_gone`).
 
     ``reclaims_known``: the one way this differs from Ray on purpose. True (``elastic-llm
     simulate``'s default): the simulated cloud says which removals were reclaims, so a node the
@@ -50,6 +57,16 @@ class SimNodes:
         self.reclaims_known = reclaims_known
         self.gone: set[str] = set()  # nodes declared gone (a refused placement) before the fleet removed them
         self.announced: set[str] = set()  # nodes seen draining
+        self.probe_s = 0.0  # no probes until :meth:`start` (as on Ray)
+        self.failures = 1
+        self._swept: dict[str, int] = {}  # node -> probes it timed out at sweeps since it was cut off
+        self._reported = 0  # removals whose death :meth:`deaths` gave already
+        self._deaths: list[NodeDeath] = []
+
+    def start(self, period_s: float, failures: int, declare: bool = True) -> None:
+        """The node watch's rounds (``recovery.node_probe_s``; 0: none, so no suspects and no
+        deaths of its own, as on Ray)."""
+        self.probe_s, self.failures = period_s, max(1, failures)
 
     def alive(self) -> set[str]:
         return set(self.world.fleet.alive()) - self.gone
@@ -68,17 +85,46 @@ class SimNodes:
         known = {n for n, x in fleet.nodes.items() if not x.alive} if self.reclaims_known else set()
         return known | self.announced | set(fleet.draining())
 
+    def _timeouts(self, node: str) -> tuple[int, float]:
+        """Probes ``node`` timed out in a row by now, and since when (0 while it answers)."""
+        x = self.world.fleet.nodes.get(node)
+        if self.probe_s <= 0 or x is None or not x.alive or x.cut_s is None:
+            self._swept.pop(node, None)
+            return 0, 0.0
+        rounds = int((self.world.clock.now - x.cut_s) // (self.probe_s + PROBE_TIMEOUT_S))
+        return rounds + self._swept.get(node, 0), x.cut_s
+
     def suspects(self) -> set[str]:
-        return set()  # a simulated node is alive or gone: no probe ever times out
+        return {n for n in self.world.fleet.alive() if n not in self.gone and self._timeouts(n)[0] >= self.failures}
 
     def sweep(self) -> None:
-        pass
+        """One more round now: each node cut off times it out (the round takes that long)."""
+        cut = [n for n in self.world.fleet.alive() if self.probe_s > 0 and self.world.fleet.cut_off(n)]
+        for n in cut:
+            self._swept[n] = self._swept.get(n, 0) + 1
+        if cut:
+            self.world.clock.sleep(PROBE_TIMEOUT_S)
 
     def declare_gone(self, nodes: frozenset[str], why: str) -> None:
+        for node in sorted(nodes - self.gone):
+            self._deaths.append(NodeDeath(node, "-", Outcome.UNSCHEDULABLE, 1, 0.0))
         self.gone |= nodes
 
     def deaths(self) -> list[NodeDeath]:
-        return []  # the fleet's removals fail the steps and calls that involve them
+        """Deaths since the last call: the run's refusals, and (with probes) each node the fleet
+        removed since, judged by the refused probe that follows (the timeouts before it counted)."""
+        fleet = self.world.fleet
+        out, self._deaths = self._deaths, []
+        for node in fleet.removed[self._reported:]:
+            x = fleet.nodes[node]
+            if self.probe_s <= 0 or node in self.gone:
+                continue
+            end = x.removed_s or 0.0
+            swept = self._swept.pop(node, 0)
+            timeouts = swept + int((end - x.cut_s) // (self.probe_s + PROBE_TIMEOUT_S)) if x.cut_s is not None else 0
+            out.append(NodeDeath(node, "-", Outcome.REFUSED, timeouts + 1, end - x.cut_s if x.cut_s is not None and timeouts else 0.0))
+        self._reported = len(fleet.removed)
+        return out
 
     def stop(self) -> None:
         pass
@@ -228,7 +274,9 @@ class SimPending:
 
 
 class SimExecutor:
-    """A step in simulated time; fails at the first death of a node or process it runs on."""
+    """A step in simulated time; fails at the first death of a node or process it runs on. A step
+    with a stage on a node cut off from the driver never ends: it fails at its deadline (the
+    controller's, or :data:`STEP_DEADLINE_S`), as on Ray, unless that node is removed first."""
 
     def __init__(self, group: SimActors, cfg: RunConfig) -> None:
         self.group, self.cfg = group, cfg
@@ -248,6 +296,10 @@ class SimExecutor:
             with g.charged:
                 end = w.step_end(w.clock.now, w.costs.step_s(g.stages, p.microbatches, self.cfg.train.batch_size, g.width, pending.snapshot), len(g.nodes))
                 death = w.fleet.first_death(set(g.nodes.values()), set(g.nodes), end)
+                cut = w.fleet.first_cut(set(g.nodes.values()), end)
+                if cut is not None and (death is None or cut < death[0]):  # a silent stage: the step waits for ever
+                    end = NEVER
+                    death = w.fleet.first_death(set(g.nodes.values()), set(g.nodes), NEVER)
             self._pending = (pending, end, death)
         return self._pending[1], self._pending[2]
 
@@ -263,6 +315,10 @@ class SimExecutor:
         g, w = self.group, self.world
         end, death = self._outcome(pending)
         self._pending = None
+        limit = w.clock.now + (STEP_DEADLINE_S if timeout == float("inf") else timeout)
+        if end == NEVER and (death is None or death[0] > limit):  # as on Ray: nothing comes back by the deadline
+            w.clock.advance(limit)
+            raise StepFailed(TimeoutError(f"step {pending.step} did not finish within its deadline"), None, None)
         if death is None:
             w.clock.advance(max(w.clock.now, end))
             for k in g.keys():
@@ -308,7 +364,10 @@ class SimRuntime:
         self.tier: SimFlusher | None = None
 
     def start(self, cfg: RunConfig, run_id: str, spans: Spans) -> list[tuple[str, str]]:
-        """A trace that removes nodes is a spot fleet: without a simulated durable tier, the run says so."""
+        """The node watch's rounds start (as on Ray). A trace that removes nodes is a spot fleet:
+        without a simulated durable tier, the run says so."""
+        rc = cfg.recovery
+        self.nodes.start(rc.node_probe_s, rc.node_probe_failures, rc.node_probe_declare)
         fleet = self.world.fleet
         warning = spot_warning(cfg, len(fleet.nodes) if fleet.removals else 0, self.durable_every > 0)
         return [("spot_without_durable", warning)] if warning else []

@@ -2,10 +2,11 @@
 
 Owns: :class:`SimClock` (simulated seconds; ``sleep`` advances them and plays the fleet's events
 that fall due), :class:`Fleet` (nodes with actor slots: added, draining with a deadline, removed,
-from a replay plan's actions; stage processes that die on a seeded schedule), the simulated
+cut off from the driver and healed, from a replay plan's actions; stage processes that die on a
+seeded schedule), the simulated
 snapshot managers (:class:`SimManager`: the calls the real
 :class:`~elastic_llm.snapshot.coordinator.SnapshotCoordinator` makes, each answered after the
-cost model's time, failed if its node dies first), the run's monitor actor (:class:`SimMonitor`) and :class:`SimCalls` (``wait``/``get`` over
+cost model's time, failed if its node dies first, never answered while it is cut off), the run's monitor actor (:class:`SimMonitor`) and :class:`SimCalls` (``wait``/``get`` over
 their answers, advancing the clock when the coordinator blocks). Never reads the machine's
 clock, never sleeps, never decides anything about the run: the real controller does.
 """
@@ -23,6 +24,8 @@ from elastic_llm.replay.trace import ReplayAction
 from elastic_llm.sim.costs import CostModel
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardInfo, ShardKey
 from elastic_llm.sources import NodeGone
+
+NEVER = float("inf")  # when a node the driver cannot reach answers (until it is healed or removed)
 
 EPOCH = 1.8e9  # what the simulated wall clock (``time()``) reads at simulated second 0
 
@@ -61,6 +64,7 @@ class SimNode:
     added_s: float
     removed_s: float | None = None
     drain_deadline_s: float | None = None  # simulated second it goes (a notice was given)
+    cut_s: float | None = None  # since when the driver cannot reach it (hung, or cut off by the network): alive, silent
 
     @property
     def alive(self) -> bool:
@@ -78,6 +82,8 @@ class Fleet:
         self.pending = list(actions)  # sorted by at_s
         self.removals: list[tuple[float, str]] = sorted((a.at_s, a.node) for a in actions if a.kind == "remove")
         self.removal_of = {n: s for s, n in self.removals}
+        self.cuts: list[tuple[float, str]] = sorted((a.at_s, a.node) for a in actions if a.kind == "cut")
+        self.removed: list[str] = []  # nodes removed so far, in the order they went
         self._alive: list[str] | None = None  # cached until the next action is played
         self.process_deaths: list[tuple[float, ShardKey]] = []  # (second, actor) from the fault schedule
         self.applied = 0
@@ -87,6 +93,7 @@ class Fleet:
         """Play the plan from simulated second ``t0`` on (the run's start is not part of the trace)."""
         self.pending = [replace(a, at_s=a.at_s + t0) for a in self.pending]
         self.removals = [(s + t0, n) for s, n in self.removals]
+        self.cuts = [(s + t0, n) for s, n in self.cuts]
         self.removal_of = {n: s for s, n in self.removals}
 
     def apply_until(self, t: float) -> None:
@@ -95,14 +102,25 @@ class Fleet:
             self.play(self.pending[self.applied - 1])
 
     def play(self, a: ReplayAction) -> None:
-        """Play ``a`` (one of the plan's, or a harness's at its own time: a node added, drained or removed now)."""
+        """Play ``a`` (one of the plan's, or a harness's at its own time: a node added, drained,
+        removed, cut off from the driver or healed now)."""
         self._alive = None
+        x = self.nodes.get(a.node)
         if a.kind == "add":
             self.nodes[a.node] = SimNode(a.node, self.slots, a.at_s)
+        elif x is None:
+            raise ValueError(f"replay action {a.kind!r} names node {a.node!r}, which was never added")
         elif a.kind == "drain":
-            self.nodes[a.node].drain_deadline_s = a.at_s + (a.deadline_s or 0.0)
+            x.drain_deadline_s = a.at_s + (a.deadline_s or 0.0)
+        elif a.kind == "remove":
+            x.removed_s = a.at_s
+            self.removed.append(a.node)
+        elif a.kind == "cut":
+            x.cut_s = a.at_s if x.cut_s is None else x.cut_s
+        elif a.kind == "heal":
+            x.cut_s = None
         else:
-            self.nodes[a.node].removed_s = a.at_s
+            raise ValueError(f"unknown replay action {a.kind!r} (add, drain, remove, cut or heal)")
 
     def alive(self) -> list[str]:
         if self._alive is None:
@@ -126,6 +144,29 @@ class Fleet:
             return x.removed_s <= t
         at = self.removal_of.get(node)  # labels are never reused: a node is removed at most once
         return at is not None and at <= t
+
+    def cut_off(self, node: str) -> bool:
+        """Whether the driver cannot reach ``node`` now (it lives, and answers nothing)."""
+        x = self.nodes.get(node)
+        return x is not None and x.alive and x.cut_s is not None
+
+    def answers_at(self, node: str, t: float) -> float:
+        """When an answer ``node`` would give at ``t`` arrives: ``t``; while it is cut off, never,
+        or at its planned removal, which fails the call (as on Ray, where the node's death ends
+        every call into it)."""
+        if not self.cut_off(node):
+            return t
+        gone = self.removal_of.get(node)
+        return gone if gone is not None and gone >= t else NEVER
+
+    def first_cut(self, nodes: set[str], until: float) -> float | None:
+        """When the first of ``nodes`` is cut off from the driver in [now, until] (one already
+        cut: now); None if none."""
+        now = self.clock.now
+        if any(self.cut_off(n) for n in nodes):
+            return now
+        i = bisect.bisect_right(self.cuts, (now, "\uffff"))
+        return next((s for s, n in self.cuts[i:] if s <= until and n in nodes), None)
 
     def first_death(self, nodes: set[str], keys: set[ShardKey], until: float) -> tuple[float, str | None, ShardKey | None] | None:
         """The first of ``nodes`` removed, or of ``keys`` whose process dies, in (now, until]
@@ -202,12 +243,20 @@ class SimCalls:
         return ready, [r for r in refs if r.ready_s > self.clock.now]
 
     def _get(self, ref: Any, timeout: float | None = None) -> Any:
+        """``ref``'s value, advancing the clock to it. A call into a node cut off from the driver
+        has no answer: it times out after ``timeout`` (at once without one: it would wait for
+        ever). An answer the cost model delays past ``timeout`` is waited for (its times are far
+        below the controller's timeouts)."""
         if isinstance(ref, list):
             return [self._get(r, timeout) for r in ref]
+        if ref.ready_s == NEVER and not ref.failed():
+            self.clock.advance(self.clock.now + (timeout or 0.0))
+            raise TimeoutError(f"no answer from node {ref.node} within {timeout} s: the driver cannot reach it")
         if ref.ready_s > self.clock.now:
             if timeout == 0:
                 raise TimeoutError("not ready")
-            self.clock.advance(ref.ready_s)
+            if ref.ready_s != NEVER:
+                self.clock.advance(ref.ready_s)
         if ref.refused:
             raise NodeGone(frozenset({ref.node}), "the simulated scheduler refused a snapshot manager there")
         if ref.failed():
@@ -257,7 +306,8 @@ class SimManager:
     link_free_s: float = 0.0  # when this node's link is free of the re-home copies queued on it
 
     def _ref(self, delay: float, value: Any = None) -> SimRef:
-        return SimRef(self.world.clock.now + delay, self.node, value, self.world.fleet, self.refused)
+        w = self.world
+        return SimRef(w.fleet.answers_at(self.node, w.clock.now + delay), self.node, value, w.fleet, self.refused)
 
     def _held(self) -> SimRef:
         return self._ref(0.0, tuple(self.versions))
