@@ -2,7 +2,8 @@
 
 The scenarios mirror loopback cluster tests (tests/test_elastic_cluster.py,
 tests/test_controller_cluster.py, tests/test_standby_cluster.py): the simulated run must reach
-the same states and recover from the same sources. The simulation's fleet is scripted with a
+the same states and recover from the same sources (a drain that moves one stage is the contract
+suite's, run on both runtimes: tests/test_contract.py). The simulation's fleet is scripted with a
 :class:`~elastic_llm.replay.trace.ReplayPlan`, as a replay's is.
 """
 
@@ -73,18 +74,6 @@ def test_a_lost_node_without_spare_capacity_waits_then_recovers_from_parity(corp
     assert t.seconds_by_state["waiting_for_capacity"] >= 3 and len(events(tmp_path, "waiting_for_capacity")) >= 2
     assert sorted(r.source for r in t.recoveries) == ["parity", "parity"]  # two stages lived on the lost node
     assert report["committed_steps_lost"] == 0 and report["failed"] is None
-
-
-def test_a_drain_with_room_for_its_stages_moves_just_them(corpus_dir, tmp_path):
-    """As tests/test_standby_cluster.py: a notice on the node of two stages, a free node: those two
-    actors move alone (stage spares started in the background), no recovery, no rollback."""
-    cfg = spot_tiny(corpus_dir, "parallel.dp=1", "elastic.max_replicas=1")
-    plan = scripted(["r0", "r1", "r2"], [ReplayAction(5.0, "drain", "r1", deadline_s=30.0), ReplayAction(35.0, "remove", "r1")], 60.0)
-    t, report = run(cfg, tmp_path, plan, replicas=1)
-    [drain] = events(tmp_path, "drain")
-    assert drain["moved"] == 2 and drain["dropped"] == 0 and drain["how"] == "stages" and drain["rollback_steps"] == 0
-    assert t.recoveries == [] and ("running", "draining") in transitions(tmp_path)
-    assert report["committed_steps_lost"] == 0 and report["failed"] is None and report["final_width"] == 1
 
 
 def test_a_stage_process_that_dies_on_a_live_node_comes_back_from_its_manager(corpus_dir, tmp_path):
