@@ -132,6 +132,7 @@ def test_sigkill_of_a_flushing_manager_keeps_the_previous_checkpoint(nodes, corp
     assert any(e.get("event") == "durable_failed" and e["step"] == int(partial.split("_")[1]) for e in events)
 
 
+@pytest.mark.slow  # 40-50 s; its simulated twin stays (test_sim: beyond parity the durable tier is the rung that saves the run), and the flush-then-resume test here
 def test_more_nodes_lost_than_parity_rolls_back_to_the_durable_checkpoint(nodes, corpus_dir, tmp_path):
     """Stages 1 and 3 go with their nodes at step 10: parity 1 cannot rebuild two shards, there
     is no data-parallel peer, but a durable checkpoint exists (made sure of at step 7): everyone

@@ -481,6 +481,7 @@ def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_at_wi
     assert got == {k: want[k] for k in got}
 
 
+@pytest.mark.slow  # 100-110 s; its simulated twins stay (test_sim: a collapse said at the notice and flushed, no version begun that its flush could not save)
 def test_every_node_noticed_at_once_is_said_at_the_notice_and_saved_by_an_emergency_flush(nodes, corpus_dir, tmp_path, clean_dp1):
     """A collapse: every worker node gets a 10 s notice at once, so the committed version's parts
     have no live node to go to. At the notice the run says so (a ``stranded`` re-protection line)

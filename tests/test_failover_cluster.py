@@ -122,6 +122,7 @@ def test_a_killed_driver_is_resumed_from_memory_bit_for_bit_by_the_same_stage_pr
     wait_until(lambda: not managers_of(run_id) and not stages_of(run_id) and not groups_of(run_id), 30, "the run's actors and groups gone after its clean end")
 
 
+@pytest.mark.slow  # 40-50 s; the resume from memory bit for bit stays (the killed driver above), and a lost stage's recovery everywhere else
 def test_a_stage_killed_while_no_driver_runs_is_recovered_after_the_resume(cluster, corpus_dir, tmp_path):
     clean = clean_losses(cluster, corpus_dir)
     a = driver(cluster, corpus_dir, tmp_path / "a.jsonl", "recovery.driver_grace_s=120")

@@ -67,8 +67,10 @@ def global_name(stage_name, layer_ids):
     return ".".join(parts)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("stages,dp", [(4, 1), (2, 2), (2, 3)])
+@pytest.mark.parametrize("stages,dp,schedule", [
+    (4, 1, "1f1b"), (2, 2, "gpipe"), (2, 3, "1f1b"),  # each shape and each schedule once in the suite; the other three pairs are slow
+    pytest.param(4, 1, "gpipe", marks=pytest.mark.slow), pytest.param(2, 2, "1f1b", marks=pytest.mark.slow), pytest.param(2, 3, "gpipe", marks=pytest.mark.slow),
+])
 def test_pipeline_matches_unsplit_model(ray_local, schedule, stages, dp):
     cfg = small_config(stages, dp, schedule, batch=4 * dp)
     rng = np.random.default_rng(1)

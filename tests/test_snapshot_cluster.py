@@ -268,6 +268,7 @@ def test_two_lost_nodes_with_parity_two(nodes, corpus_dir, clean):
     assert losses == clean(2)
 
 
+@pytest.mark.slow  # 40-50 s; one more erasure in a rebuild stays (test_rebuild_into), and a member lost right after a rebuild (test_controller_sim)
 def test_a_chunk_holder_lost_after_a_parity_rebuild_was_planned_is_one_more_erasure_with_parity_two(nodes, corpus_dir, clean):
     """Stage 1's node goes at step 5; once the plan has it rebuilt from parity (stage 3's node
     named a survivor holding chunks of its group), stage 3's node goes too, before its chunks are
