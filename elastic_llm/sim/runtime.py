@@ -30,7 +30,7 @@ from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
 from elastic_llm.pipeline.plan import STEP_DEADLINE_S
 from elastic_llm.sim.actors import SimActors, SimLost
 from elastic_llm.sim.snapshots import SimFlusher, SimManagers
-from elastic_llm.sim.world import EPOCH, NEVER, SimCalls, SimMonitor, World
+from elastic_llm.sim.world import EPOCH, NEVER, SimCalls, SimMonitor, SimNode, World
 from elastic_llm.snapshot.records import ShardKey, VersionRecord
 from elastic_llm.spans import Spans
 from elastic_llm.stream import StreamPosition
@@ -85,23 +85,21 @@ class SimNodes:
         known = {n for n, x in fleet.nodes.items() if not x.alive} if self.reclaims_known else set()
         return known | self.announced | set(fleet.draining())
 
-    def _timeouts(self, node: str) -> tuple[int, float]:
-        """Probes ``node`` timed out in a row by now, and since when (0 while it answers)."""
-        x = self.world.fleet.nodes.get(node)
-        if self.probe_s <= 0 or x is None or not x.alive or x.cut_s is None:
-            self._swept.pop(node, None)
-            return 0, 0.0
-        rounds = int((self.world.clock.now - x.cut_s) // (self.probe_s + PROBE_TIMEOUT_S))
-        return rounds + self._swept.get(node, 0), x.cut_s
+    def _timeouts(self, x: SimNode, until: float) -> int:
+        """Probes of node ``x`` timed out in a row by ``until`` (0 while it answers, or without probes)."""
+        if self.probe_s <= 0 or x.cut_s is None:
+            return 0
+        return int((until - x.cut_s) // (self.probe_s + PROBE_TIMEOUT_S)) + self._swept.get(x.node_id, 0)
 
     def suspects(self) -> set[str]:
-        return {n for n in self.world.fleet.alive() if n not in self.gone and self._timeouts(n)[0] >= self.failures}
+        fleet, now = self.world.fleet, self.world.clock.now
+        return {n for n in fleet.alive() if n not in self.gone and self._timeouts(fleet.nodes[n], now) >= self.failures}
 
     def sweep(self) -> None:
         """One more round now: each node cut off times it out (the round takes that long)."""
-        cut = [n for n in self.world.fleet.alive() if self.probe_s > 0 and self.world.fleet.cut_off(n)]
-        for n in cut:
-            self._swept[n] = self._swept.get(n, 0) + 1
+        fleet = self.world.fleet
+        cut = [n for n in fleet.alive() if self.probe_s > 0 and fleet.cut_off(n)]
+        self._swept = {n: self._swept.get(n, 0) + 1 for n in cut}  # a healed node's count starts again
         if cut:
             self.world.clock.sleep(PROBE_TIMEOUT_S)
 
@@ -117,12 +115,11 @@ class SimNodes:
         out, self._deaths = self._deaths, []
         for node in fleet.removed[self._reported:]:
             x = fleet.nodes[node]
-            if self.probe_s <= 0 or node in self.gone:
-                continue
-            end = x.removed_s or 0.0
-            swept = self._swept.pop(node, 0)
-            timeouts = swept + int((end - x.cut_s) // (self.probe_s + PROBE_TIMEOUT_S)) if x.cut_s is not None else 0
-            out.append(NodeDeath(node, "-", Outcome.REFUSED, timeouts + 1, end - x.cut_s if x.cut_s is not None and timeouts else 0.0))
+            if self.probe_s > 0 and node not in self.gone:
+                end = x.removed_s or 0.0
+                timeouts = self._timeouts(x, end)
+                out.append(NodeDeath(node, "-", Outcome.REFUSED, timeouts + 1, end - x.cut_s if x.cut_s is not None and timeouts else 0.0))
+            self._swept.pop(node, None)
         self._reported = len(fleet.removed)
         return out
 
