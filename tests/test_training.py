@@ -60,7 +60,8 @@ def test_tiny_loss_falls_and_metrics_are_written(ray_local, corpus_dir, tmp_path
     assert len(start["actors"]) == 4 and all(a["node_id"] for a in start["actors"])
 
 
-@pytest.mark.parametrize("dp", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 (slow; uneven shares stay in test_pipeline_equivalence's any-width step): 16 sequences in shares of 6, 5, 5; validation on replica 0's 6
+# dp 3 (slow; uneven shares stay in test_pipeline_equivalence's any-width step): 16 sequences in shares of 6, 5, 5; validation on replica 0's 6
+@pytest.mark.parametrize("dp", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_data_parallel_replicas_train(ray_local, corpus_dir, dp):
     history, _ = train(["parallel.stages=2", f"parallel.dp={dp}", "parallel.cpus_per_actor=0.25", "train.eval_every=2"], 2, corpus_dir)
     assert all(np.isfinite(h["loss"]) for h in history) and np.isfinite(history[-1]["val_loss"])
