@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Container, Callable
+from typing import Any, cast
 
 from elastic_llm.cadence import SnapshotCost
 from elastic_llm.clock import SYSTEM, Clock
@@ -202,7 +202,7 @@ class SnapshotCoordinator:
         part_of = {n for g in rec.placed for n in g} | {rec.home(s.node_id) for s in rec.shards} if rec is not None else set()
         for node, ref in pings.items():
             try:
-                held = self.calls.get(ref, timeout=0)
+                held = cast(Container[int], self.calls.get(ref, timeout=0))  # held(): the versions it holds
             except TimeoutError:  # Ray's GetTimeoutError is one
                 why[node] = f"its manager did not answer within {PING_S + SLOW_PING_S:g} s"
                 continue
@@ -435,7 +435,7 @@ class SnapshotCoordinator:
                 if p not in self.inflight:
                     continue
                 try:
-                    p.results.update((part.node_id, part) for part in self.calls.get(ref))
+                    p.results.update((part.node_id, part) for part in cast(tuple[ManagerPart, ...], self.calls.get(ref)))
                     p.answered.add(lead)
                 except CALL_FAILED as e:  # a manager or a stage died mid-snapshot: drop this version
                     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -568,7 +568,7 @@ class SnapshotCoordinator:
                 sources.append(Source.PARITY)
                 continue
             try:
-                got = self.calls.get(self.managers[node].shard_parts.remote(rec.version, info.key), timeout=WAIT_S)
+                got = cast(list[object], self.calls.get(self.managers[node].shard_parts.remote(rec.version, info.key), timeout=WAIT_S))
             except CALL_FAILED as e:
                 self.unloadable[node] = rec.version
                 why = getattr(e, "cause", None) or e  # a task's error: the manager's own exception

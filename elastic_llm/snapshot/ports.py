@@ -5,7 +5,7 @@ durable tier as it drives it (:class:`Flusher`). Types only."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from elastic_llm.snapshot.records import VersionRecord
 
@@ -41,21 +41,24 @@ class ManagerLost(RuntimeError):
         super().__init__(str(cause))
 
 
+Ref = object  # an answer to come (a Ray ObjectRef, or a simulated one): opaque to the coordinator
+
+
 class Calls(Protocol):
     """How the coordinator waits for and reads its managers' answers: Ray's ``wait`` and ``get``
     (:class:`RayCalls`), or a simulation's over simulated managers. ``get`` raises what the
     manager's method raised, :class:`ManagerLost` when an actor or node the call involved is gone,
     ``TimeoutError`` when there is no answer within ``timeout``."""
 
-    def wait(self, refs: list[Any], num_returns: int, timeout: float | None) -> tuple[list[Any], list[Any]]: ...
+    def wait(self, refs: list[Ref], num_returns: int, timeout: float | None) -> tuple[list[Ref], list[Ref]]: ...
 
-    def get(self, ref: Any, timeout: float | None = None) -> Any: ...
+    def get(self, ref: Ref, timeout: float | None = None) -> object: ...  # the caller says what it asked for (``cast``)
 
 
 class Remote(Protocol):
     """One method of a manager: ``handle.method.remote(*args)`` returns a ref for :class:`Calls`."""
 
-    def remote(self, *args: Any) -> Any: ...
+    def remote(self, *args: object) -> Ref: ...
 
 
 class ManagerHandle(Protocol):
