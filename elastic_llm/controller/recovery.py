@@ -128,7 +128,8 @@ class RecoveryExecutor:
         self.nodes.sweep()  # before waiting for the failed step's calls: a dead node's calls then fail at once
         if runner is not None:
             runner.settle()
-        alive_nodes = self.nodes.alive() - self.nodes.suspects()  # a suspect's actors and parts are not waited for: lost
+        suspects = self.nodes.suspects()  # one view for the whole observation
+        alive_nodes = self.nodes.alive() - suspects  # a suspect's actors and parts are not waited for: lost
         steps = self.group.reset_survivors(alive_nodes)
         sn = self.snapshots
         dead_managers: frozenset[str] = frozenset()
@@ -145,7 +146,7 @@ class RecoveryExecutor:
         ckpt = o.checkpoints.latest() if o.checkpoints is not None else None
         durable = o.durable.latest() if o.durable is not None else None
         lost = [k for k, st in steps.items() if st is None]
-        avoid = frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects())
+        avoid = frozenset(self.nodes.draining()) | frozenset(suspects)
         # a lost actor whose stage spare (started for a drain, late for the move) is placed takes
         # it; one whose slot went with its node gets a new one (none outlives its node)
         taken = self.group.resize.take_stage_spares(lost) if lost and self.group.spares.of() else []
