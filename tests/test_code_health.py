@@ -154,3 +154,38 @@ def test_every_tensor_reaches_numpy_through_the_device_safe_helper():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "numpy" and not node.args:
                 calls.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert calls == [], "convert with elastic_llm.tensors.host / host_bytes instead of .numpy():\n" + "\n".join(calls)
+
+
+def test_the_stage_actors_front_has_the_workers_methods_and_imports_no_torch():
+    """A process given a stage actor's handle loads the actor's class (Ray learns its methods so):
+    the front (elastic_llm.pipeline.stage_actor) has every public method of the worker, each
+    handing the call on, and importing it loads neither torch nor the worker."""
+    import inspect
+
+    from elastic_llm.pipeline.stage import StageWorker as Worker
+    from elastic_llm.pipeline.stage_actor import STAGE_METHODS, StageWorker
+
+    public = {n for n, v in inspect.getmembers(Worker) if callable(v) and not n.startswith("_")}
+    assert set(STAGE_METHODS) == public, f"missing: {sorted(public - set(STAGE_METHODS))}, not the worker's: {sorted(set(STAGE_METHODS) - public)}"
+    assert all(callable(getattr(StageWorker, n)) for n in STAGE_METHODS)
+    probe = "import sys, elastic_llm.pipeline.stage_actor; print(sorted(m for m in ('torch', 'elastic_llm.pipeline.stage') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_the_stage_actors_front_hands_each_call_to_the_worker(monkeypatch):
+    """The front passes the arguments and the answer through unchanged."""
+    from elastic_llm.pipeline import stage
+    from elastic_llm.pipeline.stage_actor import StageWorker
+
+    class Worker:
+        def __init__(self, *args, **kwargs):
+            self.made = (args, kwargs)
+
+        def set_width(self, *args, **kwargs):
+            return ("set_width", args, kwargs)
+
+    monkeypatch.setattr(stage, "StageWorker", Worker)
+    front = StageWorker({"a": 1}, 2, replica=3)
+    assert front.worker.made == (({"a": 1}, 2), {"replica": 3})
+    assert front.set_width(4, dp=5) == ("set_width", (4,), {"dp": 5})

@@ -17,7 +17,9 @@ Every method is a remote call the controller, the managers or the peers make on 
 (Ray exposes methods of the actor class only); the work behind them is kept elsewhere (the step's
 order in :mod:`~elastic_llm.pipeline.step`, the copies in :mod:`~elastic_llm.pipeline.copies`,
 state packing in :mod:`elastic_llm.snapshot.state`). The class is plain Python so tests can drive
-it in-process; the runtime wraps it in ``ray.remote``.
+it in-process; the runtime starts it as a Ray actor through the light front of
+:mod:`~elastic_llm.pipeline.stage_actor` (a process given a stage actor's handle then loads that
+front, not torch).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from elastic_llm.pipeline.relay import Relay, ReplicaReports
 from elastic_llm.pipeline.sources import OtherSources
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.pipeline.shares import microbatch_sizes
+from elastic_llm.pipeline.stage_actor import CONCURRENCY_GROUPS  # noqa: F401  # where tests and callers have found it
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
 from elastic_llm.sources import Mode
 from elastic_llm.stream import StreamPosition
@@ -95,12 +98,6 @@ def stage_seed(seed: int, stage: int, replica: int) -> int:
     return (seed * 7919 + stage * 104_729 + replica * 15_485_863) % (2**31)
 
 
-# The stage actor's thread groups besides training: "snapshot" serves its node manager's requests
-# for copies (two threads: a request made before a rollback that still waits cannot hold up the
-# requests of the steps run again), "status" the dashboard's state() and "control" the driver's
-# control calls, so none of them waits behind a step; "relay" (stage 0 of a replica) sends the
-# step to its replica's stages and waits for their reports while its own step runs.
-CONCURRENCY_GROUPS = {"snapshot": 2, "status": 1, "control": 1, "relay": 1}
 
 
 class StageWorker(OtherSources):

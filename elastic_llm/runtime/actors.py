@@ -57,7 +57,6 @@ class ActorGroup(Members, StateCalls):
         self.spawned = False
         self.generation = 0  # actors started: part of each one's name (a SIGKILLed actor's name is released late)
         self.spares = RaySpares(self)  # replicas and single stages started in the background, not yet in the width
-        self._cls: Any = None
 
 
     @property
@@ -159,19 +158,14 @@ class ActorGroup(Members, StateCalls):
     def _spawn(self, key: ShardKey, pg: Any, spare: bool = False) -> Any:
         """Start an actor for ``key`` in the one-bundle group ``pg`` (returns at once): ``key``'s
         own unless ``spare`` (a spare's, not held as ``key`` until it is installed)."""
-        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from elastic_llm.pipeline.stage import CONCURRENCY_GROUPS, StageWorker
+        from elastic_llm.pipeline.stage_actor import remote_stage_class
 
-        if self._cls is None:
-            # "status": state() answers while a step runs (elastic-llm status); "control": abort_step
-            # wakes a step blocked on a peer
-            self._cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageWorker)
         par = self.cfg.parallel
         self.generation += 1
         name = f"stage-{self.run_id}-{key.stage}-{key.replica}.{self.generation}"
-        actor = self._cls.options(
+        actor = remote_stage_class().options(  # "status": state() answers while a step runs; "control": abort_step wakes a step blocked on a peer
             name=name,
             num_cpus=par.cpus_per_actor,
             num_gpus=par.gpus_per_actor,

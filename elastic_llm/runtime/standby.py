@@ -80,7 +80,6 @@ class StandbyPool:
         self._info: dict[Standby, Any] = {}  # a started standby's StageInfo (its pid)
         self._pings: dict[Any, Standby] = {}  # liveness calls in flight (see check)
         self._pinged = float("-inf")
-        self._cls: Any = None
         self.grace_s = cfg.recovery.driver_grace_s if cfg.outlives_driver else 0.0  # > 0: detached standbys that outlive the driver this long (elastic_llm.lease)
 
     @property
@@ -120,15 +119,13 @@ class StandbyPool:
     def _start(self, node: str, ray: Any) -> Standby:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from elastic_llm.pipeline.stage import CONCURRENCY_GROUPS, StageWorker
+        from elastic_llm.pipeline.stage_actor import remote_stage_class
 
-        if self._cls is None:  # the stage actors' class and concurrency groups: an adopted standby is one of them
-            self._cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageWorker)
         par = self.cfg.parallel
         gpus = par.gpus_per_actor if self.cfg.recovery.standby_gpus else 0
         self.started += 1
         name = f"standby-{self.run_id}-{node[:12]}.{self.started}"
-        actor = self._cls.options(
+        actor = remote_stage_class().options(  # the stage actors' class: an adopted standby is one of them
             name=name,
             namespace=self.namespace,
             num_cpus=0,
