@@ -12,7 +12,8 @@ import torch
 from elastic_llm.config import config_from_dict
 from elastic_llm.model import build_full_model, lm_loss
 from elastic_llm.pipeline.executor import RayStepExecutor
-from elastic_llm.pipeline.stage import CONCURRENCY_GROUPS, StageWorker
+from elastic_llm.pipeline.stage import StageWorker
+from elastic_llm.pipeline.stage_actor import CONCURRENCY_GROUPS
 from elastic_llm.snapshot.records import ShardKey
 
 from .numerics import assert_loss_close, assert_within_envelope, reference_steps

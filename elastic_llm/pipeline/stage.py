@@ -46,7 +46,6 @@ from elastic_llm.pipeline.relay import Relay, ReplicaReports
 from elastic_llm.pipeline.sources import OtherSources
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.pipeline.shares import microbatch_sizes
-from elastic_llm.pipeline.stage_actor import CONCURRENCY_GROUPS  # noqa: F401  # where tests and callers have found it
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
 from elastic_llm.sources import Mode
 from elastic_llm.stream import StreamPosition

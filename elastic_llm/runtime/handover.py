@@ -26,7 +26,7 @@ from elastic_llm.snapshot.records import ShardKey
 
 log = logging.getLogger("elastic_llm.runtime")
 ANSWER_S = 10.0  # longest an adopted actor may take to say what it is (it answers in its "status" thread, even mid-step)
-CONTROL = "control"  # the stage actors' thread for the driver's control calls (see elastic_llm.pipeline.stage.CONCURRENCY_GROUPS)
+CONTROL = "control"  # the stage actors' thread for the driver's control calls (see elastic_llm.pipeline.stage_actor.CONCURRENCY_GROUPS)
 
 
 class Held(Protocol):
