@@ -28,12 +28,13 @@ def _default_config() -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from elastic_llm.config import load_config
-    from elastic_llm.runtime.ray_runtime import ray_trainer
 
     overrides = list(args.set or [])
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)  # a bad config is refused before torch and Ray are imported (2-3 s)
+    from elastic_llm.runtime.ray_runtime import ray_trainer
+
     trainer = ray_trainer(cfg, address=args.address, metrics_out=args.metrics_out, progress=not args.no_progress, dashboard=args.dashboard, resume=args.resume)
     try:
         history = trainer.fit()
@@ -532,20 +533,26 @@ def main(argv: list[str] | None = None) -> int:
     return _run(args)
 
 
+# What a command's errors mean, by the module each is defined in: a usage error (exit 2: the input
+# is wrong, nothing ran) or a training stop that keeps the committed snapshots (exit 3). Resolved
+# from the modules the command loaded (an error can only be raised once its module is): a config
+# refused at once never imports torch (2 s) to name the classes of errors it could not have met.
+USAGE_ERRORS = (
+    ("elastic_llm.config.schema", "ConfigError"), ("elastic_llm.stream", "DataError"), ("elastic_llm.runtime.session", "PlacementError"),
+    ("elastic_llm.snapshot.layout", "LayoutError"), ("elastic_llm.durable.format", "DurableError"), ("elastic_llm.durable.storage", "StorageError"),
+    ("elastic_llm.export", "ExportError"), ("elastic_llm.controller.metrics", "MetricsError"), ("elastic_llm.runtime.session", "ClusterUnreachable"),
+    ("elastic_llm.controller.ports", "ResumeError"),
+)
+STOP_ERRORS = (("elastic_llm.sources", "UnrecoverableError"), ("elastic_llm.snapshot.state", "SnapshotFormatError"))
+
+
+def loaded_errors(errors: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
+    """The classes of ``errors`` whose modules this process has imported."""
+    return tuple(getattr(sys.modules[module], name) for module, name in errors if module in sys.modules)
+
+
 def _run(args: argparse.Namespace) -> int:
-    from elastic_llm.config import ConfigError
     from elastic_llm.controller import RunFailed
-    from elastic_llm.runtime.session import PlacementError
-    from elastic_llm.controller.metrics import MetricsError
-    from elastic_llm.controller.ports import ResumeError
-    from elastic_llm.runtime.session import ClusterUnreachable
-    from elastic_llm.stream import DataError
-    from elastic_llm.durable.format import DurableError
-    from elastic_llm.durable.storage import StorageError
-    from elastic_llm.export import ExportError
-    from elastic_llm.recovery.policy import UnrecoverableError
-    from elastic_llm.snapshot.layout import LayoutError
-    from elastic_llm.snapshot.state import SnapshotFormatError
 
     if getattr(args, "max_steps", None) is not None and args.max_steps < 1:
         print(f"error: --max-steps={args.max_steps} must be >= 1", file=sys.stderr)
@@ -556,18 +563,20 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
-    except (ConfigError, DataError, PlacementError, LayoutError, DurableError, StorageError, ExportError, MetricsError, ClusterUnreachable, ResumeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except RunFailed as e:  # the controller already logged the reason; repeat it as the last word
-        print(f"error: training stopped (exit {e.exit_code}), committed snapshots untouched: {e}", file=sys.stderr)
-        return e.exit_code
-    except (UnrecoverableError, SnapshotFormatError) as e:
-        print(f"error: training stopped, committed snapshots untouched: {e}", file=sys.stderr)
-        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RunFailed as e:  # the controller already logged the reason; repeat it as the last word
+        print(f"error: training stopped (exit {e.exit_code}), committed snapshots untouched: {e}", file=sys.stderr)
+        return e.exit_code
+    except Exception as e:
+        if isinstance(e, loaded_errors(USAGE_ERRORS)):
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        if isinstance(e, loaded_errors(STOP_ERRORS)):
+            print(f"error: training stopped, committed snapshots untouched: {e}", file=sys.stderr)
+            return 3
+        raise
 
 
 if __name__ == "__main__":

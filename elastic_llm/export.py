@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from elastic_llm.stream import EOS_TOKEN
-from elastic_llm.model import ModelShape
+from elastic_llm.shape import ModelShape
 
 
 

@@ -12,32 +12,13 @@ a single process bit for bit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers that define the network (a view of ``config.ModelConfig``)."""
-
-    vocab_size: int
-    dim: int
-    n_heads: int
-    n_layers: int
-    seq_len: int
-    ffn_hidden: int
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-
-
-def stage_layer_range(n_layers: int, n_stages: int, stage: int) -> range:
-    """Layers of ``stage`` when ``n_layers`` are split evenly into ``n_stages`` (validated upstream)."""
-    per = n_layers // n_stages
-    return range(stage * per, (stage + 1) * per)
+from elastic_llm.shape import LOSS_CHUNK, ModelShape, stage_layer_range
 
 
 class RMSNorm(nn.Module):
@@ -105,9 +86,6 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
-
-
-LOSS_CHUNK = 256  # tokens per chunk of the LM head's loss under activation checkpointing
 
 
 def _init_linear_weights(module: nn.Module, generator: torch.Generator, std: float) -> None:
@@ -216,8 +194,3 @@ def build_full_model(shape: ModelShape, seed: int) -> StageModule:
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy. logits (B, T, V), targets (B, T)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-
-
-def count_parameters(shape: ModelShape) -> int:
-    per_layer = 4 * shape.dim * shape.dim + 3 * shape.dim * shape.ffn_hidden + 2 * shape.dim
-    return shape.n_layers * per_layer + 2 * shape.vocab_size * shape.dim + shape.dim

@@ -209,3 +209,29 @@ def test_commands_without_ray_do_not_set_up_ray(tmp_path, monkeypatch, capsys):
     main(["checkpoints", "list", str(tmp_path / "run")])
     main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     assert called == []
+
+
+def test_every_error_the_command_line_explains_is_an_exception_class_of_its_module():
+    """The exit codes' catalogue names each error by the module that defines it (resolved only
+    once the module is loaded): every entry must be that module's own exception class."""
+    import importlib
+
+    from elastic_llm.cli import STOP_ERRORS, USAGE_ERRORS, loaded_errors
+
+    for module, name in (*USAGE_ERRORS, *STOP_ERRORS):
+        cls = getattr(importlib.import_module(module), name)
+        assert issubclass(cls, Exception) and cls.__module__ == module, (module, name, cls.__module__)
+    assert len(loaded_errors(USAGE_ERRORS)) == len(USAGE_ERRORS) and len(loaded_errors(STOP_ERRORS)) == len(STOP_ERRORS)
+
+
+def test_a_config_refused_at_once_never_imports_torch():
+    """`train` with a config that cannot run is refused (exit 2, naming the field) before torch and
+    Ray are imported: a fresh process shows neither loaded."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from elastic_llm.cli import main; rc = main(['train', '--set', 'parallel.stages=3']); "
+             "print(rc, sorted(m for m in ('torch', 'ray') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.stdout.strip() == "2 []", done.stdout + done.stderr[-2000:]
+    assert "choose parallel.stages in {1, 2, 4}" in done.stderr

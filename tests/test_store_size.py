@@ -4,7 +4,7 @@
 from elastic_llm.config import load_config
 from elastic_llm.pipeline.memory import SNAPSHOT_BYTES_PER_PARAM, SNAPSHOT_VERSIONS_HELD
 from elastic_llm.runtime.session import NODE_STORE_BYTES, node_store_bytes, snapshot_store_bytes, store_warnings
-from elastic_llm.model import count_parameters
+from elastic_llm.shape import count_parameters
 
 MIB = 1 << 20
 

@@ -23,7 +23,7 @@ from elastic_llm.data import (
     prepare,
     read_meta,
 )
-from elastic_llm.model import count_parameters
+from elastic_llm.shape import count_parameters
 
 from .conftest import REPO
 

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from elastic_llm.model import ModelShape
+from elastic_llm.shape import ModelShape
 from elastic_llm.sources import Mode
 
 SCHEDULES = ("gpipe", "1f1b")

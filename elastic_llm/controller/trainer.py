@@ -32,7 +32,7 @@ from elastic_llm.controller.states import (
     Draining, Failed, Progress, Recovering, Resizing, RunFailed, RunUnrecoverable, Running, Starting, State, WaitingForCapacity,
     after_failure, after_source_lost, after_step, after_unrecoverable, check_transition, is_terminal, routine, start_waiting, while_waiting, why_entered,
 )
-from elastic_llm.model import count_parameters
+from elastic_llm.shape import count_parameters
 from elastic_llm.monitor import RunFacts, RunStatus
 from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
 from elastic_llm.recovery.failure import During, FailurePolicy, StepFailure, reclaims_behind

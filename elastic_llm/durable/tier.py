@@ -21,7 +21,7 @@ from elastic_llm.config import RunConfig
 from elastic_llm.durable import format as fmt
 from elastic_llm.durable.flush import by_node, plan_parts
 from elastic_llm.durable.storage import Storage, StorageError
-from elastic_llm.model import stage_layer_range
+from elastic_llm.shape import stage_layer_range
 from elastic_llm.snapshot.records import VersionRecord
 from elastic_llm.stream import StreamPosition
 

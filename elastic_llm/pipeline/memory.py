@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from elastic_llm.config import ConfigError, RunConfig
-from elastic_llm.model import LOSS_CHUNK, ModelShape, count_parameters, stage_layer_range
+from elastic_llm.shape import LOSS_CHUNK, ModelShape, count_parameters, stage_layer_range
 from elastic_llm.pipeline.schedules import build_schedule
 from elastic_llm.pipeline.shares import microbatch_sizes, replica_shares
 

@@ -27,7 +27,7 @@ from elastic_llm.config import RunConfig
 from elastic_llm.controller.membership import Column, Members, Membership, SpareBook
 from elastic_llm.controller.ports import RESET_S, CapacityUnavailable, PlanNotFollowed, SpareRef, Standbys, Roster
 from elastic_llm.controller.states import Capacity
-from elastic_llm.model import count_parameters
+from elastic_llm.shape import count_parameters
 from elastic_llm.sim.costs import MB
 from elastic_llm.sim.world import SimRef, World
 from elastic_llm.snapshot.coordinator import StageMember
