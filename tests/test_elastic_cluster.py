@@ -34,13 +34,14 @@ from .test_spot_watcher import FakeIMDS
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 4
-CLEAN_STEPS = 160  # steps of the undisturbed run: more than the drained run takes (67 measured; 0.1-0.3 s each)
+CLEAN_STEPS = 80  # steps of the undisturbed run: more than the drained runs take (67 measured; 0.1-0.3 s each); a run past it gets its own (clean_losses)
 BASE = [
     "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4",
     "parallel.stages=2", "parallel.microbatches=2", "parallel.cpus_per_actor=1",
     "parallel.placement_strategy=SPREAD", "train.batch_size=8", "train.eval_every=0",
     "snapshot.group_size=4", "snapshot.parity=1", "recovery.capacity_report_s=1",
     "elastic.min_replicas=1", "elastic.max_replicas=2", "elastic.grow_check_s=1",
+    "recovery.standby=0",  # new processes and stage spares take lost or drained places here; warm standbys: test_standby_cluster.py
 ]
 
 
