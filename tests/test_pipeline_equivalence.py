@@ -326,6 +326,7 @@ def test_the_width_one_step_is_the_float64_step_too(ray_local):
     assert_is_the_float64_step(cfg, [token_batch(cfg, 11)], *cached_steps(8, 4, 1, (11,)))
 
 
+@pytest.mark.slow  # 16 s; on Ray the bf16 pipeline test runs its steps twice for the same bits, and every bit-identical recovery compares two runs
 def test_the_same_config_and_seed_give_the_same_bits_twice(ray_local):
     """A second run on fresh actors of the step at width 3 (8 sequences, 4 microbatches)."""
     cfg = small_config(2, 3, "1f1b", micro=4, batch=8)
@@ -358,6 +359,7 @@ def test_a_bf16_pipeline_on_ray_is_near_the_fp32_step_and_its_replicas_hold_the_
     assert [r.loss for r in again] == [r.loss for r in results]
 
 
+@pytest.mark.slow  # 17 s; a grow on Ray stays bit-identical in test_elastic_cluster, width 3 against float64 in the any-width step here
 def test_a_width_change_from_two_to_three_replicas_keeps_the_width_one_math(ray_local):
     """Two replicas train a step; a third joins with replica 0's state (as a grow does) and the
     three train the next step on the same global batch of 8 sequences (shares 3, 3, 2 in

@@ -61,7 +61,8 @@ def test_tiny_loss_falls_and_metrics_are_written(ray_local, corpus_dir, tmp_path
 
 
 # dp 3 (slow; uneven shares stay in test_pipeline_equivalence's any-width step): 16 sequences in shares of 6, 5, 5; validation on replica 0's 6
-@pytest.mark.parametrize("dp", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 16 s; width 2 through the trainer stays in test_elastic_cluster and test_durable_cluster (a width-2 run flushing)
+@pytest.mark.parametrize("dp", [2, 3])
 def test_data_parallel_replicas_train(ray_local, corpus_dir, dp):
     history, _ = train(["parallel.stages=2", f"parallel.dp={dp}", "parallel.cpus_per_actor=0.25", "train.eval_every=2"], 2, corpus_dir)
     assert all(np.isfinite(h["loss"]) for h in history) and np.isfinite(history[-1]["val_loss"])
