@@ -434,6 +434,7 @@ def test_the_driver_makes_one_call_per_replica_and_a_killed_relay_is_named_while
         kill_all(actors)
 
 
+@pytest.mark.slow  # 55 s, and a bound in wall-clock time (half an op); a death reaching every stage of a step stays in the suite (the tests below)
 def test_a_stage_killed_mid_step_stops_the_others_inside_their_ops_not_after(ray_local):
     """4 stages x 2 replicas of a model whose ops take a good part of a second. Replica 0's stage
     2 is held at its first forward and SIGKILLed one op's time into the step, while replica 1
