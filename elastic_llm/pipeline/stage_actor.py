@@ -11,7 +11,7 @@ plan (they call the stages for their pieces, so that they own them). When the ha
 the worker itself (:class:`elastic_llm.pipeline.stage.StageWorker`), each manager imported torch
 and the model code for that alone: 1.8 s of CPU per manager process, on the same cores as the
 training (measured on the 2-core loopback cluster: a manager process took 2.9 s of CPU to its
-first snapshot with torch, 1.1 s without). This module imports nothing heavy: the front's methods
+first snapshot with torch, 0.8 s without). This module imports nothing heavy: the front's methods
 are the worker's public methods by name (:data:`STAGE_METHODS`; ``tests/test_code_health.py``
 checks the list against the worker), each handing the call to the worker the actor's own process
 built in ``__init__``.
