@@ -106,7 +106,7 @@ def _build_single_process(cfg_dict: dict[str, Any], batches_path: str) -> tuple[
         for stage in stages:
             torch.nn.utils.clip_grad_norm_(stage.parameters(), cfg.train.grad_clip)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         sched.step()
         t1, c1 = time.perf_counter(), time.process_time()
         return {"time": t1 - t0, "cpu": c1 - c0, "loss": total / n_micro, "threads": torch.get_num_threads()}
@@ -185,7 +185,7 @@ def _build_torch_pp(rank: int, world: int, port: int, cfg_dict: dict[str, Any], 
                 offset += p.numel()
         torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.train.grad_clip)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         sched.step()
         dist.barrier()  # the step ends when the slowest stage is done
         t1, c1 = time.perf_counter(), time.process_time()

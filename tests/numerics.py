@@ -95,7 +95,7 @@ def reference_steps(cfg, batches, dtype=torch.float64) -> Reference:
             grads[s].append({k: p.grad.detach().double().numpy().copy() for k, p in m.named_parameters()})
             lr = opt.param_groups[0]["lr"]
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             sched.step()
         norms.append(step_norms)
         lrs.append(lr)

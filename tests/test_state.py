@@ -112,6 +112,12 @@ def test_foreign_and_mismatched_snapshots_are_refused_without_changes():
         a.load_parts(manifest, [0, half + 64], buf[:half].copy(), buf[half + 64 :].copy())
     with pytest.raises(SnapshotFormatError, match="missing or given twice"):  # overlapping pieces
         a.load_parts(manifest, [0, half - 64], buf[:half].copy(), buf[half - 64 :].copy())
+    for broken in ({"base_lrs": "x", "last_epoch": 1}, {"last_epoch": 1}, {"base_lrs": [1e-3], "last_epoch": 1}):
+        m = json.loads(manifest)
+        m["scheduler"] = broken  # the LR schedule's part: refused before any state is touched
+        with pytest.raises(SnapshotFormatError, match="LR schedule is unreadable"):
+            a.load_state(buf, json.dumps(m))
+    assert a.scheduler.last_epoch == 1
     for n, p in a.module.named_parameters():
         assert torch.equal(p, before[n])
 

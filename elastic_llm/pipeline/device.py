@@ -90,7 +90,9 @@ def gpu_ids(ids: Iterable[object]) -> tuple[str, ...]:
 def make_deterministic(on: bool) -> None:
     """``train.deterministic``: torch's deterministic algorithms (an op without one raises
     instead of running a non-deterministic kernel) and the cuBLAS workspace they need, set before
-    the process's first CUDA call. Off: torch's defaults."""
+    the process's first CUDA call. Off: torch's defaults (left alone when already so: the call
+    imports torch's compiler configuration, about 1.3 s of CPU in a process that needs none)."""
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(on)
+    if on or torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(on)

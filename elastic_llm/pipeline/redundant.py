@@ -57,12 +57,12 @@ class Shadow:
     def step(self, clip: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         self.scheduler.step()
 
     def reset(self) -> None:
         self.outputs.clear()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
 
     def capture(self, step: int, config_hash: str) -> tuple[np.ndarray, str]:
         from elastic_llm.snapshot import state as st

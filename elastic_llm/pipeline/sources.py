@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from elastic_llm.pipeline.optim import StageAdamW, StageSchedule
 from elastic_llm.snapshot.records import ParityRebuild, ShardKey
 from elastic_llm.tensors import host, host_bytes
 
@@ -31,8 +32,8 @@ class OtherSources:
     ``capture_state``, ``load_state``, ``load_parts`` and ``reset_step``."""
 
     module: Any
-    optimizer: Any
-    scheduler: Any
+    optimizer: StageAdamW
+    scheduler: StageSchedule
     copies: Any
     arena: Any
     shadow: Any
@@ -202,14 +203,7 @@ class OtherSources:
 
     def _resume_schedule(self, step: int, lr_scale: float) -> None:
         """Put the (fresh) optimizer's LR schedule at ``step`` with its peak LR x ``lr_scale``."""
-        sched = self.scheduler
-        sched.base_lrs = [lr * lr_scale for lr in sched.base_lrs]
-        for g, base in zip(self.optimizer.param_groups, sched.base_lrs):
-            g["initial_lr"] = base
-        sched.last_epoch = step
-        for g, base, fn in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-            g["lr"] = base * fn(step)
-        sched._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self.scheduler.resume(step, lr_scale)
         self.step_count = step
 
     # ------------------------------------------------------------------ redundant copy (Bamboo-style)

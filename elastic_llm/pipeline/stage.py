@@ -369,7 +369,7 @@ class StageWorker(OtherSources):
         self.last_grad_norm = min(norm, clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         self.backwards_done = 0
         self.scheduler.step()
         self.step_count += 1
@@ -478,7 +478,7 @@ class StageWorker(OtherSources):
         calls waiting for a step give up. Finished copies stay (a rollback may restore from them)."""
         self.inputs.clear()
         self.outputs.clear()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         self.backwards_done = 0
         if self.shadow is not None:
             self.shadow.reset()

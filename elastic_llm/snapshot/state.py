@@ -16,7 +16,7 @@ import base64
 import json
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +25,22 @@ from elastic_llm.tensors import host
 FORMAT = "elastic-llm-stage-state"
 FORMAT_VERSION = 1
 ALIGN = 64
+
+
+class Optimizer(Protocol):
+    """What a snapshot reads and writes of a stage's AdamW (:class:`elastic_llm.pipeline.optim.StageAdamW`):
+    its parameter groups' fields and its per-parameter tensors."""
+
+    param_groups: list[dict[str, object]]
+    state: dict[torch.Tensor, dict[str, torch.Tensor]]
+
+
+class Schedule(Protocol):
+    """What a snapshot reads and writes of a stage's LR schedule (:class:`elastic_llm.pipeline.optim.StageSchedule`)."""
+
+    def state_dict(self) -> dict[str, object]: ...
+
+    def load_state_dict(self, state: dict[str, object]) -> None: ...
 
 
 class SnapshotFormatError(ValueError):
@@ -50,20 +66,20 @@ class Entry:
 
 
 
-def ensure_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def ensure_optimizer_state(module: torch.nn.Module, optimizer: Optimizer) -> None:
     """Create AdamW's per-parameter state (zero moments, step 0) up front, as its first step would.
 
     Zeros are what AdamW's first step starts from, so results are bit-identical; having the state
     exist from the start lets it live in the stage's arena and be restored into a fresh stage."""
     for p in module.parameters():
-        st = optimizer.state[p]
+        st = optimizer.state.setdefault(p, {})
         if not st:
             st["step"] = torch.zeros((), dtype=torch.float32)  # AdamW keeps step on the CPU unless capturable/fused
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def state_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+def state_tensors(module: torch.nn.Module, optimizer: Optimizer) -> list[tuple[str, torch.Tensor]]:
     """Every tensor of the state, in a fixed order: parameters, then the optimizer state by kind
     (all ``exp_avg``, all ``exp_avg_sq``, ..., all ``step``), so tensors of one device are adjacent.
 
@@ -109,7 +125,7 @@ class StateArena:
     The optimizer updates its tensors in place, so the views stay valid for the whole run.
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, module: torch.nn.Module, optimizer: Optimizer) -> None:
         ensure_optimizer_state(module, optimizer)
         tensors = state_tensors(module, optimizer)
         self.layout = StateLayout(tensors)
@@ -195,8 +211,8 @@ class StateArena:
 
 
 def json_state(
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    optimizer: Optimizer,
+    scheduler: Schedule,
     step: int,
     data_position: dict[str, int] | None,
     config_hash: str,
@@ -209,7 +225,7 @@ def json_state(
         "config_hash": config_hash,
         "data_position": data_position,
         "scheduler": sched,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]],
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "rng_numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "rng_python": [py_state[0], list(py_state[1]), py_state[2]],
         "rng_torch": base64.b64encode(host(torch.get_rng_state()).tobytes()).decode(),
@@ -248,8 +264,8 @@ def restore(
     parts: list[tuple[int, np.ndarray]],
     manifest: dict[str, Any],
     arena: StateArena,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    optimizer: Optimizer,
+    scheduler: Schedule,
     config_hash: str,
     stage: int,
 ) -> dict[str, Any]:
@@ -291,6 +307,10 @@ def restore(
         covered += len(data)
     if covered < nbytes:
         raise SnapshotFormatError(f"snapshot buffer has {covered} bytes, manifest says {nbytes}: truncated")
+    try:
+        scheduler.load_state_dict(dict(manifest["scheduler"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise SnapshotFormatError(f"snapshot manifest's LR schedule is unreadable ({err}): the snapshot is corrupted") from None
     with torch.no_grad():
         arena.load(parts)
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng_torch"])), dtype=torch.uint8))
@@ -300,7 +320,6 @@ def restore(
     for group, saved in zip(optimizer.param_groups, manifest["param_groups"]):
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    scheduler.load_state_dict(dict(manifest["scheduler"]))
     kind, keys, pos, has_gauss, cached = manifest["rng_numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     version, internal, gauss = manifest["rng_python"]
