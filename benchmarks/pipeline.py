@@ -51,7 +51,7 @@ import numpy as np
 
 from benchmarks.common import free_port, load_at_end, machine_busy_s, machine_info, median, outside_share, ratio, tree_cpu_s
 from elastic_llm.config import RunConfig, config_from_dict, load_config
-from elastic_llm.model import count_parameters
+from elastic_llm.shape import count_parameters
 
 READY_TIMEOUT_S = 300.0  # building a peer (spawn, import torch, build the model, rendezvous)
 STEP_TIMEOUT_S = 300.0  # one step of one system; past it the system is stopped and reported failed

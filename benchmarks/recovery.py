@@ -818,7 +818,7 @@ def _bench_config(config_path: str, overrides: Sequence[str], warmup: int, after
 
     from elastic_llm.config import load_config
     from elastic_llm.runtime.session import FAST_HEALTH, loopback_cluster
-    from elastic_llm.model import count_parameters
+    from elastic_llm.shape import count_parameters
 
     started = time.perf_counter()
     machine = machine_info()

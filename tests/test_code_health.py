@@ -189,3 +189,13 @@ def test_the_stage_actors_front_hands_each_call_to_the_worker(monkeypatch):
     front = StageWorker({"a": 1}, 2, replica=3)
     assert front.worker.made == (({"a": 1}, 2), {"replica": 3})
     assert front.set_width(4, dp=5) == ("set_width", (4,), {"dp": 5})
+
+
+def test_every_benchmark_module_imports():
+    """``elastic-llm bench X`` imports ``benchmarks.X`` only when run: a name moved in the package
+    (``count_parameters`` to :mod:`elastic_llm.shape`) once broke three benchmarks with no test
+    failing. One fresh process imports them all."""
+    names = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem != "__init__")
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module('benchmarks.' + n)\n"
+    done = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
