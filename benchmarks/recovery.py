@@ -918,7 +918,7 @@ def _notes(r: dict[str, Any]) -> list[str]:
             "(bytes, the target's seconds: connection, bytes and restore; GB/s); transfer_reference: the same bytes moved in this "
             "run by a warm memcpy and by a bare loopback TCP connection (medians of 5). transfer (parity): the lost stage's state "
             "rebuilt by the new stage itself, decoded straight into its state (bytes rebuilt; seconds from asking the group's "
-            "members for their pieces and parity, the pulls, the decode and the checksums, until the last decoded byte is in place)."
+            "members for their piece servers, the reads of their chunks and parity over those links, the decode and the checksums, until the last decoded byte is in place)."
         ),
         (
             "lost_s per path: seconds from the failure (the victim's death, seen by a pidfd; drain: the drain request) to the "

@@ -56,7 +56,7 @@ from elastic_llm.config import RunConfig, load_config
 from elastic_llm.runtime.session import NAMESPACE, loopback_env
 from elastic_llm.controller.trainer import Trainer
 from elastic_llm.runtime.ray_runtime import ray_trainer
-from elastic_llm.model import count_parameters
+from elastic_llm.shape import count_parameters
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -543,6 +543,7 @@ def _compare_trainers(
         "stall_s": _r(actor_stall + ctrl_stall),
         "stall_components_s": {"stage_actor_wait_max_per_step": _r(actor_stall), "controller_wait_per_step": _r(ctrl_stall)},
         "stage_wait_total_s": [_r(w) for w in per_stage_wait],
+        **_breakdown(stats0, stats1),
         "snapshots_committed": int(stats1["committed"] - stats0["committed"]),
         "snapshots_skipped": int(stats1["skipped"] - stats0["skipped"]),
         "snapshots_discarded": int(stats1["discarded"] - stats0["discarded"]),
@@ -558,6 +559,59 @@ def _compare_trainers(
         "without_snapshot": s_off,
     }
     return comparison, after
+
+
+def _breakdown(stats0: dict[str, Any], stats1: dict[str, Any]) -> dict[str, Any]:
+    """Where a committed version's time went in the timed blocks (the coordinator's sums, per
+    version), and the parity exchange's rate: bytes the holders read over the piece servers'
+    links per second of their reading (checking and encoding included)."""
+    n = max(1, int(stats1["committed"] - stats0["committed"]))
+    ex0, ex1 = stats0["exchanged"], stats1["exchanged"]
+    received, wall = ex1["received"] - ex0["received"], ex1["wall_s"] - ex0["wall_s"]
+    return {
+        "breakdown_per_version_s": {
+            "stage_copy_and_crc": _r((stats1["copy_s"] - stats0["copy_s"]) / n),
+            "manager_waits_for_pieces": _r((stats1["collect_s"] - stats0["collect_s"]) / n),
+            "exchange_wall": _r(wall / n),
+            "exchange_crc_cpu": _r((ex1["crc_s"] - ex0["crc_s"]) / n),
+            "exchange_encode_cpu": _r((ex1["encode_s"] - ex0["encode_s"]) / n),
+            "commit": _r((stats1["commit_s"] - stats0["commit_s"]) / n),
+        },
+        "exchange_bytes_per_version": int(received / n),
+        "exchange_gbps": _gbps(received, wall),
+    }
+
+
+def loopback_socket_gbps(nbytes: int, rounds: int = 5) -> float | None:
+    """The peer of the parity exchange: one TCP connection on 127.0.0.1 moving ``nbytes`` from a
+    warm buffer into a warm buffer (``sendall`` / ``recv_into`` in 1 MiB blocks), median of
+    ``rounds``: the link's own rate on this machine, in the same run."""
+    import socket
+    import threading
+
+    nbytes = max(1 << 20, int(nbytes))
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(1 << 20, dtype=np.uint8)
+    times = []
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        for _ in range(rounds):
+            def send() -> None:
+                with socket.create_connection(srv.getsockname()) as c:
+                    c.sendall(src.data)
+
+            t = threading.Thread(target=send)
+            t0 = time.perf_counter()
+            t.start()
+            conn, _ = srv.accept()
+            with conn:
+                got, view = 0, dst.data
+                while got < nbytes:
+                    k = conn.recv_into(view)
+                    if k == 0:
+                        break
+                    got += k
+            t.join()
+            times.append(time.perf_counter() - t0)
+    return _gbps(nbytes, median(times))
 
 
 def _trainer_configs(config_path: str, overrides: Sequence[str], extra: Sequence[str]) -> tuple[RunConfig, RunConfig]:
@@ -774,6 +828,11 @@ def run_snapshot_bench(
         "cpu_overhead_single_node_pct": tr_single.get("cpu_overhead_pct"),
         "snapshots_committed": tr_multi["snapshots_committed"],
         "snapshots_skipped": tr_multi["snapshots_skipped"],
+        "snapshot_breakdown_per_version_s": tr_multi["breakdown_per_version_s"],
+        "parity_exchange_bytes_per_version": tr_multi["exchange_bytes_per_version"],
+        "parity_exchange_GBps": tr_multi["exchange_gbps"],
+        "loopback_socket_GBps": (sock := loopback_socket_gbps(tr_multi["exchange_bytes_per_version"])),
+        "parity_exchange_vs_loopback_socket": ratio(tr_multi["exchange_gbps"], sock, 3),
         "stall_vs_torch_save": ratio(stall, inproc["torch_save_s"], 5),
         "stall_vs_dcp_async": ratio(stall, inproc["dcp_async_block_s"], 5),
         "stall_vs_dcp_async_reused_stager": ratio(stall, inproc["dcp_async_block_reused_stager_s"], 5),
@@ -815,6 +874,14 @@ def run_snapshot_bench(
         "uses all steps of a block but its first (which absorbs the switch between the two trainers); "
         "overhead_all_steps_pct uses every step; noise_pct is how much the snapshot-free system alone varied between its "
         "blocks."
+    )
+    notes.append(
+        "snapshot_breakdown_per_version_s: per committed version of the timed blocks, summed over its parts: the stages' "
+        "copies (with their pieces' CRC-32s), the managers' waits for them, the parity holders' reading of their groups' "
+        "data over the piece servers' links (wall, with the CRC-32 checks and the encoding within it, in CPU seconds) and "
+        "the driver's commit. parity_exchange_GBps = bytes the holders read / their reading's wall time; "
+        "loopback_socket_GBps: one TCP connection on 127.0.0.1 moving as many bytes between warm buffers in this run "
+        "(median of 5), its peer."
     )
     notes.append(
         f"restore_from_smp_s: after the blocks, the cluster Trainer with snapshots restores every stage of replica 0 from "

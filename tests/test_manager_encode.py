@@ -1,41 +1,141 @@
-"""Parity encoded straight from snapshot pieces equals parity of the zero-padded, concatenated
-chunks (the rotating layout's codewords), and decodes back to every piece (no Ray)."""
+"""Parity a holder encodes as each member's bytes arrive over its piece server equals parity of
+the zero-padded, concatenated chunks (the rotating layout's codewords), and decodes back to every
+piece; a member's bytes cut mid-piece or corrupted leave no parity behind (real sockets on
+127.0.0.1, no Ray)."""
 
 import numpy as np
 import pytest
 
-from elastic_llm.snapshot.erasure import ReedSolomon
-from elastic_llm.snapshot.manager import encode_pieces
+from elastic_llm.snapshot import exchange
+from elastic_llm.snapshot.erasure import ReedSolomon, checksum
+from elastic_llm.snapshot.layout import ParityLayout
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey, chunk_pieces
+
+pytestmark = pytest.mark.timeout(60)
+NOWHERE = ("127.0.0.1", 9)  # an offer's source where no bytes are read
 
 
 def pieces(rng, sizes):
     return [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
 
 
-@pytest.mark.parametrize("k,m", [(2, 1), (3, 2), (4, 1)])
-@pytest.mark.parametrize("seed", range(4))
-def test_parity_from_pieces_matches_padded_chunks(k, m, seed):
-    rng = np.random.default_rng(seed)
-    # each data symbol: several pieces of varied length (some empty), some symbols shorter
-    symbols = [pieces(rng, rng.integers(0, 3000, rng.integers(0, 4))) for _ in range(k)]
-    length = max(sum(len(p) for p in s) for s in symbols) + int(rng.integers(0, 2)) * 64
-    padded = []
+def padded(symbols, length):
+    out = []
     for s in symbols:
         flat = np.zeros(length, dtype=np.uint8)
         cat = np.concatenate(s) if s else np.zeros(0, dtype=np.uint8)
         flat[: len(cat)] = cat
-        padded.append(flat)
+        out.append(flat)
+    return out
+
+
+@pytest.mark.parametrize("k,m", [(2, 1), (3, 2), (4, 1)])
+@pytest.mark.parametrize("seed", range(4))
+def test_parity_added_up_from_blocks_in_any_order_matches_padded_chunks(k, m, seed):
+    """``encode_update`` of every symbol's pieces, cut in blocks of any size, in any order of the
+    symbols, gives ``encode``'s parity of the padded chunks; the parity decodes lost chunks back."""
+    rng = np.random.default_rng(seed)
+    symbols = [pieces(rng, rng.integers(0, 3000, rng.integers(0, 4))) for _ in range(k)]
+    length = max(sum(len(p) for p in s) for s in symbols) + int(rng.integers(0, 2)) * 64
+    full = padded(symbols, length)
     rs = ReedSolomon(k, m)
-    expected = rs.encode(padded) if length else [np.zeros(0, dtype=np.uint8)] * m
+    expected = rs.encode(full) if length else [np.zeros(0, dtype=np.uint8)] * m
     for row in range(m):
-        out = np.full(length, 0xAB, dtype=np.uint8)
-        assert np.array_equal(encode_pieces(rs, symbols, row, out), expected[row])
+        out = np.zeros(length, dtype=np.uint8)
+        for sym in rng.permutation(k):
+            pos = 0
+            for arr in symbols[sym]:
+                cuts = sorted({0, len(arr), *rng.integers(0, len(arr) + 1, 3).tolist()})
+                for a, b in zip(cuts, cuts[1:]):
+                    rs.encode_update(arr[a:b], int(sym), row, out[pos + a : pos + b])
+                pos += len(arr)
+        assert np.array_equal(out, expected[row])
     if length:  # losing up to m data symbols, parity brings the pieces back
         lost = list(rng.choice(k, size=min(m, k), replace=False))
-        got = rs.decode([None if i in lost else padded[i] for i in range(k)] + expected)
+        got = rs.decode([None if i in lost else full[i] for i in range(k)] + expected)
         for i in lost:
-            assert np.array_equal(got[i], padded[i])
+            assert np.array_equal(got[i], full[i])
+
+
+class Member:
+    """A group member's piece server serving its chunks of version 7 (attempt 100)."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.server = exchange.PieceServer("127.0.0.1", self.lookup)
+
+    def lookup(self, version, attempt, kind, index, role):
+        if (version, attempt, kind) != (7, 100, exchange.CHUNK):
+            raise LookupError(f"step {version}, attempt {attempt} is not held here")
+        return self.chunks[index], 0
+
+
+def holder_and_members(rng, n=4, m=2):
+    """A holder manager of a group of ``n`` and real piece servers for the other members, each
+    with 2-3 pieces per chunk; returns (manager, layout, members, offers per region)."""
+    layout = ParityLayout(n, m)
+    chunks = [{c: pieces(rng, rng.integers(1, 300_000, rng.integers(2, 4))) for c in range(layout.k)} for _ in range(n)]
+    members = [Member(chunks[j]) for j in range(n)]
+    mgr = _manager_holding()
+    return mgr, layout, members, chunks
+
+
+def offer_all(mgr, layout, members, chunks, region):
+    for j in layout.data_nodes(region):
+        c = layout.chunk_of(j, region)
+        arrs = chunks[j][c]
+        mgr.offer(7, region, j, members[j].server.address, [Piece(0, len(a), checksum(a)) for a in arrs], attempt=100)
+
+
+def test_a_holder_encodes_each_members_bytes_as_they_arrive_and_gets_encodes_parity():
+    rng = np.random.default_rng(1)
+    mgr, layout, members, chunks = holder_and_members(rng)
+    with mgr.lock:
+        v = mgr._claim(7, 100)
+    rs = ReedSolomon(layout.k, layout.m)
+    for region, row in layout.parity_regions(0):
+        offer_all(mgr, layout, members, chunks, region)
+        info, exchanged = mgr._encode(v, 7, layout, region, row)
+        symbols = [chunks[j][layout.chunk_of(j, region)] for j in layout.data_nodes(region)]
+        length = max(sum(len(a) for a in s) for s in symbols)
+        want = rs.encode_row(padded(symbols, length), row)
+        assert info.length == length and info.crc == checksum(want)
+        assert np.array_equal(v.parity[region][0], want)
+        assert region not in v.offers  # the offers are dropped once encoded
+        assert exchanged.received == sum(len(a) for s in symbols for a in s) and exchanged.wall_s > 0
+
+
+@pytest.mark.parametrize("fault", ["cut", "corrupt", "refused"])
+def test_a_member_whose_bytes_are_cut_corrupted_or_refused_leaves_no_parity_behind(fault):
+    """A transfer cut mid-piece, a flipped byte, or a member that no longer holds the attempt:
+    the holder's part fails naming the member, keeps no parity of the region (nothing a version
+    could commit), and its buffer goes back to the pool; the next attempt encodes whole."""
+    from elastic_llm.snapshot.manager import SnapshotMissingError
+
+    rng = np.random.default_rng(2)
+    mgr, layout, members, chunks = holder_and_members(rng)
+    region, row = layout.parity_regions(0)[0]
+    victim = layout.data_nodes(region)[1]
+    with mgr.lock:
+        v = mgr._claim(7, 100)
+    offer_all(mgr, layout, members, chunks, region)
+    if fault == "cut":
+        members[victim].server.cut_after = len(chunks[victim][layout.chunk_of(victim, region)][0]) + 1000  # inside its second piece
+    elif fault == "corrupt":
+        members[victim].chunks = {c: [a.copy() for a in arrs] for c, arrs in chunks[victim].items()}
+        members[victim].chunks[layout.chunk_of(victim, region)][-1][5] ^= 0xFF
+    else:
+        members[victim].server.lookup = lambda *a: (_ for _ in ()).throw(LookupError("step 7, attempt 100 is not held here"))
+    pooled = sum(len(b) for b in mgr._pool.values())
+    with pytest.raises(SnapshotMissingError, match=f"group member {victim}") as err:
+        mgr._encode(v, 7, layout, region, row)
+    assert {"cut": "did not arrive whole", "corrupt": "fails its checksum", "refused": "not held here"}[fault] in str(err.value)
+    assert region not in v.parity
+    assert sum(len(b) for b in mgr._pool.values()) > pooled  # the partly encoded buffer is back in the pool, never kept
+    members[victim].chunks = chunks[victim]
+    members[victim].server.lookup = members[victim].lookup
+    offer_all(mgr, layout, members, chunks, region)
+    assert mgr._encode(v, 7, layout, region, row)[0].region == region and region in v.parity
 
 
 def test_chunk_pieces_take_one_piece_of_each_shard_in_key_order():
@@ -88,7 +188,7 @@ def test_a_late_commit_of_an_older_version_frees_it():
 
 def test_a_late_discard_of_an_earlier_attempt_keeps_the_newer_attempts_offers():
     m = _manager_holding()
-    m.offer(46, 0, 1, ["ref"], [Piece(0, 1, 2)], attempt=200)
+    m.offer(46, 0, 1, NOWHERE, [Piece(0, 1, 2)], attempt=200)
     m.discard(46, attempt=100)  # the first attempt's discard, delivered late
     assert m.versions[46].attempt == 200 and 1 in m.versions[46].offers[0]
     m.discard(46, attempt=200)
@@ -97,10 +197,10 @@ def test_a_late_discard_of_an_earlier_attempt_keeps_the_newer_attempts_offers():
 
 def test_a_late_offer_of_an_earlier_attempt_is_dropped_and_a_newer_one_replaces_it():
     m = _manager_holding()
-    m.offer(46, 0, 1, ["new"], [Piece(0, 1, 2)], attempt=200)
-    m.offer(46, 0, 2, ["old"], [Piece(0, 1, 3)], attempt=100)
+    m.offer(46, 0, 1, NOWHERE, [Piece(0, 1, 2)], attempt=200)
+    m.offer(46, 0, 2, NOWHERE, [Piece(0, 1, 3)], attempt=100)
     assert set(m.versions[46].offers[0]) == {1}
-    m.offer(46, 0, 2, ["newer"], [Piece(0, 1, 4)], attempt=300)
+    m.offer(46, 0, 2, NOWHERE, [Piece(0, 1, 4)], attempt=300)
     assert m.versions[46].attempt == 300 and set(m.versions[46].offers[0]) == {2}
 
 
@@ -127,7 +227,7 @@ def test_an_encode_waiting_for_offers_gives_up_when_a_newer_attempt_takes_its_ve
     t.start()
     t.join(0.3)
     assert t.is_alive() and not raised  # waiting for its group's data
-    m.offer(7, region, layout.data_nodes(region)[0], [], [], attempt=200)  # the re-run's first offer
+    m.offer(7, region, layout.data_nodes(region)[0], NOWHERE, [], attempt=200)  # the re-run's first offer
     t.join(10)
     assert not t.is_alive() and raised and "superseded" in raised[0]
 

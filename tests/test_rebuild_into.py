@@ -1,9 +1,9 @@
 """A lost shard rebuilt by the stage being restored, from its erasure group's survivors, straight
 into its own state (an embedded Ray; the group's members are actors that hold real pieces and the
-parity the managers' encoder makes of them, and are killed for real).
+parity of their zero-padded chunks, and are killed for real).
 
 A new stage decodes into its arena (no staging buffer) and continues bit for bit; a member that
-dies before its pieces are pulled, or serves a corrupted piece, is one more erasure; more than the
+dies before its symbols are read, serves a corrupted piece or is cut off mid-symbol, is one more erasure; more than the
 parity covers fails the rebuild: a new stage then says it holds no step (-1), a trained one keeps
 its state.
 """
@@ -13,9 +13,9 @@ import pytest
 import ray
 
 from elastic_llm.pipeline.stage import StageWorker
+from elastic_llm.snapshot import exchange
 from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
 from elastic_llm.snapshot.layout import ParityLayout
-from elastic_llm.snapshot.manager import encode_pieces
 from elastic_llm.snapshot.records import Piece, ParityRebuild, ShardInfo, ShardKey, chunk_pieces
 
 from .test_state import batches, cfg, run_steps
@@ -27,7 +27,8 @@ VERSION = 3
 
 @ray.remote(num_cpus=0)
 class Member:
-    """A group member as a rebuild asks it: its data chunks' pieces (refs it owns) and its parity."""
+    """A group member as a rebuild asks it: a real piece server serving its data chunks' pieces
+    (held in the object store) and its parity."""
 
     def __init__(self, chunks: dict[int, list[np.ndarray]], parity: dict[int, np.ndarray], corrupt: bool) -> None:
         if corrupt:  # silent corruption: the recorded checksums stay
@@ -37,13 +38,19 @@ class Member:
                     if len(a):
                         a[len(a) // 2] ^= 0xFF
         self.refs = {c: [ray.put(a) for a in arrs] for c, arrs in chunks.items()}
-        self.parity = parity
+        self.parity = {r: (p, checksum(p)) for r, p in parity.items()}
+        self.server = exchange.PieceServer("127.0.0.1", self.lookup)
 
-    def chunk_parts(self, version: int, chunk: int, role: str = "") -> list:
-        return self.refs[chunk]
+    def lookup(self, version, attempt, kind, index, role):
+        if kind == exchange.PARITY:
+            return [self.parity[index][0]], self.parity[index][1]
+        return [np.asarray(a) for a in ray.get(self.refs[index])], 0
 
-    def get_parity(self, version: int, region: int, role: str = "") -> np.ndarray:
-        return self.parity[region]
+    def endpoint(self) -> tuple[str, int]:
+        return self.server.address
+
+    def cut(self, nbytes: int) -> None:
+        self.server.cut_after = nbytes  # its next answer stops after nbytes
 
 
 def split(key: ShardKey, data: np.ndarray, manifest: str, k: int) -> tuple[ShardInfo, list[np.ndarray]]:
@@ -80,18 +87,19 @@ def group(ray_local):
         symbols = [pieces[j][layout.chunk_of(j, region)] for j in layout.data_nodes(region)]
         length = max(sum(len(x) for x in s) for s in symbols)
         for row, holder in enumerate(layout.holders(region)):
-            parity[holder][region] = encode_pieces(rs, symbols, row, np.empty(length, dtype=np.uint8))
+            parity[holder][region] = rs.encode_row([np.concatenate([*s, np.zeros(length - sum(len(x) for x in s), dtype=np.uint8)]) for s in symbols], row)
     return infos, pieces, parity, state, manifest, after
 
 
-def recipe(group, *, dead=(), corrupt=()) -> ParityRebuild:
+def recipe(group, *, dead=(), corrupt=(), cut=()) -> ParityRebuild:
     """Rebuild member 0's shard (member 0 lost); members in ``dead`` are killed before the
     rebuild asks them (the plan still names them), those in ``corrupt`` serve a flipped byte."""
     infos, pieces, parity, _, _, _ = group
     peers = [None] + [Member.remote(pieces[j], parity[j], j in corrupt) for j in range(1, N)]
-    ray.get([p.chunk_parts.remote(VERSION, 0) for p in peers[1:]])  # every member is up
+    ray.get([p.endpoint.remote() for p in peers[1:]])  # every member is up
     for j in dead:
         ray.kill(peers[j])
+    ray.get([peers[j].cut.remote(1000) for j in cut])
     return ParityRebuild(VERSION, ShardKey(0, 0), N, M, (0,), 0, tuple(peers), tuple(infos))
 
 
@@ -105,7 +113,7 @@ def test_a_new_stage_decodes_a_lost_shard_into_its_own_state_and_continues_bit_i
     assert run_steps(b, list(batches(8))[VERSION:]) == after
 
 
-def test_a_member_that_died_and_one_serving_a_corrupted_chunk_are_one_more_erasure_each(group):
+def test_a_member_that_died_one_serving_a_corrupted_chunk_and_one_cut_off_mid_symbol_are_one_more_erasure_each(group):
     _, _, _, state, manifest, after = group
     b = StageWorker(cfg(), 0, 0)
     assert b.load_rebuilt(manifest, [], [recipe(group, dead=(1,))])[0] == VERSION  # erasures: 0 (lost), 1 (dead)
@@ -113,6 +121,9 @@ def test_a_member_that_died_and_one_serving_a_corrupted_chunk_are_one_more_erasu
     c = StageWorker(cfg(), 0, 0)
     assert c.load_rebuilt(manifest, [], [recipe(group, corrupt=(2,))])[0] == VERSION  # 0 (lost), 2 (corrupted)
     assert run_steps(c, list(batches(8))[VERSION:]) == after
+    d = StageWorker(cfg(), 0, 0)
+    assert d.load_rebuilt(manifest, [], [recipe(group, cut=(3,))])[0] == VERSION  # 0 (lost), 3 (cut mid-symbol)
+    assert np.array_equal(d.arena.host_view(), state)
 
 
 def test_more_erasures_than_parity_fail_the_rebuild_a_new_stage_holds_no_step_a_trained_one_keeps_its_state(group):

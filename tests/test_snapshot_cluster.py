@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import zlib
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from elastic_llm.config import load_config
 from elastic_llm.model import build_stage
 from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.recovery.policy import UnrecoverableError
+from elastic_llm.snapshot import exchange
 from elastic_llm.snapshot.records import ShardKey
 
 from .conftest import REPO, loopback_cluster_fixture, top_up
@@ -188,18 +190,20 @@ def test_a_draining_members_part_adopted_by_another_node_is_served_there_after_t
     ray.get([m.commit.remote(4) for m in smps])
     region = parts[0].parity[0].region
     want_shard = ray.get(smps[0].get_shard.remote(4, ShardKey(0, 0)))[0].copy()
-    want_parity = np.asarray(ray.get(smps[0].get_parity.remote(4, region))).copy()
+    deadline = time.monotonic() + 60
+    want_parity = exchange.fetch(tuple(ray.get(smps[0].endpoint.remote())), 4, -1, exchange.PARITY, region, "", deadline)[0]
 
     adopter = smps[3]  # outside the group
     assert ray.get(adopter.adopt.remote(4, ids[0], smps[0])) == len(want_shard) + len(want_parity)
     ray.kill(smps[0])  # the draining node's manager goes: its objects with it
     assert ray.get(adopter.held.remote()) == {4: True}
     assert np.array_equal(ray.get(adopter.get_shard.remote(4, ShardKey(0, 0)))[0], want_shard)
-    assert np.array_equal(np.asarray(ray.get(adopter.get_parity.remote(4, region, ids[0]))), want_parity)
-    refs = ray.get(adopter.chunk_parts.remote(4, 0, ids[0]))
-    assert checksum(np.asarray(ray.get(refs[0]))) == parts[0].shards[0].pieces[0].crc
-    with pytest.raises(ray.exceptions.RayTaskError):  # a role it does not hold is refused by name
-        ray.get(adopter.get_parity.remote(4, region, ids[1]))
+    at = tuple(ray.get(adopter.endpoint.remote()))  # what a rebuild reads from the adopter's piece server
+    assert np.array_equal(exchange.fetch(at, 4, -1, exchange.PARITY, region, ids[0], deadline)[0], want_parity)
+    chunk, lengths, _ = exchange.fetch(at, 4, -1, exchange.CHUNK, 0, ids[0], deadline)
+    assert checksum(chunk[: lengths[0]]) == parts[0].shards[0].pieces[0].crc
+    with pytest.raises(exchange.ExchangeError, match="not held"):  # a role it does not hold is refused by name
+        exchange.fetch(at, 4, -1, exchange.PARITY, region, ids[1], deadline)
     ray.get(adopter.commit.remote(5))
     assert ray.get(adopter.state.remote()).bytes_held == 0  # a newer commit frees the adopted part
     for a in [*smps[1:], *senders]:
@@ -296,6 +300,38 @@ def test_killed_manager_is_replaced_and_the_next_snapshot_completes(nodes, corpu
     assert t.snapshots.committed.version > 4  # a snapshot taken after the kill (step 4) committed
     assert t.snapshots.managers.get(victim) is not first
     assert losses == clean(1)
+
+
+def test_a_parity_exchange_cut_mid_piece_never_commits_its_version_and_the_next_one_does(nodes, corpus_dir, clean, caplog):
+    """Every manager's next answer to a parity holder is cut 1,000 bytes into a piece (fault
+    injection in its piece server, armed after step 3): the holders' parts fail, so that version
+    is discarded and never committed (a holder keeps no parity of a transfer cut short), the
+    versions after it commit, and training is the uninterrupted run's, bit for bit."""
+    t = make_trainer(nodes, corpus_dir, "snapshot.parity=1")
+    commits: list[int] = []
+
+    def on_step(rec):
+        if rec["step"] == 3 and not commits:
+            prior = t.snapshots.on_commit
+
+            def hook(record):
+                commits.append(record.version)
+                if prior is not None:
+                    prior(record)
+
+            t.snapshots.on_commit = hook
+            ray.get([h.cut_sends.remote(1000) for h in t.snapshots.managers.values()])
+            commits.append(-1)  # armed
+
+    caplog.set_level(logging.WARNING, "elastic_llm")
+    try:
+        losses = {h["step"]: h["loss"] for h in t.fit(STEPS, on_step=on_step)}
+    finally:
+        t.shutdown()
+    dropped = [int(r.args[0]) for r in caplog.records if r.getMessage().startswith("snapshot of step") and "did not arrive whole" in r.getMessage()]
+    assert dropped, [r.getMessage() for r in caplog.records]
+    assert not set(dropped) & set(commits) and max(commits) > max(dropped)
+    assert t.recoveries == [] and losses == clean(1)
 
 
 def test_corrupted_chunk_is_detected_and_repaired_from_parity(nodes, corpus_dir, clean):

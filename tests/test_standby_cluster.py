@@ -8,6 +8,7 @@ the module; nodes removed or drained by a test are replaced before the next one.
 
 import os
 import signal
+import time
 
 import pytest
 import ray
@@ -15,6 +16,7 @@ import ray
 from elastic_llm.config import load_config
 from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.runtime.session import NODE_STORE_BYTES
+from elastic_llm.runtime.standby import CHECK_S
 from elastic_llm.snapshot.records import ShardKey
 
 from .conftest import FOUR_SMALL_STAGES, REPO, events, live_workers, loopback_cluster_fixture, top_up, wait_until
@@ -102,6 +104,8 @@ def test_idle_standby_killed_is_replaced_and_training_goes_on(nodes, clean, corp
             (pid,) = standby_pids(t, node)
             os.kill(pid, signal.SIGKILL)
             seen.update(node=node, pid=pid)
+        if rec["step"] == 4:  # idle standbys are pinged every CHECK_S at a step boundary: steps can be faster than that
+            time.sleep(CHECK_S + 0.5)
         if rec["step"] == 9:  # the pool noticed and started another one
             wait_until(lambda: bool(standby_pids(t, seen["node"]) - {seen["pid"]}), 120, "a replacement standby")
 

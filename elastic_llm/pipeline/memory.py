@@ -65,9 +65,10 @@ def snapshot_store_bytes(cfg: RunConfig, nodes: int) -> int:
     """The most one node's object store holds of the run's snapshots (pure estimate): one copy of
     the model's state (``SNAPSHOT_BYTES_PER_PARAM`` per parameter; with data parallelism each
     replica snapshots a 1/dp slice of its stage) spread over ``nodes`` nodes, no finer than one
-    stage per node, plus the parity it holds for its erasure group and the copies of its peers'
-    data chunks it pulls to encode that parity (``snapshot.parity`` holders pull each chunk), for
-    every version a manager may hold at once (:data:`SNAPSHOT_VERSIONS_HELD`). 0 without snapshots."""
+    stage per node, plus the parity it holds for its erasure group (its peers' data chunks pass
+    through a reused block as it encodes them: :mod:`elastic_llm.snapshot.exchange`; until
+    2026-11-29 they were pulled into this object store, ``snapshot.parity`` more copies), for every
+    version a manager may hold at once (:data:`SNAPSHOT_VERSIONS_HELD`). 0 without snapshots."""
     if not cfg.snapshots_on or nodes < 1:
         return 0
     sn = cfg.snapshot
@@ -77,7 +78,7 @@ def snapshot_store_bytes(cfg: RunConfig, nodes: int) -> int:
     if group <= sn.parity:  # no erasure group forms
         return int(per_node * SNAPSHOT_VERSIONS_HELD)
     parity_share = sn.parity / (group - sn.parity)  # parity held per byte of data
-    return int(per_node * (1 + parity_share + sn.parity) * SNAPSHOT_VERSIONS_HELD)
+    return int(per_node * (1 + parity_share) * SNAPSHOT_VERSIONS_HELD)
 
 
 class DoesNotFit(RuntimeError):

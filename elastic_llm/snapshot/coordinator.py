@@ -42,7 +42,7 @@ from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.ports import Calls, Flusher, ManagerFleet, ManagerHandle, ManagerLost
 from elastic_llm.snapshot.rebuild import SnapshotMissingError
 from elastic_llm.snapshot.rehome import Rehomer
-from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ParityRebuild, ShardInfo, ShardKey, StageSource, VersionRecord
+from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ParityRebuild, ShardInfo, ShardKey, SnapshotStats, StageSource, VersionRecord
 
 log = logging.getLogger("elastic_llm.snapshot")
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
@@ -83,15 +83,6 @@ class _Inflight:
 
     def waiting(self) -> dict[str, Any]:
         return {lead: ref for lead, ref in self.refs.items() if lead not in self.answered}
-
-
-@dataclass
-class SnapshotStats:
-    committed: int = 0
-    discarded: int = 0
-    superseded: int = 0
-    skipped: int = 0  # due snapshots skipped while versions were in flight (within max_lag)
-    wait_s: float = 0.0  # training time spent waiting for the committed version to catch up
 
 
 def check_parity_fits(nodes: int, parity: int, group_size: int) -> None:
@@ -457,6 +448,7 @@ class SnapshotCoordinator:
                 return
 
     def _commit(self, p: _Inflight, choose: bool = True) -> None:
+        t0 = self.clock.perf_counter()
         shards = tuple(s for part in p.results.values() for s in part.shards)
         record = VersionRecord(p.version, p.groups, tuple(sorted(shards, key=lambda s: (s.key.stage, s.key.replica))))  # a tuple key: ShardKey's own ordering is ~5x slower over 1,000 shards
         flush = self.durable is not None and self.durable.wants(record)
@@ -469,6 +461,10 @@ class SnapshotCoordinator:
         self.exposure.committed(record, p.avoided, p.attempt)
         self.inflight.remove(p)
         self.stats.committed += 1
+        self.stats.copy_s += sum(s.copy_s for s in shards)
+        self.stats.collect_s += sum(part.collect_s for part in p.results.values())
+        self.stats.exchanged = sum((part.exchanged for part in p.results.values()), self.stats.exchanged)
+        self.stats.commit_s += self.clock.perf_counter() - t0
         if self.costs is not None and p.charged:  # what its parts took: the busiest node's stage copies and manager CPU time
             self.costs.ended(p.version, max((part.cost_s() for part in p.results.values()), default=0.0) if choose else None)
         if flush and self.durable is not None:

@@ -5,8 +5,9 @@ Owns: the pieces of every stage shard on its node (collected from the stages wit
 node's object store owned by this actor and outlive the stage that produced them), their
 checksums, the parity this node holds for its erasure group (in reused, preallocated buffers),
 versions (in flight until the controller commits one; older ones freed then, unless pinned for a
-durable flush), handing its pieces and parity to a stage that rebuilds a lost node's shard
-(:mod:`elastic_llm.snapshot.rebuild`, which runs in the restored stage), and writing its part of a committed version to durable storage (the plan of :mod:`elastic_llm.durable.flush`,
+durable flush), serving its pieces and parity over its piece server to the group's parity holders
+and to a stage that rebuilds a lost node's shard (:mod:`elastic_llm.snapshot.rebuild`, which runs
+in the restored stage), and writing its part of a committed version to durable storage (the plan of :mod:`elastic_llm.durable.flush`,
 a layer up, writes; the manager hands it its pieces and does not import it).
 
 A version runs without the driver in the loop: the controller sends each erasure group's first
@@ -14,8 +15,10 @@ manager one ``relay_versions`` call, which sends every member its ``snapshot_ver
 answers with the group's parts (commits and discards are relayed too, ~16 managers per driver
 call: ``relay``, which answers once every member took it, so the driver re-sends a dead relay's
 share itself); the manager collects its stages' pieces, offers the data chunks of each
-region to that region's parity holders (object refs only: holders pull the bytes through the
-object store), and encodes the parity of its own regions once all offers are in. The call returns
+region to that region's parity holders (its piece server's address and the pieces' ranges and
+checksums: :mod:`elastic_llm.snapshot.exchange`), and encodes the parity of its own regions by
+reading each member's chunk from that member's piece server, a block at a time, checked and
+encoded as it arrives (the bytes never pass through Ray's object transfer). The call returns
 when this node's part of the version is complete.
 
 Never decides anything: the controller tells it which version to take, commit or hand out.
@@ -40,15 +43,23 @@ import numpy as np
 
 from elastic_llm.clock import SYSTEM
 from elastic_llm.lease import Lease, remove_run_groups
+from elastic_llm.snapshot import exchange
 from elastic_llm.snapshot.erasure import ReedSolomon, checksum
 from elastic_llm.snapshot.layout import ParityLayout
 from elastic_llm.snapshot.rebuild import SnapshotMissingError
-from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ManagerState, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
+from elastic_llm.snapshot.records import Exchanged, ManagerPart, ManagerPlan, ManagerState, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
 from elastic_llm.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 WAIT_S = 600.0  # longest a version waits for a stage's copy or a peer's offer
 RELAYED = frozenset({"commit", "discard"})  # the calls a manager passes on to others for the driver (relay)
+
+
+def _node_address() -> str:
+    """This node's address as Ray knows it (127.0.0.1 on a loopback cluster and outside Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 
@@ -71,7 +82,7 @@ class Shard:
 class Version:
     shards: dict[ShardKey, Shard] = field(default_factory=dict)
     parity: dict[int, tuple[np.ndarray, int]] = field(default_factory=dict)  # region -> (parity, crc)
-    offers: dict[int, dict[int, tuple[list[Any], list[Piece]]]] = field(default_factory=dict)  # region -> member -> (refs, pieces)
+    offers: dict[int, dict[int, tuple[tuple[str, int], list[Piece]]]] = field(default_factory=dict)  # region -> member -> (its piece server, pieces)
     committed: bool = False
     pinned: bool = False  # being flushed to durable storage: not freed when a newer version commits
     attempt: int = 0  # the attempt these belong to (ManagerPlan.attempt)
@@ -83,43 +94,6 @@ class Version:
     def every(self) -> list["Version"]:
         """This node's own part and the roles adopted with it."""
         return [self, *self.adopted.values()]
-
-
-def _segments(symbols: list[list[np.ndarray]], length: int) -> list[tuple[int, int, list[np.ndarray | None]]]:
-    """Cut ``length`` bytes of k symbols (each a list of consecutive arrays, possibly shorter
-    than ``length``: the rest is zeros) into segments where every symbol is one array slice or
-    zeros (None). Returns [(start, end, [slice or None per symbol])]."""
-    bounds = {0, length}
-    for parts in symbols:
-        pos = 0
-        for arr in parts:
-            pos += len(arr)
-            bounds.add(min(pos, length))
-    edges = sorted(bounds)
-    out: list[tuple[int, int, list[np.ndarray | None]]] = []
-    for a, b in zip(edges, edges[1:]):
-        row: list[np.ndarray | None] = []
-        for parts in symbols:
-            pos, hit = 0, None
-            for arr in parts:
-                if pos <= a and b <= pos + len(arr):
-                    hit = arr[a - pos : b - pos]
-                    break
-                pos += len(arr)
-            row.append(hit)
-        out.append((a, b, row))
-    return out
-
-
-def encode_pieces(rs: ReedSolomon, symbols: list[list[np.ndarray]], row: int, out: np.ndarray) -> np.ndarray:
-    """Parity row ``row`` of k data symbols given as lists of consecutive pieces (each symbol
-    zero-padded to ``len(out)``), into ``out``, straight from the pieces: no gathering copy."""
-    zeros = np.zeros(0, dtype=np.uint8)
-    for a, b, row_slices in _segments(symbols, len(out)):
-        if len(zeros) < b - a:
-            zeros = np.zeros(b - a, dtype=np.uint8)
-        rs.encode_row([x if x is not None else zeros[: b - a] for x in row_slices], row, out=out[a:b])
-    return out
 
 
 class SnapshotManager:
@@ -141,6 +115,8 @@ class SnapshotManager:
         self._codecs: dict[tuple[int, int], ReedSolomon] = {}
         self._pool: dict[int, list[np.ndarray]] = {}  # freed parity buffers by size, reused
         self._unread: list[Any] = []  # a failed group's members' answers, read later (Ray reports an unread failure as unhandled)
+        self._server: exchange.PieceServer | None = None  # started on first use (:meth:`endpoint`)
+        self._server_lock = threading.Lock()
 
     def __repr__(self) -> str:  # Ray's display name of the actor and its log prefix
         return f"SnapshotManager(node {self.node_id[:8]}, run {self.run_id})"
@@ -177,6 +153,44 @@ class SnapshotManager:
     def _export(self, st: ManagerState) -> None:
         self.metrics.set("manager_versions_held", len(st.versions), run=self.run_id, node=self.node_id[:12])
         self.metrics.set("manager_bytes_held", st.bytes_held, run=self.run_id, node=self.node_id[:12])
+
+    def endpoint(self) -> tuple[str, int]:
+        """Where this manager's piece server listens (started on first use, on this node's
+        address): its group's parity holders and rebuilding stages read its symbols there."""
+        with self._server_lock:
+            if self._server is None:
+                self._server = exchange.PieceServer(_node_address(), self._symbol)
+            return self._server.address
+
+    def cut_sends(self, nbytes: int) -> None:
+        """Fault injection: the next symbol this manager sends is cut after ``nbytes`` of its bytes."""
+        self.endpoint()
+        assert self._server is not None
+        self._server.cut_after = nbytes
+
+    def _symbol(self, version: int, attempt: int, kind: int, index: int, role: str) -> tuple[list[np.ndarray], int]:
+        """What the piece server sends for a request: this node's (or adopted ``role``'s) data
+        chunk ``index`` of ``version`` as its pieces in key order, or its parity of region
+        ``index`` and that parity's CRC-32. ``attempt`` >= 0: only that attempt's (a parity
+        holder encoding it); -1: the version reads are served from (a rebuild)."""
+        import ray
+
+        with self.lock:
+            if attempt >= 0:
+                v = next((w for w in (self.versions.get(version), self.kept.get(version)) if w is not None and w.attempt == attempt), None)
+                if v is None:
+                    raise SnapshotMissingError(f"step {version}, attempt {attempt} is not held by {self.node_id[:12]} (discarded or superseded)")
+            else:
+                v = self._version(version, role)
+            if kind == exchange.PARITY:
+                if index not in v.parity:
+                    raise SnapshotMissingError(f"parity of region {index}, version {version} is not held by {self.node_id[:12]}")
+                arr, crc = v.parity[index]
+                return [arr], crc
+            refs = [v.shards[key].refs[index] for key in sorted(v.shards) if index < len(v.shards[key].refs)]
+            if len(refs) != len(v.shards):
+                raise SnapshotMissingError(f"data chunk {index} of version {version} is not held by {self.node_id[:12]}")
+        return [np.asarray(a) for a in ray.get(refs, timeout=WAIT_S)], 0
 
     def _codec(self, k: int, m: int) -> ReedSolomon:
         if (k, m) not in self._codecs:
@@ -249,7 +263,9 @@ class SnapshotManager:
             key: stage.snapshot_pieces.options(num_returns=k + 1, concurrency_group="snapshot").remote(version, k)
             for key, stage in plan.stages
         }
+        t0 = time.perf_counter()
         infos = self._collect(version, calls)
+        collect_s = time.perf_counter() - t0
         with self.lock:
             v = self.versions.get(version)
             if v is not mine:
@@ -258,17 +274,17 @@ class SnapshotManager:
                 v.shards[key] = Shard(list(refs[1:]), info.on_node(self.node_id))
         shards = v.infos()
         if layout is None:
-            return ManagerPart(self.node_id, shards, cpu_s=time.thread_time() - cpu0)
+            return ManagerPart(self.node_id, shards, cpu_s=time.thread_time() - cpu0, collect_s=collect_s)
         for region in range(layout.n):  # offer each data chunk to the holders of its region
             if layout.is_holder(me, region):
                 continue
             c = layout.chunk_of(me, region)
-            refs = [v.shards[key].refs[c] for key in sorted(v.shards)]
             pieces = chunk_pieces(shards, c)
-            for h in layout.holders(region):
-                plan.peers[h].offer.remote(version, region, me, refs, pieces, plan.attempt)
-        parity = tuple(self._encode(v, version, layout, region, row) for region, row in layout.parity_regions(me))
-        return ManagerPart(self.node_id, shards, parity, time.thread_time() - cpu0)
+            for h in layout.holders(region):  # the holder reads the bytes from this node's piece server
+                plan.peers[h].offer.remote(version, region, me, self.endpoint(), pieces, plan.attempt)
+        encoded = [self._encode(v, version, layout, region, row) for region, row in layout.parity_regions(me)]
+        exchanged = sum((e for _, e in encoded), Exchanged())
+        return ManagerPart(self.node_id, shards, tuple(p for p, _ in encoded), time.thread_time() - cpu0, collect_s, exchanged)
 
     def relay_versions(self, calls: tuple[tuple[Any, ManagerPlan], ...]) -> tuple[ManagerPart, ...]:
         """As its group's first member, start the group's parts of a version (``calls``: each
@@ -351,20 +367,21 @@ class SnapshotManager:
             raise RuntimeError(f"no snapshot of step {version} from stages {', '.join(failed)}")
         return infos
 
-    def offer(self, version: int, region: int, member: int, refs: list[Any], pieces: list[Piece], attempt: int = 0) -> None:
-        """Group member ``member`` offers its data chunk of ``region`` (piece refs + their
-        byte ranges and checksums) to this parity holder; an offer of an older attempt than
-        the one held is dropped."""
+    def offer(self, version: int, region: int, member: int, source: tuple[str, int], pieces: list[Piece], attempt: int = 0) -> None:
+        """Group member ``member`` offers its data chunk of ``region`` (its piece server's address,
+        the pieces' byte ranges and checksums) to this parity holder; an offer of an older attempt
+        than the one held is dropped."""
         with self.lock:
             v = self._claim(version, attempt)
             if v is None:
                 return
-            v.offers.setdefault(region, {})[member] = (list(refs), list(pieces))
+            v.offers.setdefault(region, {})[member] = (tuple(source), list(pieces))  # type: ignore[assignment]
             self.lock.notify_all()
 
-    def _encode(self, v: Version, version: int, layout: ParityLayout, region: int, row: int) -> ParityInfo:
-        import ray
-
+    def _encode(self, v: Version, version: int, layout: ParityLayout, region: int, row: int) -> tuple[ParityInfo, Exchanged]:
+        """Parity row ``row`` of ``region``: each data member's chunk is read from its piece server
+        and encoded as it arrives (blocks that stay in cache, no second pass), every piece checked
+        against its CRC-32; a member whose bytes do not arrive whole fails this node's part."""
         members = layout.data_nodes(region)
         with self.lock:
             ok = self.lock.wait_for(
@@ -377,28 +394,43 @@ class SnapshotManager:
                 late = [j for j in members if j not in offers]
                 raise TimeoutError(f"parity of region {region}, step {version}: data of group members {late} never arrived")
             contribs = [offers[j] for j in members]
-        flat = [r for refs, _ in contribs for r in refs]
-        arrays = ray.get(flat, timeout=WAIT_S) if flat else []
-        symbols: list[list[np.ndarray]] = []
-        pos = 0
-        for j, (refs, meta) in zip(members, contribs):
-            parts = []
-            for piece, arr in zip(meta, arrays[pos : pos + len(refs)]):
-                arr = np.asarray(arr)
-                if len(arr) != piece.length or checksum(arr) != piece.crc:
+        out = self._buffer(max((sum(p.length for p in pieces) for _, pieces in contribs), default=0))
+        out.fill(0)
+        rs = self._codec(layout.k, layout.m)
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + WAIT_S
+        spent = [0.0, 0.0]  # CPU seconds of CRC-32s, of encoding
+        try:
+            for sym, (j, (source, pieces)) in enumerate(zip(members, contribs)):
+                starts = np.cumsum([0] + [p.length for p in pieces]).tolist()
+                crcs = [0] * len(pieces)
+
+                def sink(i: int, pos: int, block: np.ndarray, sym: int = sym, starts: list[int] = starts, crcs: list[int] = crcs) -> None:
+                    if i >= len(crcs) or pos + len(block) > starts[i + 1] - starts[i]:
+                        raise exchange.ExchangeError("more bytes than the offer's pieces")
+                    a = time.thread_time()
+                    crcs[i] = checksum(block, crcs[i])
+                    b = time.thread_time()
+                    rs.encode_update(block, sym, row, out[starts[i] + pos : starts[i] + pos + len(block)])
+                    spent[0] += b - a
+                    spent[1] += time.thread_time() - b
+
+                try:
+                    lengths, _ = exchange.stream(source, version, v.attempt, exchange.CHUNK, layout.chunk_of(j, region), "", sink, deadline)
+                except exchange.ExchangeError as e:
+                    raise SnapshotMissingError(f"step {version}: group member {j}'s data for region {region} did not arrive whole ({e})") from None
+                if lengths != [p.length for p in pieces] or crcs != [p.crc for p in pieces]:
                     raise SnapshotMissingError(f"step {version}: a piece from group member {j} for region {region} fails its checksum")
-                parts.append(arr)
-            pos += len(refs)
-            symbols.append(parts)
-        length = max((sum(len(a) for a in parts) for parts in symbols), default=0)
-        out = self._buffer(length)
-        encode_pieces(self._codec(layout.k, layout.m), symbols, row, out)
+        except BaseException:
+            with self.lock:
+                self._pool.setdefault(len(out), []).append(out)  # never kept: a partly encoded parity
+            raise
+        wall = time.perf_counter() - t0
         crc = checksum(out)
-        del arrays, symbols, contribs
         with self.lock:
             v.parity[region] = (out, crc)
-            v.offers.pop(region, None)  # drop the borrowed refs: the pieces stay only with their owners
-        return ParityInfo(region, length, crc)
+            v.offers.pop(region, None)
+        return ParityInfo(region, len(out), crc), Exchanged(sum(p.length for _, pieces in contribs for p in pieces), wall, spent[1], spent[0])
 
     # ------------------------------------------------------------------ commit / free
     def commit(self, version: int, pin: bool = False, keep: tuple[int, ...] = ()) -> list[int]:
@@ -542,21 +574,6 @@ class SnapshotManager:
         """Shard ``key`` of ``version`` as one array (+ its manifest)."""
         shard, arrays = self._pieces(version, key, verify)
         return (np.concatenate(arrays) if len(arrays) != 1 else arrays[0]), shard.info.manifest
-
-    def chunk_parts(self, version: int, chunk: int, role: str = "") -> list[Any]:
-        """This node's data chunk ``chunk`` of ``version`` as piece refs, in key order (``role``:
-        that member's, adopted here)."""
-        v = self._version(version, role)
-        return [v.shards[key].refs[chunk] for key in sorted(v.shards)]
-
-    def get_parity(self, version: int, region: int, role: str = "") -> np.ndarray:
-        v = self._version(version, role)
-        if region not in v.parity:
-            raise SnapshotMissingError(f"parity of region {region}, version {version} is not held by {self.node_id}")
-        arr, crc = v.parity[region]
-        if checksum(arr) != crc:
-            raise SnapshotMissingError(f"parity of region {region}, version {version} on {self.node_id} fails its checksum")
-        return arr
 
     # ------------------------------------------------------------------ fault injection
     def corrupt_shard(self, key: ShardKey) -> list[int]:

@@ -73,8 +73,7 @@ class ManagerHandle(Protocol):
     discard: Remote  # (version, attempt) -> None
     discard_all: Remote  # () -> None
     shard_parts: Remote  # (version, key) -> refs of its pieces
-    chunk_parts: Remote  # (version, chunk, role) -> refs of the pieces of its (or an adopted role's) data chunk (a rebuild's)
-    get_parity: Remote  # (version, region, role) -> its (or an adopted role's) parity of the region (a rebuild's)
+    endpoint: Remote  # () -> (host, port) of its piece server, where a rebuild reads its (or an adopted role's) chunks and parity
     adopt: Remote  # (version, role, source handle) -> bytes: a draining node's part copied here (:mod:`rehome`)
     flush_part: Remote  # (NodeFlush) -> the node's written parts
     unpin: Remote  # (version) -> None

@@ -1,28 +1,31 @@
 """Rebuilding a lost shard from its erasure group's survivors, straight into the caller's buffer.
 
 Owns: :func:`rebuild_into` (what the stage being restored runs for each :class:`ParityRebuild` of its
-plan: it asks every surviving member for its symbols at once, pulls their pieces to its own node
-in parallel, checks them, decodes each codeword as soon as its symbols are in and checks every
-decoded piece against its recorded checksum; a member that dies meanwhile, or a piece that fails
-its checksum, is one more erasure) and :func:`decode_range`, the arithmetic of a parity rebuild
-without staging copies (and :class:`SnapshotMissingError`, a piece not held or not intact). A
-codeword's symbols are ragged: a data symbol is a member's pieces laid end to end (its chunk),
-zero-padded to the longest chunk of the codeword; a parity symbol is one array of that length.
-Instead of gathering every symbol into a zero-filled buffer of the full length (a copy of every
-surviving byte into fresh memory), the wanted byte range is cut where any symbol's piece starts or
-ends, and each segment is decoded from views of the pieces themselves (read in place from the
-object store), with a shared all-zero view standing in for the padding. Only the lost bytes are
-written, into the caller's buffer. :func:`decode_range` is pure (no Ray, no I/O);
-:func:`rebuild_into` talks to the managers through Ray.
+plan: it asks every surviving member for its piece server (:mod:`.exchange`) at once, reads every
+surviving symbol over those links in parallel, each straight into one buffer, checks them, decodes
+each codeword as soon as its symbols are in and checks every decoded piece against its recorded
+checksum; a member that dies meanwhile, refuses, is cut off mid-symbol, or serves a piece that
+fails its checksum, is one more erasure) and :func:`decode_range`, the arithmetic of a parity
+rebuild (and :class:`SnapshotMissingError`, a piece not held or not intact). A codeword's symbols
+are ragged: a data symbol is a member's pieces laid end to end (its chunk), zero-padded to the
+longest chunk of the codeword; a parity symbol is one array of that length. Instead of padding
+every symbol into a zero-filled buffer of the full length, the wanted byte range is cut where any
+symbol's piece starts or ends, and each segment is decoded from views of the received bytes, with
+a shared all-zero view standing in for the padding. Only the lost bytes are written, into the
+caller's buffer. :func:`decode_range` is pure (no Ray, no I/O); :func:`rebuild_into` asks the
+managers for their addresses through Ray and reads the bytes over sockets.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from elastic_llm.snapshot import exchange
 from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
 from elastic_llm.snapshot.layout import ParityLayout
 from elastic_llm.snapshot.records import ParityRebuild, ShardInfo, chunk_pieces
@@ -41,8 +44,6 @@ def rebuild_into(rs: ReedSolomon, r: ParityRebuild, out: np.ndarray) -> np.ndarr
     ``(n - parity, parity)``. Raises :class:`TooManyErasuresError` when more members are lost
     (or die, or hold corrupted pieces) than ``r.parity`` covers, :class:`SnapshotMissingError`
     when a decoded piece fails its checksum."""
-    import ray
-
     layout = ParityLayout(r.n, r.parity)
     lost = set(r.lost)
     if not layout.recoverable(lost):
@@ -51,68 +52,70 @@ def rebuild_into(rs: ReedSolomon, r: ParityRebuild, out: np.ndarray) -> np.ndarr
     if len(out) != mine.nbytes:
         raise ValueError(f"{r.key}'s shard is {mine.nbytes} bytes, the buffer given for it {len(out)}")
     mine_infos = sorted(r.infos[r.target], key=lambda s: s.key)
-    # every surviving symbol of every codeword is asked for at once and its pieces' transfer
-    # started (the members answer, and the bytes travel, in parallel); each codeword is then
-    # decoded as soon as its own symbols are in, while the later ones still arrive, from the
-    # pieces in place (no staging copy) straight into ``out``
     words = [layout.codeword(layout.region_of(r.target, c)) for c in range(layout.k)]
-    asks: list[list[Any]] = []
-    for c, word in enumerate(words):
-        region = layout.region_of(r.target, c)
-        row: list[Any] = []
-        for sym in word:
-            peer = None if sym.node in lost else r.peers[sym.node]
-            role = r.role(sym.node)
-            row.append(None if peer is None else peer.get_parity.remote(r.version, region, role) if sym.chunk is None
-                       else peer.chunk_parts.remote(r.version, sym.chunk, role))
-        asks.append(row)
-    parts = [[_piece_refs(ref) if ref is not None and sym.chunk is not None else ref for ref, sym in zip(row, word)] for row, word in zip(asks, words)]
-    flat = [ref for row in parts for got in row if isinstance(got, list) for ref in got]
-    if flat:  # start every piece's transfer to this node now (returns at once)
-        ray.wait(flat, num_returns=len(flat), timeout=0, fetch_local=True)
-    base = 0
-    for c, word in enumerate(words):
-        want = mine.pieces[c]
-        lo = sum(i.pieces[c].length for i in mine_infos if i.key < r.key)  # where key's piece starts in the chunk
-        symbols = [_symbol(got, sym, r.infos) for got, sym in zip(parts[c], word)]
-        got = decode_range(rs, symbols, next(i for i, s in enumerate(word) if s.node == r.target), lo, out[base : base + want.length])
-        if checksum(got) != want.crc:
-            raise SnapshotMissingError(f"piece {c} of shard {r.key}, version {r.version} fails its checksum after decoding")
-        base += want.length
+    survivors = sorted({sym.node for word in words for sym in word if sym.node not in lost})
+    asked = {j: r.peers[j].endpoint.remote() for j in survivors}
+    where = {j: a for j, a in ((j, _endpoint(ref)) for j, ref in asked.items()) if a is not None}  # a dead member: an erasure
+    deadline = time.monotonic() + WAIT_S
+    # every surviving symbol of every codeword is read at once, each straight into one buffer
+    # over its member's piece server (the bytes travel in parallel); each codeword is decoded as
+    # soon as its own symbols are in, from those buffers in place, straight into ``out``
+    with ThreadPoolExecutor(max_workers=min(16, sum(len(w) for w in words))) as pool:
+        reads = [
+            [pool.submit(_read, where[sym.node], r, layout.region_of(r.target, c), sym, deadline) if sym.node in where else None for sym in word]
+            for c, word in enumerate(words)
+        ]
+        base = 0
+        for c, word in enumerate(words):
+            want = mine.pieces[c]
+            lo = sum(i.pieces[c].length for i in mine_infos if i.key < r.key)  # where key's piece starts in the chunk
+            symbols = [None if f is None else _runs(f.result(), sym, r.infos) for f, sym in zip(reads[c], word)]
+            got = decode_range(rs, symbols, next(i for i, s in enumerate(word) if s.node == r.target), lo, out[base : base + want.length])
+            if checksum(got) != want.crc:
+                raise SnapshotMissingError(f"piece {c} of shard {r.key}, version {r.version} fails its checksum after decoding")
+            base += want.length
     return out
 
 
-def _piece_refs(call: Any) -> list[Any] | None:
-    """A member's answer to ``chunk_parts`` (its pieces' refs); None if it died meanwhile."""
+def _endpoint(ref: Any) -> tuple[str, int] | None:
+    """A member's piece server; None if it died meanwhile (one more erasure)."""
     import ray
 
     try:
-        return list(ray.get(call, timeout=WAIT_S))
-    except ray.exceptions.RayError:  # the member died (or does not answer): one more erasure
+        return tuple(ray.get(ref, timeout=WAIT_S))  # type: ignore[return-value]
+    except ray.exceptions.RayError:
         return None
 
 
-def _symbol(got: Any, sym: Any, infos: Sequence[tuple[ShardInfo, ...]]) -> list[tuple[int, np.ndarray]] | None:
-    """One symbol of a codeword as runs of bytes, read in place: a parity region (``got`` its
-    call), or a data chunk (``got`` its pieces' refs) whose pieces are checked and laid end to
-    end; None for an erasure (a lost or dead member, a piece that fails its checksum)."""
-    import ray
+def _read(address: tuple[str, int], r: ParityRebuild, region: int, sym: Any, deadline: float) -> tuple[np.ndarray, list[int], int] | None:
+    """One symbol's bytes from its member's piece server; None if refused or cut short."""
+    kind, index = (exchange.PARITY, region) if sym.chunk is None else (exchange.CHUNK, sym.chunk)
+    try:
+        return exchange.fetch(address, r.version, -1, kind, index, r.role(sym.node), deadline)
+    except exchange.ExchangeError:
+        return None
 
+
+def _runs(got: tuple[np.ndarray, list[int], int] | None, sym: Any, infos: Sequence[tuple[ShardInfo, ...]]) -> list[tuple[int, np.ndarray]] | None:
+    """One symbol of a codeword as runs of bytes: a parity region checked against the CRC-32
+    its holder recorded, or a data chunk whose pieces are checked against theirs and laid end to
+    end; None for an erasure (a lost or dead member, a refusal, a piece that fails its checksum)."""
     if got is None:
         return None
-    try:
-        if sym.chunk is None:
-            return [(0, np.asarray(ray.get(got, timeout=WAIT_S)))]
-        runs, pos = [], 0
-        for piece, arr in zip(chunk_pieces(infos[sym.node], sym.chunk), ray.get(got, timeout=WAIT_S)):
-            arr = np.asarray(arr)
-            if len(arr) != piece.length or checksum(arr) != piece.crc:
-                return None  # a corrupted piece: one more erasure
-            runs.append((pos, arr))
-            pos += piece.length
-        return runs
-    except ray.exceptions.RayError:  # the member died, or its parity failed its checksum there: one more erasure
+    buf, lengths, crc = got
+    if sym.chunk is None:
+        return [(0, buf)] if checksum(buf) == crc else None
+    pieces = chunk_pieces(infos[sym.node], sym.chunk)
+    if lengths != [p.length for p in pieces]:
         return None
+    runs, pos = [], 0
+    for piece in pieces:
+        arr = buf[pos : pos + piece.length]
+        if checksum(arr) != piece.crc:
+            return None  # a corrupted piece: one more erasure
+        runs.append((pos, arr))
+        pos += piece.length
+    return runs
 
 
 def decode_range(rs: ReedSolomon, symbols: Sequence[Runs | None], row: int, lo: int, out: np.ndarray) -> np.ndarray:

@@ -3,7 +3,8 @@
 Owns: the names of things (a shard is a :class:`ShardKey`, never a ``"stage/replica"`` string),
 what a stage reports about one snapshot copy (:class:`ShardInfo`), what the coordinator tells a
 manager to do for one version (:class:`ManagerPlan`), what a manager reports back
-(:class:`ManagerPart`), what a manager holds (:class:`ManagerState`), the record of a committed version (:class:`VersionRecord`), where a
+(:class:`ManagerPart`, with what its parity exchange cost: :class:`Exchanged`), the coordinator's
+running counts (:class:`SnapshotStats`), what a manager holds (:class:`ManagerState`), the record of a committed version (:class:`VersionRecord`), where a
 stage's committed state can be read from (:class:`StageSource`) and how a lost shard of it is rebuilt
 from parity (:class:`ParityRebuild`, the recipe the restored stage follows).
 Never does I/O, never talks to Ray and never holds bytes: the pieces travel as separate objects.
@@ -12,7 +13,7 @@ Never does I/O, never talks to Ray and never holds bytes: the pieces travel as s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -71,6 +72,21 @@ class ParityInfo:
 
 
 @dataclass(frozen=True)
+class Exchanged:
+    """What a parity holder's reading of its group's data cost (summed over its regions): bytes
+    received over the piece servers' links, the wall time from the first request to the last
+    byte, and within it the CPU time of encoding and of checking CRC-32s."""
+
+    received: int = 0
+    wall_s: float = 0.0
+    encode_s: float = 0.0
+    crc_s: float = 0.0
+
+    def __add__(self, other: "Exchanged") -> "Exchanged":
+        return Exchanged(self.received + other.received, self.wall_s + other.wall_s, self.encode_s + other.encode_s, self.crc_s + other.crc_s)
+
+
+@dataclass(frozen=True)
 class ManagerPlan:
     """One manager's part of one version: which of its node's stages to collect, and its place
     in its erasure group (``group`` empty: no parity, a single node)."""
@@ -92,6 +108,8 @@ class ManagerPart:
     shards: tuple[ShardInfo, ...]
     parity: tuple[ParityInfo, ...] = ()
     cpu_s: float = 0.0  # CPU time the manager spent on this version (collecting, encoding parity)
+    collect_s: float = 0.0  # wall time until its stages' pieces were in
+    exchanged: Exchanged = Exchanged()  # its reading and encoding of the group's data
 
     def cost_s(self) -> float:
         """Time this version cost the node: the manager's CPU time and its stages' copies."""
@@ -261,3 +279,19 @@ def record_from_json(text: str | bytes) -> VersionRecord:
         return VersionRecord(int(d["version"]), tuple(tuple(str(n) for n in g) for g in d["groups"]), shards, homes)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"not a snapshot version record ({type(e).__name__}: {e})") from None
+
+
+@dataclass
+class SnapshotStats:
+    """The coordinator's running counts of versions and where their time went."""
+
+    committed: int = 0
+    discarded: int = 0
+    superseded: int = 0
+    skipped: int = 0  # due snapshots skipped while versions were in flight (within max_lag)
+    wait_s: float = 0.0  # training time spent waiting for the committed version to catch up
+    # where the committed versions' time went, summed over them (``bench snapshot``'s breakdown):
+    copy_s: float = 0.0  # the stages' copies into their snapshot buffers (and the pieces' CRC-32s)
+    collect_s: float = 0.0  # the managers' waits for their stages' pieces
+    exchanged: Exchanged = field(default_factory=Exchanged)  # the parity holders' reading, checking and encoding of their groups' data
+    commit_s: float = 0.0  # the driver's commit of each (record, managers told)

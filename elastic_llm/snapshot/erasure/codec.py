@@ -149,7 +149,8 @@ class ReedSolomon:
         g.setflags(write=False)
         self.generator_matrix = g
         self._encode_plan = self._codec.prepare(self.parity_matrix)
-        self._row_plans: dict[int, Any] = {}
+        self._row_plans: dict[Any, Any] = {}  # row -> plan; (row, symbol) -> a one-coefficient plan
+        self._tls = threading.local()
         self._cache: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._cache_size = max(0, int(decode_cache_size))
         self._cache_bytes = max(0, int(decode_cache_bytes))
@@ -211,6 +212,39 @@ class ReedSolomon:
             plan = self._row_plans[int(row)] = self._codec.prepare(np.ascontiguousarray(self.parity_matrix[row : row + 1]))
         self._codec.apply(plan, data, [out])
         return out
+
+    def encode_update(self, data: np.ndarray, symbol: int, row: int, out: np.ndarray) -> np.ndarray:
+        """Add data symbol ``symbol``'s contribution to parity row ``row`` into ``out`` (a byte
+        range of the parity, and the same range of the symbol): ``out ^= P[row, symbol] * data``.
+        Starting from zeros and adding every symbol's bytes once, in any order and any cuts, gives
+        ``encode_row``'s parity: a holder encodes as the bytes arrive, with no second pass."""
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.m:
+            raise CodeParametersError(f"parity row must be an int in [0, {self.m}), got {row!r}")
+        if isinstance(symbol, bool) or not isinstance(symbol, (int, np.integer)) or not 0 <= symbol < self.k:
+            raise CodeParametersError(f"data symbol must be an int in [0, {self.k}), got {symbol!r}")
+        _check_array(data, "data bytes")
+        _check_array(out, "parity out buffer", writable=True)
+        if out.shape[0] != data.shape[0]:
+            raise ShardLengthError(f"parity out buffer has {out.shape[0]} bytes, the data {data.shape[0]}")
+        _check_no_overlap([("parity out buffer", out)], [("data bytes", data)])
+        coef = int(self.parity_matrix[row, symbol])
+        if coef == 1:  # a plain XOR (every coefficient of a single parity row is 1)
+            np.bitwise_xor(out, data, out=out)
+            return out
+        plan = self._row_plans.get((int(row), int(symbol)))
+        if plan is None:
+            plan = self._row_plans[(int(row), int(symbol))] = self._codec.prepare(np.array([[coef]], dtype=np.uint8))
+        scratch = self._scratch(len(data))
+        self._codec.apply(plan, [data], [scratch])
+        np.bitwise_xor(out, scratch, out=out)
+        return out
+
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        """A per-thread buffer of at least ``nbytes`` (reused: a streamed chunk's products stay in cache)."""
+        buf = getattr(self._tls, "scratch", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._tls.scratch = np.empty(nbytes, dtype=np.uint8)
+        return buf[:nbytes]
 
     # -- checksums --------------------------------------------------------
     def checksums(self, shards: Sequence[Optional[np.ndarray]]) -> list[Optional[int]]:

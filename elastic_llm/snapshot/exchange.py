@@ -1,0 +1,199 @@
+"""A snapshot version's bytes between nodes, over the snapshot managers' own TCP links.
+
+Owns: :class:`PieceServer` (one listening socket per snapshot manager, on its node's address:
+each connection asks for one symbol of one version, a member's data chunk or a parity region,
+and gets a fixed header and the raw bytes, sent straight from the object store's pages or the
+parity buffer), and the two ways of reading one: :func:`stream` hands the bytes to a sink in
+blocks that stay in cache (a parity holder checks each piece's CRC-32 and encodes as the bytes
+arrive), :func:`fetch` reads them straight into one buffer (a rebuild). Nothing is pickled: the
+request and the answer are fixed structs, a role is an ASCII node id.
+
+Why not Ray's object transfer: measured on the loopback cluster, a node-to-node object move
+costs the raylets 30-40 ms of CPU per 13 MB (0.3-0.5 GB/s per core) and a rebuild pulled its
+pieces at 0.15-0.23 GB/s, while one socket moves the same bytes at the loopback's rate. The
+pieces still live in each node's object store (a snapshot outlives the processes that made it);
+only their transfer changed.
+
+Never decides what to ask for or whom (the manager's encode and :mod:`.rebuild` do) and never
+trusts what it reads: the caller checks every piece against its recorded CRC-32, and an answer
+cut short raises :class:`ExchangeError`, so a partial symbol is never used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"ELSX"
+REQUEST = struct.Struct("<4sqqiiH")  # magic, version, attempt (-1: whichever is held), kind, index, role bytes
+ANSWER = struct.Struct("<4siIq")  # magic, status (0: the bytes follow), CRC-32 of a parity region, count (or message bytes)
+LENGTH = struct.Struct("<q")
+CHUNK, PARITY = 0, 1  # what a request asks for: a member's data chunk (its pieces in key order) or a parity region
+BLOCK = 1 << 20  # bytes handed to a sink at a time: stays in cache while it is checked and encoded
+CONNECT_S = 10.0  # longest a connection to a peer's server may take (a dead node refuses or times out)
+NICE = 5  # the server's sending threads yield to the training step on the same cores
+
+Lookup = Callable[[int, int, int, int, str], tuple[Sequence[np.ndarray], int]]  # (version, attempt, kind, index, role) -> (arrays, crc)
+Sink = Callable[[int, int, np.ndarray], None]  # (array index, offset within it, bytes)
+
+
+class ExchangeError(ConnectionError):
+    """A symbol could not be read from a peer's server: refused, not held there, or cut short."""
+
+
+class PieceServer:
+    """Serves this manager's symbols to its group's parity holders and to rebuilding stages.
+
+    ``lookup(version, attempt, kind, index, role)`` gives the arrays to send (and the parity's
+    recorded CRC-32) or raises ``LookupError`` (answered as a refusal naming it). One thread
+    accepts; each connection is served by a thread of its own, at a lower priority than the
+    training step (``NICE``). ``cut_after``: fault injection, the next answer's connection is
+    closed after that many bytes of its body."""
+
+    def __init__(self, host: str, lookup: Lookup) -> None:
+        self.lookup = lookup
+        self.sock = socket.create_server((host, 0), backlog=64)
+        self.address: tuple[str, int] = (host, self.sock.getsockname()[1])
+        self.cut_after: int | None = None
+        self.served = 0  # answers sent whole
+        self._thread = threading.Thread(target=self._accept, name="piece-server", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="piece-send", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # this thread only (Linux)
+        except (OSError, AttributeError):
+            pass
+        with conn:
+            try:
+                conn.settimeout(CONNECT_S)
+                magic, version, attempt, kind, index, nrole = REQUEST.unpack(_read_exact(conn, REQUEST.size))
+                if magic != MAGIC:
+                    return
+                role = _read_exact(conn, nrole).decode("ascii") if nrole else ""
+                try:
+                    arrays, crc = self.lookup(version, attempt, kind, index, role)
+                except LookupError as e:
+                    msg = str(e).encode()[:4096]
+                    conn.sendall(ANSWER.pack(MAGIC, 1, 0, len(msg)) + msg)
+                    return
+                conn.settimeout(None)  # the receiver's pace sets the sending's; it closes on failure
+                conn.sendall(ANSWER.pack(MAGIC, 0, crc, len(arrays)) + b"".join(LENGTH.pack(len(a)) for a in arrays))
+                budget, self.cut_after = self.cut_after, None
+                for arr in arrays:
+                    view = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
+                    if budget is not None and budget < len(view):
+                        conn.sendall(view[:budget])
+                        return  # the fault: cut mid-piece
+                    conn.sendall(view)
+                    budget = None if budget is None else budget - len(view)
+                self.served += 1
+            except OSError:  # the receiver went away: its read fails, this answer is over
+                return
+
+
+def _read_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise ExchangeError(f"the peer closed the connection after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def _ask(address: tuple[str, int], version: int, attempt: int, kind: int, index: int, role: str, deadline: float) -> tuple[socket.socket, list[int], int]:
+    """Connect, ask for one symbol, read the answer's header: (connection, array lengths, CRC-32)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ExchangeError(f"no time left to ask {address[0]}:{address[1]} for its symbol")
+    try:
+        conn = socket.create_connection(address, timeout=min(CONNECT_S, left))
+    except OSError as e:
+        raise ExchangeError(f"{address[0]}:{address[1]} refused the connection ({e})") from None
+    try:
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        r = role.encode("ascii")
+        conn.sendall(REQUEST.pack(MAGIC, version, attempt, kind, index, len(r)) + r)
+        magic, status, crc, count = ANSWER.unpack(_read_exact(conn, ANSWER.size))
+        if magic != MAGIC:
+            raise ExchangeError(f"{address[0]}:{address[1]} is not a snapshot manager's piece server")
+        if status != 0:
+            raise ExchangeError(f"{address[0]}:{address[1]} refused: {_read_exact(conn, count).decode(errors='replace')}")
+        lengths = [LENGTH.unpack(_read_exact(conn, LENGTH.size))[0] for _ in range(count)]
+        return conn, lengths, crc
+    except ExchangeError:
+        conn.close()
+        raise
+    except (OSError, struct.error) as e:
+        conn.close()
+        raise ExchangeError(f"reading {address[0]}:{address[1]}'s answer failed ({e})") from None
+
+
+def stream(address: tuple[str, int], version: int, attempt: int, kind: int, index: int, role: str, sink: Sink, deadline: float) -> tuple[list[int], int]:
+    """Read one symbol, handing its bytes to ``sink(array, offset, block)`` in blocks of at most
+    :data:`BLOCK` bytes (one reused buffer: the sink must not keep it). Returns the arrays'
+    lengths and the answer's CRC-32; raises :class:`ExchangeError` if it is refused or cut short
+    (the sink has then seen only part of it)."""
+    conn, lengths, crc = _ask(address, version, attempt, kind, index, role, deadline)
+    buf = np.empty(min(BLOCK, max(lengths, default=0)) or 1, dtype=np.uint8)
+    view = buf.data
+    with conn:
+        for i, length in enumerate(lengths):
+            pos = 0
+            while pos < length:
+                conn.settimeout(max(0.001, deadline - time.monotonic()))
+                try:
+                    n = conn.recv_into(view[: min(len(buf), length - pos)])
+                except OSError as e:
+                    raise ExchangeError(f"reading from {address[0]}:{address[1]} failed after {pos} of {length} bytes of array {i} ({e})") from None
+                if n == 0:
+                    raise ExchangeError(f"{address[0]}:{address[1]} closed the connection after {pos} of {length} bytes of array {i}")
+                sink(i, pos, buf[:n])
+                pos += n
+    return lengths, crc
+
+
+def fetch(address: tuple[str, int], version: int, attempt: int, kind: int, index: int, role: str, deadline: float) -> tuple[np.ndarray, list[int], int]:
+    """Read one symbol straight into one new buffer: (its bytes, the arrays' lengths laid end to
+    end in it, the answer's CRC-32). Raises :class:`ExchangeError` if refused or cut short."""
+    conn, lengths, crc = _ask(address, version, attempt, kind, index, role, deadline)
+    out = np.empty(sum(lengths), dtype=np.uint8)
+    view = out.data
+    pos = 0
+    with conn:
+        while pos < len(out):
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+            try:
+                n = conn.recv_into(view[pos:])
+            except OSError as e:
+                raise ExchangeError(f"reading from {address[0]}:{address[1]} failed after {pos} of {len(out)} bytes ({e})") from None
+            if n == 0:
+                raise ExchangeError(f"{address[0]}:{address[1]} closed the connection after {pos} of {len(out)} bytes")
+            pos += n
+    return out, lengths, crc
