@@ -189,3 +189,19 @@ def stdout_to_stderr() -> Iterator[None]:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def torch_adamw(optimizer: Any) -> Any:
+    """``torch.optim.AdamW`` over a stage's parameter groups holding the very state tensors of its
+    :class:`~elastic_llm.pipeline.optim.StageAdamW` (no copy): what the ``torch.save`` / DCP peers
+    save and load, as a trainer built on ``torch.optim`` holds it. Build it outside any timing
+    (its first use imports torch's compiler stack)."""
+    import torch
+
+    fields = ("lr", "betas", "eps", "weight_decay")
+    opt = torch.optim.AdamW([{"params": g["params"], **{k: g[k] for k in fields}} for g in optimizer.param_groups], foreach=True)
+    for g, mine in zip(opt.param_groups, optimizer.param_groups):
+        g["initial_lr"] = mine.get("initial_lr", mine["lr"])
+    for p, state in optimizer.state.items():
+        opt.state[p] = state
+    return opt

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from benchmarks.common import MID_RUN, fs_type, median
+from benchmarks.common import MID_RUN, fs_type, median, torch_adamw
 from elastic_llm import events
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.durable.storage import fsync_path
@@ -56,7 +56,7 @@ def _in_process(config_path: str, overrides: Sequence[str], workdir: str, rounds
     nbytes = int(sum(t.nbytes for t in tensors))
     run = Storage(os.path.join(workdir, "run"))
     res: dict[str, list[float]] = {"write": [], "disk": [], "torch_save": [], "restore": [], "torch_load": []}
-    sd = {"model": w.module.state_dict(), "optim": w.optimizer.state_dict()}
+    sd = {"model": w.module.state_dict(), "optim": torch_adamw(w.optimizer).state_dict()}  # torch's optimizer over the same tensors
     for r in range(rounds):
         name = fmt.checkpoint_dir(r)
         run.makedirs(name)
@@ -78,17 +78,18 @@ def _in_process(config_path: str, overrides: Sequence[str], workdir: str, rounds
         fsync_path(pt)
         res["torch_save"].append(time.perf_counter() - t)
         fresh = StageWorker(one, 0, 0)
+        fresh_optim = torch_adamw(fresh.optimizer)
 
         def ours(fresh: Any = fresh, name: str = name) -> None:
             t = time.perf_counter()
             fresh.load_durable(run.uri, name)
             res["restore"].append(time.perf_counter() - t)
 
-        def peer(fresh: Any = fresh, pt: str = pt) -> None:
+        def peer(fresh: Any = fresh, pt: str = pt, fresh_optim: Any = fresh_optim) -> None:
             t = time.perf_counter()
             loaded = torch.load(pt, weights_only=True)
             fresh.module.load_state_dict(loaded["model"])
-            fresh.optimizer.load_state_dict(loaded["optim"])
+            fresh_optim.load_state_dict(loaded["optim"])
             res["torch_load"].append(time.perf_counter() - t)
 
         for go in ((ours, peer) if r % 2 == 0 else (peer, ours)):  # taking turns: the first after the writes pays for fresh memory

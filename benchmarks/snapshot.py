@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import MID_RUN, free_port, fs_type, load_at_end, machine_busy_s, machine_info, median, outside_share, process_tree_cpu, ratio
+from benchmarks.common import MID_RUN, free_port, fs_type, load_at_end, machine_busy_s, machine_info, median, outside_share, process_tree_cpu, ratio, torch_adamw
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.runtime.session import NAMESPACE, loopback_env
 from elastic_llm.controller.trainer import Trainer
@@ -152,7 +152,7 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
 
     worker = _one_stage_worker(cfg1)
     _train_steps(worker, cfg1, 2)
-    module, optim = worker.module, worker.optimizer
+    module, optim = worker.module, torch_adamw(worker.optimizer)  # the peers save torch's optimizer over the same tensors
     tensors = st.state_tensors(module, optim)
     state_bytes = int(sum(t.numel() * t.element_size() for _, t in tensors))
     buf, manifest = worker.capture_state()  # allocates + touches the reused buffer
@@ -221,11 +221,12 @@ def _in_process(cfg1: RunConfig, repeats: int, workdir: str, group_size: int) ->
 
     def t_torch_load() -> None:
         fresh = _one_stage_worker(cfg1)  # a replacement starts from a fresh stage, like ours below
+        fresh_optim = torch_adamw(fresh.optimizer)
         gc.collect()
         t0 = time.perf_counter()
         ckpt = torch.load(save_path, weights_only=True)
         fresh.module.load_state_dict(ckpt["model"])
-        fresh.optimizer.load_state_dict(ckpt["optim"])
+        fresh_optim.load_state_dict(ckpt["optim"])
         times["torch_load"].append(time.perf_counter() - t0)
         del ckpt, fresh
 
@@ -430,7 +431,7 @@ def _actor_waits(trainer: Trainer) -> list[float]:
     """Cumulative ``snapshot_wait_s`` of every stage actor (replica-major, stage order)."""
     import ray
 
-    refs = [a.__ray_call__.remote(lambda self: float(self.snapshot_wait_s)) for row in trainer.actors for a in row]
+    refs = [a.__ray_call__.remote(lambda front: float(front.worker.snapshot_wait_s)) for row in trainer.actors for a in row]
     return ray.get(refs, timeout=120)
 
 

@@ -38,3 +38,31 @@ def test_one_median_for_every_benchmark_and_no_values_are_refused_unless_none_is
     assert median([], or_none=True) is None
     with pytest.raises(ValueError, match="no values"):
         median([])
+
+
+def test_the_peers_torch_optimizer_holds_the_stages_own_state_tensors_and_round_trips_through_torch_save(tmp_path):
+    """``torch_adamw``: what the torch.save / DCP peers save is the stage's state itself (the same
+    tensors, not a copy), and torch's load brings it back into another stage's view bit for bit."""
+    import torch
+
+    from benchmarks.common import torch_adamw
+    from elastic_llm.config import load_config
+    from elastic_llm.pipeline.optim import build_optimizer
+
+    cfg = load_config("jobs/tiny.yaml", [])
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(6, 4), torch.nn.Linear(6, 4)
+    opt, sched = build_optimizer(a, cfg.train)
+    a(torch.randn(3, 6)).sum().backward()
+    opt.step()
+    sched.step()
+    view = torch_adamw(opt)
+    for p in a.parameters():
+        assert all(view.state[p][k] is opt.state[p][k] for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert [g["lr"] for g in view.param_groups] == [g["lr"] for g in opt.param_groups]
+    torch.save({"optim": view.state_dict()}, tmp_path / "o.pt")
+    theirs, _ = build_optimizer(b, cfg.train)
+    other = torch_adamw(theirs)
+    other.load_state_dict(torch.load(tmp_path / "o.pt", weights_only=True)["optim"])
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert all(torch.equal(opt.state[p][k], other.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))

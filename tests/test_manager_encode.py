@@ -249,3 +249,24 @@ def test_a_stage_refuses_at_once_a_copy_asked_for_before_a_rollback():
     with pytest.raises(RuntimeError, match="step 5 was asked for before a rollback to step 2"):
         copies.take(5, "stage 0 replica 0", newest=3)
     assert time.perf_counter() - t < 1.0
+
+
+def test_the_exchange_threads_yield_relative_to_their_process_never_ahead_of_training():
+    """Ray starts workers at nice 15: an absolute nice of 5 once put the exchange ahead of the
+    training step. The exchange's threads go NICE steps nicer than they were, capped at 19."""
+    import os
+    import threading
+
+    seen = []
+
+    def run(start):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, start)
+        exchange.yield_to_training()
+        seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+
+    for start in (15, 2):
+        t = threading.Thread(target=run, args=(start,))
+        t.start()
+        t.join()
+    assert seen == [19, 2 + exchange.NICE]

@@ -40,7 +40,7 @@ LENGTH = struct.Struct("<q")
 CHUNK, PARITY = 0, 1  # what a request asks for: a member's data chunk (its pieces in key order) or a parity region
 BLOCK = 1 << 20  # bytes handed to a sink at a time: stays in cache while it is checked and encoded
 CONNECT_S = 10.0  # longest a connection to a peer's server may take (a dead node refuses or times out)
-NICE = 5  # the server's sending threads yield to the training step on the same cores
+NICE = 5  # how much nicer than its process the exchange's threads run (Ray starts workers at nice 15: 19, the lowest)
 
 Lookup = Callable[[int, int, int, int, str], tuple[Sequence[np.ndarray], int]]  # (version, attempt, kind, index, role) -> (arrays, crc)
 Sink = Callable[[int, int, np.ndarray], None]  # (array index, offset within it, bytes)
@@ -83,10 +83,7 @@ class PieceServer:
             threading.Thread(target=self._serve, args=(conn,), name="piece-send", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)  # this thread only (Linux)
-        except (OSError, AttributeError):
-            pass
+        yield_to_training()
         with conn:
             try:
                 conn.settimeout(CONNECT_S)
@@ -113,6 +110,18 @@ class PieceServer:
                 self.served += 1
             except OSError:  # the receiver went away: its read fails, this answer is over
                 return
+
+
+def yield_to_training() -> None:
+    """Run the calling thread :data:`NICE` steps nicer than it runs now (Linux: per thread): the
+    exchange's sends and a holder's reading and encoding give way to the training step on the
+    same cores. Relative, never absolute: Ray starts its workers at nice 15, and setting 5 would
+    put the exchange ahead of training."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICE))
+    except (OSError, AttributeError):
+        pass
 
 
 def _read_exact(conn: socket.socket, n: int) -> bytes:

@@ -394,6 +394,7 @@ class SnapshotManager:
                 late = [j for j in members if j not in offers]
                 raise TimeoutError(f"parity of region {region}, step {version}: data of group members {late} never arrived")
             contribs = [offers[j] for j in members]
+        exchange.yield_to_training()  # this manager thread serves snapshots only: its reading gives way to the step
         out = self._buffer(max((sum(p.length for p in pieces) for _, pieces in contribs), default=0))
         out.fill(0)
         rs = self._codec(layout.k, layout.m)
