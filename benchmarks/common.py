@@ -15,6 +15,7 @@ import re
 import socket
 import statistics
 import sys
+import time
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any, Literal, overload
 
@@ -205,3 +206,36 @@ def torch_adamw(optimizer: Any) -> Any:
     for p, state in optimizer.state.items():
         opt.state[p] = state
     return opt
+
+
+def reference_rates(nbytes: int, rounds: int = 5) -> dict[str, Any]:
+    """What moving ``nbytes`` costs on this machine without the product, measured now: a warm
+    ``memcpy`` (numpy ``copyto`` between two touched buffers) and one loopback TCP connection
+    (``sendall`` from a thread into ``recv_into`` a touched buffer): the medians of ``rounds``,
+    in GB/s."""
+    import threading
+
+    import numpy as np
+
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    copy_s, tcp_s = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        copy_s.append(time.perf_counter() - t0)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        for _ in range(rounds):
+            sender = socket.create_connection(server.getsockname())
+            conn, _ = server.accept()
+            view, got = memoryview(dst), 0
+            thread = threading.Thread(target=sender.sendall, args=(memoryview(src),))
+            t0 = time.perf_counter()
+            thread.start()
+            while got < nbytes:
+                got += conn.recv_into(view[got:], nbytes - got)
+            tcp_s.append(time.perf_counter() - t0)
+            thread.join()
+            sender.close()
+            conn.close()
+    gbs = lambda xs: round(nbytes / median(xs) / 1e9, 3)  # noqa: E731
+    return {"bytes": nbytes, "memcpy_gb_s": gbs(copy_s), "loopback_tcp_gb_s": gbs(tcp_s), "rounds": rounds}

@@ -90,9 +90,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 
-from benchmarks.common import load_at_end, machine_info, median, ratio, stdout_to_stderr
+from benchmarks.common import load_at_end, machine_info, median, ratio, reference_rates, stdout_to_stderr
 from elastic_llm import events
 
 DEFAULT_CONFIGS = ("jobs/tiny.yaml", "jobs/llama-25m.yaml")
@@ -311,35 +310,6 @@ def median_shot(lost: Sequence[float | None]) -> int:
     return order[(measured - 1) // 2]
 
 
-def reference_rates(nbytes: int, rounds: int = 5) -> dict[str, Any]:
-    """What moving ``nbytes`` costs on this machine without the product, measured now: a warm
-    ``memcpy`` (numpy ``copyto`` between two touched buffers) and one loopback TCP connection
-    (``sendall`` from a thread into ``recv_into`` a touched buffer): the medians of ``rounds``,
-    in GB/s."""
-    import socket
-
-    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-    copy_s, tcp_s = [], []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        copy_s.append(time.perf_counter() - t0)
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        for _ in range(rounds):
-            sender = socket.create_connection(server.getsockname())
-            conn, _ = server.accept()
-            view, got = memoryview(dst), 0
-            thread = threading.Thread(target=sender.sendall, args=(memoryview(src),))
-            t0 = time.perf_counter()
-            thread.start()
-            while got < nbytes:
-                got += conn.recv_into(view[got:], nbytes - got)
-            tcp_s.append(time.perf_counter() - t0)
-            thread.join()
-            sender.close()
-            conn.close()
-    gbs = lambda xs: _r(nbytes / median(xs) / 1e9)  # noqa: E731
-    return {"bytes": nbytes, "memcpy_gb_s": gbs(copy_s), "loopback_tcp_gb_s": gbs(tcp_s), "rounds": rounds}
 
 
 class DeathWitness:

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import MID_RUN, free_port, fs_type, load_at_end, machine_busy_s, machine_info, median, outside_share, process_tree_cpu, ratio, torch_adamw
+from benchmarks.common import MID_RUN, free_port, fs_type, load_at_end, machine_busy_s, machine_info, median, outside_share, process_tree_cpu, ratio, reference_rates, torch_adamw
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.runtime.session import NAMESPACE, loopback_env
 from elastic_llm.controller.trainer import Trainer
@@ -583,38 +583,6 @@ def _breakdown(stats0: dict[str, Any], stats1: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def loopback_socket_gbps(nbytes: int, rounds: int = 5) -> float | None:
-    """The peer of the parity exchange: one TCP connection on 127.0.0.1 moving ``nbytes`` from a
-    warm buffer into a warm buffer (``sendall`` / ``recv_into`` in 1 MiB blocks), median of
-    ``rounds``: the link's own rate on this machine, in the same run."""
-    import socket
-    import threading
-
-    nbytes = max(1 << 20, int(nbytes))
-    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(1 << 20, dtype=np.uint8)
-    times = []
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        for _ in range(rounds):
-            def send() -> None:
-                with socket.create_connection(srv.getsockname()) as c:
-                    c.sendall(src.data)
-
-            t = threading.Thread(target=send)
-            t0 = time.perf_counter()
-            t.start()
-            conn, _ = srv.accept()
-            with conn:
-                got, view = 0, dst.data
-                while got < nbytes:
-                    k = conn.recv_into(view)
-                    if k == 0:
-                        break
-                    got += k
-            t.join()
-            times.append(time.perf_counter() - t0)
-    return _gbps(nbytes, median(times))
-
-
 def _trainer_configs(config_path: str, overrides: Sequence[str], extra: Sequence[str]) -> tuple[RunConfig, RunConfig]:
     common = [*overrides, "train.eval_every=0", MID_RUN, *extra]
     on = load_config(config_path, [*common, "snapshot.enabled=true", "snapshot.every=1"])
@@ -832,7 +800,7 @@ def run_snapshot_bench(
         "snapshot_breakdown_per_version_s": tr_multi["breakdown_per_version_s"],
         "parity_exchange_bytes_per_version": tr_multi["exchange_bytes_per_version"],
         "parity_exchange_GBps": tr_multi["exchange_gbps"],
-        "loopback_socket_GBps": (sock := loopback_socket_gbps(tr_multi["exchange_bytes_per_version"])),
+        "loopback_socket_GBps": (sock := reference_rates(max(1 << 20, tr_multi["exchange_bytes_per_version"]))["loopback_tcp_gb_s"]),
         "parity_exchange_vs_loopback_socket": ratio(tr_multi["exchange_gbps"], sock, 3),
         "stall_vs_torch_save": ratio(stall, inproc["torch_save_s"], 5),
         "stall_vs_dcp_async": ratio(stall, inproc["dcp_async_block_s"], 5),
@@ -882,7 +850,7 @@ def run_snapshot_bench(
         "data over the piece servers' links (wall, with the CRC-32 checks and the encoding within it, in CPU seconds) and "
         "the driver's commit. parity_exchange_GBps = bytes the holders read / their reading's wall time; "
         "loopback_socket_GBps: one TCP connection on 127.0.0.1 moving as many bytes between warm buffers in this run "
-        "(median of 5), its peer."
+        "(benchmarks.common.reference_rates, as bench recovery's; median of 5), its peer."
     )
     notes.append(
         f"restore_from_smp_s: after the blocks, the cluster Trainer with snapshots restores every stage of replica 0 from "

@@ -187,7 +187,8 @@ class OtherSources:
                 for value in st.values():
                     if torch.is_tensor(value):
                         value.zero_()
-        self._resume_schedule(step, lr_scale)
+        self.scheduler.resume(step, lr_scale)  # the (fresh) optimizer's LR schedule at ``step``, its peak LR x ``lr_scale``
+        self.step_count = step
         self.reset_step()
         return zlib.crc32(host_bytes(torch.cat([p.detach().reshape(-1) for p in self.module.parameters()])).data)
 
@@ -200,11 +201,6 @@ class OtherSources:
         for p in params:
             p.copy_(torch.from_numpy(flat[offset : offset + p.numel()]).view_as(p))
             offset += p.numel()
-
-    def _resume_schedule(self, step: int, lr_scale: float) -> None:
-        """Put the (fresh) optimizer's LR schedule at ``step`` with its peak LR x ``lr_scale``."""
-        self.scheduler.resume(step, lr_scale)
-        self.step_count = step
 
     # ------------------------------------------------------------------ redundant copy (Bamboo-style)
     def shadow_state(self) -> tuple[np.ndarray, str]:

@@ -112,11 +112,17 @@ class PieceServer:
                 return
 
 
+_yielded = threading.local()
+
+
 def yield_to_training() -> None:
-    """Run the calling thread :data:`NICE` steps nicer than it runs now (Linux: per thread): the
-    exchange's sends and a holder's reading and encoding give way to the training step on the
-    same cores. Relative, never absolute: Ray starts its workers at nice 15, and setting 5 would
-    put the exchange ahead of training."""
+    """Run the calling thread :data:`NICE` steps nicer than it ran (Linux: per thread; once per
+    thread, however often called): the exchange's sends and a holder's reading and encoding give
+    way to the training step on the same cores. Relative, never absolute: Ray starts its workers
+    at nice 15, and setting 5 would put the exchange ahead of training."""
+    if getattr(_yielded, "done", False):
+        return
+    _yielded.done = True
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICE))
@@ -164,6 +170,19 @@ def _ask(address: tuple[str, int], version: int, attempt: int, kind: int, index:
         raise ExchangeError(f"reading {address[0]}:{address[1]}'s answer failed ({e})") from None
 
 
+def _receive(conn: socket.socket, view: memoryview, address: tuple[str, int], deadline: float, got: int, total: int) -> int:
+    """One ``recv_into`` of ``view`` before ``deadline``: the bytes read; :class:`ExchangeError`
+    if the peer fails or closes first (``got`` of ``total`` bytes read so far, for the message)."""
+    conn.settimeout(max(0.001, deadline - time.monotonic()))
+    try:
+        n = conn.recv_into(view)
+    except OSError as e:
+        raise ExchangeError(f"reading from {address[0]}:{address[1]} failed after {got} of {total} bytes ({e})") from None
+    if n == 0:
+        raise ExchangeError(f"{address[0]}:{address[1]} closed the connection after {got} of {total} bytes")
+    return n
+
+
 def stream(address: tuple[str, int], version: int, attempt: int, kind: int, index: int, role: str, sink: Sink, deadline: float) -> tuple[list[int], int]:
     """Read one symbol, handing its bytes to ``sink(array, offset, block)`` in blocks of at most
     :data:`BLOCK` bytes (one reused buffer: the sink must not keep it). Returns the arrays'
@@ -171,20 +190,15 @@ def stream(address: tuple[str, int], version: int, attempt: int, kind: int, inde
     (the sink has then seen only part of it)."""
     conn, lengths, crc = _ask(address, version, attempt, kind, index, role, deadline)
     buf = np.empty(min(BLOCK, max(lengths, default=0)) or 1, dtype=np.uint8)
-    view = buf.data
+    total, got = sum(lengths), 0
     with conn:
         for i, length in enumerate(lengths):
             pos = 0
             while pos < length:
-                conn.settimeout(max(0.001, deadline - time.monotonic()))
-                try:
-                    n = conn.recv_into(view[: min(len(buf), length - pos)])
-                except OSError as e:
-                    raise ExchangeError(f"reading from {address[0]}:{address[1]} failed after {pos} of {length} bytes of array {i} ({e})") from None
-                if n == 0:
-                    raise ExchangeError(f"{address[0]}:{address[1]} closed the connection after {pos} of {length} bytes of array {i}")
+                n = _receive(conn, buf.data[: min(len(buf), length - pos)], address, deadline, got, total)
                 sink(i, pos, buf[:n])
                 pos += n
+                got += n
     return lengths, crc
 
 
@@ -193,16 +207,8 @@ def fetch(address: tuple[str, int], version: int, attempt: int, kind: int, index
     end in it, the answer's CRC-32). Raises :class:`ExchangeError` if refused or cut short."""
     conn, lengths, crc = _ask(address, version, attempt, kind, index, role, deadline)
     out = np.empty(sum(lengths), dtype=np.uint8)
-    view = out.data
     pos = 0
     with conn:
         while pos < len(out):
-            conn.settimeout(max(0.001, deadline - time.monotonic()))
-            try:
-                n = conn.recv_into(view[pos:])
-            except OSError as e:
-                raise ExchangeError(f"reading from {address[0]}:{address[1]} failed after {pos} of {len(out)} bytes ({e})") from None
-            if n == 0:
-                raise ExchangeError(f"{address[0]}:{address[1]} closed the connection after {pos} of {len(out)} bytes")
-            pos += n
+            pos += _receive(conn, out.data[pos:], address, deadline, pos, len(out))
     return out, lengths, crc

@@ -149,7 +149,8 @@ class ReedSolomon:
         g.setflags(write=False)
         self.generator_matrix = g
         self._encode_plan = self._codec.prepare(self.parity_matrix)
-        self._row_plans: dict[Any, Any] = {}  # row -> plan; (row, symbol) -> a one-coefficient plan
+        self._row_plans: dict[int, Any] = {}
+        self._update_plans: dict[tuple[int, int], Any] = {}  # (row, symbol) -> its one-coefficient plan
         self._tls = threading.local()
         self._cache: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._cache_size = max(0, int(decode_cache_size))
@@ -231,9 +232,9 @@ class ReedSolomon:
         if coef == 1:  # a plain XOR (every coefficient of a single parity row is 1)
             np.bitwise_xor(out, data, out=out)
             return out
-        plan = self._row_plans.get((int(row), int(symbol)))
+        plan = self._update_plans.get((int(row), int(symbol)))
         if plan is None:
-            plan = self._row_plans[(int(row), int(symbol))] = self._codec.prepare(np.array([[coef]], dtype=np.uint8))
+            plan = self._update_plans[(int(row), int(symbol))] = self._codec.prepare(np.array([[coef]], dtype=np.uint8))
         scratch = self._scratch(len(data))
         self._codec.apply(plan, [data], [scratch])
         np.bitwise_xor(out, scratch, out=out)
