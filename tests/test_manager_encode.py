@@ -270,3 +270,27 @@ def test_the_exchange_threads_yield_relative_to_their_process_never_ahead_of_tra
         t.start()
         t.join()
     assert seen == [19, 2 + exchange.NICE]
+
+
+def test_a_piece_server_gives_way_for_a_version_in_flight_but_not_for_a_rebuild():
+    """A holder's read of a version in flight runs beside training: its sending thread yields.
+    A rebuild's read (of a committed version, ``ANY_ATTEMPT``) is what the stalled step waits
+    for: it is sent at the process's own priority."""
+    import os
+    import threading
+    import time
+
+    seen = {}
+
+    def lookup(version, attempt, kind, index, role):
+        seen[attempt] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return [np.zeros(8, dtype=np.uint8)], 0
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    server = exchange.PieceServer("127.0.0.1", lookup)
+    try:
+        for attempt in (0, exchange.ANY_ATTEMPT):
+            exchange.fetch(server.address, 1, attempt, exchange.CHUNK, 0, "", time.monotonic() + 10)
+    finally:
+        server.close()
+    assert seen == {0: min(19, own + exchange.NICE), exchange.ANY_ATTEMPT: own}

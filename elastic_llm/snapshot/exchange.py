@@ -34,9 +34,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MAGIC = b"ELSX"
-REQUEST = struct.Struct("<4sqqiiH")  # magic, version, attempt (-1: whichever is held), kind, index, role bytes
+REQUEST = struct.Struct("<4sqqiiH")  # magic, version, attempt (ANY_ATTEMPT: whichever is held), kind, index, role bytes
 ANSWER = struct.Struct("<4siIq")  # magic, status (0: the bytes follow), CRC-32 of a parity region, count (or message bytes)
 LENGTH = struct.Struct("<q")
+ANY_ATTEMPT = -1  # a request's attempt for "whichever is held": a rebuild's, of a committed version
 CHUNK, PARITY = 0, 1  # what a request asks for: a member's data chunk (its pieces in key order) or a parity region
 BLOCK = 1 << 20  # bytes handed to a sink at a time: stays in cache while it is checked and encoded
 CONNECT_S = 10.0  # longest a connection to a peer's server may take (a dead node refuses or times out)
@@ -56,7 +57,8 @@ class PieceServer:
     ``lookup(version, attempt, kind, index, role)`` gives the arrays to send (and the parity's
     recorded CRC-32) or raises ``LookupError`` (answered as a refusal naming it). One thread
     accepts; each connection is served by a thread of its own, at a lower priority than the
-    training step (``NICE``). ``cut_after``: fault injection, the next answer's connection is
+    training step (``NICE``) when it serves a version in flight; a rebuild's read (of a committed
+    version, :data:`ANY_ATTEMPT`) runs at the process's own priority: the step waits for it. ``cut_after``: fault injection, the next answer's connection is
     closed after that many bytes of its body."""
 
     def __init__(self, host: str, lookup: Lookup) -> None:
@@ -83,13 +85,14 @@ class PieceServer:
             threading.Thread(target=self._serve, args=(conn,), name="piece-send", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        yield_to_training()
         with conn:
             try:
                 conn.settimeout(CONNECT_S)
                 magic, version, attempt, kind, index, nrole = REQUEST.unpack(_read_exact(conn, REQUEST.size))
                 if magic != MAGIC:
                     return
+                if attempt != ANY_ATTEMPT:  # a version in flight's exchange runs beside the step: it gives way
+                    yield_to_training()  # (a rebuild's read, of a committed version, is what the stalled step waits for)
                 role = _read_exact(conn, nrole).decode("ascii") if nrole else ""
                 try:
                     arrays, crc = self.lookup(version, attempt, kind, index, role)

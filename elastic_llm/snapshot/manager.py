@@ -172,7 +172,7 @@ class SnapshotManager:
         """What the piece server sends for a request: this node's (or adopted ``role``'s) data
         chunk ``index`` of ``version`` as its pieces in key order, or its parity of region
         ``index`` and that parity's CRC-32. ``attempt`` >= 0: only that attempt's (a parity
-        holder encoding it); -1: the version reads are served from (a rebuild)."""
+        holder encoding it); ``exchange.ANY_ATTEMPT``: the version reads are served from (a rebuild)."""
         import ray
 
         with self.lock:

@@ -91,7 +91,7 @@ def _read(address: tuple[str, int], r: ParityRebuild, region: int, sym: Any, dea
     """One symbol's bytes from its member's piece server; None if refused or cut short."""
     kind, index = (exchange.PARITY, region) if sym.chunk is None else (exchange.CHUNK, sym.chunk)
     try:
-        return exchange.fetch(address, r.version, -1, kind, index, r.role(sym.node), deadline)
+        return exchange.fetch(address, r.version, exchange.ANY_ATTEMPT, kind, index, r.role(sym.node), deadline)
     except exchange.ExchangeError:
         return None
 
