@@ -45,6 +45,13 @@ class Ema:
         """The average plus one standard deviation: a value the samples seldom exceed."""
         return None if self.value is None else self.value + math.sqrt(self.var)
 
+    @property
+    def bound(self) -> float | None:
+        """The average plus its own standard error: a value the true average seldom exceeds. The
+        moving average weighs about ``(2 - alpha) / alpha`` samples, so its error is the samples'
+        deviation over the square root of that."""
+        return None if self.value is None else self.value + math.sqrt(self.var * self.alpha / (2 - self.alpha))
+
 
 @dataclass
 class Median:
@@ -126,8 +133,11 @@ class SnapshotCost:
     then the larger of it and what its parts reported (the managers' CPU time and the stages'
     copies) is a sample of the cost, and the interval is chosen again: the smallest that keeps
     the cost within ``max_overhead_pct`` of the clean steps' time (:func:`snapshot_every`), the
-    cost taken as the samples' moving average plus one deviation (a budget is a bound: aimed at
-    the average, half the intervals would cost more), and never shorter than :meth:`floor`, which
+    cost taken as the samples' moving average plus its standard error (:attr:`Ema.bound`: the
+    budget is a share of the run's time, so what must stay within it is the average cost, known
+    up to that error; the average plus a whole deviation, as before, bounded every single
+    interval instead and chose intervals 2-4x longer than the budget needs on a noisy 2-core
+    machine, where a version's felt cost is a few steps' noise), and never shorter than :meth:`floor`, which
     leaves a clean step in every interval (the baseline stays current). The
     first version is not a sample (cold buffers), and the run's first :data:`COLD` steps count for
     nothing. Pure: the coordinator tells it what happened.
@@ -220,13 +230,13 @@ class SnapshotCost:
         felt = max(0.0, o.felt) if o.measured else None
         self.cost.add(max(o.parts_s, felt or 0.0))
         self.span.add(max(1, o.in_flight))
-        cost = self.cost.high or 0.0
+        cost = self.cost.bound or 0.0
         budget = snapshot_every(cost, base, self.pct)
         floor = self.floor()
         every = max(budget, floor)
         felt_txt = f"{felt:.3f}" if felt is not None else "unmeasured"
         self.why = (
-            f"auto: {cost:.3f} s per snapshot (average {self.cost.value:.3f} s + one deviation; this one's parts {o.parts_s:.3f} s, "
+            f"auto: {cost:.3f} s per snapshot (average {self.cost.value:.3f} s + its standard error; this one's parts {o.parts_s:.3f} s, "
             f"felt {felt_txt} s over its steps and the {SETTLE} after it), {base:.3f} s per clean step, budget {self.pct:g}% -> every {budget}"
             + (f"; at least {floor} (a version's {floor - SETTLE - 1} step(s) in flight, the {SETTLE} after it and one clean step "
                f"to measure against) -> every {every}" if floor > budget else "")
