@@ -77,6 +77,8 @@ def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     """The benchmark ``args.what`` with the command line's settings."""
     if args.what == "pipeline":
         return bench.run_pipeline_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 6, overrides=args.set or [])
+    if args.what == "snapshot" and args.auto_only:
+        return bench.run_snapshot_auto(args.config or "jobs/tiny.yaml", overrides=args.set or [])
     if args.what == "snapshot":
         return bench.run_snapshot_bench(args.config or "jobs/tiny.yaml", steps=args.steps or 12, overrides=args.set or [])
     if args.what == "erasure":
@@ -113,7 +115,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     problem = (
         _sweep_problem(args)
         or (f"--steps={args.steps} must be >= {least}" if args.steps is not None and args.steps < least else None)
-        or ("--auto-only is only for `bench durable`" if args.auto_only and args.what != "durable" else None)
+        or ("--auto-only is only for `bench durable` and `bench snapshot`" if args.auto_only and args.what not in ("durable", "snapshot") else None)
     )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -146,7 +148,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "in-memory path for recovery, 3; bursts for rehome, 3)"))
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
-    b.add_argument("--auto-only", action="store_true", help="durable: only snapshot.every: auto against no snapshots on the 3-node loopback cluster")
+    b.add_argument("--auto-only", action="store_true", help="durable, snapshot: only snapshot.every: auto against no snapshots on the 3-node loopback cluster "
+                   "(snapshot: after a per-step trace of where a version's cost lands)")
     b.add_argument("--sweep", action="store_true", help="pipeline: driver cost over stages x microbatches x replicas (micro and tiny models) instead of the peer comparison")
     b.add_argument("--models", help="--sweep: comma-separated models, from micro,tiny (default: both)")
     b.add_argument("--plot", help="--sweep: PNG of driver CPU per step against microbatches (default: bench-pipeline-sweep.png)")

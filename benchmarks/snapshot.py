@@ -18,7 +18,9 @@ Measures, on the whole model's training state (parameters + AdamW moments) of a 
   throughput and CPU overhead of snapshots, and versions committed;
 * on the cluster, ``snapshot.every: auto`` against no snapshots (after 60 steps to settle, in
   blocks of 24 steps or two of the intervals it chose, if longer): the overhead ``auto`` achieves next to its budget
-  (``snapshot.max_overhead_pct``), per block, and the interval it chose and why;
+  (``snapshot.max_overhead_pct``), per block, and the interval it chose and why; with
+  ``--auto-only`` (:func:`run_snapshot_auto`) that alone, after a per-step trace of where a
+  version's cost lands (the step that began it, its steps in flight, the ones after);
 * on the cluster: the product's restore on the live Trainer with snapshots, from its committed
   version (``snapshots.fetch_stage_state`` + ``load_parts`` into fresh replacement stage actors,
   every stage), and how long a SnapshotManager takes to collect a whole-model stage's snapshot
@@ -680,6 +682,82 @@ def _auto_overhead(config_path: str, overrides: Sequence[str], extra: Sequence[s
         "blocks": rounds,
         "block_steps": block[0],
         **chosen,
+    }
+
+
+TRACE_EVERY = 6  # the fixed interval of the per-step trace: a version's step, its steps in flight, SETTLE and clean steps after it
+TRACE_STEPS = 96  # traced steps (16 versions at every 6), after TRACE_WARMUP untraced ones
+TRACE_WARMUP = 20
+
+
+def _cost_trace(config_path: str, overrides: Sequence[str], extra: Sequence[str], cluster: Any) -> dict[str, Any]:
+    """Where a version's cost lands: one trainer with ``snapshot.every`` = :data:`TRACE_EVERY`,
+    every step's wall time by its place after the step that began a version (0: that step), the
+    mean excess of each place over the last two places' mean (steps no version touches, if its
+    effects end within the interval), and how many versions were in flight during each step."""
+    cfg = load_config(config_path, [*overrides, "train.eval_every=0", MID_RUN, *extra, "snapshot.enabled=true", f"snapshot.every={TRACE_EVERY}"])
+    t = ray_trainer(cfg, cluster=cluster)
+    rows: list[tuple[float, bool, int]] = []
+    try:
+        t.setup()
+        for _ in range(TRACE_WARMUP):
+            t.run_step()
+        for _ in range(TRACE_STEPS):
+            t0 = time.perf_counter()
+            t.run_step()
+            assert t.snapshots is not None
+            rows.append((time.perf_counter() - t0, t.snapshots.last_begin == t.step, len(t.snapshots.inflight)))
+    finally:
+        t.shutdown()
+    begins = [i for i, r in enumerate(rows) if r[1]]
+    by_place: list[list[float]] = [[] for _ in range(TRACE_EVERY)]
+    for b in begins:
+        for k in range(TRACE_EVERY):
+            if b + k < len(rows) and (k == 0 or not rows[b + k][1]):
+                by_place[k].append(rows[b + k][0])
+    base = float(np.mean(by_place[-2] + by_place[-1])) if by_place[-1] else None
+    return {
+        "every": TRACE_EVERY,
+        "versions": len(begins),
+        "clean_step_s": _r(base),
+        "mean_step_s_by_place": [_r(float(np.mean(x))) if x else None for x in by_place],
+        "excess_s_by_place": [_r(float(np.mean(x)) - base) if x and base is not None else None for x in by_place],
+        "cost_s_per_version": _r(sum(float(np.mean(x)) - base for x in by_place[:-2] if x)) if base is not None else None,
+        "steps_by_versions_in_flight": {str(n): sum(1 for r in rows if r[2] == n) for n in sorted({r[2] for r in rows})},
+        "step_s": [_r(r[0], 4) for r in rows],
+    }
+
+
+def run_snapshot_auto(config_path: str = "jobs/tiny.yaml", overrides: Sequence[str] = (), *, workers: int = 3, rounds: int = 5) -> dict[str, Any]:
+    """``bench snapshot --auto-only``: on the loopback cluster of the full benchmark, the per-step
+    trace of where a version's cost lands (:func:`_cost_trace`), then ``snapshot.every: auto``
+    against no snapshots (:func:`_auto_overhead`, ``rounds`` blocks)."""
+    import ray
+
+    from elastic_llm.runtime.session import loopback_cluster
+
+    loopback_env()
+    if ray.is_initialized():
+        raise RuntimeError("bench snapshot starts its own Ray: shut down the running one first")
+    started, machine = time.perf_counter(), machine_info()
+    extra = [f"snapshot.group_size={workers}", "parallel.placement_strategy=SPREAD"]
+    cfg_on, cfg_off = _trainer_configs(config_path, overrides, extra)
+    par = cfg_on.parallel
+    per_node = max(1.0, float(np.ceil(2 * par.stages * par.dp * par.cpus_per_actor / workers)))
+    cluster = None
+    try:
+        cluster = loopback_cluster(workers, per_node, 1 << 30, head_store_bytes=512 << 20, system_config={}, log_to_driver=False)
+        trace = _cost_trace(config_path, overrides, extra, cluster)
+        auto = _auto_overhead(config_path, overrides, extra, cfg_off, rounds, cluster)
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+    load_at_end(machine)
+    return {
+        "benchmark": "snapshot-auto", "config": cfg_on.name, "config_path": str(config_path), "overrides": list(overrides),
+        "worker_nodes": workers, "trace": trace, "auto": auto, "machine": machine,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "wall_s": round(time.perf_counter() - started, 1),
     }
 
 

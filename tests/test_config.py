@@ -99,7 +99,7 @@ def run_cli(*args):
         (["bench", "snapshot", "--steps", "1"], "--steps=1 must be >= 2"),
         (["bench", "pipeline", "--plot", "sweep.png"], "--plot: only with --sweep"),
         (["bench", "pipeline", "--sweep", "--config", "jobs/tiny.yaml"], "--sweep runs its own configurations"),
-        (["bench", "snapshot", "--auto-only"], "--auto-only is only for `bench durable`"),
+        (["bench", "recovery", "--auto-only"], "--auto-only is only for `bench durable` and `bench snapshot`"),
         (["train", "--set", "chaos.events=[{step: 2, kill: stage, op: allreduce}]"], "op=allreduce needs parallel.dp >= 2"),
         (["train", "--set", "chaos.events=[{step: 2, kill: stage, op: sideways}]"], "chaos.events[0].op='sideways' is unknown"),
         (["train", "--set", "parallel.cpus_per_actor=64"], "exceeds the largest node"),
