@@ -8,6 +8,8 @@ parity covers fails the rebuild: a new stage then says it holds no step (-1), a 
 its state.
 """
 
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -91,6 +93,19 @@ def group(ray_local):
     return infos, pieces, parity, state, manifest, after
 
 
+def gone(actor, within_s: float = 30.0) -> None:
+    """Wait until a killed member answers no more: ``ray.kill`` returns before the process is
+    gone, and a member still answering would serve the rebuild (one erasure fewer than meant)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.endpoint.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"a killed member still answers after {within_s:g} s")
+
+
 def recipe(group, *, dead=(), corrupt=(), cut=()) -> ParityRebuild:
     """Rebuild member 0's shard (member 0 lost); members in ``dead`` are killed before the
     rebuild asks them (the plan still names them), those in ``corrupt`` serve a flipped byte."""
@@ -99,6 +114,7 @@ def recipe(group, *, dead=(), corrupt=(), cut=()) -> ParityRebuild:
     ray.get([p.endpoint.remote() for p in peers[1:]])  # every member is up
     for j in dead:
         ray.kill(peers[j])
+        gone(peers[j])
     ray.get([peers[j].cut.remote(1000) for j in cut])
     return ParityRebuild(VERSION, ShardKey(0, 0), N, M, (0,), 0, tuple(peers), tuple(infos))
 
