@@ -585,11 +585,32 @@ def _breakdown(stats0: dict[str, Any], stats1: dict[str, Any]) -> dict[str, Any]
     }
 
 
+def _trainer_config(config_path: str, overrides: Sequence[str], extra: Sequence[str], every: int | str | None) -> RunConfig:
+    """A benchmark trainer's config: no evaluation, a run's middle, snapshots every ``every`` steps (None: off)."""
+    snap = ["snapshot.enabled=false"] if every is None else ["snapshot.enabled=true", f"snapshot.every={every}"]
+    return load_config(config_path, [*overrides, "train.eval_every=0", MID_RUN, *extra, *snap])
+
+
 def _trainer_configs(config_path: str, overrides: Sequence[str], extra: Sequence[str]) -> tuple[RunConfig, RunConfig]:
-    common = [*overrides, "train.eval_every=0", MID_RUN, *extra]
-    on = load_config(config_path, [*common, "snapshot.enabled=true", "snapshot.every=1"])
-    off = load_config(config_path, [*common, "snapshot.enabled=false"])
-    return on, off
+    return _trainer_config(config_path, overrides, extra, 1), _trainer_config(config_path, overrides, extra, None)
+
+
+def _cluster_extra(workers: int) -> list[str]:
+    """The cluster trainers' settings: one erasure group of every worker node, stages spread over them."""
+    return [f"snapshot.group_size={workers}", "parallel.placement_strategy=SPREAD"]
+
+
+def _start_cluster(cfg: RunConfig, workers: int, state_bytes: int = 0) -> tuple[Any, float]:
+    """The loopback cluster of the trainer comparisons: a head without CPUs and ``workers`` worker
+    nodes with room for two trainers' bundles of ``cfg`` and stores sized for ``state_bytes``.
+    Returns it and its logical CPUs per node."""
+    from elastic_llm.runtime.session import loopback_cluster
+
+    par = cfg.parallel
+    per_node = max(1.0, float(np.ceil(2 * par.stages * par.dp * par.cpus_per_actor / workers)))  # both trainers' bundles
+    store, head_store = int(max(1 << 30, 6 * state_bytes)), int(max(512 << 20, 3 * state_bytes))
+    # Ray's own health checks ({}): nothing here removes a node, and the overheads measured stay those of a plain cluster
+    return loopback_cluster(workers, per_node, store, head_store_bytes=head_store, system_config={}, log_to_driver=False), per_node
 
 
 def _cluster_phase(
@@ -610,20 +631,14 @@ def _cluster_phase(
     ``snapshot.every: auto`` against its budget (:func:`_auto_overhead`, ``auto_rounds`` blocks; 0: not run)."""
     import ray
 
-    from elastic_llm.runtime.session import loopback_cluster
-
     if ray.is_initialized():
         raise RuntimeError("bench snapshot starts its own Ray: shut down the running one first")
-    extra = [f"snapshot.group_size={workers}", "parallel.placement_strategy=SPREAD"]
+    extra = _cluster_extra(workers)
     cfg_on, cfg_off = _trainer_configs(config_path, overrides, extra)
-    par = cfg_on.parallel
-    per_node = max(1.0, float(np.ceil(2 * par.stages * par.dp * par.cpus_per_actor / workers)))  # both trainers' bundles
     cluster = None
     try:
         t0 = time.perf_counter()
-        store, head_store = int(max(1 << 30, 6 * state_bytes)), int(max(512 << 20, 3 * state_bytes))
-        # Ray's own health checks ({}): nothing here removes a node, and the overheads measured stay those of a plain cluster
-        cluster = loopback_cluster(workers, per_node, store, head_store_bytes=head_store, system_config={}, log_to_driver=False)
+        cluster, per_node = _start_cluster(cfg_on, workers, state_bytes)
         cluster_s = time.perf_counter() - t0
         out = _hand_off(cfg1, buf, manifest)
         trainers, restore = _compare_trainers(
@@ -662,7 +677,7 @@ def _auto_overhead(config_path: str, overrides: Sequence[str], extra: Sequence[s
     of :data:`AUTO_BLOCK` steps each (or :data:`AUTO_CYCLES` of the interval it chose, if longer)
     after :data:`AUTO_SETTLE` steps: the overhead it achieves next to its budget
     (``snapshot.max_overhead_pct``), per block (the noise) and its choice."""
-    cfg_auto = load_config(config_path, [*overrides, "train.eval_every=0", MID_RUN, *extra, "snapshot.enabled=true", "snapshot.every=auto"])
+    cfg_auto = _trainer_config(config_path, overrides, extra, "auto")
     block: list[int] = []
 
     def plan(t: Trainer) -> list[int]:
@@ -695,8 +710,7 @@ def _cost_trace(config_path: str, overrides: Sequence[str], extra: Sequence[str]
     every step's wall time by its place after the step that began a version (0: that step), the
     mean excess of each place over the last two places' mean (steps no version touches, if its
     effects end within the interval), and how many versions were in flight during each step."""
-    cfg = load_config(config_path, [*overrides, "train.eval_every=0", MID_RUN, *extra, "snapshot.enabled=true", f"snapshot.every={TRACE_EVERY}"])
-    t = ray_trainer(cfg, cluster=cluster)
+    t = ray_trainer(_trainer_config(config_path, overrides, extra, TRACE_EVERY), cluster=cluster)
     rows: list[tuple[float, bool, int]] = []
     try:
         t.setup()
@@ -734,19 +748,15 @@ def run_snapshot_auto(config_path: str = "jobs/tiny.yaml", overrides: Sequence[s
     against no snapshots (:func:`_auto_overhead`, ``rounds`` blocks)."""
     import ray
 
-    from elastic_llm.runtime.session import loopback_cluster
-
     loopback_env()
     if ray.is_initialized():
         raise RuntimeError("bench snapshot starts its own Ray: shut down the running one first")
     started, machine = time.perf_counter(), machine_info()
-    extra = [f"snapshot.group_size={workers}", "parallel.placement_strategy=SPREAD"]
+    extra = _cluster_extra(workers)
     cfg_on, cfg_off = _trainer_configs(config_path, overrides, extra)
-    par = cfg_on.parallel
-    per_node = max(1.0, float(np.ceil(2 * par.stages * par.dp * par.cpus_per_actor / workers)))
     cluster = None
     try:
-        cluster = loopback_cluster(workers, per_node, 1 << 30, head_store_bytes=512 << 20, system_config={}, log_to_driver=False)
+        cluster, _ = _start_cluster(cfg_on, workers)
         trace = _cost_trace(config_path, overrides, extra, cluster)
         auto = _auto_overhead(config_path, overrides, extra, cfg_off, rounds, cluster)
     finally:

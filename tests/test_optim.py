@@ -111,6 +111,13 @@ def test_a_group_of_its_own_keeps_its_own_weight_decay():
     assert torch.allclose(p.detach(), torch.full((3,), 1 - 0.1 * 0.5))  # zero gradient: only the decoupled decay moved it
 
 
+def last_line_printed(code: str) -> str:
+    """The last line ``code`` prints, run in a fresh Python process (which must succeed)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
 def test_a_stage_built_and_stepped_loads_no_compiler_stack():
     """A fresh process builds a stage, trains it a step and captures its state without loading
     ``torch._dynamo`` or ``torch._inductor`` (1.3 s of CPU each stage process used to pay)."""
@@ -121,9 +128,7 @@ def test_a_stage_built_and_stepped_loads_no_compiler_stack():
         "ws[0].capture_state({'epoch': 0, 'index': 1})\n"
         "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert last_line_printed(code) == "[]"
 
 
 def test_a_warmed_up_process_imports_nothing_at_its_first_step():
@@ -148,6 +153,4 @@ def test_a_warmed_up_process_imports_nothing_at_its_first_step():
         "ws[0].step(); ws[1].step()\n"
         "print(sorted(set(sys.modules) - before))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert last_line_printed(code) == "[]"

@@ -58,8 +58,9 @@ class PieceServer:
     recorded CRC-32) or raises ``LookupError`` (answered as a refusal naming it). One thread
     accepts; each connection is served by a thread of its own, at a lower priority than the
     training step (``NICE``) when it serves a version in flight; a rebuild's read (of a committed
-    version, :data:`ANY_ATTEMPT`) runs at the process's own priority: the step waits for it. ``cut_after``: fault injection, the next answer's connection is
-    closed after that many bytes of its body."""
+    version, :data:`ANY_ATTEMPT`) runs at the process's own priority: the step waits for it.
+    ``cut_after``: fault injection, the next answer's connection is closed after that many bytes
+    of its body."""
 
     def __init__(self, host: str, lookup: Lookup) -> None:
         self.lookup = lookup
