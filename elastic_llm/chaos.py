@@ -196,7 +196,8 @@ class Chaos:
             if t.snapshots is None:
                 raise ConfigError("chaos event kill: smp needs snapshots: set snapshot.enabled: true")
             smp: Any = t.snapshots.managers[self._node(ev, t)]  # a Ray actor: chaos kills it or has it corrupt a shard
-            if ev.corrupt:
+            if ev.corrupt:  # every version a recovery could read is hit: one in flight commits (or is dropped) first
+                t.snapshots.poll(block=True)
                 ray.get(smp.corrupt_shard.remote(key), timeout=60)
             else:
                 ray.kill(smp, no_restart=True)

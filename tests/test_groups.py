@@ -38,6 +38,18 @@ def test_without_domains_groups_are_shuffled_per_version_and_never_consecutive_n
     assert make_groups(nodes, 8, 2, {x: "z0" for x in nodes}, seed=1) == a  # one domain tells nothing: as without
 
 
+def test_the_one_labelled_domain_of_a_fleet_without_labels_is_spread_for_every_version():
+    """The coordinator marks draining nodes as one domain on a fleet whose nodes have none: every
+    version spreads them over its groups (a CI run lost a version whose shuffle put both draining
+    nodes of six in one group of 3 with parity 1, when only the draining nodes had a domain)."""
+    nodes = [f"n{i}" for i in range(6)]
+    for draining in ({"n0", "n3"}, {"n4", "n5"}, {"n1", "n2"}):
+        for seed in range(32):
+            groups = make_groups(nodes, 3, 1, {x: "\0draining" for x in draining}, seed=seed)
+            assert [len(g) for g in groups] == [3, 3] and all(sum(1 for x in g if x in draining) == 1 for g in groups), (seed, groups)
+    assert make_groups(nodes, 3, 1, {"n0": "z0"}, seed=1) == make_groups(nodes, 3, 1, seed=1)  # a domain of one spreads nothing
+
+
 def test_a_whole_zone_lost_at_once_is_within_parity_for_every_group():
     """Four zones, parity 2, groups of 8: losing every node of one zone takes at most 2 of any group."""
     nodes = [f"n{i:03d}" for i in range(256)]

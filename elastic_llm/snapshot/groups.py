@@ -32,8 +32,10 @@ def group_sizes(n: int, size: int, parity: int) -> list[int]:
 
 
 def make_groups(nodes: Sequence[str], size: int, parity: int, domains: Mapping[str, str] | None = None, seed: int = 0) -> tuple[tuple[str, ...], ...]:
-    """Split ``nodes`` into erasure groups of about ``size`` (:func:`group_sizes`). With two or
-    more failure ``domains`` among them, the nodes are dealt round robin, domain after domain
+    """Split ``nodes`` into erasure groups of about ``size`` (:func:`group_sizes`). When some
+    failure domain holds two or more of them but not all (a node without one is a domain of its
+    own: the draining nodes the coordinator spreads on a fleet without labels are one domain,
+    the rest none), the nodes are dealt round robin, domain after domain
     (largest first), over enough groups that none holds more than ``parity`` of one domain
     (while each keeps parity + 1 members); otherwise they are dealt in a shuffled order seeded
     with ``seed`` (the version). Each group's members are sorted. Pure."""
@@ -42,17 +44,16 @@ def make_groups(nodes: Sequence[str], size: int, parity: int, domains: Mapping[s
     sizes = group_sizes(n, size, parity)
     if not sizes:
         return ()
-    known = {d for node in ordered if (d := (domains or {}).get(node))}
-    if len(known) < 2:
+    by_domain: dict[str, list[str]] = {}
+    for node in ordered:  # a node without a domain is a domain of its own
+        by_domain.setdefault((domains or {}).get(node) or f"node:{node}", []).append(node)
+    if len(by_domain) < 2 or max(len(v) for v in by_domain.values()) < 2:  # one domain, or none shared: nothing to spread
         random.Random(seed).shuffle(ordered)
         out, i = [], 0
         for k in sizes:
             out.append(tuple(sorted(ordered[i : i + k])))
             i += k
         return tuple(out)
-    by_domain: dict[str, list[str]] = {}
-    for node in ordered:
-        by_domain.setdefault((domains or {}).get(node) or f"node:{node}", []).append(node)
     largest = max(len(v) for v in by_domain.values())
     count = min(max(len(sizes), math.ceil(largest / max(parity, 1))), n // (parity + 1))
     dealt: list[list[str]] = [[] for _ in range(count)]
