@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.exchange import exchange_alone
 from benchmarks.common import MID_RUN, free_port, fs_type, load_at_end, machine_busy_s, machine_info, median, outside_share, process_tree_cpu, ratio, reference_rates, torch_adamw
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.runtime.session import NAMESPACE, loopback_env
@@ -890,6 +891,9 @@ def run_snapshot_bench(
         "parity_exchange_GBps": tr_multi["exchange_gbps"],
         "loopback_socket_GBps": (sock := reference_rates(max(1 << 20, tr_multi["exchange_bytes_per_version"]))["loopback_tcp_gb_s"]),
         "parity_exchange_vs_loopback_socket": ratio(tr_multi["exchange_gbps"], sock, 3),
+        # the transport alone (the exchange above runs at the lowest priority beside training): a holder's read of one
+        # member's chunk, a rebuild's parallel reads of one stage, each against a socket moving as many bytes, taking turns
+        "exchange_alone": exchange_alone(state_bytes // workers, state_bytes // max(1, cfg.parallel.stages), workers - cfg.snapshot.parity),
         "stall_vs_torch_save": ratio(stall, inproc["torch_save_s"], 5),
         "stall_vs_dcp_async": ratio(stall, inproc["dcp_async_block_s"], 5),
         "stall_vs_dcp_async_reused_stager": ratio(stall, inproc["dcp_async_block_reused_stager_s"], 5),

@@ -66,3 +66,14 @@ def test_the_peers_torch_optimizer_holds_the_stages_own_state_tensors_and_round_
     other.load_state_dict(torch.load(tmp_path / "o.pt", weights_only=True)["optim"])
     for p, q in zip(a.parameters(), b.parameters()):
         assert all(torch.equal(opt.state[p][k], other.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_the_exchange_alone_moves_a_holders_chunk_and_a_rebuilds_symbols_over_real_piece_servers_and_reports_ratios_to_its_socket():
+    from benchmarks.exchange import exchange_alone
+    from elastic_llm.snapshot import exchange
+
+    r = exchange_alone(3_000_001, 2_000_000, 3, rounds=2)
+    assert r["rebuild_bytes_moved"] == 9 * (2_000_000 // 3) and r["socket_buffer_bytes"] == exchange.SOCKET_BUF
+    for what in ("holder", "rebuild"):
+        assert r[f"{what}_GBps"] > 0 and r[f"{what}_socket_GBps"] > 0
+        assert r[f"{what}_vs_socket"] == pytest.approx(r[f"{what}_GBps"] / r[f"{what}_socket_GBps"], rel=0.01)

@@ -41,6 +41,11 @@ ANY_ATTEMPT = -1  # a request's attempt for "whichever is held": a rebuild's, of
 CHUNK, PARITY = 0, 1  # what a request asks for: a member's data chunk (its pieces in key order) or a parity region
 BLOCK = 1 << 20  # bytes handed to a sink at a time: stays in cache while it is checked and encoded
 CONNECT_S = 10.0  # longest a connection to a peer's server may take (a dead node refuses or times out)
+SOCKET_BUF = 1 << 20
+"""Send and receive buffer of every exchange connection (SO_SNDBUF, SO_RCVBUF). Measured on the
+2-core VM, in one process: with Linux's defaults a 13 MB symbol streamed at 0.95-1.0 GB/s and
+nine 4.4 MB reads in parallel (a rebuild's) at 1.1-1.2 GB/s; with 1 MiB, 1.9-2.7 and 1.75-1.9
+GB/s (fewer, larger copies per system call; 4 MiB was no better)."""
 NICE = 5  # how much nicer than its process the exchange's threads run (Ray starts workers at nice 15: 19, the lowest)
 
 Lookup = Callable[[int, int, int, int, str], tuple[Sequence[np.ndarray], int]]  # (version, attempt, kind, index, role) -> (arrays, crc)
@@ -88,6 +93,7 @@ class PieceServer:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUF)
                 conn.settimeout(CONNECT_S)
                 magic, version, attempt, kind, index, nrole = REQUEST.unpack(_read_exact(conn, REQUEST.size))
                 if magic != MAGIC:
@@ -151,9 +157,13 @@ def _ask(address: tuple[str, int], version: int, attempt: int, kind: int, index:
     left = deadline - time.monotonic()
     if left <= 0:
         raise ExchangeError(f"no time left to ask {address[0]}:{address[1]} for its symbol")
+    conn = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        conn = socket.create_connection(address, timeout=min(CONNECT_S, left))
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUF)  # before the connection: its window scales to it
+        conn.settimeout(min(CONNECT_S, left))
+        conn.connect(address)
     except OSError as e:
+        conn.close()
         raise ExchangeError(f"{address[0]}:{address[1]} refused the connection ({e})") from None
     try:
         conn.settimeout(max(0.001, deadline - time.monotonic()))
