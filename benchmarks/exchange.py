@@ -90,5 +90,5 @@ def exchange_alone(chunk_bytes: int, stage_bytes: int, k: int, rounds: int = 7) 
         "rebuild_GBps": round(rebuilt, 3),
         "rebuild_socket_GBps": round(median(sock_rebuild), 3),
         "rebuild_vs_socket": round(rebuilt / median(sock_rebuild), 3),
-        "socket_buffer_bytes": getattr(exchange, "SOCKET_BUF", None),  # None: the kernel's defaults
+        "socket_buffer_bytes": exchange.SOCKET_BUF,
     }

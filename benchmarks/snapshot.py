@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.exchange import exchange_alone
 from benchmarks.common import MID_RUN, free_port, fs_type, load_at_end, machine_busy_s, machine_info, median, outside_share, process_tree_cpu, ratio, reference_rates, torch_adamw
+from benchmarks.exchange import exchange_alone
 from elastic_llm.config import RunConfig, load_config
 from elastic_llm.runtime.session import NAMESPACE, loopback_env
 from elastic_llm.controller.trainer import Trainer
