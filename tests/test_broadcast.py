@@ -43,6 +43,7 @@ class Manager:
     def __init__(self, log: list, node: str, relay_answers: bool = True) -> None:
         self.relay = Method(log, node, "relay", relay_answers)
         self.discard = Method(log, node, "discard", True)
+        self.commit = Method(log, node, "commit", True)
 
 
 def test_a_relay_with_a_member_on_a_dead_node_is_not_waited_for_its_live_members_get_the_call():
@@ -79,3 +80,19 @@ def test_a_relay_that_answered_needs_nothing_more():
     b.send(managers, "discard", 3, 0)
     log.clear()
     assert b.settle(managers, block=True, gone=frozenset({"z"})) == [] and log == [] and b.pending == []
+
+
+def test_without_block_a_relay_with_a_member_on_a_dead_node_is_passed_at_once_and_a_slow_one_kept():
+    """A run may fail before any blocking settle: the live members of a relay stuck on a dead
+    node get the call at the next non-blocking one; a relay that is merely slow stays pending."""
+    log: list = []
+    calls = Calls()
+    managers = {n: Manager(log, n, relay_answers=False) for n in ("a", "b", "c")}
+    b = Broadcast(calls, wait_s=10.0)
+    b.send(managers, "commit", 7, 1)
+    log.clear()
+    b.settle(managers, block=False)
+    assert log == [] and len(b.pending) == 1  # nothing known dead: the relay may still answer
+    resent = b.settle(managers, block=False, gone=frozenset({"a"}))  # the relay's own node died
+    assert sorted((n, m, args) for n, m, args in log) == [("b", "commit", (7, 1)), ("c", "commit", (7, 1))]
+    assert all(t == 0 for _, t in calls.waits) and b.pending == [] and len(resent) == 3

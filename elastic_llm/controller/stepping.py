@@ -318,6 +318,13 @@ class StepJobs:
         log.info("waiting for capacity: %s: waiting for nodes (%.0f s so far, %.0f s left)", state.capacity, now - state.since, left)
         self.metrics.emit(events.WaitingForCapacity(step=step, need=state.capacity.need, have=state.capacity.have, waited_s=now - state.since, deadline_s=left))
 
+    def end_of_failed_run(self) -> None:
+        """A run that failed: every live snapshot manager learns the commits and discards sent
+        so far (a relay through a node that died may not have passed one on), so the committed
+        version the survivors keep is marked committed on each of them for a ``--resume``."""
+        if self.parts.snapshots is not None:
+            self.parts.snapshots.settle_relays()
+
     def end_of_run(self, step: int, tokens: int, elapsed_s: float, ticks: Ticks) -> None:
         """A run that finished: the versions in flight commit, the durable tier's last flush, the end line."""
         if self.parts.snapshots is not None:

@@ -198,6 +198,8 @@ class Trainer:
         finally:
             self.bar.close()
         if isinstance(self.state, Failed):
+            if self.jobs is not None:
+                self.jobs.end_of_failed_run()
             self.metrics.emit(events.Failed(step=self.step, reason=self.state.reason, exit_code=self.state.exit_code))
             raise (RunUnrecoverable if self.state.exit_code == 3 else RunFailed)(self.state)
         assert self.jobs is not None

@@ -55,12 +55,14 @@ class Broadcast:
         answer within ``wait_s``), send its other members the call directly. ``block`` also
         waits for those calls, so every live manager holds what was sent when it returns; a
         relay with a member on a node in ``gone`` (known dead: the relay would answer only once
-        Ray fails the call to it) is not waited for, its live members get the call directly.
+        Ray fails the call to it) is not waited for, its live members get the call directly,
+        also without ``block`` (else a commit relayed through a dead node's manager would reach
+        the live members only at the next blocking settle, which a run that fails never has).
         Returns the refs of the calls sent directly and of the relays passed over (the caller
         reads them, so Ray reports no unhandled error for a member that died too)."""
         if not self.pending:
             return []
-        stuck = [r.ref for r in self.pending if block and gone.intersection(r.nodes)]
+        stuck = [r.ref for r in self.pending if gone.intersection(r.nodes)]
         by_ref = {r.ref: r for r in self.pending}
         live = [ref for ref in by_ref if ref not in stuck]
         done, rest = self.calls.wait(live, len(live), self.wait_s if block else 0) if live else ([], [])
