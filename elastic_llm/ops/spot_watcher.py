@@ -287,15 +287,6 @@ def alive_nodes(gcs: str) -> dict[str, str]:
     return {nid.hex(): info.node_manager_address for nid, info in infos.items() if info.state == gcs_pb2.GcsNodeInfo.ALIVE}
 
 
-def local_ip(gcs: str) -> str:
-    """This machine's IP as the GCS at ``gcs`` sees it: what ``ray start --address`` registers a
-    node with (a UDP socket's route, no packet sent). Not ``get_node_ip_address()``: with
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which the CLI sets, that answers 127.0.0.1 everywhere."""
-    from ray._private.services import node_ip_address_from_perspective
-
-    return node_ip_address_from_perspective(gcs)
-
-
 def bounded(drain: Drain, timeout_s: float) -> Drain:
     """``drain`` that raises TimeoutError when it has not returned after ``timeout_s`` (Ray's
     drain call has no timeout of its own; the stuck call is left to its daemon thread)."""
@@ -341,6 +332,8 @@ def main(args: argparse.Namespace) -> int:
             "run on an EC2 instance or pass --metadata-url (in a container on EC2, set the instance's metadata hop limit to 2)"
         )
         return EXIT_USAGE
+    from elastic_llm.runtime.session import local_ip
+
     try:
         gcs = gcs_address(args.address)
         node_id = resolve_node(args.node_id, lambda: alive_nodes(gcs), lambda: local_ip(gcs))

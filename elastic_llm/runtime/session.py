@@ -74,7 +74,9 @@ def start_ray(cfg: RunConfig, address: str | None = None, dashboard: bool = Fals
         return False
     if address:
         check_reachable(address)
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+        gcs = gcs_target(address)
+        ip = driver_node_ip(gcs) if gcs and not address.startswith("ray://") else None
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True, **({"_node_ip_address": ip} if ip else {}))  # type: ignore[arg-type]  # ray.init's private keyword
         return False
     check_placement(cfg, local_resources(), [])  # refuse before starting anything
     ray.init(
@@ -104,20 +106,10 @@ def unreachable(address: str, timeout_s: float = PROBE_S) -> str | None:
     ``timeout_s``. ``address``: a GCS ``host:port``; ``ray://host:port`` (a Ray client server);
     or ``auto``, found as ``ray.init`` finds it (RAY_ADDRESS, then the cluster ``ray start``
     recorded on this machine). Other schemes are left to Ray."""
-    target: str | None = address
-    if address.startswith("ray://"):
-        target = address[len("ray://") :].split("/", 1)[0]
-    elif "://" in address:
-        return None
-    elif address == "auto":
-        from ray._private.services import canonicalize_bootstrap_address
-
-        try:
-            target = canonicalize_bootstrap_address(address)
-        except ValueError as e:
-            return str(e)
-        if target is None:
-            return "found none: RAY_ADDRESS is unset and `ray start` recorded no cluster on this machine"
+    try:
+        target = gcs_target(address)
+    except ValueError as e:
+        return str(e)
     if target is None:
         return None
     host, _, port = target.rpartition(":")
@@ -128,6 +120,51 @@ def unreachable(address: str, timeout_s: float = PROBE_S) -> str | None:
     except OSError as e:
         return ("" if target == address else f"{target}: ") + (e.strerror or type(e).__name__)
     return None
+
+
+def gcs_target(address: str) -> str | None:
+    """The ``host:port`` that ``address`` reaches (see :func:`unreachable`; None for schemes left
+    to Ray); ValueError when ``auto`` finds no cluster."""
+    if address.startswith("ray://"):
+        return address[len("ray://") :].split("/", 1)[0]
+    if "://" in address:
+        return None
+    if address != "auto":
+        return address
+    from ray._private.services import canonicalize_bootstrap_address
+
+    target = canonicalize_bootstrap_address(address)
+    if target is None:
+        raise ValueError("found none: RAY_ADDRESS is unset and `ray start` recorded no cluster on this machine")
+    return str(target)
+
+
+def local_ip(gcs: str) -> str:
+    """This machine's IP as the GCS at ``gcs`` (``host:port``) sees it: what ``ray start
+    --address`` registers a node with (a UDP socket's route, no packet sent). Not
+    ``get_node_ip_address()``: with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which the CLI sets,
+    that answers 127.0.0.1 everywhere."""
+    from ray._private.services import node_ip_address_from_perspective
+
+    return str(node_ip_address_from_perspective(gcs))
+
+
+def driver_node_ip(gcs: str) -> str | None:
+    """The address of the Ray node a driver on this machine joins: :func:`local_ip`, when an
+    alive node of the cluster at ``gcs`` is registered at it; None (Ray's own choice) otherwise
+    or when the GCS does not answer within 5 s. Where several nodes share one machine's
+    processes (hosts in network namespaces: :mod:`elastic_llm.hosts`), Ray's choice is the
+    head's node, whose address the driver cannot serve, and no object from another node ever
+    reaches it."""
+    import ray
+    from ray.core.generated import gcs_pb2
+
+    try:
+        ip = local_ip(gcs)
+        infos = ray._raylet.GcsClient(address=gcs).get_all_node_info(timeout=5)
+    except Exception:  # noqa: BLE001 - RpcError and friends (their types move between Ray versions): Ray chooses, as before
+        return None
+    return ip if any(i.node_manager_address == ip and i.state == gcs_pb2.GcsNodeInfo.ALIVE for i in infos.values()) else None
 
 
 def local_resources() -> dict[str, float]:
