@@ -104,6 +104,8 @@ def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
                                       progress=lambda line: print(line, file=sys.stderr, flush=True))
     if args.what == "precision":
         return bench.run_precision_bench(args.config, steps=args.steps or 300, out=args.out, from_dir=args.from_dir, overrides=args.set or [])
+    if args.what == "partitions":
+        return bench.run_partitions_bench(shots=args.steps or 2)
     if args.what == "calibrate":
         return bench.run_calibrate_bench(out=args.out, from_dir=args.from_dir)
     raise AssertionError(args.what)  # argparse restricts choices
@@ -135,7 +137,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The ``bench`` subcommand on the product's command line (and the parser of ``python -m benchmarks.<what>``)."""
     b = sub.add_parser("bench", help="benchmarks against real peers (run from the root of a source checkout: they read jobs/*.yaml)")
-    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate", "fleet", "calibrate", "rehome", "memory", "precision"])
+    b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate", "fleet",
+                                    "calibrate", "rehome", "memory", "precision", "partitions"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report")
     b.add_argument("--out", help=("simulate, fleet: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory; "
@@ -145,7 +148,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=None, help=(
         "timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips "
         "for transport, 200; node removals per setting for detect, 3; driver kills per resume kind for failover, 2; failures per "
-        "in-memory path for recovery, 3; bursts for rehome, 3)"))
+        "in-memory path for recovery, 3; bursts for rehome, 3; shots per fault kind for partitions, 2)"))
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
     b.add_argument("--auto-only", action="store_true", help="durable, snapshot: only snapshot.every: auto against no snapshots on the 3-node loopback cluster "

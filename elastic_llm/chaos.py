@@ -2,7 +2,7 @@
 
 Owns: when each event fires and how it strikes (``ray.kill`` or SIGKILL of a stage, killing or
 corrupting a snapshot manager, corrupting a stage's own background copies, removing a node of a
-test cluster, making a stage raise an application error on every step). The controller calls
+test cluster, cutting a node's link on the multi-host harness (``kill: partition``), making a stage raise an application error on every step). The controller calls
 :meth:`Chaos.fire` at its points: ``before_step`` (errors), ``recovery`` (kills after a recovery plan was made, before it is
 carried out), ``recovered`` (kills once a recovery is over, its re-protection included, before the next step) and
 ``resize``. Kills *during* a step come from :class:`ChaosExecutor`, which wraps the real step
@@ -23,6 +23,7 @@ Never recovers anything and never decides: it only breaks things, as configured.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 
 from elastic_llm import events
 from elastic_llm.config import ChaosEvent, ConfigError, RunConfig
+from elastic_llm.hosts.lab import Lab
 from elastic_llm.pipeline.executor import StepExecutor
 from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
@@ -97,8 +99,11 @@ class FaultTargets:
 
 class Chaos:
     def __init__(self, cfg: RunConfig, cluster: Any = None) -> None:
-        if any(ev.kill == "node" for ev in cfg.chaos.events) and cluster is None:
-            raise ConfigError("chaos.events with kill: node need a test cluster (ray.cluster_utils.Cluster): use kill: stage or smp here")
+        on_lab = cluster is None and bool(os.environ.get("ELASTIC_LLM_LAB"))  # a driver on a host of the harness: its nodes are hosts
+        if any(ev.kill == "node" for ev in cfg.chaos.events) and cluster is None and not on_lab:
+            raise ConfigError("chaos.events with kill: node need a test cluster (ray.cluster_utils.Cluster) or the multi-host harness "
+                              "(elastic_llm.hosts): use kill: stage or smp here")
+        self.lab = lab_of_driver() if on_lab or any(ev.kill == "partition" for ev in cfg.chaos.events) else None
         self.events = list(cfg.chaos.events)
         self.cluster = cluster
         self.fired: set[int] = set()
@@ -205,6 +210,9 @@ class Chaos:
             self._remove_node(self._node(ev, t))
         elif ev.kill == "standby":  # every warm standby of the stage's node (idle, or named by a recovery plan)
             t.group.hits.kill_standbys(self._node(ev, t))
+        elif ev.kill == "partition":
+            assert self.lab is not None
+            self.lab.cut(host_of(self.lab, self._node(ev, t)))
 
     @staticmethod
     def ray_lists_alive(node_id: str) -> bool:
@@ -213,10 +221,15 @@ class Chaos:
         return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
     def _remove_node(self, node_id: str) -> None:
-        victim = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
-        if victim is None:
-            raise RuntimeError(f"chaos: node {node_id[:12]} is not a worker node of the test cluster: it cannot be removed")
-        self.cluster.remove_node(victim, allow_graceful=False)
+        """The node dies: removed from the test cluster, or on the harness every process of its
+        host SIGKILLed (a machine that stops); over once Ray sees it dead."""
+        if self.cluster is None and self.lab is not None:
+            self.lab.kill(host_of(self.lab, node_id))
+        else:
+            victim = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
+            if victim is None:
+                raise RuntimeError(f"chaos: node {node_id[:12]} is not a worker node of the test cluster: it cannot be removed")
+            self.cluster.remove_node(victim, allow_graceful=False)
         deadline = time.monotonic() + NODE_GONE_S  # the event is over once Ray has seen the node die
         while self.ray_lists_alive(node_id):
             if time.monotonic() > deadline:
@@ -237,6 +250,30 @@ class Chaos:
         if ev.node >= len(alive):
             raise ConfigError(f"chaos event node={ev.node}: the cluster has {len(alive)} live nodes with CPUs (0..{len(alive) - 1})")
         return alive[ev.node]
+
+
+def lab_of_driver() -> Lab:
+    """The multi-host harness this driver runs in (``ELASTIC_LLM_LAB``, set on its hosts);
+    ConfigError where there is none or it cannot run here."""
+    from elastic_llm.hosts.lab import unavailable
+
+    state = os.environ.get("ELASTIC_LLM_LAB")
+    why = unavailable() or (None if state and os.path.exists(state) else "this driver does not run on a host of one")
+    if why:
+        raise ConfigError(f"chaos.events with kill: partition need the multi-host harness (elastic_llm.hosts), and {why}: "
+                          "run the driver on one of its hosts (RayHosts.driver), or use kill: node on a test cluster")
+    return Lab.attach(str(state))
+
+
+def host_of(lab: Lab, node_id: str) -> str:
+    """The lab host whose address Ray's node ``node_id`` has."""
+    import ray
+
+    addr = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), None)
+    host = next((h.name for h in lab.hosts.values() if h.addr == addr), None)
+    if host is None:
+        raise RuntimeError(f"chaos: node {node_id[:12]} ({addr}) is not a host of the lab {lab.run}: its link cannot be cut")
+    return host
 
 
 class ChaosExecutor:

@@ -43,6 +43,7 @@ class Kind(StrEnum):
     CHAOS_RATE = "chaos_rate"
     STANDBY = "standby"
     NODE_DEAD = "node_dead"
+    NODE_SUSPECT = "node_suspect"
     WARNING = "warning"
     FAILED = "failed"
     END = "end"
@@ -333,6 +334,16 @@ class NodeDead(Event):
     outcome: str
     failures: int
     suspect_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeSuspect(Event):
+    """The node watch's probes to ``node`` timed out ``recovery.node_probe_failures`` times in a
+    row: the run places nothing there and a step with an actor there gets the suspect deadline."""
+
+    kind = Kind.NODE_SUSPECT
+    step: int
+    node: str
 
 
 @dataclass(frozen=True, kw_only=True)

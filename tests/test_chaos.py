@@ -109,3 +109,22 @@ def test_a_resize_strike_fires_in_the_first_grow_after_its_step_on_the_joining_r
     assert cluster.removed == ["node-b"] and [(ln.kill, ln.during) for ln in lines] == [("node", "resize")]
     chaos.fire("resize", 6, targets)  # once
     assert cluster.removed == ["node-b"]
+
+
+def test_partition_and_node_events_without_a_harness_or_test_cluster_are_refused_with_the_fix(monkeypatch):
+    from elastic_llm.config import ConfigError
+
+    monkeypatch.delenv("ELASTIC_LLM_LAB", raising=False)
+    cut = load_config(f"{REPO}/jobs/tiny.yaml", ["chaos.events=[{step: 3, kill: partition, stage: 1}]"])
+    with pytest.raises(ConfigError, match=r"kill: partition need the multi-host harness .*run the driver on one of its hosts"):
+        Chaos(cut)
+    gone = load_config(f"{REPO}/jobs/tiny.yaml", ["chaos.events=[{step: 3, kill: node, stage: 1}]"])
+    with pytest.raises(ConfigError, match=r"kill: node need a test cluster .* or the multi-host harness"):
+        Chaos(gone)
+    monkeypatch.setenv("ELASTIC_LLM_LAB", "/nonexistent/lab.json")  # a harness named but not there
+    with pytest.raises(ConfigError, match="kill: partition need the multi-host harness"):
+        Chaos(cut)
+
+
+def test_a_partition_event_may_name_a_node_by_index():
+    load_config(f"{REPO}/jobs/tiny.yaml", ["chaos.events=[{step: 3, kill: partition, node: 1}]"])  # no ConfigError

@@ -40,7 +40,7 @@ def test_paper_shapes():
         ("parallel.gpus_per_actor=-1", "parallel.gpus_per_actor=-1.0 must be >= 0"),
         ("model.vocab_size=100", "model.vocab_size=100 is too small for data.tokenizer='byte'"),
         ("optimizer.lr=1", "unknown key optimizer: valid keys are name, model, parallel, train, data"),
-        ("chaos.events=[{step: 3, kill: stage, node: 1}]", "chaos.events[0].node=1: a node index (>= 0) only goes with kill: node or kill: smp"),
+        ("chaos.events=[{step: 3, kill: stage, node: 1}]", "chaos.events[0].node=1: a node index (>= 0) only goes with kill: node, smp or partition"),
         ("chaos.events=[{step: 3, kill: node, node: -1}]", "chaos.events[0].node=-1: a node index (>= 0)"),
         ("chaos.events=[{step: 3, kill: stage, during: resize}]", "chaos.events[0]: during: resize goes with kill: node"),
     ],

@@ -205,8 +205,8 @@ def _validate_chaos(c: RunConfig) -> list[str]:
         if ev.corrupt and ev.kill == "stage" and ev.during != "recovery":
             p.append(f"{where}: corrupt: true with kill: stage goes with during: recovery (its copies are flipped once the recovery's "
                      "snapshot is committed; before a step the flip could reach a snapshot still being collected)")
-        if ev.node is not None and (ev.kill not in ("node", "smp") or ev.node < 0):
-            p.append(f"{where}.node={ev.node}: a node index (>= 0) only goes with kill: node or kill: smp")
+        if ev.node is not None and (ev.kill not in ("node", "smp", "partition") or ev.node < 0):
+            p.append(f"{where}.node={ev.node}: a node index (>= 0) only goes with kill: node, smp or partition")
     return p
 
 

@@ -146,9 +146,19 @@ class StepJobs:
         self._last_report = float("-inf")
         self.reclaimed = 0  # nodes the run has seen reclaimed so far
         self.waves = 0  # steps at which new reclaims were seen: preemption waves (``durable.every: auto`` counts them as failures)
+        self._suspected: set[str] = set()  # the node watch's suspects at the last look (``node_suspect`` lines)
+
+    def suspects(self, step: int) -> None:
+        """One ``node_suspect`` line per node the node watch began to suspect since the last look
+        (again after it answered in between)."""
+        now = self.nodes.suspects()
+        for node in sorted(now - self._suspected):
+            self.metrics.emit(events.NodeSuspect(step=step, node=node))
+        self._suspected = now
 
     def deaths(self, step: int) -> None:
         """One ``node_dead`` line per node the runtime found dead since the last look."""
+        self.suspects(step)
         for d in self.nodes.deaths():
             self.metrics.emit(events.NodeDead(step=step, node=d.node, address=d.address, outcome=d.outcome.value, failures=d.failures, suspect_s=round(d.suspect_s, 3)))
 

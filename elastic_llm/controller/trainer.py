@@ -112,7 +112,7 @@ class Trainer:
                 self.metrics.emit(events.RunWarning(step=self.step, what=what, message=warning))
             self.parts = open_parts(self.cfg, rt, self.run_id, self.reattach is not None, self.metrics, str(self.data_dir), self.run_facts, spans)
             self.runner = StepRunner(self.cfg, self.clock, self.stream, self.parts, rt.faults, rt.nodes, self.targets, rt.errors)
-            self.runner.between = lambda: (self.parts.elastic.notice(self.drains_seen), self.jobs.snapshot_lines(self.step))  # type: ignore[union-attr]  # while a step runs: new notices start their spares and re-home parts
+            self.runner.between = lambda: (self.parts.elastic.notice(self.drains_seen), self.jobs.snapshot_lines(self.step), self.jobs.suspects(self.step))  # type: ignore[union-attr]  # while a step runs: new notices start their spares and re-home parts
             self.parts.elastic.joined = lambda: rt.faults.fire("resize", self.step, self.targets())
             self.jobs = StepJobs(self.cfg, self.clock, self.metrics, self.parts, rt.faults, rt.nodes, self.val_tokens)
         g = self.parts.group

@@ -74,15 +74,34 @@ class RayHosts:
         log = self.lab.tmp / f"{host.name}.start.log"
         argv = [*RAY, "start", f"--node-ip-address={host.addr}", f"--temp-dir={self.lab.tmp / 'ray'}", "--disable-usage-stats", *args]
         with log.open("a") as out:
-            p = self.lab.popen(host.name, argv, env={**RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}, stdout=out, stderr=subprocess.STDOUT)  # a multi-node cluster, on its own addresses
-            try:
-                rc = p.wait(timeout=START_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = -1
+            env = {**RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}  # a multi-node cluster, on its own addresses
+            rc = _exit_code(self.lab.popen(host.name, argv, env=env, stdout=out, stderr=subprocess.STDOUT), START_S)
         if rc != 0:
             tail = log.read_text(errors="replace")[-800:]
             raise LabError(f"ray start on {host.name} ({host.addr}) failed (exit {rc}): {tail}")
+
+    def replace(self, name: str, cpus: float, store_bytes: int = NODE_STORE_BYTES) -> Host:
+        """Host ``name`` stopped and removed, and a new worker node (a new host) in its place:
+        what an operator does with a machine that was cut off or died."""
+        self.stop_node(name)
+        self.lab.remove_host(name)
+        self.workers.remove(name)
+        return self.add_node(cpus, store_bytes)
+
+    def train(self, name: str, config: str, steps: int, overrides: Sequence[str] = (), timeout: float = 300.0,
+              cwd: str | None = None) -> list[dict[str, object]]:
+        """``elastic-llm train`` of ``config`` for ``steps`` steps on the driver's host (with
+        ``--set`` ``overrides``); its metrics lines. Its output goes to ``<name>.log`` in the lab's
+        folder; LabError with the log's tail if it fails or outlives ``timeout``."""
+        metrics, log = self.lab.tmp / f"{name}.jsonl", self.lab.tmp / f"{name}.log"
+        sets = [a for o in overrides for a in ("--set", o)]
+        argv = [sys.executable, "-m", "elastic_llm.cli", "train", "--config", config, "--address", self.address,
+                "--max-steps", str(steps), "--no-progress", "--metrics-out", str(metrics), *sets]
+        with log.open("w") as out:
+            rc = _exit_code(self.driver(argv, stdout=out, stderr=subprocess.STDOUT, cwd=cwd), timeout)
+        if rc != 0:
+            raise LabError(f"elastic-llm train {name} on the lab failed (exit {rc}): {log.read_text(errors='replace')[-4000:]}")
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
 
     def stop_node(self, name: str) -> None:
         """The host's machine dies: SIGKILL of every process on it (its raylet, object store,
@@ -105,3 +124,13 @@ class RayHosts:
             out, err = p.communicate()
             return subprocess.CompletedProcess(p.args, -9, out, err + f"\n(killed after {timeout:g} s)")
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _exit_code(p: subprocess.Popen[str], timeout: float) -> int:
+    """``p``'s exit code, or -9 once it was killed for outliving ``timeout`` seconds."""
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        return -9

@@ -1,0 +1,113 @@
+"""``elastic-llm bench partitions``: a node cut off from the network against a node that dies, on
+the multi-host harness (:mod:`elastic_llm.hosts`: a Ray head, three 1-CPU worker nodes and the
+driver, each on a host of its own in a network namespace, one bridge between them).
+
+Per shot, tiny trains with every-step snapshots (parity 1) through the real command line on the
+driver's host, and at step ``AT`` the node hosting stage 1 either loses its link both ways
+(``chaos kill: partition``: the node and every process on it live on, silent) or dies (``kill:
+node``: every process of its host SIGKILLed, so its raylet's port refuses at once). From the run's
+own metrics lines, per shot:
+
+- ``detect_s``: from the fault's line to the run's ``running -> recovering`` line;
+- ``lost_s``: from the fault's line to the first step finished after the recovery, less one
+  steady step (the median step of the undisturbed run of the same cluster): the time the
+  fault cost beyond the step it hit;
+- whether the losses equal the undisturbed run's, step for step, and the committed steps lost.
+
+The side-by-side peer is the kill: the same run, cluster and step, a fault the run has always
+survived. Ray's health checks run with the settings ``cluster.yaml`` gives the head (read from the
+file), so the partition's figure is what a cluster of the shipped settings sees. After each shot
+the struck host is replaced by a new one (the cut node's raylet was declared dead by Ray). Needs
+root and iproute2 (``elastic_llm.hosts.lab.unavailable`` says why not); judges nothing:
+BENCHMARKS.md does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from benchmarks.common import machine_info, median
+
+AT = 5  # the step a fault strikes
+STEPS = 12
+OVERRIDES = ("snapshot.every=1", "train.eval_every=1000")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shot_figures(lines: list[dict[str, Any]], steady_s: float) -> dict[str, Any]:
+    """``detect_s`` and ``lost_s`` of one faulted run from its metrics lines (see the module)."""
+    fault = next(ln["time"] for ln in lines if ln.get("event") == "chaos")
+    recovering = next(ln["time"] for ln in lines if ln.get("event") == "state" and ln.get("new") == "recovering" and ln["time"] >= fault)
+    resumed = next(ln["time"] for ln in lines if ln.get("event") == "state" and ln.get("old") == "recovering" and ln["time"] >= recovering)
+    first = next((t for t in step_times(lines) if t > resumed), None)
+    recoveries = [ln for ln in lines if ln.get("event") == "recovery"]
+    return {
+        "detect_s": round(recovering - fault, 3),
+        "recovering_s": round(resumed - recovering, 3),
+        "lost_s": round(first - fault - steady_s, 3) if first is not None else None,
+        "sources": sorted({r["source"] for r in recoveries}),
+        "committed_steps_lost": sum(r["committed_steps_lost"] for r in recoveries),
+    }
+
+
+def losses(lines: list[dict[str, Any]]) -> dict[int, float]:
+    return {ln["step"]: ln["loss"] for ln in lines if "loss" in ln and ln.get("event") is None}
+
+
+def step_times(lines: list[dict[str, Any]]) -> list[float]:
+    """The wall time each step line was written at: a step line carries the seconds since the
+    run's first step (``elapsed_s``), the end line both clocks."""
+    end = next(ln for ln in lines if ln.get("event") == "end")
+    start = end["time"] - end["elapsed_s"]
+    return [start + ln["elapsed_s"] for ln in lines if ln.get("event") is None and "loss" in ln]
+
+
+def steady_step_s(lines: list[dict[str, Any]]) -> float:
+    times = step_times(lines)
+    return median(b - a for a, b in zip(times[2:], times[3:]))
+
+
+def run_partitions_bench(shots: int = 2) -> dict[str, Any]:
+    from benchmarks.detect import cluster_yaml_health
+    from elastic_llm.hosts.lab import Lab, LabUnavailable, unavailable
+    from elastic_llm.hosts.raynodes import RayHosts
+
+    why = unavailable()
+    if why:
+        raise LabUnavailable(f"bench partitions needs the multi-host harness: {why}")
+    t0 = time.monotonic()
+    health = cluster_yaml_health(os.path.join(REPO, "cluster.yaml"))
+    out: dict[str, Any] = {"benchmark": "partitions", "config": "jobs/tiny.yaml", "at_step": AT, "steps": STEPS, "overrides": list(OVERRIDES),
+                           "ray_health": health, "shots": {"partition": [], "kill": []}}
+    with Lab.create() as lab:
+        hosts = RayHosts(lab, system_config=health).start(workers=3, cpus_per_node=1)
+        clean = hosts.train("clean", "jobs/tiny.yaml", STEPS, OVERRIDES, cwd=REPO)
+        steady = steady_step_s(clean)
+        out["steady_step_s"] = round(steady, 3)
+        for i in range(shots):
+            for kind in ("partition", "kill"):
+                event = f"chaos.events=[{{step: {AT}, kill: {'partition' if kind == 'partition' else 'node'}, stage: 1}}]"
+                lines = hosts.train(f"{kind}-{i}", "jobs/tiny.yaml", STEPS, (*OVERRIDES, event), cwd=REPO)
+                shot = shot_figures(lines, steady)
+                shot["bit_identical"] = losses(lines) == losses(clean)
+                out["shots"][kind].append(shot)
+                alive = json.loads(hosts.python("import ray, os, json; ray.init(address=os.environ['ELASTIC_LLM_RAY'], logging_level='ERROR');"
+                                                "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))", 60).stdout.splitlines()[-1])
+                for name in [w for w in hosts.workers if lab.hosts[w].addr not in alive]:
+                    hosts.replace(name, 1)
+    for kind, shots_of in out["shots"].items():
+        out[kind] = {k: _round(median([s[k] for s in shots_of if s[k] is not None], or_none=True)) for k in ("detect_s", "recovering_s", "lost_s")}
+    p, k = out["partition"], out["kill"]
+    out["partition_vs_kill"] = {f: round(p[f] / k[f], 2) if p[f] and k[f] else None for f in ("detect_s", "lost_s")}
+    out["all_bit_identical"] = all(s["bit_identical"] for v in out["shots"].values() for s in v)
+    out["machine"] = machine_info()
+    out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    return out
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
