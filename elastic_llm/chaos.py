@@ -2,7 +2,7 @@
 
 Owns: when each event fires and how it strikes (``ray.kill`` or SIGKILL of a stage, killing or
 corrupting a snapshot manager, corrupting a stage's own background copies, removing a node of a
-test cluster, cutting a node's link on the multi-host harness (``kill: partition``), making a stage raise an application error on every step). The controller calls
+test cluster, cutting a node's link on the multi-host harness (``kill: partition``) and healing it (``kill: heal``), making a stage raise an application error on every step). The controller calls
 :meth:`Chaos.fire` at its points: ``before_step`` (errors), ``recovery`` (kills after a recovery plan was made, before it is
 carried out), ``recovered`` (kills once a recovery is over, its re-protection included, before the next step) and
 ``resize``. Kills *during* a step come from :class:`ChaosExecutor`, which wraps the real step
@@ -103,7 +103,7 @@ class Chaos:
         if any(ev.kill == "node" for ev in cfg.chaos.events) and cluster is None and not on_lab:
             raise ConfigError("chaos.events with kill: node need a test cluster (ray.cluster_utils.Cluster) or the multi-host harness "
                               "(elastic_llm.hosts): use kill: stage or smp here")
-        self.lab = lab_of_driver() if on_lab or any(ev.kill == "partition" for ev in cfg.chaos.events) else None
+        self.lab = lab_of_driver() if on_lab or any(ev.kill in ("partition", "heal") for ev in cfg.chaos.events) else None
         self.events = list(cfg.chaos.events)
         self.cluster = cluster
         self.fired: set[int] = set()
@@ -159,7 +159,7 @@ class Chaos:
     def _point(self, ev: ChaosEvent) -> str:
         if ev.during in ("recovery", "recovered", "resize"):
             return ev.during
-        return "before_step" if ev.kill in ("error", "standby") else "in_step"
+        return "before_step" if ev.kill in ("error", "standby", "heal") else "in_step"
 
     def due(self, point: str, step: int) -> list[ChaosEvent]:
         """The events due at ``point`` of ``step`` (``in_step`` includes the rate's failures);
@@ -213,6 +213,10 @@ class Chaos:
         elif ev.kill == "partition":
             assert self.lab is not None
             self.lab.cut(host_of(self.lab, self._node(ev, t)))
+        elif ev.kill == "heal":  # every cut link of the harness: a partition that heals
+            assert self.lab is not None
+            for host in self.lab.hosts:
+                self.lab.heal(host)
 
     @staticmethod
     def ray_lists_alive(node_id: str) -> bool:
@@ -260,7 +264,7 @@ def lab_of_driver() -> Lab:
     state = os.environ.get("ELASTIC_LLM_LAB")
     why = unavailable() or (None if state and os.path.exists(state) else "this driver does not run on a host of one")
     if why:
-        raise ConfigError(f"chaos.events with kill: partition need the multi-host harness (elastic_llm.hosts), and {why}: "
+        raise ConfigError(f"chaos.events with kill: partition or heal need the multi-host harness (elastic_llm.hosts), and {why}: "
                           "run the driver on one of its hosts (RayHosts.driver), or use kill: node on a test cluster")
     return Lab.attach(str(state))
 

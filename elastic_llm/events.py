@@ -44,6 +44,7 @@ class Kind(StrEnum):
     STANDBY = "standby"
     NODE_DEAD = "node_dead"
     NODE_SUSPECT = "node_suspect"
+    FENCED = "fenced"
     WARNING = "warning"
     FAILED = "failed"
     END = "end"
@@ -344,6 +345,19 @@ class NodeSuspect(Event):
     kind = Kind.NODE_SUSPECT
     step: int
     node: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fenced(Event):
+    """Stage ``stage`` replica ``replica`` refused ``count`` calls or links of an older membership
+    generation (a zombie's: its node was cut off and came back); ``what`` names each."""
+
+    kind = Kind.FENCED
+    step: int
+    stage: int
+    replica: int
+    count: int
+    what: list[str]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -116,13 +116,13 @@ def test_partition_and_node_events_without_a_harness_or_test_cluster_are_refused
 
     monkeypatch.delenv("ELASTIC_LLM_LAB", raising=False)
     cut = load_config(f"{REPO}/jobs/tiny.yaml", ["chaos.events=[{step: 3, kill: partition, stage: 1}]"])
-    with pytest.raises(ConfigError, match=r"kill: partition need the multi-host harness .*run the driver on one of its hosts"):
+    with pytest.raises(ConfigError, match=r"kill: partition or heal need the multi-host harness .*run the driver on one of its hosts"):
         Chaos(cut)
     gone = load_config(f"{REPO}/jobs/tiny.yaml", ["chaos.events=[{step: 3, kill: node, stage: 1}]"])
     with pytest.raises(ConfigError, match=r"kill: node need a test cluster .* or the multi-host harness"):
         Chaos(gone)
     monkeypatch.setenv("ELASTIC_LLM_LAB", "/nonexistent/lab.json")  # a harness named but not there
-    with pytest.raises(ConfigError, match="kill: partition need the multi-host harness"):
+    with pytest.raises(ConfigError, match="kill: partition or heal need the multi-host harness"):
         Chaos(cut)
 
 

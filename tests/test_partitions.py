@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import pytest
 
@@ -16,7 +18,7 @@ from elastic_llm.hosts.lab import Lab, unavailable
 WHY = unavailable(directional=True)
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"the multi-host harness cannot run here: {WHY}"), pytest.mark.timeout(400)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 10
+STEPS = 12
 BASE = ("snapshot.every=1", "train.eval_every=1000")
 # Ray's health checks declare a silent node dead after about 9 s (8 checks a second apart, each
 # timing out after 1 s): the run's node watch suspects it after 3 probes timed out (about 2 s).
@@ -31,8 +33,21 @@ def hosts():
         yield RayHosts(lab, system_config=SLOW_HEALTH).start(workers=3, cpus_per_node=1)
 
 
+@pytest.fixture(scope="module")
+def clean(hosts):
+    """The losses of an undisturbed run on the same cluster."""
+    return losses(train(hosts, "clean"))
+
+
 def train(hosts, name: str, *overrides: str) -> list[dict]:
     return hosts.train(name, "jobs/tiny.yaml", STEPS, (*BASE, *overrides), cwd=REPO)
+
+
+def cut_off(hosts) -> list[str]:
+    """The worker hosts Ray no longer lists alive (asked from the driver's host)."""
+    alive = json.loads(hosts.python("import ray, os, json; ray.init(address=os.environ['ELASTIC_LLM_RAY'], logging_level='ERROR');"
+                                    "print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))", 60).stdout.splitlines()[-1])
+    return [h for h in hosts.workers if hosts.lab.hosts[h].addr not in alive]
 
 
 def losses(lines: list[dict]) -> dict[int, float]:
@@ -40,23 +55,44 @@ def losses(lines: list[dict]) -> dict[int, float]:
     return {ln["step"]: ln["loss"] for ln in lines if "loss" in ln and ln.get("event") is None}
 
 
-def test_a_partitioned_worker_is_declared_dead_and_its_stages_rebuilt_elsewhere_bit_identically(hosts):
+def test_a_partitioned_worker_is_rebuilt_elsewhere_bit_identically_and_its_zombies_are_refused_when_it_heals(hosts, clean):
     """Stage 1's node loses its link both ways while step 5 runs (the node and its processes
     live on). The run's node watch suspects it (a ``node_suspect`` line) before Ray's health
-    checks declare it dead; the run then rebuilds the stages of that node elsewhere from the
-    snapshot of step 4, and ends with the losses of an undisturbed run, no committed step lost."""
-    clean = losses(train(hosts, "clean"))
+    checks declare it dead; the run rebuilds the stages of that node elsewhere from the last
+    committed snapshot at a new link generation. The link heals while step 9 runs: the cut
+    node's processes come back as zombies of the old generation, and its relay's step-5 plans
+    reach the surviving stages, which refuse them (named in ``fenced`` lines) without touching
+    their links (before the fence such a plan failed a survivor's next step). One recovery, none
+    after the heal, the losses of an undisturbed run, no committed step lost."""
+    metrics = hosts.lab.tmp / "cut.jsonl"
+    seen: dict[str, object] = {}
+
+    def heal_at_step_8() -> None:
+        while "stop" not in seen:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if any(json.loads(ln).get("step") == 8 and "loss" in ln for ln in lines):
+                seen["cut"] = cut_off(hosts)
+                seen["pids"] = {h: hosts.lab.pids(h) for h in seen["cut"]}
+                for name in hosts.workers:
+                    hosts.lab.heal(name)
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=heal_at_step_8, daemon=True)
+    watcher.start()
     lines = train(hosts, "cut", "chaos.events=[{step: 5, kill: partition, stage: 1}]")
+    seen["stop"] = True
+    watcher.join(60)
     assert losses(lines) == clean and len(clean) == STEPS
+    [cut_host] = seen["cut"]  # Ray declared the cut node dead by step 8 ...
+    assert seen["pids"][cut_host]  # ... while its processes still ran, cut off
     cut = [ln for ln in lines if ln.get("event") == "chaos"]
     suspect = [ln for ln in lines if ln.get("event") == "node_suspect"]
-    recovering = next(ln for ln in lines if ln.get("event") == "state" and ln["new"] == "recovering")
-    assert len(suspect) == 1 and cut[0]["time"] < suspect[0]["time"] < recovering["time"], (suspect, recovering)
+    states = [ln for ln in lines if ln.get("event") == "state" and ln["new"] == "recovering"]
+    assert [c["kill"] for c in cut] == ["partition"] and len(states) == 1 and states[0]["step"] < 8, states  # none after the heal
+    assert len(suspect) == 1 and cut[0]["time"] < suspect[0]["time"] < states[0]["time"], (suspect, states)
     recoveries = [ln for ln in lines if ln.get("event") == "recovery"]
-    assert [c["kill"] for c in cut] == ["partition"] and recoveries
     assert {r["stage"] for r in recoveries} >= {1} and all(r["committed_steps_lost"] == 0 and r["lossless"] for r in recoveries)
     assert all(r["source"] in ("parity", "local_smp") for r in recoveries), recoveries
-    alive = json.loads(hosts.python("import ray, os, json; ray.init(address=os.environ['ELASTIC_LLM_RAY'], logging_level='ERROR');"
-                                    "print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))", 60).stdout.splitlines()[-1])
-    cut_host = next(h for h in hosts.workers if hosts.lab.hosts[h].addr not in alive)  # Ray declared the cut node dead
-    assert len(alive) == 4 and hosts.lab.pids(cut_host)  # ... while its processes still run, cut off
+    fenced = [ln for ln in lines if ln.get("event") == "fenced"]
+    assert all(ln["count"] == len(ln["what"]) and all("of link generation" in w for w in ln["what"]) for ln in fenced), fenced

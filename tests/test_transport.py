@@ -217,3 +217,28 @@ def test_an_aborted_step_stops_inside_a_stages_forward_or_backward_at_a_layer_bo
         close(first)
         close(again)
         close(third)
+
+
+def test_a_link_and_a_plan_of_an_older_generation_are_refused_recorded_and_leave_the_links_alone():
+    """A zombie (its node cut off while the run went on at a new generation, then healed) dials
+    in with its old generation, or its relay delivers an old step plan: both are refused, named
+    once, and the current links still carry the step."""
+    import socket
+
+    from elastic_llm.pipeline.transport import HELLO
+
+    a, b = ShardKey(0, 0), ShardKey(1, 0)
+    ts = linked([a, b], generation=5)
+    try:
+        zombie = socket.create_connection(ts[b].address)
+        zombie.sendall(HELLO.pack(4, 0, 0))  # stage 0 replica 0 of generation 4
+        assert zombie.recv(1) == b""  # closed at once
+        assert ts[b].stale(4, "a plan of step 9") and not ts[b].stale(5, "a plan of step 9")
+        refused = ts[b].take_refused()
+        assert refused == ("a link from stage 0 replica 0 of link generation 4 (links at 5)", "a plan of step 9 of link generation 4 (links at 5)")
+        assert ts[b].take_refused() == ()
+        ts[a].send(b, Msg.ACT, 0, 1, np.ones((2, 2), np.float32))
+        assert ts[b].recv(a, Msg.ACT, 0, 1).sum() == 4  # the live link was not touched
+        zombie.close()
+    finally:
+        close(ts)

@@ -168,7 +168,7 @@ class ElasticConfig:
         return lo, hi
 
 
-ChaosKill = Literal["stage", "node", "smp", "error", "standby", "partition"]
+ChaosKill = Literal["stage", "node", "smp", "error", "standby", "partition", "heal"]
 ChaosHow = Literal["ray_kill", "sigkill"]
 ChaosDuring = Literal["step", "recovery", "recovered", "resize"]
 ChaosOp = Literal["forward", "backward", "allreduce", "update"]
@@ -182,7 +182,8 @@ CHAOS_OPS: tuple[str, ...] = typing.get_args(ChaosOp)
 class ChaosEvent:
     step: int  # fire while this step runs (1-based), or (during: recovery) while the failure of this step is recovered
     kill: ChaosKill  # stage: the actor of (stage, replica); node / smp: the node / snapshot manager hosting it; error: the stage raises on every step from now on;
-    # partition: the link of the node hosting it is cut both ways (the multi-host harness, elastic_llm.hosts: the driver runs on one of its hosts)
+    # partition: the link of the node hosting it is cut both ways (the multi-host harness, elastic_llm.hosts: the driver runs on one of its hosts);
+    # heal: before the step, every cut link of the harness heals (the cut nodes' processes come back as zombies)
     stage: int = 0
     replica: int = 0
     how: ChaosHow = "ray_kill"  # ray_kill | sigkill (stage)

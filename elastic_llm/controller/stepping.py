@@ -147,6 +147,7 @@ class StepJobs:
         self.reclaimed = 0  # nodes the run has seen reclaimed so far
         self.waves = 0  # steps at which new reclaims were seen: preemption waves (``durable.every: auto`` counts them as failures)
         self._suspected: set[str] = set()  # the node watch's suspects at the last look (``node_suspect`` lines)
+        self.fenced_total = 0  # calls and links of older generations the stages refused (``fenced`` lines)
 
     def suspects(self, step: int) -> None:
         """One ``node_suspect`` line per node the node watch began to suspect since the last look
@@ -155,6 +156,14 @@ class StepJobs:
         for node in sorted(now - self._suspected):
             self.metrics.emit(events.NodeSuspect(step=step, node=node))
         self._suspected = now
+
+    def fenced(self, step: int, result: StepResult) -> None:
+        """One ``fenced`` line per actor whose report names calls or links of an older
+        generation it refused (a healed partition's zombies); :attr:`fenced_total` counts them."""
+        for key, report in sorted(result.reports.items()):
+            if report.fenced:
+                self.fenced_total += len(report.fenced)
+                self.metrics.emit(events.Fenced(step=step, stage=key.stage, replica=key.replica, count=len(report.fenced), what=list(report.fenced)))
 
     def deaths(self, step: int) -> None:
         """One ``node_dead`` line per node the runtime found dead since the last look."""

@@ -172,6 +172,7 @@ class Trainer:
         self.progress = self.progress.committed(self.committed_step)
         now = self.clock.perf_counter()
         jobs.chaos_rate(step, now - started)
+        jobs.fenced(step, result)
         assert self.executor is not None
         record = jobs.record(step, result, now - started, now - self._t0, self.tokens_seen, self.end, self.executor)
         self.history.append(record)

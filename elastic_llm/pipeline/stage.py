@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -227,12 +227,15 @@ class StageWorker(OtherSources):
         return self.step_count
 
     def run_step(self, plan: StepPlan) -> StepReport:
-        """Run one whole optimizer step from ``plan`` (:mod:`elastic_llm.pipeline.step`)."""
+        """Run one whole optimizer step from ``plan`` (:mod:`elastic_llm.pipeline.step`); its report names what was fenced since the last."""
         from elastic_llm.pipeline.step import execute
+        from elastic_llm.pipeline.transport import StaleGeneration
 
         if self.links is None:
             raise RuntimeError(f"stage {self.stage} replica {self.replica}: run_step before connect_links")
-        return execute(self, plan, self.links)
+        if self.links.stale(plan.generation, f"a plan of step {plan.step}"):  # a zombie relay's (a healed partition): the links stay
+            raise StaleGeneration(f"stage {self.stage} replica {self.replica} refused a plan of step {plan.step} of a stale generation")
+        return replace(execute(self, plan, self.links), fenced=self.links.take_refused())
 
     def relay_to(self, generation: int, members: list[Any]) -> None:
         """As stage 0 of its replica, relay the steps of link generation ``generation`` to

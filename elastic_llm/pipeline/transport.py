@@ -95,6 +95,11 @@ class ProtocolError(RuntimeError):
     """A message that is not the one the schedule expects: a bug, never a peer failure."""
 
 
+class StaleGeneration(RuntimeError):
+    """A call or link of an older membership generation than this actor's links (a zombie's:
+    its node was cut off, the run went on without it, and the partition healed): refused."""
+
+
 class Transport(Protocol):
     """The stage-to-stage links of one actor (see the module docstring)."""
 
@@ -169,6 +174,7 @@ class SocketTransport:
         self.sent: dict[Msg, int] = {}
         self.early: dict[ShardKey, dict[tuple[int, int, int], np.ndarray | torch.Tensor]] = {}  # messages that came before they were asked for
         self.states_in: dict[ShardKey, socket.socket] = {}  # connections carrying a whole state (send_state), by sender
+        self.refused: list[str] = []  # what came from an older generation since the last report (stale, take_refused)
         self.state_cancelled = False
         self.changed = threading.Condition()
         self.wake_r, self.wake_w = socket.socketpair()
@@ -200,6 +206,7 @@ class SocketTransport:
                     self.changed.notify_all()
                     continue
                 if gen < self.generation:
+                    self.stale(gen, f"a link from stage {stage} replica {replica}")
                     _close(conn)
                     continue
                 self.arrived.setdefault(gen, {})[ShardKey(stage, replica)] = conn
@@ -228,6 +235,21 @@ class SocketTransport:
                 raise TimeoutError(f"{self.me}: peers {', '.join(map(str, missing))} did not connect within {CONNECT_S:.0f} s")
             self.inbound = self.arrived.pop(generation)
         self._drain_wake()
+
+    def stale(self, generation: int, what: str) -> bool:
+        """Whether ``generation`` is older than the links': then ``what`` of it is refused and
+        recorded (:meth:`take_refused`), and the links are left as they are."""
+        if generation >= self.generation:
+            return False
+        with self.changed:
+            self.refused.append(f"{what} of link generation {generation} (links at {self.generation})")
+        return True
+
+    def take_refused(self) -> tuple[str, ...]:
+        """What was refused as stale since the last call."""
+        with self.changed:
+            out, self.refused = tuple(self.refused), []
+        return out
 
     def begin(self, step: int, deadline_s: float) -> None:
         self.step, self.deadline_s = step, deadline_s
