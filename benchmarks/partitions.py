@@ -4,7 +4,8 @@ driver, each on a host of its own in a network namespace, one bridge between the
 
 Per shot, tiny trains with every-step snapshots (parity 1) through the real command line on the
 driver's host, and at step ``AT`` the node hosting stage 1 either loses its link both ways
-(``chaos kill: partition``: the node and every process on it live on, silent) or dies (``kill:
+(``chaos kill: partition``: the node and every process on it live on, silent; the link heals
+before step ``HEAL_AT``, and what its zombies send is fenced) or dies (``kill:
 node``: every process of its host SIGKILLed, so its raylet's port refuses at once). From the run's
 own metrics lines, per shot:
 
@@ -12,7 +13,9 @@ own metrics lines, per shot:
 - ``lost_s``: from the fault's line to the first step finished after the recovery, less one
   steady step (the median step of the undisturbed run of the same cluster): the time the
   fault cost beyond the step it hit;
-- whether the losses equal the undisturbed run's, step for step, and the committed steps lost.
+- whether the losses equal the undisturbed run's, step for step, and the committed steps lost;
+- recoveries from the fault on (1: none after the heal) and the calls and links of the old
+  generation the stages refused (``fenced`` lines: a healed partition's zombies).
 
 The side-by-side peer is the kill: the same run, cluster and step, a fault the run has always
 survived. Ray's health checks run with the settings ``cluster.yaml`` gives the head (read from the
@@ -26,12 +29,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any
 
 from benchmarks.common import machine_info, median
 
 AT = 5  # the step a fault strikes
+HEAL_AT = 9  # a partition heals before this step (its node's zombies then meet the run's fence)
 STEPS = 12
 OVERRIDES = ("snapshot.every=1", "train.eval_every=1000")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +55,9 @@ def shot_figures(lines: list[dict[str, Any]], steady_s: float) -> dict[str, Any]
         "lost_s": round(first - fault - steady_s, 3) if first is not None else None,
         "sources": sorted({r["source"] for r in recoveries}),
         "committed_steps_lost": sum(r["committed_steps_lost"] for r in recoveries),
+        "recoveries_after_fault": sum(1 for ln in lines if ln.get("event") == "state" and ln.get("new") == "recovering" and ln["time"] >= fault),
+        "fenced": sum(ln["count"] for ln in lines if ln.get("event") == "fenced"),
+        "recovery_spans": {k: round(v, 3) for k, v in recoveries[0].items() if k.endswith("_s") and isinstance(v, float)} if recoveries else {},
     }
 
 
@@ -70,7 +78,8 @@ def steady_step_s(lines: list[dict[str, Any]]) -> float:
     return median(b - a for a, b in zip(times[2:], times[3:]))
 
 
-def run_partitions_bench(shots: int = 2) -> dict[str, Any]:
+def run_partitions_bench(shots: int = 2, out_dir: str | None = None) -> dict[str, Any]:
+    """The benchmark (see the module); ``out_dir``: keep each run's metrics and driver log there."""
     from benchmarks.detect import cluster_yaml_health
     from elastic_llm.hosts.lab import Lab, LabUnavailable, unavailable
     from elastic_llm.hosts.raynodes import RayHosts
@@ -89,8 +98,16 @@ def run_partitions_bench(shots: int = 2) -> dict[str, Any]:
         out["steady_step_s"] = round(steady, 3)
         for i in range(shots):
             for kind in ("partition", "kill"):
-                event = f"chaos.events=[{{step: {AT}, kill: {'partition' if kind == 'partition' else 'node'}, stage: 1}}]"
-                lines = hosts.train(f"{kind}-{i}", "jobs/tiny.yaml", STEPS, (*OVERRIDES, event), cwd=REPO)
+                heal = f", {{step: {HEAL_AT}, kill: heal}}" if kind == "partition" else ""
+                event = f"chaos.events=[{{step: {AT}, kill: {'partition' if kind == 'partition' else 'node'}, stage: 1}}{heal}]"
+                try:
+                    lines = hosts.train(f"{kind}-{i}", "jobs/tiny.yaml", STEPS, (*OVERRIDES, event), cwd=REPO)
+                finally:
+                    if out_dir:
+                        os.makedirs(out_dir, exist_ok=True)
+                        for ext in ("jsonl", "log"):
+                            if (lab.tmp / f"{kind}-{i}.{ext}").exists():
+                                shutil.copy(lab.tmp / f"{kind}-{i}.{ext}", os.path.join(out_dir, f"{kind}-{i}.{ext}"))
                 shot = shot_figures(lines, steady)
                 shot["bit_identical"] = losses(lines) == losses(clean)
                 out["shots"][kind].append(shot)

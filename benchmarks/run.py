@@ -105,7 +105,7 @@ def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "precision":
         return bench.run_precision_bench(args.config, steps=args.steps or 300, out=args.out, from_dir=args.from_dir, overrides=args.set or [])
     if args.what == "partitions":
-        return bench.run_partitions_bench(shots=args.steps or 2)
+        return bench.run_partitions_bench(shots=args.steps or 2, out_dir=args.out)
     if args.what == "calibrate":
         return bench.run_calibrate_bench(out=args.out, from_dir=args.from_dir)
     raise AssertionError(args.what)  # argparse restricts choices
@@ -142,7 +142,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report")
     b.add_argument("--out", help=("simulate, fleet: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory; "
-                                  "calibrate: the profile to write (default elastic_llm/sim/profiles/cpu-2core.yaml); precision: where the runs' metrics and the plot go"))
+                                  "calibrate: the profile to write (default elastic_llm/sim/profiles/cpu-2core.yaml); precision: where the runs' metrics and the plot go; "
+                                  "partitions: each faulted run's metrics and driver log"))
     b.add_argument("--from", dest="from_dir", help="calibrate: read the benchmarks' JSON from this directory instead of running them; precision: the runs' metrics")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml); memory: the one config to measure (default tiny and llama-25m)")
     b.add_argument("--steps", type=int, default=None, help=(

@@ -1,4 +1,4 @@
-"""Pure helpers of ``benchmarks/common.py`` every benchmark shares: the filesystem a path is on, the median."""
+"""Pure helpers every benchmark shares (`benchmarks/common.py`: the filesystem a path is on, the median) and the pure figures of single benchmarks."""
 
 import pytest
 
@@ -77,3 +77,22 @@ def test_the_exchange_alone_moves_a_holders_chunk_and_a_rebuilds_symbols_over_re
     for what in ("holder", "rebuild"):
         assert r[f"{what}_GBps"] > 0 and r[f"{what}_socket_GBps"] > 0
         assert r[f"{what}_vs_socket"] == pytest.approx(r[f"{what}_GBps"] / r[f"{what}_socket_GBps"], rel=0.01)
+
+
+def test_partitions_shot_figures_come_from_the_runs_own_lines():
+    """bench partitions: detection from the fault's line to ``recovering``, lost time to the first
+    step after the recovery less one steady step, step lines timed by the end line's clocks."""
+    from benchmarks.partitions import shot_figures, steady_step_s
+
+    t0 = 1000.0
+    lines = [{"step": s, "loss": 1.0, "elapsed_s": float(s)} for s in range(1, 5)]  # steps 1..4 a second apart
+    lines += [{"event": "chaos", "time": t0 + 4.2}, {"event": "state", "time": t0 + 7.2, "old": "running", "new": "recovering"},
+              {"event": "recovery", "time": t0 + 9.0, "source": "parity", "committed_steps_lost": 0, "plan_s": 0.25, "actor_s": 1.5},
+              {"event": "state", "time": t0 + 9.2, "old": "recovering", "new": "running"},
+              {"event": "fenced", "time": t0 + 11.0, "count": 2, "what": ["a", "b"]}]
+    lines += [{"step": s, "loss": 1.0, "elapsed_s": float(s + 6)} for s in range(5, 8)]  # resumed: step 5 ends at 11 s
+    lines.append({"event": "end", "time": t0 + 13.0, "elapsed_s": 13.0})
+    assert steady_step_s(lines) == 1.0
+    got = shot_figures(lines, 1.0)
+    assert got == {"detect_s": 3.0, "recovering_s": 2.0, "lost_s": 5.8, "sources": ["parity"], "committed_steps_lost": 0,
+                   "recoveries_after_fault": 1, "fenced": 2, "recovery_spans": {"plan_s": 0.25, "actor_s": 1.5}}
