@@ -82,7 +82,7 @@ def run_partitions_bench(shots: int = 2, out_dir: str | None = None) -> dict[str
     """The benchmark (see the module); ``out_dir``: keep each run's metrics and driver log there."""
     from benchmarks.detect import cluster_yaml_health
     from elastic_llm.hosts.lab import Lab, LabUnavailable, unavailable
-    from elastic_llm.hosts.raynodes import RayHosts
+    from elastic_llm.runtime.lab_cluster import RayHosts
 
     why = unavailable()
     if why:

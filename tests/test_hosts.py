@@ -238,7 +238,7 @@ RAY_CHECK = textwrap.dedent("""
 
 
 def test_a_ray_head_and_workers_in_their_own_namespaces_form_one_cluster_and_a_stopped_node_takes_only_its_own(tmp_path):
-    from elastic_llm.hosts.raynodes import RayHosts
+    from elastic_llm.runtime.lab_cluster import RayHosts
 
     with Lab.create() as lab2:
         rh = RayHosts(lab2).start(workers=2, cpus_per_node=1, store_bytes=200 << 20)

@@ -27,7 +27,7 @@ SLOW_HEALTH = {"health_check_period_ms": 1000, "health_check_failure_threshold":
 
 @pytest.fixture(scope="module")
 def hosts():
-    from elastic_llm.hosts.raynodes import RayHosts
+    from elastic_llm.runtime.lab_cluster import RayHosts
 
     with Lab.create() as lab:
         yield RayHosts(lab, system_config=SLOW_HEALTH).start(workers=3, cpus_per_node=1)

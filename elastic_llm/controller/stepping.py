@@ -300,7 +300,8 @@ class StepJobs:
             self.metrics.emit(events.ChaosRate(step=step, rate_per_hour=self.cfg.chaos.failure_rate_per_hour, prob_per_step=prob))
 
     def record(self, step: int, result: StepResult, seconds: float, elapsed_s: float, tokens: int, end: int, executor: StepExecutor) -> dict[str, Any]:
-        """The step's line (and validation when due)."""
+        """The step's line (and validation when due), after the ``fenced`` lines of its reports."""
+        self.fenced(step, result)
         rec: dict[str, Any] = {
             "step": step,
             "loss": result.loss,

@@ -151,8 +151,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def run_step(self) -> dict[str, Any]:
-        """One optimizer step (snapshot and faults as configured). Advances :attr:`step` and
-        returns its record; on failure raises :class:`StepFailed` with the data stream rewound."""
+        """One optimizer step (snapshot, faults as configured): advances :attr:`step`, returns its record; raises :class:`StepFailed`, the stream rewound."""
         self.setup()
         assert self.executor is not None and self.runner is not None
         if self._t0 is None:
@@ -172,7 +171,6 @@ class Trainer:
         self.progress = self.progress.committed(self.committed_step)
         now = self.clock.perf_counter()
         jobs.chaos_rate(step, now - started)
-        jobs.fenced(step, result)
         assert self.executor is not None
         record = jobs.record(step, result, now - started, now - self._t0, self.tokens_seen, self.end, self.executor)
         self.history.append(record)
@@ -292,8 +290,7 @@ class Trainer:
         return after
 
     def _apply(self, outcome: RecoveryOutcome, failure: StepFailure, seconds: float, spans: dict[str, float]) -> None:
-        """Adopt a finished recovery: step counter, data position, an executor over the new actors,
-        and one metrics line per restored actor (and one for a shrink)."""
+        """Adopt a finished recovery: step counter, data position, an executor over the new actors, one metrics line per restored actor (and a shrink)."""
         assert self.runner is not None and self.jobs is not None
         lost = max(0, self.committed_high - outcome.step)  # committed steps this recovery undid
         self.committed_steps_lost += lost

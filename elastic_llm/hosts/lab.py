@@ -19,7 +19,7 @@ vanishes), ``tc``'s token bucket (a slow link, both ways) and nftables in the ho
 real network. Needs root, ``ip`` and, for the one-way and per-peer cuts, ``nft``:
 :func:`unavailable` says why not where they are missing.
 
-Never starts Ray (:mod:`elastic_llm.hosts.raynodes` does) and never decides a fault: callers do.
+Never starts Ray (:mod:`elastic_llm.runtime.lab_cluster` does) and never decides a fault: callers do.
 """
 
 from __future__ import annotations
