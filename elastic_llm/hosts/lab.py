@@ -24,6 +24,7 @@ Never starts Ray (:mod:`elastic_llm.runtime.lab_cluster` does) and never decides
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -65,15 +66,31 @@ class Host:
 
 
 def unavailable(directional: bool = False) -> str | None:
-    """Why a lab cannot run on this machine (None: it can). ``directional``: also the one-way
-    and per-peer cuts, which need nftables."""
+    """Why a lab cannot run on this machine (None: it can), found by making a namespace (and
+    with ``directional``, for the one-way and per-peer cuts, an nftables table in it)."""
     if os.geteuid() != 0:
         return "network namespaces need root (run as root, or in a container that grants CAP_NET_ADMIN and CAP_SYS_ADMIN)"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "iproute2's ip and tc are missing (apt-get install -y iproute2)"
     if directional and shutil.which("nft") is None:
         return "one-way and per-peer cuts need nftables (apt-get install -y nftables)"
-    return None
+    return _probe(directional)
+
+
+@functools.cache
+def _probe(directional: bool) -> str | None:
+    ns = f"elprobe{os.getpid()}"  # not a lab's name: reap_stale leaves it alone
+    made = _run(["ip", "netns", "add", ns], check=False)
+    if made.returncode != 0:
+        return f"this machine refuses to make a network namespace ({made.stderr.strip()[:200]}): run as root with CAP_SYS_ADMIN and CAP_NET_ADMIN"
+    try:
+        if directional:
+            nft = _run(_in(ns, "nft", "add", "table", "inet", "probe"), check=False)
+            if nft.returncode != 0:
+                return f"nftables does not work in a namespace here ({nft.stderr.strip()[:200]}): one-way and per-peer cuts need it"
+        return None
+    finally:
+        _run(["ip", "netns", "delete", ns], check=False)
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
