@@ -1,6 +1,6 @@
-"""Faults of the network on the multi-host harness (elastic_llm.hosts): a Ray cluster whose head,
-three worker nodes and the driver each live on a host of their own, and a run whose node loses
-its link while it trains. The driver is the real command line (``elastic-llm train``) on the
+"""Ray on the multi-host harness (elastic_llm.hosts): a cluster whose head, three worker nodes
+and the driver each live on a host of their own, and a run whose node loses its link while it
+trains, then gets it back. The driver is the real command line (``elastic-llm train``) on the
 driver's host; its metrics file is the record. Skipped with the reason where namespaces cannot
 be made here."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 import threading
 import time
 
@@ -18,7 +19,7 @@ from elastic_llm.hosts.lab import Lab, unavailable
 WHY = unavailable(directional=True)
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"the multi-host harness cannot run here: {WHY}"), pytest.mark.timeout(400)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 12
+STEPS = 10
 BASE = ("snapshot.every=1", "train.eval_every=1000")
 # Ray's health checks declare a silent node dead after about 9 s (8 checks a second apart, each
 # timing out after 1 s): the run's node watch suspects it after 3 probes timed out (about 2 s).
@@ -55,11 +56,56 @@ def losses(lines: list[dict]) -> dict[int, float]:
     return {ln["step"]: ln["loss"] for ln in lines if "loss" in ln and ln.get("event") is None}
 
 
+RAY_CHECK = textwrap.dedent("""
+    import json, os, ray
+    import numpy as np
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+    from elastic_llm.runtime.session import start_ray
+    from elastic_llm.config import load_config
+    start_ray(load_config("jobs/tiny.yaml"), os.environ["ELASTIC_LLM_RAY"])
+
+    @ray.remote(num_cpus=0)
+    def where():
+        return ray.util.get_node_ip_address()
+
+    @ray.remote(num_cpus=0)
+    def make(n):
+        return np.full(n, 7, dtype=np.uint8)
+
+    @ray.remote(num_cpus=0)
+    def total(a):
+        return int(a.sum())
+
+    nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    on = lambda ip: {"scheduling_strategy": On(nodes[ip], soft=False)}
+    ips = sorted(nodes)
+    moved = ray.get(total.options(**on(ips[2])).remote(make.options(**on(ips[1])).remote(3_000_000)), timeout=60)
+    print(json.dumps({"driver": ray.util.get_node_ip_address(), "ran_on": [ray.get(where.options(**on(ip)).remote(), timeout=60) for ip in ips],
+                      "moved": moved, "fetched": int(ray.get(make.options(**on(ips[1])).remote(2_000_000), timeout=60).sum())}))
+""")
+
+
+def test_a_ray_head_and_workers_in_their_own_namespaces_form_one_cluster_and_a_stopped_node_takes_only_its_own(hosts):
+    """The harness's own check: the head, the workers and the driver's node (each on a host of
+    its own) are one cluster; tasks run on every node, objects move between hosts and to the
+    driver; stopping a node kills its host's processes and no other's."""
+    got = hosts.python(RAY_CHECK, timeout=150)
+    assert got.returncode == 0, got.stderr[-3000:]
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    ips = sorted(h.addr for h in hosts.lab.hosts.values())  # head, three workers, the driver's node
+    assert out == {"driver": hosts.lab.hosts["d"].addr, "ran_on": ips, "moved": 3_000_000 * 7, "fetched": 2_000_000 * 7}
+    before = {h: hosts.lab.pids(h) for h in hosts.lab.hosts}
+    assert all(before.values())
+    hosts.stop_node("w1")
+    assert hosts.lab.pids("w1") == [] and all(set(before[h]) <= set(hosts.lab.pids(h)) for h in hosts.lab.hosts if h != "w1")
+    hosts.replace("w1", 1)  # three workers again for the runs below
+
+
 def test_a_partitioned_worker_is_rebuilt_elsewhere_bit_identically_and_its_zombies_are_refused_when_it_heals(hosts, clean):
     """Stage 1's node loses its link both ways while step 5 runs (the node and its processes
     live on). The run's node watch suspects it (a ``node_suspect`` line) before Ray's health
     checks declare it dead; the run rebuilds the stages of that node elsewhere from the last
-    committed snapshot at a new link generation. The link heals while step 9 runs: the cut
+    committed snapshot at a new link generation. The link heals while step 8 runs: the cut
     node's processes come back as zombies of the old generation, and its relay's step-5 plans
     reach the surviving stages, which refuse them (named in ``fenced`` lines) without touching
     their links (before the fence such a plan failed a survivor's next step). One recovery, none
@@ -67,10 +113,10 @@ def test_a_partitioned_worker_is_rebuilt_elsewhere_bit_identically_and_its_zombi
     metrics = hosts.lab.tmp / "cut.jsonl"
     seen: dict[str, object] = {}
 
-    def heal_at_step_8() -> None:
+    def heal_at_step_7() -> None:
         while "stop" not in seen:
             lines = metrics.read_text().splitlines() if metrics.exists() else []
-            if any(json.loads(ln).get("step") == 8 and "loss" in ln for ln in lines):
+            if any(json.loads(ln).get("step") == 7 and "loss" in ln for ln in lines):
                 seen["cut"] = cut_off(hosts)
                 seen["pids"] = {h: hosts.lab.pids(h) for h in seen["cut"]}
                 for name in hosts.workers:
@@ -78,18 +124,18 @@ def test_a_partitioned_worker_is_rebuilt_elsewhere_bit_identically_and_its_zombi
                 return
             time.sleep(0.1)
 
-    watcher = threading.Thread(target=heal_at_step_8, daemon=True)
+    watcher = threading.Thread(target=heal_at_step_7, daemon=True)
     watcher.start()
     lines = train(hosts, "cut", "chaos.events=[{step: 5, kill: partition, stage: 1}]")
     seen["stop"] = True
     watcher.join(60)
     assert losses(lines) == clean and len(clean) == STEPS
-    [cut_host] = seen["cut"]  # Ray declared the cut node dead by step 8 ...
+    [cut_host] = seen["cut"]  # Ray declared the cut node dead by step 7 ...
     assert seen["pids"][cut_host]  # ... while its processes still ran, cut off
     cut = [ln for ln in lines if ln.get("event") == "chaos"]
     suspect = [ln for ln in lines if ln.get("event") == "node_suspect"]
     states = [ln for ln in lines if ln.get("event") == "state" and ln["new"] == "recovering"]
-    assert [c["kill"] for c in cut] == ["partition"] and len(states) == 1 and states[0]["step"] < 8, states  # none after the heal
+    assert [c["kill"] for c in cut] == ["partition"] and len(states) == 1 and states[0]["step"] < 7, states  # none after the heal
     assert len(suspect) == 1 and cut[0]["time"] < suspect[0]["time"] < states[0]["time"], (suspect, states)
     recoveries = [ln for ln in lines if ln.get("event") == "recovery"]
     assert {r["stage"] for r in recoveries} >= {1} and all(r["committed_steps_lost"] == 0 and r["lossless"] for r in recoveries)
