@@ -27,7 +27,6 @@ BENCHMARKS.md does.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -111,9 +110,7 @@ def run_partitions_bench(shots: int = 2, out_dir: str | None = None) -> dict[str
                 shot = shot_figures(lines, steady)
                 shot["bit_identical"] = losses(lines) == losses(clean)
                 out["shots"][kind].append(shot)
-                alive = json.loads(hosts.python("import ray, os, json; ray.init(address=os.environ['ELASTIC_LLM_RAY'], logging_level='ERROR');"
-                                                "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))", 60).stdout.splitlines()[-1])
-                for name in [w for w in hosts.workers if lab.hosts[w].addr not in alive]:
+                for name in hosts.dead_workers():
                     hosts.replace(name, 1)
     for kind, shots_of in out["shots"].items():
         out[kind] = {k: _round(median([s[k] for s in shots_of if s[k] is not None], or_none=True)) for k in ("detect_s", "recovering_s", "lost_s")}

@@ -60,37 +60,34 @@ def test_a_relay_with_a_member_on_a_dead_node_is_not_waited_for_its_live_members
     assert len(resent) == 3 and b.pending == []  # the relay's ref and the two direct calls, for the caller to read
 
 
-def test_without_a_dead_node_a_relay_that_does_not_answer_is_waited_for_then_passed():
+def sent(nodes: str, method: str, *args: int, relay_answers: bool = True):
+    """A Broadcast over managers on ``nodes`` (one letter each) that sent ``method(*args)``
+    through its relay; the managers' call log cleared after the send."""
     log: list = []
     calls = Calls()
-    managers = {n: Manager(log, n, relay_answers=False) for n in ("a", "b", "c")}
+    managers = {n: Manager(log, n, relay_answers=relay_answers) for n in nodes}
     b = Broadcast(calls, wait_s=10.0)
-    b.send(managers, "discard", 7, 1)
+    b.send(managers, method, *args)
     log.clear()
+    return log, calls, managers, b
+
+
+def test_without_a_dead_node_a_relay_that_does_not_answer_is_waited_for_then_passed():
+    log, calls, managers, b = sent("abc", "discard", 7, 1, relay_answers=False)
     b.settle(managers, block=True)
     assert calls.waits[-2][1] == 10.0 and not calls.waits[-2][0][0].done  # waited its wait_s for the relay
     assert sorted(n for n, m, _ in log) == ["b", "c"]  # then its other members got the call directly
 
 
 def test_a_relay_that_answered_needs_nothing_more():
-    log: list = []
-    calls = Calls()
-    managers = {n: Manager(log, n) for n in ("a", "b")}
-    b = Broadcast(calls, wait_s=10.0)
-    b.send(managers, "discard", 3, 0)
-    log.clear()
+    log, _, managers, b = sent("ab", "discard", 3, 0)
     assert b.settle(managers, block=True, gone=frozenset({"z"})) == [] and log == [] and b.pending == []
 
 
 def test_without_block_a_relay_with_a_member_on_a_dead_node_is_passed_at_once_and_a_slow_one_kept():
     """A run may fail before any blocking settle: the live members of a relay stuck on a dead
     node get the call at the next non-blocking one; a relay that is merely slow stays pending."""
-    log: list = []
-    calls = Calls()
-    managers = {n: Manager(log, n, relay_answers=False) for n in ("a", "b", "c")}
-    b = Broadcast(calls, wait_s=10.0)
-    b.send(managers, "commit", 7, 1)
-    log.clear()
+    log, calls, managers, b = sent("abc", "commit", 7, 1, relay_answers=False)
     b.settle(managers, block=False)
     assert log == [] and len(b.pending) == 1  # nothing known dead: the relay may still answer
     resent = b.settle(managers, block=False, gone=frozenset({"a"}))  # the relay's own node died

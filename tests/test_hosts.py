@@ -22,13 +22,13 @@ pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"the multi-host harnes
 
 LISTEN = textwrap.dedent("""
     import socket, sys
-    kind, port = sys.argv[1], int(sys.argv[2])
+    kind, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])  # addr: the lab host's own address
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM if kind == "udp" else socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", port))
+    s.bind((addr, port))
     print("ready", flush=True)
     if kind == "udp":
-        s.settimeout(float(sys.argv[3]))
+        s.settimeout(float(sys.argv[4]))
         try:
             print(s.recv(64).decode(), flush=True)
         except socket.timeout:
@@ -38,7 +38,7 @@ LISTEN = textwrap.dedent("""
         block = b"x" * (1 << 16)
         while True:
             c, _ = s.accept()
-            left = int(sys.argv[3])
+            left = int(sys.argv[4])
             while left > 0:
                 left -= c.send(block[:left])
             c.close()
@@ -79,7 +79,7 @@ def fetch_seconds(lab: Lab, src: str, dst: str, port: int = 7002) -> float:
 
 def datagram_arrives(lab: Lab, src: str, dst: str, port: int = 7001) -> bool:
     """One UDP datagram from ``src`` reaches ``dst`` (a one-way check: no answer needed)."""
-    rx = lab.popen(dst, [sys.executable, "-c", LISTEN, "udp", str(port), "1.5"], stdout=subprocess.PIPE)
+    rx = lab.popen(dst, [sys.executable, "-c", LISTEN, "udp", lab.hosts[dst].addr, str(port), "1.5"], stdout=subprocess.PIPE)
     assert rx.stdout is not None and rx.stdout.readline().strip() == "ready"
     _in(lab, src, "import socket, sys; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'hello', (sys.argv[1], int(sys.argv[2])))",
         lab.hosts[dst].addr, str(port))
@@ -93,7 +93,7 @@ def lab():
         for name in ("a", "b", "c"):
             lab.add_host(name)
         for argv in (["tcp", "7000"], ["serve", "7002", str(SERVED)]):
-            server = lab.popen("a", [sys.executable, "-c", LISTEN, *argv], stdout=subprocess.PIPE)
+            server = lab.popen("a", [sys.executable, "-c", LISTEN, argv[0], lab.hosts["a"].addr, *argv[1:]], stdout=subprocess.PIPE)
             assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         yield lab
 
@@ -165,14 +165,14 @@ def test_bad_fault_arguments_name_the_fix(lab):
 
 
 OWNER = textwrap.dedent("""
-    import subprocess, sys, time
+    import signal, sys
     from elastic_llm.hosts.lab import Lab
     lab = Lab.create()
     lab.add_host("x")
     lab.add_host("y")
-    lab.popen("x", ["sleep", "600"])
+    lab.popen("x", [sys.executable, "-c", "import signal; signal.pause()"])  # a process the lab leaves behind
     print(lab.run, flush=True)
-    time.sleep(600)
+    signal.pause()  # until the test SIGKILLs it
 """)
 
 

@@ -20,6 +20,7 @@ WHY = unavailable(directional=True)
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"the multi-host harness cannot run here: {WHY}"), pytest.mark.timeout(400)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
+RUN_S = 300.0  # longest one training run on the lab may take
 BASE = ("snapshot.every=1", "train.eval_every=1000")
 # Ray's health checks declare a silent node dead after about 9 s (8 checks a second apart, each
 # timing out after 1 s): the run's node watch suspects it after 3 probes timed out (about 2 s).
@@ -41,14 +42,8 @@ def clean(hosts):
 
 
 def train(hosts, name: str, *overrides: str) -> list[dict]:
-    return hosts.train(name, "jobs/tiny.yaml", STEPS, (*BASE, *overrides), cwd=REPO)
+    return hosts.train(name, "jobs/tiny.yaml", STEPS, (*BASE, *overrides), timeout=RUN_S, cwd=REPO)
 
-
-def cut_off(hosts) -> list[str]:
-    """The worker hosts Ray no longer lists alive (asked from the driver's host)."""
-    alive = json.loads(hosts.python("import ray, os, json; ray.init(address=os.environ['ELASTIC_LLM_RAY'], logging_level='ERROR');"
-                                    "print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))", 60).stdout.splitlines()[-1])
-    return [h for h in hosts.workers if hosts.lab.hosts[h].addr not in alive]
 
 
 def losses(lines: list[dict]) -> dict[int, float]:
@@ -112,23 +107,28 @@ def test_a_partitioned_worker_is_rebuilt_elsewhere_bit_identically_and_its_zombi
     after the heal, the losses of an undisturbed run, no committed step lost."""
     metrics = hosts.lab.tmp / "cut.jsonl"
     seen: dict[str, object] = {}
+    run_over = threading.Event()
 
     def heal_at_step_7() -> None:
-        while "stop" not in seen:
+        """Looks at the run's metrics every 0.1 s until step 7 is written (then heals), the run
+        ends, or the run's own deadline passes."""
+        deadline = time.monotonic() + RUN_S
+        while not run_over.wait(0.1) and time.monotonic() < deadline:
             lines = metrics.read_text().splitlines() if metrics.exists() else []
             if any(json.loads(ln).get("step") == 7 and "loss" in ln for ln in lines):
-                seen["cut"] = cut_off(hosts)
+                seen["cut"] = hosts.dead_workers()
                 seen["pids"] = {h: hosts.lab.pids(h) for h in seen["cut"]}
                 for name in hosts.workers:
                     hosts.lab.heal(name)
                 return
-            time.sleep(0.1)
 
     watcher = threading.Thread(target=heal_at_step_7, daemon=True)
     watcher.start()
-    lines = train(hosts, "cut", "chaos.events=[{step: 5, kill: partition, stage: 1}]")
-    seen["stop"] = True
-    watcher.join(60)
+    try:
+        lines = train(hosts, "cut", "chaos.events=[{step: 5, kill: partition, stage: 1}]")
+    finally:
+        run_over.set()
+        watcher.join(RUN_S)
     assert losses(lines) == clean and len(clean) == STEPS
     [cut_host] = seen["cut"]  # Ray declared the cut node dead by step 7 ...
     assert seen["pids"][cut_host]  # ... while its processes still ran, cut off

@@ -168,15 +168,10 @@ def _remove_run(run: str, namespaces: Iterable[str]) -> None:
 def reap_stale() -> list[str]:
     """Remove the labs whose owner is gone (it ended without closing: a crash, a SIGKILL): their
     processes, namespaces, state file and scratch. Returns their run ids."""
-    stale = {run: nss for run, nss in _lab_namespaces().items() if not _owner_alive(run)}
-    if STATE_DIR.is_dir():
-        for f in STATE_DIR.glob("*.json"):
-            if f.stem not in stale and not _owner_alive(f.stem):
-                stale.setdefault(f.stem, [])
-    if TMP_ROOT.is_dir():
-        for d in TMP_ROOT.iterdir():
-            if d.name not in stale and not _owner_alive(d.name) and d.name not in _lab_namespaces():
-                stale.setdefault(d.name, [])
+    namespaces = _lab_namespaces()
+    state_files = [f.stem for f in STATE_DIR.glob("*.json")] if STATE_DIR.is_dir() else []
+    scratch = [d.name for d in TMP_ROOT.iterdir()] if TMP_ROOT.is_dir() else []
+    stale = {run: namespaces.get(run, []) for run in {*namespaces, *state_files, *scratch} if not _owner_alive(run)}
     for run, nss in stale.items():
         _remove_run(run, nss)
     return sorted(stale)

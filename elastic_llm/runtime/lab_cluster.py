@@ -114,6 +114,15 @@ class RayHosts:
         cluster's address."""
         return self.lab.popen("d", argv, env={**RAY_ENV, **(env or {}), "ELASTIC_LLM_RAY": self.address}, stdout=stdout, stderr=stderr, cwd=cwd)
 
+    def dead_workers(self) -> list[str]:
+        """The worker hosts Ray no longer lists alive (asked by a driver on the driver's host)."""
+        got = self.python("import ray, os, json; ray.init(address=os.environ['ELASTIC_LLM_RAY'], logging_level='ERROR');"
+                          "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))", 60)
+        if got.returncode != 0:
+            raise LabError(f"listing the cluster's nodes from the driver's host failed: {got.stderr[-800:]}")
+        alive = json.loads(got.stdout.splitlines()[-1])
+        return [h for h in self.workers if self.lab.hosts[h].addr not in alive]
+
     def python(self, code: str, timeout: float, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         """Run Python ``code`` as a driver and wait for it (at most ``timeout`` seconds)."""
         p = self.driver([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
