@@ -17,6 +17,14 @@ own metrics lines, per shot:
 - recoveries from the fault on (1: none after the heal) and the calls and links of the old
   generation the stages refused (``fenced`` lines: a healed partition's zombies).
 
+A third shot cuts only the link between stage 1's node and stage 2's (``kill: isolate``: both
+still reach the head, the driver and every other host), with the same figures and the run's
+``link_cut`` lines. A fourth slows stage 1's node's link to ``SLOW_MBIT`` Mbit/s each way at step
+``SLOW_AT`` (``kill: slow``), with snapshots every ``SLOW_EVERY`` steps (every-step parity pieces
+would cross the slowed link too): the median step time before (the undisturbed run's), while
+slow (from the fault to the ``straggler`` line), after its stages moved off it (from the
+``drain`` line on), when the straggler was named and what the move cost.
+
 The side-by-side peer is the kill: the same run, cluster and step, a fault the run has always
 survived. Ray's health checks run with the settings ``cluster.yaml`` gives the head (read from the
 file), so the partition's figure is what a cluster of the shipped settings sees. After each shot
@@ -38,6 +46,8 @@ AT = 5  # the step a fault strikes
 HEAL_AT = 9  # a partition heals before this step (its node's zombies then meet the run's fence)
 STEPS = 12
 OVERRIDES = ("snapshot.every=1", "train.eval_every=1000")
+SLOW_AT, SLOW_MBIT, SLOW_EVERY = 2, 20, 4
+KILLS = {"partition": "partition", "kill": "node", "isolate": "isolate"}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -57,6 +67,31 @@ def shot_figures(lines: list[dict[str, Any]], steady_s: float) -> dict[str, Any]
         "recoveries_after_fault": sum(1 for ln in lines if ln.get("event") == "state" and ln.get("new") == "recovering" and ln["time"] >= fault),
         "fenced": sum(ln["count"] for ln in lines if ln.get("event") == "fenced"),
         "recovery_spans": {k: round(v, 3) for k, v in recoveries[0].items() if k.endswith("_s") and isinstance(v, float)} if recoveries else {},
+    }
+
+
+def slow_figures(lines: list[dict[str, Any]], steady_s: float) -> dict[str, Any]:
+    """The slow-link shot's figures from its metrics lines (see the module)."""
+    fault = next(ln["time"] for ln in lines if ln.get("event") == "chaos")
+    named = next((ln for ln in lines if ln.get("event") == "straggler"), None)
+    drain = next((ln for ln in lines if ln.get("event") == "drain"), None)
+    times = step_times(lines)
+    gaps = list(zip(times, times[1:]))
+    slow = [b - a for a, b in gaps if a >= fault and (named is None or b <= named["time"])]
+    after = [b - a for a, b in gaps if drain is not None and a >= drain["time"]]
+    return {
+        "step_s_before": round(steady_s, 3),
+        "step_s_slow": _round(median(slow, or_none=True)),
+        "step_s_after": _round(median(after, or_none=True)),
+        "slow_vs_before": round(median(slow) / steady_s, 2) if slow else None,
+        "after_vs_before": round(median(after) / steady_s, 2) if after else None,
+        "named_after_s": round(named["time"] - fault, 3) if named else None,
+        "link_share_slow": named["share"] if named else None,
+        "node_mb_s": named["node_mb_s"] if named else None,
+        "fastest_mb_s": named["fastest_mb_s"] if named else None,
+        "move_s": drain["seconds"] if drain else None,
+        "moved": drain["moved"] if drain else 0,
+        "recoveries": sum(1 for ln in lines if ln.get("event") == "recovery"),
     }
 
 
@@ -89,33 +124,43 @@ def run_partitions_bench(shots: int = 2, out_dir: str | None = None) -> dict[str
     t0 = time.monotonic()
     health = cluster_yaml_health(os.path.join(REPO, "cluster.yaml"))
     out: dict[str, Any] = {"benchmark": "partitions", "config": "jobs/tiny.yaml", "at_step": AT, "steps": STEPS, "overrides": list(OVERRIDES),
-                           "ray_health": health, "shots": {"partition": [], "kill": []}}
+                           "ray_health": health, "slow": {"at_step": SLOW_AT, "mbit": SLOW_MBIT, "snapshot_every": SLOW_EVERY}, "shots": {}}
     with Lab.create() as lab:
         hosts = RayHosts(lab, system_config=health).start(workers=3, cpus_per_node=1)
         clean = hosts.train("clean", "jobs/tiny.yaml", STEPS, OVERRIDES, cwd=REPO)
         steady = steady_step_s(clean)
         out["steady_step_s"] = round(steady, 3)
         for i in range(shots):
-            for kind in ("partition", "kill"):
+            for kind in (*KILLS, "slow"):
                 heal = f", {{step: {HEAL_AT}, kill: heal}}" if kind == "partition" else ""
-                event = f"chaos.events=[{{step: {AT}, kill: {'partition' if kind == 'partition' else 'node'}, stage: 1}}{heal}]"
+                event = (f"chaos.events=[{{step: {SLOW_AT}, kill: slow, stage: 1, mbit: {SLOW_MBIT}}}]" if kind == "slow" else
+                         f"chaos.events=[{{step: {AT}, kill: {KILLS[kind]}, stage: 1}}{heal}]")
+                sets = (*OVERRIDES, f"snapshot.every={SLOW_EVERY}", event) if kind == "slow" else (*OVERRIDES, event)
                 try:
-                    lines = hosts.train(f"{kind}-{i}", "jobs/tiny.yaml", STEPS, (*OVERRIDES, event), cwd=REPO)
+                    lines = hosts.train(f"{kind}-{i}", "jobs/tiny.yaml", STEPS, sets, cwd=REPO)
                 finally:
+                    for name in hosts.workers:  # a cut or slowed link heals: the next shot starts on a whole switch
+                        lab.heal(name)
                     if out_dir:
                         os.makedirs(out_dir, exist_ok=True)
                         for ext in ("jsonl", "log"):
                             if (lab.tmp / f"{kind}-{i}.{ext}").exists():
                                 shutil.copy(lab.tmp / f"{kind}-{i}.{ext}", os.path.join(out_dir, f"{kind}-{i}.{ext}"))
-                shot = shot_figures(lines, steady)
+                shot = slow_figures(lines, steady) if kind == "slow" else shot_figures(lines, steady)
                 shot["bit_identical"] = losses(lines) == losses(clean)
-                out["shots"][kind].append(shot)
+                if kind == "isolate":
+                    shot["link_cuts"] = sum(1 for ln in lines if ln.get("event") == "link_cut")
+                out["shots"].setdefault(kind, []).append(shot)
                 for name in hosts.dead_workers():
                     hosts.replace(name, 1)
-    for kind, shots_of in out["shots"].items():
-        out[kind] = {k: _round(median([s[k] for s in shots_of if s[k] is not None], or_none=True)) for k in ("detect_s", "recovering_s", "lost_s")}
-    p, k = out["partition"], out["kill"]
-    out["partition_vs_kill"] = {f: round(p[f] / k[f], 2) if p[f] and k[f] else None for f in ("detect_s", "lost_s")}
+    for kind in KILLS:
+        out[kind] = {k: _round(median([s[k] for s in out["shots"][kind] if s[k] is not None], or_none=True)) for k in ("detect_s", "recovering_s", "lost_s")}
+    out["slow"] = {k: _round(median([s[k] for s in out["shots"]["slow"] if s[k] is not None], or_none=True))
+                   for k in ("step_s_before", "step_s_slow", "step_s_after", "slow_vs_before", "after_vs_before", "named_after_s", "move_s")}
+    k = out["kill"]
+    for kind in ("partition", "isolate"):
+        p = out[kind]
+        out[f"{kind}_vs_kill"] = {f: round(p[f] / k[f], 2) if p[f] and k[f] else None for f in ("detect_s", "lost_s")}
     out["all_bit_identical"] = all(s["bit_identical"] for v in out["shots"].values() for s in v)
     out["machine"] = machine_info()
     out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

@@ -2,7 +2,8 @@
 
 Owns: when each event fires and how it strikes (``ray.kill`` or SIGKILL of a stage, killing or
 corrupting a snapshot manager, corrupting a stage's own background copies, removing a node of a
-test cluster, cutting a node's link on the multi-host harness (``kill: partition``) and healing it (``kill: heal``), making a stage raise an application error on every step). The controller calls
+test cluster, cutting a node's link on the multi-host harness (``kill: partition``), or only
+between two nodes (``kill: isolate``), slowing it (``kill: slow``) and healing them all (``kill: heal``), making a stage raise an application error on every step). The controller calls
 :meth:`Chaos.fire` at its points: ``before_step`` (errors), ``recovery`` (kills after a recovery plan was made, before it is
 carried out), ``recovered`` (kills once a recovery is over, its re-protection included, before the next step) and
 ``resize``. Kills *during* a step come from :class:`ChaosExecutor`, which wraps the real step
@@ -103,7 +104,7 @@ class Chaos:
         if any(ev.kill == "node" for ev in cfg.chaos.events) and cluster is None and not on_lab:
             raise ConfigError("chaos.events with kill: node need a test cluster (ray.cluster_utils.Cluster) or the multi-host harness "
                               "(elastic_llm.hosts): use kill: stage or smp here")
-        self.lab = lab_of_driver() if on_lab or any(ev.kill in ("partition", "heal") for ev in cfg.chaos.events) else None
+        self.lab = lab_of_driver() if on_lab or any(ev.kill in ("partition", "isolate", "slow", "heal") for ev in cfg.chaos.events) else None
         self.events = list(cfg.chaos.events)
         self.cluster = cluster
         self.fired: set[int] = set()
@@ -213,6 +214,17 @@ class Chaos:
         elif ev.kill == "partition":
             assert self.lab is not None
             self.lab.cut(host_of(self.lab, self._node(ev, t)))
+        elif ev.kill == "isolate":  # only between this stage's node and the next stage's: both still reach the head and every other host
+            assert self.lab is not None
+            here = host_of(self.lab, self._node(ev, t))
+            there = host_of(self.lab, t.group.nodes[ShardKey(ev.stage + 1, ev.replica)])
+            if here == there:
+                raise ConfigError(f"chaos event kill: isolate of stage {ev.stage}: stages {ev.stage} and {ev.stage + 1} run on one host ({here}), "
+                                  "no link between them to cut: pick stages on two nodes")
+            self.lab.cut(here, "both", [there])
+        elif ev.kill == "slow":  # the node's link at ev.mbit each way (the heal undoes it)
+            assert self.lab is not None
+            self.lab.slow(host_of(self.lab, self._node(ev, t)), ev.mbit)
         elif ev.kill == "heal":  # every cut link of the harness: a partition that heals
             assert self.lab is not None
             for host in self.lab.hosts:

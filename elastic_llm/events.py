@@ -45,6 +45,8 @@ class Kind(StrEnum):
     NODE_DEAD = "node_dead"
     NODE_SUSPECT = "node_suspect"
     FENCED = "fenced"
+    LINK_CUT = "link_cut"
+    STRAGGLER = "straggler"
     WARNING = "warning"
     FAILED = "failed"
     END = "end"
@@ -358,6 +360,38 @@ class Fenced(Event):
     replica: int
     count: int
     what: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkCut(Event):
+    """The run's nodes in ``pairs`` could not reach each other (each still reached the driver)
+    after step ``step`` failed: ``set_aside`` (the side :func:`~elastic_llm.recovery.links.pick_side`
+    chose) gets nothing placed on it for ``for_s`` seconds (its ``times``-th time), and its stages
+    are recovered elsewhere."""
+
+    kind = Kind.LINK_CUT
+    step: int
+    pairs: list[list[str]]
+    set_aside: str
+    for_s: float
+    times: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Straggler(Event):
+    """The links cost the run's slowest actor ``share`` of each step for
+    ``recovery.straggler_steps`` steps; the measured rates named ``node`` (its pairs at
+    ``node_mb_s``, the fastest pair at ``fastest_mb_s``): its stages move off it like a drain,
+    and nothing is placed on it for ``for_s`` seconds (its ``times``-th time)."""
+
+    kind = Kind.STRAGGLER
+    step: int
+    node: str
+    share: float
+    node_mb_s: float
+    fastest_mb_s: float
+    for_s: float
+    times: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,7 +47,7 @@ class RunStatus:
 
 @dataclass(frozen=True)
 class RunEvent:
-    """Something that happened to the run: ``kind`` is recovery, resize, drain, reprotect, warning, capacity, state,
+    """Something that happened to the run: ``kind`` is recovery, resize, drain, reprotect, link_cut, straggler, warning, capacity, state,
     failed or end; ``text`` says it in one line."""
 
     kind: str
@@ -112,6 +112,11 @@ def event_of(record: Mapping[str, Any]) -> RunEvent | None:
                 f"snapshot {ev.version} re-protected against {nodes} by {'re-homing their parts' if ev.how == 'rehome' else 'a new version'}"
                 if ev.in_time else f"nodes {nodes} went before snapshot {ev.version} was re-protected")
         return RunEvent("reprotect", step, t, text, ev.how, seconds=float(ev.seconds or 0.0))
+    if isinstance(ev, events.LinkCut):
+        return RunEvent("link_cut", step, t, f"node {ev.set_aside[:12]} set aside for {ev.for_s:.0f} s: cut from {len(ev.pairs)} peer(s)", seconds=float(ev.for_s))
+    if isinstance(ev, events.Straggler):
+        text = f"node {ev.node[:12]} is a straggler: its links at {ev.node_mb_s:.1f} MB/s (fastest {ev.fastest_mb_s:.1f}) cost {ev.share:.0%} of a step; moved off"
+        return RunEvent("straggler", step, t, text, seconds=float(ev.for_s))
     if isinstance(ev, events.RunWarning):
         return RunEvent("warning", step, t, str(ev.message), str(ev.what))
     if isinstance(ev, events.StateChange):

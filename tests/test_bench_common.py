@@ -96,3 +96,18 @@ def test_partitions_shot_figures_come_from_the_runs_own_lines():
     got = shot_figures(lines, 1.0)
     assert got == {"detect_s": 3.0, "recovering_s": 2.0, "lost_s": 5.8, "sources": ["parity"], "committed_steps_lost": 0,
                    "recoveries_after_fault": 1, "fenced": 2, "recovery_spans": {"plan_s": 0.25, "actor_s": 1.5}}
+
+
+def test_partitions_slow_link_figures_split_the_steps_at_the_fault_the_straggler_line_and_the_drain():
+    """bench partitions' slow-link shot: steps while slow run from the fault to the ``straggler``
+    line, steps after from the ``drain`` line on; ratios against the steady step."""
+    from benchmarks.partitions import slow_figures
+
+    t0 = 1000.0
+    ends = [1, 2, 4, 6, 8, 12, 13, 14, 15]  # steps 3-5 take 2 s (slow), step 6 holds the move, then 1 s again
+    lines = [{"step": s + 1, "loss": 1.0, "elapsed_s": float(e)} for s, e in enumerate(ends)]
+    lines += [{"event": "chaos", "time": t0 + 2.1}, {"event": "straggler", "time": t0 + 8.5, "share": 0.6, "node_mb_s": 2.0, "fastest_mb_s": 40.0},
+              {"event": "drain", "time": t0 + 11.9, "seconds": 3.0, "moved": 2}, {"event": "end", "time": t0 + 15.0, "elapsed_s": 15.0}]
+    got = slow_figures(lines, 1.0)
+    assert got["step_s_slow"] == 2.0 and got["step_s_after"] == 1.0 and got["slow_vs_before"] == 2.0 and got["after_vs_before"] == 1.0
+    assert got["named_after_s"] == 6.4 and got["move_s"] == 3.0 and got["moved"] == 2 and got["recoveries"] == 0 and got["node_mb_s"] == 2.0

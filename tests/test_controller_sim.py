@@ -58,7 +58,7 @@ class ScriptedRuntime(SimRuntime):
         super().__init__(world)
         self.fails, self.log, self.executors = fails, [], []
 
-    def executor(self, actors, cfg, node_of=None):
+    def executor(self, actors, cfg, node_of=None, set_aside=frozenset):
         self.executors.append(ScriptedExecutor(self, cfg))
         return self.executors[-1]
 

@@ -45,6 +45,16 @@ def train(hosts, name: str, *overrides: str) -> list[dict]:
     return hosts.train(name, "jobs/tiny.yaml", STEPS, (*BASE, *overrides), timeout=RUN_S, cwd=REPO)
 
 
+def train_healed(hosts, name: str, *overrides: str) -> tuple[list[dict], dict[tuple[int, int], str]]:
+    """``train``, every link of the lab healed when it ends; its lines and where each actor started (node id)."""
+    try:
+        lines = train(hosts, name, *overrides)
+    finally:
+        for host in hosts.workers:
+            hosts.lab.heal(host)
+    start = next(ln for ln in lines if ln.get("event") == "start")
+    return lines, {(a["stage"], a["replica"]): a["node_id"] for a in start["actors"]}
+
 
 def losses(lines: list[dict]) -> dict[int, float]:
     """Each step's loss as the run ended with it (a replayed step's last line)."""
@@ -96,6 +106,25 @@ def test_a_ray_head_and_workers_in_their_own_namespaces_form_one_cluster_and_a_s
     hosts.replace("w1", 1)  # three workers again for the runs below
 
 
+def test_two_workers_cut_from_each_other_only_set_one_side_aside_and_recover_once_without_flapping(hosts, clean):
+    """The link between stage 1's node and stage 2's is cut both ways while step 5 runs; both
+    nodes still reach the head, the driver and every other host (neither is a suspect). The
+    stalled step has its nodes' links probed, the run sets one side of the cut aside (a
+    ``link_cut`` line naming the pair) and recovers its stages elsewhere. The cut stays until the
+    run ends: the side set aside gets nothing placed on it, so there is one recovery and no
+    other (no flapping), the losses of an undisturbed run and no committed step lost."""
+    lines, node = train_healed(hosts, "pair", "chaos.events=[{step: 5, kill: isolate, stage: 1}]")
+    assert losses(lines) == clean
+    [cut] = [ln for ln in lines if ln.get("event") == "link_cut"]
+    assert cut["step"] == 5 and cut["pairs"] == [sorted([node[1, 0], node[2, 0]])] and cut["set_aside"] in (node[1, 0], node[2, 0]), (cut, node)
+    assert not [ln for ln in lines if ln.get("event") == "node_suspect"]
+    states = [ln for ln in lines if ln.get("event") == "state" and ln["new"] == "recovering"]
+    assert len(states) == 1 and "NodeLost" in states[0]["reason"], states
+    recoveries = [ln for ln in lines if ln.get("event") == "recovery"]
+    moved = {s for s, n in node.items() if n == cut["set_aside"]}
+    assert {(r["stage"], r["replica"]) for r in recoveries} == moved and all(r["committed_steps_lost"] == 0 and r["lossless"] for r in recoveries), recoveries
+
+
 def test_a_partitioned_worker_is_rebuilt_elsewhere_bit_identically_and_its_zombies_are_refused_when_it_heals(hosts, clean):
     """Stage 1's node loses its link both ways while step 5 runs (the node and its processes
     live on). The run's node watch suspects it (a ``node_suspect`` line) before Ray's health
@@ -142,3 +171,23 @@ def test_a_partitioned_worker_is_rebuilt_elsewhere_bit_identically_and_its_zombi
     assert all(r["source"] in ("parity", "local_smp") for r in recoveries), recoveries
     fenced = [ln for ln in lines if ln.get("event") == "fenced"]
     assert all(ln["count"] == len(ln["what"]) and all("of link generation" in w for w in ln["what"]) for ln in fenced), fenced
+
+
+@pytest.mark.slow  # 1.5 minutes: its rule and figures are also tested without the harness (test_links, test_bench_common)
+def test_a_node_on_a_slow_link_is_reported_as_a_straggler_and_its_stages_move_off_it_like_a_drain(hosts, clean):
+    """Stage 1's node gets a link of 20 Mbit/s each way while step 2 runs (the others keep the
+    switch's full rate). Its links cost the slowest actor more than ``straggler_share`` of the
+    step for ``straggler_steps`` steps: the measured rates name that node (a ``straggler`` line),
+    and its stages move off it like a drain (state copied, nothing rolled back, no recovery).
+    Afterwards the links cost the steps little again; the losses are an undisturbed run's."""
+    for name in hosts.dead_workers():  # the partition test's cut node, ended by Ray once it healed: a new host takes its place
+        hosts.replace(name, 1)
+    lines, node = train_healed(hosts, "slow", "snapshot.every=4", "chaos.events=[{step: 2, kill: slow, stage: 1, mbit: 20}]")
+    assert losses(lines) == clean
+    [slow] = [ln for ln in lines if ln.get("event") == "straggler"]
+    assert slow["node"] == node[1, 0] and slow["share"] > 0.25 and slow["node_mb_s"] < slow["fastest_mb_s"] / 2, slow
+    [drain] = [ln for ln in lines if ln.get("event") == "drain"]
+    assert drain["node"] == node[1, 0] and drain["moved"] == sum(1 for n in node.values() if n == node[1, 0]) and drain["rollback_steps"] == 0, drain
+    assert not [ln for ln in lines if ln.get("event") == "recovery"]
+    after = [ln for ln in lines[lines.index(drain):] if ln.get("event") is None]
+    assert after and all(ln["link_share"] < 0.25 for ln in after), after

@@ -167,6 +167,12 @@ def _validate_recovery(c: RunConfig) -> list[str]:
         p.append(f"recovery.max_retries_per_step={rc.max_retries_per_step} must be >= 0 (0: a step that fails is not retried)")
     if rc.capacity_timeout_s <= 0:
         p.append(f"recovery.capacity_timeout_s={rc.capacity_timeout_s} must be > 0 seconds (default 600)")
+    if not rc.link_set_aside_s > 0:
+        p.append(f"recovery.link_set_aside_s={rc.link_set_aside_s} must be > 0 seconds (how long a node cut from a peer gets nothing placed on it; default 300)")
+    if not 0 < rc.straggler_share <= 1:
+        p.append(f"recovery.straggler_share={rc.straggler_share} must be in (0, 1] (the share of a step its links may cost before their rates are measured; default 0.25)")
+    if rc.straggler_steps < 0:
+        p.append(f"recovery.straggler_steps={rc.straggler_steps} must be >= 0 (steps in a row over straggler_share before a straggler is looked for; 0: never)")
     if rc.node_probe_s < 0:
         p.append(f"recovery.node_probe_s={rc.node_probe_s} must be >= 0 seconds (0 leaves node deaths to Ray's health checks; default 0.25)")
     if rc.driver_grace_s < 0:
@@ -200,6 +206,10 @@ def _validate_chaos(c: RunConfig) -> list[str]:
             p.append(f"{where}.step={ev.step} must be >= 1")
         if not (0 <= ev.stage < par.stages and 0 <= ev.replica < par.dp):
             p.append(f"{where} names stage {ev.stage} replica {ev.replica}, but the run has {par.stages} stages x {par.dp} replicas")
+        if ev.kill == "slow" and not ev.mbit > 0:
+            p.append(f"{where}.mbit={ev.mbit} must be > 0 Mbit/s (the rate kill: slow gives the node's link)")
+        if ev.kill == "isolate" and ev.stage >= par.stages - 1:
+            p.append(f"{where}: kill: isolate cuts stage {ev.stage}'s node from the next stage's, and stage {ev.stage} is the last: name a stage below {par.stages - 1}")
         if ev.corrupt and ev.kill not in ("smp", "stage"):
             p.append(f"{where}: corrupt: true goes with kill: smp (its committed shard) or kill: stage (its own copies), not kill: {ev.kill}")
         if ev.corrupt and ev.kill == "stage" and ev.during != "recovery":

@@ -132,6 +132,9 @@ class RecoveryConfig:
     standby_gpus: bool = False  # GPU runs: standbys hold a device each (adoptable on any node), else they take the dead actor's device
     node_probe_s: float = 0.25  # the driver probes every worker node's raylet this often (0: no probes; Ray's health checks alone)
     node_probe_failures: int = 3  # probes in a row that time out before a node is a suspect of this run (a refused connection is dead at once)
+    link_set_aside_s: float = 300.0  # a node on one side of a cut link between two live nodes gets nothing placed on it this long (doubled at each repeat): no recovery at every step
+    straggler_share: float = 0.25  # a step whose slowest actor spends more than this share of it reading from other nodes' links ...
+    straggler_steps: int = 3  # ... this many steps in a row has its link rates measured; a node on a slow link is a straggler, moved off like a drain (0: never)
     node_probe_declare: bool = True  # a node whose raylet refuses connections is declared dead to Ray (false: this run alone treats it as dead)
     driver_grace_s: float = 120.0  # snapshot managers, stage actors and standbys outlive a dead driver this long for `train --resume RUN_ID` (0: they die with it)
 
@@ -168,7 +171,7 @@ class ElasticConfig:
         return lo, hi
 
 
-ChaosKill = Literal["stage", "node", "smp", "error", "standby", "partition", "heal"]
+ChaosKill = Literal["stage", "node", "smp", "error", "standby", "partition", "isolate", "slow", "heal"]
 ChaosHow = Literal["ray_kill", "sigkill"]
 ChaosDuring = Literal["step", "recovery", "recovered", "resize"]
 ChaosOp = Literal["forward", "backward", "allreduce", "update"]
@@ -183,6 +186,8 @@ class ChaosEvent:
     step: int  # fire while this step runs (1-based), or (during: recovery) while the failure of this step is recovered
     kill: ChaosKill  # stage: the actor of (stage, replica); node / smp: the node / snapshot manager hosting it; error: the stage raises on every step from now on;
     # partition: the link of the node hosting it is cut both ways (the multi-host harness, elastic_llm.hosts: the driver runs on one of its hosts);
+    # isolate: the link between the node hosting it and the node hosting the next stage (stage + 1, same replica) is cut both ways; both still reach every other host
+    # slow: the link of the node hosting it runs at `mbit` Mbit/s each way (a tc token bucket on the harness)
     # heal: before the step, every cut link of the harness heals (the cut nodes' processes come back as zombies)
     stage: int = 0
     replica: int = 0
@@ -195,6 +200,7 @@ class ChaosEvent:
     # first grow after step `step`, once its spares joined, before their state is copied (kill: node: the joining replica's stage `stage`'s node) |
     # recovered: once the recovery of step `step`'s failure is over (its re-protecting snapshot included), before the next step
     during: ChaosDuring = "step"
+    mbit: float = 50.0  # kill: slow: the rate the node's link is slowed to, each way
     op: ChaosOp = "forward"  # kill: stage: strike when the actor starts its first op of this kind in the step (forward | backward | allreduce | update)
 
 

@@ -7,7 +7,7 @@ primitives: :class:`StageActors` (the stage actors and their membership) with it
 :class:`Placement` (actor slots), :class:`Spares` (actors started ahead), :class:`Resizes`
 (changes of the width and of who runs as a key), :class:`StateMoves` (the calls that move state
 between actors and stores), :class:`Handover` (driver failover) and chaos's
-:class:`~elastic_llm.chaos.StageHits`; :class:`Nodes` (liveness and drains),
+:class:`~elastic_llm.chaos.StageHits`; :class:`Nodes` (liveness, drains and probes of the links between nodes),
 :class:`Standbys` (warm processes), :class:`RunRegistry` (what a new driver finds of a run whose
 driver died), :class:`Faults` (fault injection), :class:`DurableTier` and the snapshot managers
 (:class:`~elastic_llm.snapshot.coordinator.ManagerFleet`, owned by the snapshot package), the
@@ -231,6 +231,8 @@ class Nodes(Protocol):
     def reclaimed(self) -> set[str]: ...  # nodes whose end was a reclaim (announced, or known as one): their failures are not charged to the failure budget
     def suspects(self) -> set[str]: ...  # nodes that stopped answering the driver's probes (nothing new is placed there)
     def sweep(self) -> None: ...  # look once more now (before a recovery observes)
+    def cut_pairs(self, nodes: frozenset[str]) -> frozenset[tuple[str, str]]: ...  # pairs of these live nodes that cannot reach each other now (each probe bounded; smaller id first)
+    def link_rates(self, nodes: frozenset[str]) -> dict[tuple[str, str], float]: ...  # bytes per second of each pair of these live nodes, measured now (bounded; a pair not measured is left out)
     def declare_gone(self, nodes: frozenset[str], why: str) -> None: ...  # nodes found gone another way (Ray's scheduler refused them): dead in this run's view from now on
     def deaths(self) -> list[NodeDeath]: ...  # deaths declared since the last call
     def stop(self) -> None: ...
@@ -341,6 +343,7 @@ class Runtime(Protocol):
     def group(self, cfg: RunConfig, run_id: str, standbys: Standbys | None) -> StageActors: ...
     def monitor(self, status: RunStatus) -> ActorRef: ...  # the run's monitor, holding its first status (see elastic_llm.monitor.Publisher)
     def durable(self, cfg: RunConfig, snapshots: SnapshotCoordinator, data_dir: str, metrics: MetricsWriter) -> DurableTier | None: ...  # None: no durable tier
-    def executor(self, actors: list[list[ActorRef]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None) -> StepExecutor: ...  # node_of: where each actor runs
+    def executor(self, actors: list[list[ActorRef]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None,
+                 set_aside: Callable[[], frozenset[str]] = frozenset) -> StepExecutor: ...  # node_of: where each actor runs; set_aside: nodes whose actors a step counts lost (a cut link's side)
     def cpu(self) -> float: ...  # the controller's own CPU seconds so far (a simulation leaves out its own bookkeeping)
     def shutdown(self) -> None: ...

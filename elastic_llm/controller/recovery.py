@@ -1,8 +1,10 @@
 """Recovery executor: observes what a failure left, then carries out a :class:`RecoveryPlan`.
 
 Owns: the order of a recovery's side effects. First :meth:`RecoveryExecutor.observe`: let the
-failed step's calls finish, reset the survivors (their pending snapshot calls give up), commit
-what completed and drop the versions in flight, then look (once) at nodes, actors and snapshot
+failed step's calls finish, reset the survivors (their pending snapshot calls give up; when every
+actor answered and no node is dead or suspect, the failed step's own links are probed and one
+side of a cut pair is set aside, its actors then lost:
+:class:`~elastic_llm.controller.links.LinkGuard`), commit what completed and drop the versions in flight, then look (once) at nodes, actors and snapshot
 managers and return a frozen :class:`Observation`. Then :meth:`RecoveryExecutor.execute`:
 release the spare replicas started for growth when lost actors need their slots, replace dead
 managers and lost actors, and restore state from the plan's sources (own copies,
@@ -18,6 +20,7 @@ the controller observes again and re-plans.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +28,7 @@ from typing import Any
 from elastic_llm import events
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.neighbours import promote_copies, rebuild_from_neighbours
+from elastic_llm.controller.links import LinkGuard
 from elastic_llm.controller.ports import DurableTier, Nodes, StageActors, Standbys
 from elastic_llm.recovery.failure import StepFailure
 from elastic_llm.recovery.policy import LOSSY, Member, Mode, Observation, RecoveryPlan, RollbackFrom, Source
@@ -110,7 +114,7 @@ class RecoveryExecutor:
     them): the same code on Ray and in a simulation."""
 
     def __init__(self, group: StageActors, snapshots: SnapshotCoordinator | None, parity: int, min_width: int, options: ModeOptions,
-                 nodes: Nodes, standbys: Standbys | None, meanwhile: Callable[[], None] | None = None) -> None:
+                 nodes: LinkGuard, standbys: Standbys | None, meanwhile: Callable[[], None] | None = None) -> None:
         self.group = group
         self.meanwhile = meanwhile  # called about every second while new processes start (notices seen then re-home parts at once)
         self.nodes = nodes  # probed once more before looking: a node whose actor call failed is known dead now
@@ -131,6 +135,11 @@ class RecoveryExecutor:
         suspects = self.nodes.suspects()  # one view for the whole observation
         alive_nodes = self.nodes.alive() - suspects  # a suspect's actors and parts are not waited for: lost
         steps = self.group.reset_survivors(alive_nodes)
+        if all(st is not None for st in steps.values()) and set(self.group.nodes.values()) <= alive_nodes:  # nothing lost: were the step's own links cut?
+            aside = self.nodes.check(failed_step, Counter(self.group.nodes.values()))
+            if aside is not None:  # its side's actors and parts are lost, as a suspect's
+                suspects, alive_nodes = suspects | {aside}, alive_nodes - {aside}
+                steps = {k: None if self.group.nodes.get(k) == aside else st for k, st in steps.items()}
         sn = self.snapshots
         dead_managers: frozenset[str] = frozenset()
         if sn is not None:

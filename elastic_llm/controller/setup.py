@@ -22,6 +22,7 @@ from elastic_llm import events
 from elastic_llm.config import ConfigError, RunConfig
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.elastic import ElasticExecutor
+from elastic_llm.controller.links import LinkGuard
 from elastic_llm.controller.metrics import MetricsWriter
 from elastic_llm.controller.ports import DurableTier, Keepalive, ResumeError, Roster, Runtime, StageActors, Standbys, is_run_id
 from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor
@@ -53,6 +54,7 @@ class RunParts:
     elastic: ElasticExecutor
     publisher: Publisher | None
     keepalive: Keepalive | None
+    nodes: LinkGuard  # the runtime's nodes, with those the run set aside for a cut link
     roster: Roster | None = None  # --resume RUN_ID: the dead driver's stage actors, until taken over (take_over)
 
 
@@ -186,9 +188,10 @@ def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, me
         checkpoints = CheckpointExecutor(group, cfg.recovery.checkpoint_every, cfg.recovery.checkpoint_dir, runtime.clock)
     min_width = cfg.elastic.bounds(cfg.parallel.dp)[0]
     options = ModeOptions(Mode(cfg.recovery.mode), cfg.mirrors, cfg.checkfree.lr_scale, checkpoints, durable)
-    elastic = ElasticExecutor(group, sn, cfg, runtime.nodes, runtime.clock)
-    recovery = RecoveryExecutor(group, sn, cfg.snapshot.parity, min_width, options, runtime.nodes, standbys, elastic.protect)
-    return RunParts(group, standbys, sn, durable, checkpoints, recovery, elastic, publisher, keepalive, roster)
+    nodes = LinkGuard(runtime.nodes, runtime.clock, cfg.recovery, metrics)
+    elastic = ElasticExecutor(group, sn, cfg, nodes, runtime.clock)
+    recovery = RecoveryExecutor(group, sn, cfg.snapshot.parity, min_width, options, nodes, standbys, elastic.protect)
+    return RunParts(group, standbys, sn, durable, checkpoints, recovery, elastic, publisher, keepalive, nodes, roster)
 
 
 def reattach(runtime: Runtime, run_id: str, group: StageActors, sn: SnapshotCoordinator | None, driver_grace_s: float) -> Resumed:

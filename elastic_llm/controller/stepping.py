@@ -3,8 +3,10 @@
 Owns: submitting a step (the next batch of the data stream, the in-step faults, whether it takes
 a snapshot, beginning that snapshot version once the plans are out), waiting for it with a
 deadline (short when an actor sits on a node the probes suspect, from the moment it is
-suspected, also mid-step) and looking meanwhile for drain notices (:attr:`StepRunner.between`, every :data:`NOTICE_LOOK_S`), rewinding the stream when it
-fails, and what the driver holds of a submitted step (:class:`InterruptedStep`: if every survivor
+suspected, also mid-step; a step stalled past :data:`SUSPECT_STEPS` typical steps has its nodes'
+links probed, and fails at once when two of its nodes cannot reach each other) and looking
+meanwhile for drain notices (:attr:`StepRunner.between`, every :data:`NOTICE_LOOK_S`), rewinding
+the stream when it fails, and what the driver holds of a submitted step (:class:`InterruptedStep`: if every survivor
 finished it, a recovery counts it from their reports). Then, after every completed step, each job
 in a method of its own (:class:`StepJobs`): the snapshot cadence's bookkeeping, the durable
 tier's, the CheckFree+ mirrors, the checkpointing baseline, the chaos rate, validation, the
@@ -15,6 +17,7 @@ never computes model math (the stage actors do).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -26,19 +29,22 @@ from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.drains import Drain
 from elastic_llm.controller.elastic import DRAIN_MARGIN_S
+from elastic_llm.controller.links import LinkGuard
 from elastic_llm.controller.metrics import MetricsWriter
 from elastic_llm.controller.neighbours import refresh_mirrors
-from elastic_llm.controller.ports import Faults, Nodes
+from elastic_llm.controller.ports import Faults
 from elastic_llm.controller.setup import RunParts
 from elastic_llm.controller.states import WaitingForCapacity
 from elastic_llm.controller.ticks import Ticks
 from elastic_llm.pipeline.executor import PendingStep, StepExecutor, StepFailed, StepResult
 from elastic_llm.pipeline.shares import replica_shares
+from elastic_llm.recovery.links import link_share
 from elastic_llm.stream import StreamPosition, TokenStream
 
 log = logging.getLogger("elastic_llm.controller")
 SUSPECT_STEPS = 10.0  # a step with an actor on a suspect node may take this many typical steps ...
 SUSPECT_MIN_S = 30.0  # ... and at least this long, before it counts as failed
+STALL_MIN_S = 5.0  # a step past SUSPECT_STEPS typical steps, and at least this long, has its nodes' links probed (then once per such period)
 STANDBY_LOOK_S = 1.0  # how often (at step boundaries) the warm standbys are topped up
 NOTICE_LOOK_S = 1.0  # while a step runs, how often the controller looks for new drain notices
 NOTICE_LOOK_MAX_S = 600.0  # ... for at most this long (then the step's own deadline decides)
@@ -68,7 +74,7 @@ class InterruptedStep:
 class StepRunner:
     """Submits steps and waits for them (see the module's docstring)."""
 
-    def __init__(self, cfg: RunConfig, clock: Clock, stream: TokenStream, parts: RunParts, faults: Faults, nodes: Nodes,
+    def __init__(self, cfg: RunConfig, clock: Clock, stream: TokenStream, parts: RunParts, faults: Faults, nodes: LinkGuard,
                  targets: Callable[[], FaultTargets], errors: tuple[type[BaseException], ...]) -> None:
         self.cfg, self.clock, self.stream, self.parts = cfg, clock, stream, parts
         self.faults, self.nodes, self.targets, self.errors = faults, nodes, targets, errors
@@ -100,7 +106,7 @@ class StepRunner:
             self.interrupted = InterruptedStep(step, pending, self.stream.at(), started)
             if snap and sn is not None:
                 sn.begin(step, self.parts.group.members())
-            left = self._look_while_running(executor, pending)
+            left = self._look_while_running(executor, pending, step)
             result = executor.finish(pending) if left is None else executor.finish(pending, left)
         except StepFailed:
             self.stream.seek(position)
@@ -112,7 +118,7 @@ class StepRunner:
         self.typical_s = took if self.typical_s is None else min(took, 0.9 * self.typical_s + 0.1 * took)
         return result, started
 
-    def _look_while_running(self, executor: StepExecutor, pending: Any) -> float | None:
+    def _look_while_running(self, executor: StepExecutor, pending: Any, step: int) -> float | None:
         """While the step runs, call :attr:`between` every :data:`NOTICE_LOOK_S` (a notice that
         arrives mid-step is acted on then, not at the next step boundary) and look at the
         suspects again (a node of the step suspected mid-step gives the step its suspect deadline
@@ -124,11 +130,17 @@ class StepRunner:
         ends = None if d is None else t0 + d
         if self.between is None:
             return d
+        stall = max(STALL_MIN_S, SUSPECT_STEPS * self.typical_s) if self.typical_s else None
+        look_links = None if stall is None else t0 + stall
         while not executor.wait(pending, NOTICE_LOOK_S):
             self.between()
             now = self.clock.perf_counter()
             if ends is None and (d := self.deadline_s()) is not None:
                 ends = now + d
+            if stall is not None and look_links is not None and now >= look_links:  # a stalled step: are its own links cut?
+                look_links = now + stall
+                if self.nodes.check(step, Counter(self.parts.group.nodes.values())) is not None:
+                    ends = now  # it fails now, the actors of the side set aside lost
             if now - t0 >= NOTICE_LOOK_MAX_S or (ends is not None and now >= ends):
                 break
         return None if ends is None else max(0.0, ends - self.clock.perf_counter())
@@ -137,7 +149,7 @@ class StepRunner:
 class StepJobs:
     """What follows a completed step, a method per job; :meth:`record` is the step's line."""
 
-    def __init__(self, cfg: RunConfig, clock: Clock, metrics: MetricsWriter, parts: RunParts, faults: Faults, nodes: Nodes, val_tokens: np.ndarray) -> None:
+    def __init__(self, cfg: RunConfig, clock: Clock, metrics: MetricsWriter, parts: RunParts, faults: Faults, nodes: LinkGuard, val_tokens: np.ndarray) -> None:
         self.cfg, self.clock, self.metrics, self.parts, self.faults, self.nodes = cfg, clock, metrics, parts, faults, nodes
         self.val_tokens = val_tokens
         self._standby_look = float("-inf")
@@ -152,7 +164,7 @@ class StepJobs:
     def suspects(self, step: int) -> None:
         """One ``node_suspect`` line per node the node watch began to suspect since the last look
         (again after it answered in between)."""
-        now = self.nodes.suspects()
+        now = self.nodes.suspects() - self.nodes.set_aside()  # the watch's own (a node set aside has its link_cut line)
         for node in sorted(now - self._suspected):
             self.metrics.emit(events.NodeSuspect(step=step, node=node))
         self._suspected = now
@@ -302,6 +314,7 @@ class StepJobs:
     def record(self, step: int, result: StepResult, seconds: float, elapsed_s: float, tokens: int, end: int, executor: StepExecutor) -> dict[str, Any]:
         """The step's line (and validation when due), after the ``fenced`` lines of its reports."""
         self.fenced(step, result)
+        share = self.links(step, result, seconds)
         rec: dict[str, Any] = {
             "step": step,
             "loss": result.loss,
@@ -311,6 +324,7 @@ class StepJobs:
             "lr": result.lr,
             "grad_norm": max(result.grad_norms),
             "dp": self.parts.group.width,
+            "link_share": round(share, 4),
         }
         sn, du = self.parts.snapshots, self.parts.durable
         if sn is not None and sn.auto:
@@ -321,6 +335,15 @@ class StepJobs:
         if ev and (step % ev == 0 or step == end):
             rec["val_loss"] = self.evaluate(executor)
         return rec
+
+    def links(self, step: int, result: StepResult, seconds: float) -> float:
+        """The share of the step its links cost its slowest actor; a straggler drained when the
+        rule says (:meth:`LinkGuard.observe`)."""
+        g = self.parts.group
+        node_of = {(k.stage, k.replica): n for k, n in g.nodes.items()}
+        share = link_share({(k.stage, k.replica): rep.received for k, rep in result.reports.items()}, node_of, seconds)
+        self.nodes.observe(step, share, Counter(g.nodes.values()))
+        return share
 
     def evaluate(self, executor: StepExecutor) -> float:
         """Validation loss over ``train.eval_batches`` batches of replica 0's share."""

@@ -111,10 +111,10 @@ class Trainer:
                 log.warning(warning)
                 self.metrics.emit(events.RunWarning(step=self.step, what=what, message=warning))
             self.parts = open_parts(self.cfg, rt, self.run_id, self.reattach is not None, self.metrics, str(self.data_dir), self.run_facts, spans)
-            self.runner = StepRunner(self.cfg, self.clock, self.stream, self.parts, rt.faults, rt.nodes, self.targets, rt.errors)
+            self.runner = StepRunner(self.cfg, self.clock, self.stream, self.parts, rt.faults, self.parts.nodes, self.targets, rt.errors)
             self.runner.between = lambda: (self.parts.elastic.notice(self.drains_seen), self.jobs.snapshot_lines(self.step), self.jobs.suspects(self.step))  # type: ignore[union-attr]  # while a step runs: new notices start their spares and re-home parts
             self.parts.elastic.joined = lambda: rt.faults.fire("resize", self.step, self.targets())
-            self.jobs = StepJobs(self.cfg, self.clock, self.metrics, self.parts, rt.faults, rt.nodes, self.val_tokens)
+            self.jobs = StepJobs(self.cfg, self.clock, self.metrics, self.parts, rt.faults, self.parts.nodes, self.val_tokens)
         g = self.parts.group
         with spans.span("stages"):
             take_over(self.parts)  # --resume RUN_ID: the dead driver's stage actors that answer
@@ -146,7 +146,7 @@ class Trainer:
     def _new_executor(self) -> None:
         """A step executor over the current membership (its links are set up before its first step)."""
         assert self.parts is not None
-        self.executor = self.runtime.faults.wrap(self.runtime.executor(self.parts.group.actors, self.cfg, self.parts.group.nodes.get), self.targets)
+        self.executor = self.runtime.faults.wrap(self.runtime.executor(self.parts.group.actors, self.cfg, self.parts.group.nodes.get, self.parts.nodes.set_aside), self.targets)
         publish_roster(self.runtime, self.run_id, self.parts)  # the membership a next driver takes over
 
     # ------------------------------------------------------------------ one step
@@ -265,7 +265,7 @@ class Trainer:
         assert self.parts is not None and self.jobs is not None
         failure, rec, t0 = state.failure, self.parts.recovery, self.clock.perf_counter()
         self.jobs.deaths(self.step)
-        spans, alive = self.parts.group.spans, self.runtime.nodes.alive()  # a node that goes from now on is the plan's news, not a failure of it
+        spans, alive = self.parts.group.spans, self.parts.nodes.alive()  # a node that goes from now on is the plan's news, not a failure of it
         try:
             with spans.span("plan"):
                 cpu = self.runtime.cpu()

@@ -175,7 +175,7 @@ class RayStepExecutor:
                  node_of: Callable[[ShardKey], str | None] | None = None) -> None:
         """``generations``: the counter link generations come from (the controller's, shared by its
         executors so that a later membership's links are always newer; default: this process's).
-        ``dead_nodes``: the nodes the run judged dead (its node watch), looked at every
+        ``dead_nodes``: the nodes the run judged dead (its node watch) or set aside (a cut link), looked at every
         :data:`LOOK_S` while a step runs; ``node_of``: where an actor runs. An actor of the step on
         a dead node is lost then, without waiting for Ray to fail its call."""
         self.dead_nodes, self.node_of = dead_nodes, node_of
@@ -310,7 +310,7 @@ class RayStepExecutor:
             node = self.node_of(key)
             if node is None or node not in dead:
                 continue
-            pending.lost[key] = NodeLost(f"{key}'s node {node[:12]} died (its raylet refused the driver's probe)")
+            pending.lost[key] = NodeLost(f"{key}'s node {node[:12]} is lost to the run (its raylet refused the driver's probe, or a link of it was cut)")
             if key.stage == 0:  # its replica's reports are lost with it; its other stages are told to stop
                 r = key.replica
                 for ref in [ref for ref, rr in pending.relays.items() if rr == r]:

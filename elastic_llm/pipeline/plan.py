@@ -134,6 +134,7 @@ class StepReport:
     failure: StepFailureInfo | None = None
     sent_bytes: dict[str, int] = field(default_factory=dict)  # per message kind: bytes this actor sent to peers
     head_losses: dict[int, tuple[float, ...]] = field(default_factory=dict)  # the barrier's root: every replica's microbatch losses
+    received: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)  # per peer (stage, replica): bytes of message bodies, seconds reading them
     fenced: tuple[str, ...] = ()  # what this actor refused as of an older generation since its last report (a zombie's plans and links)
 
     @property

@@ -151,7 +151,7 @@ class _Run:
         self._done(t0)
         return StepReport(
             self.me, plan.step, mine, stats.grad_norm, stats.lr, stats.snapshot_wait_s, np.array(self.op_seconds), self.phase_seconds, None,
-            self.links.sent_bytes(), heads,
+            self.links.sent_bytes(), heads, received=self.links.received(),
         )
 
     def _at(self, stage: int) -> ShardKey:

@@ -119,6 +119,8 @@ class Transport(Protocol):
 
     def sent_bytes(self) -> dict[str, int]: ...
 
+    def received(self) -> dict[tuple[int, int], tuple[int, float]]: ...  # per peer (stage, replica): bytes of this step's message bodies, seconds spent reading them
+
 
 class _Link:
     """One outbound connection and the thread that drains its send queue."""
@@ -172,6 +174,7 @@ class SocketTransport:
         self.inbound: dict[ShardKey, socket.socket] = {}
         self.arrived: dict[int, dict[ShardKey, socket.socket]] = {}
         self.sent: dict[Msg, int] = {}
+        self.got: dict[ShardKey, tuple[int, float]] = {}  # per peer: this step's message bodies, bytes and seconds read (a slow link's cost)
         self.early: dict[ShardKey, dict[tuple[int, int, int], np.ndarray | torch.Tensor]] = {}  # messages that came before they were asked for
         self.states_in: dict[ShardKey, socket.socket] = {}  # connections carrying a whole state (send_state), by sender
         self.refused: list[str] = []  # what came from an older generation since the last report (stale, take_refused)
@@ -253,7 +256,7 @@ class SocketTransport:
 
     def begin(self, step: int, deadline_s: float) -> None:
         self.step, self.deadline_s = step, deadline_s
-        self.sent, self.early = {}, {}
+        self.sent, self.early, self.got = {}, {}, {}
 
     def abort(self, generation: int) -> None:
         """Wake a receive blocked in this generation's step (called from another thread)."""
@@ -341,7 +344,10 @@ class SocketTransport:
                     raise ProtocolError(f"{self.me} got a message of dtype code {code} from {peer}: only float32 (0) and bfloat16 (1) travel")
                 raw = np.empty(tuple(dims[:ndim]) if ndim >= 0 else 0, np.float32 if code == FLOAT32 else np.int16)
                 if ndim >= 0:
+                    t0 = time.perf_counter()
                     _read_into(sock, raw.data.cast("B"))
+                    n, s = self.got.get(peer, (0, 0.0))
+                    self.got[peer] = (n + raw.nbytes, s + time.perf_counter() - t0)
                 out: np.ndarray | torch.Tensor = raw if code == FLOAT32 else torch.from_numpy(raw).view(torch.bfloat16)
             except EOFError as e:
                 raise PeerLost(peer, str(e)) from None
@@ -389,6 +395,12 @@ class SocketTransport:
 
     def sent_bytes(self) -> dict[str, int]:
         return {k.name.lower(): v for k, v in self.sent.items()}
+
+    def received(self) -> dict[tuple[int, int], tuple[int, float]]:
+        """Per peer: the bytes of this step's message bodies and the seconds spent reading them
+        once their header came (the time the link itself cost this actor: a body that arrived
+        while it computed reads at memory speed)."""
+        return {(k.stage, k.replica): v for k, v in self.got.items()}
 
     def _wait_readable(self, sock: socket.socket, peer: ShardKey) -> None:
         deadline = time.monotonic() + self.deadline_s

@@ -96,6 +96,16 @@ class RayNodes:
     def suspects(self) -> set[str]:
         return self.watch.suspects() if self.watch is not None else set()
 
+    def cut_pairs(self, nodes: frozenset[str]) -> frozenset[tuple[str, str]]:
+        from elastic_llm.runtime.link_probes import cut_pairs
+
+        return cut_pairs(nodes)
+
+    def link_rates(self, nodes: frozenset[str]) -> dict[tuple[str, str], float]:
+        from elastic_llm.runtime.link_probes import link_rates
+
+        return link_rates(nodes)
+
     def sweep(self) -> None:
         if self.watch is not None:
             self.watch.sweep(refresh=True)
@@ -180,9 +190,11 @@ class RayRuntime:
 
         return Tier(cfg, snapshots, data_dir, metrics, self.clock) if cfg.durable.storage_path else None
 
-    def executor(self, actors: list[list[Any]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None) -> StepExecutor:
+    def executor(self, actors: list[list[Any]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None,
+                 set_aside: Callable[[], frozenset[str]] = frozenset) -> StepExecutor:
+        watched = self.nodes.watch is not None
         return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.recovery.mode == Mode.REDUNDANT, self.generations,
-                               self.nodes.dead if self.nodes.watch is not None else None, node_of)
+                               lambda: (self.nodes.dead() if watched else set()) | set_aside(), node_of)
 
     def cpu(self) -> float:
         return time.process_time()

@@ -103,6 +103,14 @@ class SimNodes:
         if cut:
             self.world.clock.sleep(PROBE_TIMEOUT_S)
 
+    def cut_pairs(self, nodes: frozenset[str]) -> frozenset[tuple[str, str]]:
+        """None: the simulated fleet models a node cut off from the driver, not a link between two nodes."""
+        return frozenset()
+
+    def link_rates(self, nodes: frozenset[str]) -> dict[tuple[str, str], float]:
+        """None measured: the simulated fleet models no link's rate."""
+        return {}
+
     def declare_gone(self, nodes: frozenset[str], why: str) -> None:
         for node in sorted(nodes - self.gone):
             self._deaths.append(NodeDeath(node, "-", Outcome.UNSCHEDULABLE, 1, 0.0))
@@ -383,7 +391,8 @@ class SimRuntime:
         self.tier = SimFlusher(self.world, self.durable_every) if self.durable_every > 0 else None
         return self.tier
 
-    def executor(self, actors: list[list[Any]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None) -> StepExecutor:
+    def executor(self, actors: list[list[Any]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None,
+                 set_aside: Callable[[], frozenset[str]] = frozenset) -> StepExecutor:
         assert self.group_made is not None
         return SimExecutor(self.group_made, cfg)
 
