@@ -214,14 +214,15 @@ class Chaos:
         elif ev.kill == "partition":
             assert self.lab is not None
             self.lab.cut(host_of(self.lab, self._node(ev, t)))
-        elif ev.kill == "isolate":  # only between this stage's node and the next stage's: both still reach the head and every other host
+        elif ev.kill == "isolate":  # only between this stage's node and the next stage's on another node: both still reach every other host
             assert self.lab is not None
-            here = host_of(self.lab, self._node(ev, t))
-            there = host_of(self.lab, t.group.nodes[ShardKey(ev.stage + 1, ev.replica)])
-            if here == there:
-                raise ConfigError(f"chaos event kill: isolate of stage {ev.stage}: stages {ev.stage} and {ev.stage + 1} run on one host ({here}), "
-                                  "no link between them to cut: pick stages on two nodes")
-            self.lab.cut(here, "both", [there])
+            here = self._node(ev, t)
+            order = [*range(ev.stage + 1, self.shape[0]), *range(ev.stage - 1, -1, -1)]  # the next stages first, then the previous ones
+            there = next((n for s in order if (n := t.group.nodes[ShardKey(s, ev.replica)]) != here), None)
+            if there is None:
+                raise ConfigError(f"chaos event kill: isolate of stage {ev.stage}: every stage of replica {ev.replica} runs on one node, "
+                                  "no link between them to cut: give the run more than one node")
+            self.lab.cut(host_of(self.lab, here), "both", [host_of(self.lab, there)])
         elif ev.kill == "slow":  # the node's link at ev.mbit each way (the heal undoes it)
             assert self.lab is not None
             self.lab.slow(host_of(self.lab, self._node(ev, t)), ev.mbit)

@@ -200,7 +200,9 @@ def _chaos_problem(args: argparse.Namespace) -> str | None:
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     from elastic_llm.config import load_config
-    from elastic_llm.soak.plan import kinds_problem, parse_kinds, plan_soak
+    from elastic_llm.hosts.lab import unavailable
+    from elastic_llm.soak.lab import LabSoak
+    from elastic_llm.soak.plan import HARNESS, kinds_problem, on_harness, parse_kinds, plan_soak
     from elastic_llm.soak.runner import Soak, SoakOptions
 
     problem = _chaos_problem(args)
@@ -212,13 +214,22 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    harness = on_harness(kinds)
+    why = unavailable(directional=True) if harness else None
+    if why is not None:
+        print(f"error: --faults {','.join(k.value for k in kinds if k in HARNESS)} need the multi-host harness (elastic_llm.hosts), "
+              f"and {why}: run it as root on Linux with iproute2 and nftables, or soak the kinds that run on a loopback cluster", file=sys.stderr)
+        return EXIT_USAGE
     overrides = list(args.set or [])
     cfg = load_config(args.config, overrides)  # a bad config is refused before any node starts
     lo, hi = cfg.elastic.bounds(cfg.parallel.dp)
-    plans = plan_soak(kinds, args.trials, args.faults_per_trial, args.seed, cfg.parallel.stages, args.first_trial, resize=lo < hi)
-    options = SoakOptions(args.workers, args.cpus_per_node, args.trial_timeout_s, seed=args.seed)
-    driver_argv = ["--config", args.config, *[a for o in overrides for a in ("--set", o)]]  # driver trials start `elastic-llm train` with these
-    report = Soak(lambda extra: load_config(args.config, [*overrides, *extra]), plans, options, driver_argv=driver_argv).run(args.out)
+    plans = plan_soak(kinds, args.trials, args.faults_per_trial, args.seed, cfg.parallel.stages, args.first_trial, resize=lo < hi and not harness)
+    if harness:
+        report = LabSoak(args.config, overrides, plans, args.workers, args.cpus_per_node, args.trial_timeout_s, args.seed).run(args.out)
+    else:
+        options = SoakOptions(args.workers, args.cpus_per_node, args.trial_timeout_s, seed=args.seed)
+        driver_argv = ["--config", args.config, *[a for o in overrides for a in ("--set", o)]]  # driver trials start `elastic-llm train` with these
+        report = Soak(lambda extra: load_config(args.config, [*overrides, *extra]), plans, options, driver_argv=driver_argv).run(args.out)
     print(json.dumps({"ok": report["ok"], **report["totals"], "failed": [f"trial {f['trial']}: {f['invariant']}" for f in report["failures"]]}))
     print(f"wrote {Path(args.out) / 'report.json'} and {Path(args.out) / 'report.md'}", file=sys.stderr)
     return 0 if report["ok"] else 1
@@ -425,12 +436,13 @@ def _simulate_command(sub: Any) -> None:
 
 
 def _chaos_command(sub: Any) -> None:
-    ch = sub.add_parser("chaos", help="soak runs on a loopback Ray cluster with seeded faults; check them against an undisturbed run")
+    ch = sub.add_parser("chaos", help="soak runs on a loopback Ray cluster (or the multi-host harness) with seeded faults; check them against an undisturbed run")
     ch.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
     ch.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
     ch.add_argument("--faults", default="stage,manager,node,drain,pause,corrupt,flush", help=(
         "fault kinds, comma-separated (default: stage,manager,node,drain,pause,corrupt,flush; driver runs in soaks of its own: "
-        "--faults driver)"))
+        "--faults driver; partition, partition-heal, isolate-pair, slow-link run on the multi-host harness, as root, with stage, manager "
+        "and node if given: one host per node, --cpus-per-node 1 there gives each node two stages of jobs/tiny.yaml)"))
     ch.add_argument("--trials", type=int, default=1, help="soaked runs, each with its own faults (default 1)")
     ch.add_argument("--first-trial", type=int, default=0, help="number of the first trial (default 0): re-run trial i alone with --first-trial i --trials 1")
     ch.add_argument("--faults-per-trial", type=int, default=3, help="faults in each soaked run, one at a time (default 3)")

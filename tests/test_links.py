@@ -95,7 +95,7 @@ def test_the_guard_sets_nothing_aside_when_every_pair_answers():
 
 @pytest.mark.parametrize("override, words", [
     ("recovery.link_set_aside_s=0", "recovery.link_set_aside_s=0.0 must be > 0 seconds"),
-    ("chaos.events=[{step: 2, kill: isolate, stage: 3}]", "stage 3 is the last: name a stage below 3"),
+    ("chaos.events=[{step: 2, kill: slow, stage: 3, mbit: 0}]", "mbit=0.0 must be > 0 Mbit/s"),
 ])
 def test_bad_link_settings_name_the_field_and_the_fix(override, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("[", r"\[")):

@@ -208,8 +208,8 @@ def _validate_chaos(c: RunConfig) -> list[str]:
             p.append(f"{where} names stage {ev.stage} replica {ev.replica}, but the run has {par.stages} stages x {par.dp} replicas")
         if ev.kill == "slow" and not ev.mbit > 0:
             p.append(f"{where}.mbit={ev.mbit} must be > 0 Mbit/s (the rate kill: slow gives the node's link)")
-        if ev.kill == "isolate" and ev.stage >= par.stages - 1:
-            p.append(f"{where}: kill: isolate cuts stage {ev.stage}'s node from the next stage's, and stage {ev.stage} is the last: name a stage below {par.stages - 1}")
+        if ev.kill == "isolate" and par.stages < 2:
+            p.append(f"{where}: kill: isolate cuts a stage's node from another stage's, and the run has one stage: use kill: partition")
         if ev.corrupt and ev.kill not in ("smp", "stage"):
             p.append(f"{where}: corrupt: true goes with kill: smp (its committed shard) or kill: stage (its own copies), not kill: {ev.kill}")
         if ev.corrupt and ev.kill == "stage" and ev.during != "recovery":

@@ -186,7 +186,7 @@ class ChaosEvent:
     step: int  # fire while this step runs (1-based), or (during: recovery) while the failure of this step is recovered
     kill: ChaosKill  # stage: the actor of (stage, replica); node / smp: the node / snapshot manager hosting it; error: the stage raises on every step from now on;
     # partition: the link of the node hosting it is cut both ways (the multi-host harness, elastic_llm.hosts: the driver runs on one of its hosts);
-    # isolate: the link between the node hosting it and the node hosting the next stage (stage + 1, same replica) is cut both ways; both still reach every other host
+    # isolate: the link between the node hosting it and the node of the next stage (same replica) on another node (else the previous one's) is cut both ways; both still reach every other host
     # slow: the link of the node hosting it runs at `mbit` Mbit/s each way (a tc token bucket on the harness)
     # heal: before the step, every cut link of the harness heals (the cut nodes' processes come back as zombies)
     stage: int = 0

@@ -315,7 +315,7 @@ class Lab:
             raise LabError(f"slow link rate {mbit!r} Mbit/s: give a positive rate")
         host = self.hosts[name]
         rate = f"{mbit:g}mbit"
-        burst = max(16_000, int(mbit * 1e6 / 8 / 250))  # 4 ms of the rate, at least a few packets
+        burst = max(131_072, int(mbit * 1e6 / 8 / 250))  # 4 ms of the rate, at least two of veth's 64 KiB segments (a smaller bucket drops them whole)
         limit = max(64_000, int(mbit * 1e6 / 8 / 10))  # 100 ms queued before a drop
         for ns, dev in ((host.ns, "eth0"), (self.switch, host.port)):
             _run(_in(ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst), "limit", str(limit)))

@@ -32,6 +32,11 @@ class FaultKind(str, Enum):
     CORRUPT = "corrupt"  # a flipped byte in a stage's snapshot shard, then that stage killed: the recovery must not load it
     FLUSH = "flush"  # SIGKILL of a snapshot manager while it writes its part of a durable checkpoint
     DRIVER = "driver"  # SIGKILL of the driver process mid-step, then ``elastic-llm train --resume RUN_ID`` in its place
+    # on the multi-host harness (elastic_llm.hosts; struck by the run's own chaos events, its driver on a host of the harness):
+    PARTITION = "partition"  # the link of a stage's node cut both ways for the rest of the trial (Ray declares the node dead)
+    PARTITION_HEAL = "partition-heal"  # ... healed two steps later: its processes come back as zombies, fenced
+    ISOLATE_PAIR = "isolate-pair"  # the link between a stage's node and the next stage's on another node cut both ways
+    SLOW_LINK = "slow-link"  # a stage's node at SLOW_MBIT Mbit/s each way for the rest of the trial: a straggler, moved off
 
 
 class Moment(str, Enum):
@@ -60,7 +65,13 @@ MOMENTS: dict[FaultKind, tuple[Moment, ...]] = {  # the moments each kind is aim
     FaultKind.CORRUPT: (Moment.STEP,),  # struck by the run's chaos hook at a step's start
     FaultKind.FLUSH: (Moment.FLUSH,),
     FaultKind.DRIVER: (Moment.STEP,),  # killed once its metrics show the step: it is then inside a later one
+    FaultKind.PARTITION: (Moment.STEP,),  # the harness's kinds strike while the step after theirs runs
+    FaultKind.PARTITION_HEAL: (Moment.STEP,),
+    FaultKind.ISOLATE_PAIR: (Moment.STEP,),
+    FaultKind.SLOW_LINK: (Moment.STEP,),
 }
+HARNESS = (FaultKind.PARTITION, FaultKind.PARTITION_HEAL, FaultKind.ISOLATE_PAIR, FaultKind.SLOW_LINK)  # need the multi-host harness
+ON_HARNESS_TOO = (FaultKind.STAGE, FaultKind.MANAGER, FaultKind.NODE)  # run there too, struck by the run's chaos events between steps
 RESIZES = (FaultKind.STAGE, FaultKind.MANAGER, FaultKind.NODE)  # also aimed at a resize when the run's width can change
 
 
@@ -116,10 +127,20 @@ def kinds_problem(kinds: tuple[FaultKind, ...]) -> str | None:
     """Why ``kinds`` cannot be soaked together, or None. Pure. Driver faults run in trials of
     their own: the run's driver is then a separate process, and the other kinds are struck
     through the driver's own view of its actors."""
+    if on_harness(kinds):
+        elsewhere = [k.value for k in kinds if k not in HARNESS and k not in ON_HARNESS_TOO]
+        if elsewhere:
+            return (f"--faults: {','.join(elsewhere)} cannot run on the multi-host harness that {','.join(k.value for k in kinds if k in HARNESS)} need: "
+                    f"soak them apart, or use {','.join(k.value for k in ON_HARNESS_TOO)} with them")
     if FaultKind.DRIVER in kinds and len(kinds) > 1:
         others = ",".join(k.value for k in kinds if k is not FaultKind.DRIVER)
         return f"--faults: driver faults run in soaks of their own (the run's driver is then a separate process): run --faults driver and --faults {others} separately"
     return None
+
+
+def on_harness(kinds: tuple[FaultKind, ...]) -> bool:
+    """Whether a soak of ``kinds`` runs on the multi-host harness (one of them needs it). Pure."""
+    return any(k in HARNESS for k in kinds)
 
 
 def plan_trial(kinds: tuple[FaultKind, ...], faults: int, seed: int, trial: int, stages: int, resize: bool = False) -> TrialPlan:
@@ -139,7 +160,7 @@ def plan_trial(kinds: tuple[FaultKind, ...], faults: int, seed: int, trial: int,
     for kind in order[:faults]:
         step += GAP + int(rng.integers(0, JITTER + 1))
         stage = int(rng.integers(0, stages))
-        moments = MOMENTS[kind] + ((Moment.RESIZE,) if resize and kind in RESIZES else ())
+        moments = (Moment.STEP,) if on_harness(kinds) else MOMENTS[kind] + ((Moment.RESIZE,) if resize and kind in RESIZES else ())
         out.append(Fault(kind, step, stage, moments[int(rng.integers(0, len(moments)))]))
     return TrialPlan(trial, tuple(out), step + TAIL)
 

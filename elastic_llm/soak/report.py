@@ -53,6 +53,8 @@ class TrialRun:
     durable: str | None = None  # the run's newest durable checkpoint, verified (None: the run has no durable tier)
     durable_error: str | None = None  # why it did not verify (or was missing)
     failovers: list[dict[str, Any]] = field(default_factory=list)  # driver faults: fault_step, committed, source, step, seconds
+    links: Sequence[Mapping[str, Any]] = field(default_factory=list)  # on the harness: the run's link_cut and straggler lines
+    fenced: int = 0  # on the harness: calls and links of an older generation the stages refused (a healed partition's zombies)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,22 @@ def judge_fault(inj: Injection, nxt: Fault | None, run: TrialRun) -> Outcome:
         d = drains[0]
         return Outcome(True, f"drained ({d.get('how')}: {d.get('moved')} moved, {d.get('dropped')} dropped)", sources,
                        tuple(round(float(x["seconds"]), 3) for x in drains) + secs, lost)
+    if f.kind is FaultKind.ISOLATE_PAIR:
+        cuts = [x for x in _window(f, nxt, run.links, 1) if x.get("event") == "link_cut"]
+        if not cuts:
+            return Outcome(False, "no link_cut line: the cut pair was not found", sources, secs, lost)
+        if not recs:
+            return Outcome(False, f"node {str(cuts[0]['set_aside'])[:12]} was set aside, but no stage was recovered", sources, secs, lost)
+        return Outcome(True, f"node {str(cuts[0]['set_aside'])[:12]} set aside, its stages recovered from {', '.join(sources)}", sources, secs, lost)
+    if f.kind is FaultKind.SLOW_LINK:  # the slow link stays to the trial's end: its straggler may be named after the next fault
+        slow = [x for x in run.links if x.get("event") == "straggler" and x["step"] > f.step]
+        if not slow:
+            return Outcome(False, "no straggler line: the slow link was not told apart", sources, secs, lost)
+        moved = [d for d in run.drains if d.get("node") == slow[0]["node"]]
+        if not moved:
+            return Outcome(False, f"straggler {str(slow[0]['node'])[:12]} named, but its stages were not moved off it", sources, secs, lost)
+        return Outcome(True, f"straggler named at step {slow[0]['step']} (its links cost {slow[0]['share']:.0%} of a step), "
+                             f"{moved[0].get('moved')} stages moved off it", sources, tuple(round(float(d["seconds"]), 3) for d in moved) + secs, lost)
     shrinks = [r for r in _window(f, nxt, run.resizes, 0) if r.get("to_dp", 0) < r.get("from_dp", 0)]
     if not mine and shrinks and f.kind in (FaultKind.STAGE, FaultKind.NODE):  # its replica was dropped, not restored
         return Outcome(True, f"its replica was dropped (width {shrinks[0]['from_dp']} -> {shrinks[0]['to_dp']})", sources, secs, lost)
@@ -257,7 +275,7 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
         trials.append({
             "trial": run.plan.trial, "steps": run.plan.steps, "seconds": round(run.seconds, 3), "faults": faults,
             "recoveries": len({r["step"] for r in run.recoveries if r.get("source") != "none"}), "drains": len(run.drains), "resizes": len(run.resizes),
-            "failovers": run.failovers,
+            "failovers": run.failovers, "fenced": run.fenced,
             "fallbacks": [{"step": r["step"], "source": r["source"], "reason": r.get("reason", "")} for r in run.recoveries if fallback(r)],
             "committed_steps_lost": sum(int(r.get("committed_steps_lost", 0)) for r in run.recoveries if not fallback(r))
             + sum(o.committed_steps_lost for inj, o in zip(run.injections, outcomes) if inj.fault.kind is FaultKind.DRIVER),
@@ -284,6 +302,7 @@ def build_report(meta: dict[str, Any], reference: dict[int, float], runs: list[T
     diffs = [t["rel_diff_after_width_change"] for t in trials if t["rel_diff_after_width_change"] is not None]
     totals["rel_diff_after_width_change"] = max(diffs) if diffs else None
     totals["durable_verified_trials"] = sum(1 for t in trials if t["durable"] is not None and t["durable_error"] is None)
+    totals["fenced"] = sum(run.fenced for run in runs)
     return {**meta, "ok": not failures, "failures": failures, "by_kind": by_kind, "by_moment": moments, "totals": totals, "trials": trials}
 
 
@@ -314,7 +333,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("by_moment"):
         lines += ["", "| struck during | injected | survived |", "|---|---|---|"]
         lines += [f"| {name} | {m['injected']} | {m['survived']} |" for name, m in report["by_moment"].items()]
-    lines += ["", f"final durable checkpoint verified in {t.get('durable_verified_trials', 0)}/{t['trials']} trials"]
+    lines += ["", f"final durable checkpoint verified in {t.get('durable_verified_trials', 0)}/{t['trials']} trials; "
+              f"{t.get('fenced', 0)} calls and links of an older generation refused (fenced)"]
     if report["failures"]:
         lines += ["", "## Failed invariants", ""] + [f"- trial {f['trial']}: **{f['invariant']}**: {f['diagnosis']}" for f in report["failures"]]
     lines += ["", "## Trials", ""]
