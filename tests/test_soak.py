@@ -9,14 +9,14 @@ import pytest
 
 from elastic_llm.cli import main
 from elastic_llm.config import load_config
-from elastic_llm.soak.plan import GAP, MOMENTS, RESIZES, Fault, FaultKind, Moment, TrialPlan, parse_kinds, plan_soak, plan_trial
+from elastic_llm.soak.plan import GAP, HARNESS, MOMENTS, RESIZES, Fault, FaultKind, Moment, TrialPlan, parse_kinds, plan_soak, plan_trial
 from elastic_llm.soak.report import Injection, TrialRun, build_report, judge_trial, render_markdown
 from elastic_llm.soak.runner import Soak, SoakOptions, hook_events
 
 from .conftest import FOUR_SMALL_STAGES, REPO, loopback_cluster_fixture, wait_until
 
 pytestmark = pytest.mark.timeout(300)
-ALL = tuple(FaultKind)
+ALL = tuple(k for k in FaultKind if k not in HARNESS)  # the loopback cluster's kinds (the harness's: test_soak_lab)
 
 # ---------------------------------------------------------------------------- the schedule
 

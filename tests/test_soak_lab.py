@@ -93,3 +93,12 @@ def test_a_soak_on_the_harness_survives_a_healed_partition_and_a_cut_pair_bit_fo
     assert code == 0 and report["ok"], report["failures"]
     assert report["totals"]["injected"] == 2 and report["totals"]["survived"] == 2 and report["totals"]["durable_verified_trials"] == 1
     assert report["harness"] is True and {f["kind"] for f in report["trials"][0]["faults"]} == {"partition-heal", "isolate-pair"}
+
+
+def test_a_fault_after_a_slow_link_waits_until_its_straggler_can_be_named():
+    from elastic_llm.soak.plan import GAP, SLOW_GAP
+
+    plans = plan_soak(KINDS, 20, 7, seed=2, stages=4)
+    pairs = [(a, b) for p in plans for a, b in zip(p.faults, p.faults[1:])]
+    assert any(a.kind is FaultKind.SLOW_LINK for a, _ in pairs)
+    assert all(b.step - a.step >= (SLOW_GAP if a.kind is FaultKind.SLOW_LINK else GAP) for a, b in pairs)

@@ -7,7 +7,8 @@ own), the reference run on it, and each trial: one ``elastic-llm train`` on the 
 whose ``chaos.events`` strike the plan's faults (:func:`harness_events`: a stage SIGKILLed, a
 snapshot manager killed, a node's host SIGKILLed, a node's link cut for good or healed two steps
 later, the link between two stages' nodes cut, a node's link slowed to :data:`SLOW_MBIT` Mbit/s)
-while the step after the fault's runs. Every link heals when a trial ends, and a host Ray
+while the step after the fault's runs (every run, the reference's too, trains :data:`SLOW_TAIL`
+steps more when a slow link is planned, so that its straggler is named and moved). Every link heals when a trial ends, and a host Ray
 declared dead (a partition's, a killed one's) is replaced by a new one before the next trial.
 The trial's run is then judged from its metrics lines like any soak's (:mod:`.report`), with its
 ``link_cut`` and ``straggler`` lines and the calls its stages refused as a zombie's (``fenced``),
@@ -32,6 +33,7 @@ from elastic_llm.soak.report import Injection, TrialRun, build_report, write_rep
 log = logging.getLogger("elastic_llm.soak")
 SLOW_MBIT = 20  # a slow-link fault's rate, each way (the switch's own: several Gbit/s)
 HEAL_AFTER = 2  # a partition-heal heals (every cut link) this many steps after its cut
+SLOW_TAIL = 6  # steps every run trains beyond the longest plan when one has a slow link: its straggler is named after 3 slow steps, then moved
 KILLS = {FaultKind.STAGE: "stage", FaultKind.MANAGER: "smp", FaultKind.NODE: "node", FaultKind.PARTITION: "partition",
          FaultKind.PARTITION_HEAL: "partition", FaultKind.ISOLATE_PAIR: "isolate", FaultKind.SLOW_LINK: "slow"}
 DURABLE_EVERY = 2  # each trial flushes every 2nd committed snapshot, so its newest durable checkpoint can be verified
@@ -86,7 +88,7 @@ class LabSoak:
         out = Path(out_dir).resolve()
         out.mkdir(parents=True, exist_ok=True)
         cfg = load_config(self.config, self.overrides)
-        steps = max(p.steps for p in self.plans)
+        steps = max(p.steps for p in self.plans) + (SLOW_TAIL if any(f.kind is FaultKind.SLOW_LINK for p in self.plans for f in p.faults) else 0)
         runs: list[TrialRun] = []
         aborted = None
         with Lab.create() as lab:

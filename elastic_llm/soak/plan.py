@@ -18,6 +18,7 @@ import numpy as np
 FIRST_STEP = 3  # the first fault strikes after this step: snapshots of the steps before it committed
 GAP = 3  # steps from one fault to the next: the hit step, its re-run (or a drained node's removal), a clean step
 TAIL = 3  # clean steps after the last fault
+SLOW_GAP = 6  # steps from a slow link to the next fault: 3 slow steps name its straggler, then the probe, a look and the move
 JITTER = 2  # a fault strikes up to this many steps later than the earliest allowed
 
 
@@ -146,7 +147,8 @@ def on_harness(kinds: tuple[FaultKind, ...]) -> bool:
 def plan_trial(kinds: tuple[FaultKind, ...], faults: int, seed: int, trial: int, stages: int, resize: bool = False) -> TrialPlan:
     """Trial ``trial``'s ``faults`` faults, seeded by (seed, trial): the kinds come round in a
     shuffled order (every kind once before any twice), each aimed at a random stage and moment,
-    each at least :data:`GAP` steps after the previous one; with ``resize`` (a run whose
+    each at least :data:`GAP` steps after the previous one (:data:`SLOW_GAP` after a slow link,
+    so that a later fault does not take its node before it is named); with ``resize`` (a run whose
     data-parallel width can shrink and grow) the kinds of :data:`RESIZES` are aimed at a resize
     too. Pure."""
     if not kinds or faults < 1 or stages < 1:
@@ -158,7 +160,7 @@ def plan_trial(kinds: tuple[FaultKind, ...], faults: int, seed: int, trial: int,
     out = []
     step = FIRST_STEP - GAP
     for kind in order[:faults]:
-        step += GAP + int(rng.integers(0, JITTER + 1))
+        step += GAP + int(rng.integers(0, JITTER + 1)) + (SLOW_GAP - GAP if out and out[-1].kind is FaultKind.SLOW_LINK else 0)
         stage = int(rng.integers(0, stages))
         moments = (Moment.STEP,) if on_harness(kinds) else MOMENTS[kind] + ((Moment.RESIZE,) if resize and kind in RESIZES else ())
         out.append(Fault(kind, step, stage, moments[int(rng.integers(0, len(moments)))]))
