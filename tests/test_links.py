@@ -100,3 +100,13 @@ def test_the_guard_sets_nothing_aside_when_every_pair_answers():
 def test_bad_link_settings_name_the_field_and_the_fix(override, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("[", r"\[")):
         load_config(TINY, [override])
+
+
+def test_status_shows_a_node_set_aside_and_a_straggler_as_events():
+    from elastic_llm.monitor import event_of
+
+    cut = event_of({"event": "link_cut", "time": 5.0, "step": 5, "pairs": [["a", "b"]], "set_aside": "b" * 20, "for_s": 300.0, "times": 1})
+    slow = event_of({"event": "straggler", "time": 9.0, "step": 9, "node": "c" * 20, "share": 0.42, "node_mb_s": 2.4, "fastest_mb_s": 340.0,
+                     "for_s": 300.0, "times": 1})
+    assert cut is not None and cut.kind == "link_cut" and cut.text == "node bbbbbbbbbbbb set aside for 300 s: cut from 1 peer(s)"
+    assert slow is not None and slow.kind == "straggler" and "node cccccccccccc is a straggler: its links at 2.4 MB/s (fastest 340.0) cost 42%" in slow.text
