@@ -102,3 +102,17 @@ def test_a_fault_after_a_slow_link_waits_until_its_straggler_can_be_named():
     pairs = [(a, b) for p in plans for a, b in zip(p.faults, p.faults[1:])]
     assert any(a.kind is FaultKind.SLOW_LINK for a, _ in pairs)
     assert all(b.step - a.step >= (SLOW_GAP if a.kind is FaultKind.SLOW_LINK else GAP) for a, b in pairs)
+
+
+def test_a_straggler_whose_node_the_next_fault_takes_before_the_move_counts_as_told_apart():
+    plan = TrialPlan(0, (Fault(FaultKind.SLOW_LINK, 8, 0), Fault(FaultKind.NODE, 14, 0)), 17)
+    lines = steps(17) + [
+        {"event": "chaos", "step": 9, "kill": "slow"}, {"event": "straggler", "step": 14, "node": "c" * 20, "share": 0.76},
+        {"event": "chaos", "step": 15, "kill": "node"},
+        {"event": "recovery", "step": 15, "stage": 0, "replica": 0, "source": "parity", "committed_steps_lost": 0, "lossless": True, "seconds": 3.0},
+    ]
+    outcomes, failed = judge_trial(trial_run(plan, lines, 60.0, None), {s: 1.0 + s for s in range(1, 18)})
+    assert failed == [] and "the next fault (node of stage 0) took its node before its stages moved" in outcomes[0].what
+    other = TrialPlan(0, (Fault(FaultKind.SLOW_LINK, 8, 0), Fault(FaultKind.NODE, 14, 2)), 17)  # another stage's node: not an excuse
+    outcomes, _ = judge_trial(trial_run(other, lines, 60.0, None), {s: 1.0 + s for s in range(1, 18)})
+    assert not outcomes[0].matched and "not moved off it" in outcomes[0].what

@@ -95,6 +95,8 @@ class LabSoak:
             hosts = RayHosts(lab).start(workers=self.workers, cpus_per_node=self.cpus)
             log.info("reference run: %d steps of %s on the harness", steps, cfg.name)
             reference = losses_of(hosts.train("reference", self.config, steps, self.overrides, timeout=self.timeout_s))
+            (out / "reference").mkdir(exist_ok=True)
+            (out / "reference" / "metrics.jsonl").write_bytes((lab.tmp / "reference.jsonl").read_bytes())
             for plan in self.plans:
                 try:
                     for name in hosts.dead_workers():  # a partition's node (Ray ended it when it healed), a killed one: a new host

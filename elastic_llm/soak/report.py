@@ -132,6 +132,10 @@ def judge_fault(inj: Injection, nxt: Fault | None, run: TrialRun) -> Outcome:
         if not slow:
             return Outcome(False, "no straggler line: the slow link was not told apart", sources, secs, lost)
         moved = [d for d in run.drains if d.get("node") == slow[0]["node"]]
+        if not moved and nxt is not None and nxt.kind in (FaultKind.NODE, FaultKind.PARTITION, FaultKind.PARTITION_HEAL) and nxt.stage == f.stage \
+                and nxt.step >= slow[0]["step"]:  # named, then the next fault took the same stage's node before the move's look
+            return Outcome(True, f"straggler named at step {slow[0]['step']}; the next fault ({nxt.kind.value} of stage {f.stage}) took its node "
+                                 "before its stages moved", sources, secs, lost)
         if not moved:
             return Outcome(False, f"straggler {str(slow[0]['node'])[:12]} named, but its stages were not moved off it", sources, secs, lost)
         return Outcome(True, f"straggler named at step {slow[0]['step']} (its links cost {slow[0]['share']:.0%} of a step), "
