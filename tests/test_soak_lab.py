@@ -116,3 +116,11 @@ def test_a_straggler_whose_node_the_next_fault_takes_before_the_move_counts_as_t
     other = TrialPlan(0, (Fault(FaultKind.SLOW_LINK, 8, 0), Fault(FaultKind.NODE, 14, 2)), 17)  # another stage's node: not an excuse
     outcomes, _ = judge_trial(trial_run(other, lines, 60.0, None), {s: 1.0 + s for s in range(1, 18)})
     assert not outcomes[0].matched and "not moved off it" in outcomes[0].what
+
+
+def test_a_killed_manager_on_the_harness_counts_as_replaced_once_a_later_version_is_flushed():
+    plan = TrialPlan(0, (Fault(FaultKind.MANAGER, 5, 0),), 12)
+    struck = steps(12) + [{"event": "chaos", "step": 6, "kill": "smp"}, {"event": "durable_failed", "step": 2}]
+    assert trial_run(plan, struck + [{"event": "durable", "step": 8}], 30.0, None).injections[0].manager_replaced is True
+    run = trial_run(plan, struck + [{"event": "durable", "step": 6}], 30.0, None)  # a version from before the kill: no proof
+    assert run.injections[0].manager_replaced is False and not judge_trial(run, {s: 1.0 + s for s in range(1, 13)})[0][0].matched

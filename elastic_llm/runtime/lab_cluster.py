@@ -117,10 +117,13 @@ class RayHosts:
     def dead_workers(self) -> list[str]:
         """The worker hosts Ray no longer lists alive (asked by a driver on the driver's host)."""
         got = self.python("import ray, os, json; ray.init(address=os.environ['ELASTIC_LLM_RAY'], logging_level='ERROR');"
-                          "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))", 60)
+                          "print('ALIVE', json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))", 60)
         if got.returncode != 0:
             raise LabError(f"listing the cluster's nodes from the driver's host failed: {got.stderr[-800:]}")
-        alive = json.loads(got.stdout.splitlines()[-1])
+        line = next((ln for ln in reversed(got.stdout.splitlines()) if ln.startswith("ALIVE ")), None)  # Ray may print to stdout too
+        if line is None:
+            raise LabError(f"listing the cluster's nodes from the driver's host printed no list: {got.stdout[-800:]}")
+        alive = json.loads(line.removeprefix("ALIVE "))
         return [h for h in self.workers if self.lab.hosts[h].addr not in alive]
 
     def python(self, code: str, timeout: float, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:

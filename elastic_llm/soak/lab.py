@@ -12,7 +12,8 @@ steps more when a slow link is planned, so that its straggler is named and moved
 declared dead (a partition's, a killed one's) is replaced by a new one before the next trial.
 The trial's run is then judged from its metrics lines like any soak's (:mod:`.report`), with its
 ``link_cut`` and ``straggler`` lines and the calls its stages refused as a zombie's (``fenced``),
-and its newest durable checkpoint read back. Never judges (report does); nothing a lab runs
+and its newest durable checkpoint read back; a killed manager counts as replaced once a later
+version was flushed to the durable tier (every node's manager writes its part of a flush). Never judges (report does); nothing a lab runs
 reaches the machine's network.
 """
 
@@ -60,12 +61,15 @@ def losses_of(lines: list[dict[str, Any]]) -> dict[int, float]:
 def trial_run(plan: TrialPlan, lines: list[dict[str, Any]], seconds: float, error: str | None) -> TrialRun:
     """What a harness trial's metrics lines say (its faults matched to their ``chaos`` lines in
     order: an event that never fired was never injected). Pure."""
-    struck = [ln for ln in lines if ln.get("event") == "chaos" and ln.get("kill") != "heal"]
+    struck = [i for i, ln in enumerate(lines) if ln.get("event") == "chaos" and ln.get("kill") != "heal"]
     injections = []
     for k, f in enumerate(plan.faults):
-        line = struck[k] if k < len(struck) else None
+        at = struck[k] if k < len(struck) else None
         target = f"{KILLS[f.kind]} of stage {f.stage}'s node" if f.kind not in (FaultKind.STAGE, FaultKind.MANAGER) else f"{KILLS[f.kind]} of stage {f.stage}"
-        injections.append(Injection(f, f"{target} in step {line['step']}" if line else target, error=None if line else "its chaos event never fired"))
+        # a killed manager's successor: a later version flushed to the durable tier (every node's manager wrote its part of it)
+        replaced = any(ln.get("event") == "durable" and ln["step"] > f.step + 1 for ln in lines[at:]) if at is not None and f.kind is FaultKind.MANAGER else None
+        injections.append(Injection(f, f"{target} in step {lines[at]['step']}" if at is not None else target, error=None if at is not None else "its chaos event never fired",
+                                    manager_replaced=replaced))
     of = lambda *kinds: [ln for ln in lines if ln.get("event") in kinds]  # noqa: E731
     return TrialRun(plan, injections, losses_of(lines),
                     of("recovery"), of("drain"), of("resize"), seconds, error, links=of("link_cut", "straggler"),
@@ -101,8 +105,9 @@ class LabSoak:
                 try:
                     for name in hosts.dead_workers():  # a partition's node (Ray ended it when it healed), a killed one: a new host
                         hosts.replace(name, self.cpus)
-                except LabError as e:
-                    aborted = f"before trial {plan.trial} the harness could not replace its dead hosts: {e}"
+                except Exception as e:  # noqa: BLE001 - the harness itself failed: the report keeps the trials run so far
+                    aborted = f"before trial {plan.trial} the harness could not replace its dead hosts: {type(e).__name__}: {e}"
+                    log.error("soak stopped: %s", aborted)
                     break
                 runs.append(self._trial(hosts, plan, steps, out / f"trial-{plan.trial}"))
         meta = {"config": cfg.name, "seed": self.seed, "faults_per_trial": len(self.plans[0].faults), "harness": True,

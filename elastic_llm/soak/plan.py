@@ -157,7 +157,7 @@ def plan_trial(kinds: tuple[FaultKind, ...], faults: int, seed: int, trial: int,
     order: list[FaultKind] = []
     while len(order) < faults:
         order += [kinds[i] for i in rng.permutation(len(kinds))]
-    out = []
+    out: list[Fault] = []
     step = FIRST_STEP - GAP
     for kind in order[:faults]:
         step += GAP + int(rng.integers(0, JITTER + 1)) + (SLOW_GAP - GAP if out and out[-1].kind is FaultKind.SLOW_LINK else 0)
