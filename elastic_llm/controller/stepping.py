@@ -130,14 +130,14 @@ class StepRunner:
         ends = None if d is None else t0 + d
         if self.between is None:
             return d
-        stall = max(STALL_MIN_S, SUSPECT_STEPS * self.typical_s) if self.typical_s else None
-        look_links = None if stall is None else t0 + stall
+        stall = max(STALL_MIN_S, SUSPECT_STEPS * self.typical_s) if self.typical_s else 0.0
+        look_links = t0 + stall if stall else None  # none before a step was timed
         while not executor.wait(pending, NOTICE_LOOK_S):
             self.between()
             now = self.clock.perf_counter()
             if ends is None and (d := self.deadline_s()) is not None:
                 ends = now + d
-            if stall is not None and look_links is not None and now >= look_links:  # a stalled step: are its own links cut?
+            if look_links is not None and now >= look_links:  # a stalled step: are its own links cut?
                 look_links = now + stall
                 if self.nodes.check(step, Counter(self.parts.group.nodes.values())) is not None:
                     ends = now  # it fails now, the actors of the side set aside lost

@@ -18,6 +18,7 @@ import time
 from itertools import combinations
 
 from elastic_llm.controller.drains import Outcome
+from elastic_llm.pipeline.transport import _read_exact
 from elastic_llm.runtime.liveness import RayNodeTable, tcp_probe
 
 CUT_PROBE_S = 1.0  # one node's connection to another's raylet: longer is a cut link
@@ -47,7 +48,7 @@ class _Prober:
         while True:
             conn, _ = self.listener.accept()
             with conn:
-                want = int.from_bytes(_read(conn, 8), "little")
+                want = int.from_bytes(_read_exact(conn, 8), "little")
                 got = 0
                 while got < want:
                     chunk = conn.recv(min(1 << 20, want - got))
@@ -62,18 +63,8 @@ class _Prober:
         with socket.create_connection(address, timeout=timeout) as conn:
             t0 = time.perf_counter()
             conn.sendall(nbytes.to_bytes(8, "little") + body)
-            _read(conn, 1)
+            _read_exact(conn, 1)
             return time.perf_counter() - t0
-
-
-def _read(conn: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = conn.recv(n - len(out))
-        if not chunk:
-            raise ConnectionError("the prober's peer closed the connection")
-        out += chunk
-    return out
 
 
 def _on(node: str) -> dict[str, object]:
