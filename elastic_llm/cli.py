@@ -555,7 +555,7 @@ USAGE_ERRORS = (
     ("elastic_llm.export", "ExportError"), ("elastic_llm.controller.metrics", "MetricsError"), ("elastic_llm.runtime.session", "ClusterUnreachable"),
     ("elastic_llm.controller.ports", "ResumeError"),
 )
-STOP_ERRORS = (("elastic_llm.sources", "UnrecoverableError"), ("elastic_llm.snapshot.state", "SnapshotFormatError"))
+STOP_ERRORS = (("elastic_llm.sources", "UnrecoverableError"), ("elastic_llm.snapshot.state", "SnapshotFormatError"), ("elastic_llm.controller.ports", "Superseded"))
 
 
 def loaded_errors(errors: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:

@@ -351,15 +351,19 @@ class NodeSuspect(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Fenced(Event):
-    """Stage ``stage`` replica ``replica`` refused ``count`` calls or links of an older membership
-    generation (a zombie's: its node was cut off and came back); ``what`` names each."""
+    """``count`` calls, links, offers or writes of an older membership generation were refused (a
+    zombie's: its node was cut off and came back, or its driver was replaced by ``--resume``);
+    ``what`` names each. Who refused: stage ``stage`` replica ``replica``, the snapshot manager of
+    node ``node``, or (all None) the durable tier (files a zombie wrote into a checkpoint's
+    directory, which its manifest does not name)."""
 
     kind = Kind.FENCED
     step: int
-    stage: int
-    replica: int
     count: int
     what: list[str]
+    stage: int | None = None
+    replica: int | None = None
+    node: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -129,7 +129,7 @@ def test_the_write_probe_on_an_object_store(s3):  # noqa: F811
 
 
 def test_parity_beyond_the_nodes_of_a_cluster_is_named_and_one_node_or_a_wide_group_is_fine():
-    from elastic_llm.snapshot.coordinator import check_parity_fits, make_groups
+    from elastic_llm.snapshot.groups import check_parity_fits, make_groups
     from elastic_llm.snapshot.layout import LayoutError
 
     with pytest.raises(LayoutError, match=r"snapshot.parity=2 needs erasure groups of at least parity \+ 1 = 3 nodes .*snapshot.group_size=4.* the cluster has 2: .*set snapshot.parity to at most 1, or add nodes"):  # noqa: E501 - the whole message, as the user reads it

@@ -84,13 +84,18 @@ def pids(out):
     return {(a["stage"], a["replica"]): a["pid"] for a in start["actors"]}
 
 
+_CLEAN: dict[str, dict[int, float]] = {}  # corpus -> the losses of an undisturbed run (one per module: the cluster is shared)
+
+
 def clean_losses(cluster, corpus_dir):
-    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}"])
-    t = ray_trainer(cfg, cluster=cluster)
-    try:
-        return {h["step"]: h["loss"] for h in t.fit(STEPS)}
-    finally:
-        t.shutdown()
+    if str(corpus_dir) not in _CLEAN:
+        cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}"])
+        t = ray_trainer(cfg, cluster=cluster)
+        try:
+            _CLEAN[str(corpus_dir)] = {h["step"]: h["loss"] for h in t.fit(STEPS)}
+        finally:
+            t.shutdown()
+    return _CLEAN[str(corpus_dir)]
 
 
 def resumed(cluster, corpus_dir, tmp_path, run_id):
@@ -120,6 +125,38 @@ def test_a_killed_driver_is_resumed_from_memory_bit_for_bit_by_the_same_stage_pr
     assert got == {s: clean[s] for s in got}  # bit for bit
     assert {x["step"]: x["loss"] for x in lines(tmp_path / "a.jsonl") if "loss" in x} == {s: clean[s] for s in range(1, trained + 1)}
     wait_until(lambda: not managers_of(run_id) and not stages_of(run_id) and not groups_of(run_id), 30, "the run's actors and groups gone after its clean end")
+
+
+def test_a_driver_that_lived_on_after_a_newer_one_took_the_run_stops_at_its_next_commit_and_leaves_the_run_to_it(cluster, corpus_dir, tmp_path):
+    """Driver A is frozen (SIGSTOP) at step 4; a newer driver publishes its epoch for the run, as
+    ``--resume`` does first; A wakes. Before publishing its next committed step over the newer
+    driver's it reads the run's epoch, stops (exit 3, naming the driver that took over) and ends
+    nothing: the managers, the stage actors and the published record stay as they were. A
+    resume from there goes on bit for bit."""
+    from elastic_llm.runtime.failover import publish, read_run
+
+    clean = clean_losses(cluster, corpus_dir)
+    out_a = tmp_path / "a.jsonl"
+    a = driver(cluster, corpus_dir, out_a, "recovery.driver_grace_s=120")
+    wait_until(lambda: (any(x.get("step") == 4 and "loss" in x for x in lines(out_a)) and published_committed(run_id_of(out_a)) is not None)
+               or a.poll() is not None, 180, "driver A at step 4 with a committed snapshot")
+    assert a.poll() is None, a.communicate()[1][-3000:]
+    a.send_signal(signal.SIGSTOP)
+    run_id = run_id_of(out_a)
+    record = published_committed(run_id)
+    publish(run_id, "epoch", str(int(read_run(run_id, "epoch")) + 1))  # what a newer driver publishes first
+    a.send_signal(signal.SIGCONT)
+    _, err = a.communicate(timeout=120)
+    assert a.returncode == 3, err[-3000:]
+    assert f"run {run_id} was taken over by its driver 2 (--resume) while this one (driver 1) lived on" in err
+    assert published_committed(run_id) == record  # nothing published over the newer driver's
+    assert managers_of(run_id) and len(stages_of(run_id)) == 4  # nothing of the run ended
+
+    out = resumed(cluster, corpus_dir, tmp_path, run_id)
+    (back,) = [x for x in out if x.get("event") == "reattach"]
+    got = {x["step"]: x["loss"] for x in out if "loss" in x}
+    assert back["step"] == record.version and got == {s: clean[s] for s in range(record.version + 1, STEPS + 1)}
+    assert pids(tmp_path / "b.jsonl") == pids(out_a)  # the same stage processes took the run on
 
 
 @pytest.mark.slow  # 40-50 s; the resume from memory bit for bit stays (the killed driver above), and a lost stage's recovery everywhere else

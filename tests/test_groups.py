@@ -370,3 +370,111 @@ def test_a_group_is_critical_once_it_lost_or_is_losing_as_many_members_as_parity
     assert ex.critical(rec)  # a gone and b draining: the next loss is beyond parity 2
     assert not ex.critical(rec.rehomed({"b": "x"}))  # b's part re-homed
 
+
+
+def test_a_version_waiting_on_a_group_with_a_lost_member_is_dropped_at_once_and_one_already_answered_is_kept():
+    """Across a cut link a relay's pull hangs until Ray declares the node dead (~60 s on the
+    harness): once the run counts a node lost, a version whose unanswered group holds it is
+    dropped at once; one whose groups avoid it stays in flight, and one whose answer is already
+    in stays for the next poll to commit."""
+    from elastic_llm.config import load_config
+    from elastic_llm.sim.world import SimClock, SimRef
+    from elastic_llm.snapshot.coordinator import SnapshotCoordinator, _Inflight
+
+    from .conftest import REPO
+
+    cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["snapshot.parity=1", "snapshot.group_size=3"])
+    coord = SnapshotCoordinator(cfg, _SlowFleet(), "cut", SimClock())
+    nodes = ["a", "b", "c", "d", "e", "f"]
+    coord.managers = {n: _Unanswered() for n in nodes}
+    groups = (("a", "b", "c"), ("d", "e", "f"))
+    hangs = _Inflight(7, {"a": SimRef(float("inf"), "a"), "d": SimRef(float("inf"), "d")}, groups, ())
+    answered = _Inflight(8, {"a": SimRef(0.0, "a"), "d": SimRef(float("inf"), "d")}, groups, ())
+    coord.inflight = [hangs, answered]
+    coord.note_alive(set(nodes) - {"g"})  # no member lost: both wait on
+    assert coord.inflight == [hangs, answered] and coord.stats.discarded == 0
+    coord.note_alive(set(nodes) - {"b"})
+    assert coord.inflight == [answered] and coord.stats.discarded == 1  # 8's group with b answered already
+    coord.note_alive(set(nodes) - {"b", "e"})
+    assert coord.inflight == [] and coord.stats.discarded == 2  # e's group never answered
+
+
+class _Recorder:
+    """A manager that answers every call at once and keeps what it was sent."""
+
+    def __init__(self, sent):
+        self.sent = sent
+
+    def __getattr__(self, name):
+        sent = self.sent
+
+        class _Method:
+            def remote(self, *args):
+                from elastic_llm.sim.world import SimRef
+
+                from elastic_llm.snapshot.records import ManagerPart
+
+                sent.append((name, args))
+                parts = tuple(ManagerPart(plan.group[plan.me], ()) for _, plan in args[0]) if name == "relay_versions" else None
+                return SimRef(0.0, "", set(range(100)) if name == "held" else parts)  # held: every version
+
+        return _Method()
+
+
+class _RecordingFleet(_SlowFleet):
+    def __init__(self):
+        super().__init__()
+        self.sent, self.ended, self.started = [], [], []
+
+    def start(self, node, name, run_id, grace_s):
+        self.started.append(name)
+        return _Recorder(self.sent)
+
+    def end(self, handle):
+        self.ended.append(handle)
+
+
+def test_the_first_version_after_a_node_is_lost_starts_a_generation_its_plans_and_commits_carry_and_a_node_back_gets_a_new_manager():
+    """The plans of the first version begun after a node was lost carry its own attempt as the
+    floor (what older attempts send from then on is a zombie's); later versions keep that floor,
+    and so do the commits and discards. When the run places stages on the lost node again (its
+    link healed), the manager it had there is ended and a new one started."""
+    from elastic_llm.config import load_config
+    from elastic_llm.sim.world import SimClock
+    from elastic_llm.snapshot.coordinator import SnapshotCoordinator, StageMember
+    from elastic_llm.snapshot.records import ATTEMPT_BITS, ShardKey
+
+    from .conftest import REPO
+
+    cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["snapshot.parity=1", "snapshot.group_size=3"])
+    fleet = _RecordingFleet()
+    coord = SnapshotCoordinator(cfg, fleet, "gen", SimClock(), epoch=2)
+    nodes = ["a", "b", "c", "d", "e", "f"]
+    coord.managers = {n: _Recorder(fleet.sent) for n in nodes}
+    old_c = coord.managers["c"]
+    stages = [StageMember(ShardKey(i, 0), None, n) for i, n in enumerate(nodes)]
+
+    def plans():
+        out = [plan for name, args in fleet.sent if name == "relay_versions" for _, plan in args[0]]
+        fleet.sent.clear()
+        return out
+
+    coord.begin(1, stages)
+    first = plans()
+    base = 2 << ATTEMPT_BITS
+    assert {(p.attempt, p.floor) for p in first} == {(base, base)}
+    coord.poll(block=True, timeout=1)  # answered at once: committed, with its attempt
+    assert coord.committed.version == 1 and coord.committed.attempt == base
+    assert [(args[0], args[1][-1]) for name, args in fleet.sent if name == "relay"] == [("commit", base)]  # commit(1, ..., floor), one relay for six
+    fleet.sent.clear()
+    coord.note_alive(set(nodes) - {"c"})
+    coord.begin(2, [m for m in stages if m.node_id != "c"])
+    assert {(p.attempt, p.floor) for p in plans()} == {(base + 1, base + 1)}  # a new generation
+    coord.poll(block=True, timeout=1)
+    coord.begin(3, [m for m in stages if m.node_id != "c"])
+    assert {(p.attempt, p.floor) for p in plans()} == {(base + 2, base + 1)}
+    coord.poll(block=True, timeout=1)
+    assert fleet.ended == [] and "c" in coord.gone
+    coord.begin(4, stages)  # stages on c again: c rejoins with a new manager
+    assert fleet.ended == [old_c] and "c" not in coord.gone and fleet.started == ["smp-gen-c"]
+    assert "c" in {p.group[p.me] for p in plans()}

@@ -294,3 +294,56 @@ def test_a_piece_server_gives_way_for_a_version_in_flight_but_not_for_a_rebuild(
     finally:
         server.close()
     assert seen == {0: min(19, own + exchange.NICE), exchange.ANY_ATTEMPT: own}
+
+
+# Fencing (issue 51): a node cut off while the run went on comes back with its snapshot manager
+# (a zombie of an older membership generation), or a driver replaced by --resume goes on calling.
+# Whatever they send that would change what a manager holds is refused by generation and named.
+
+
+def _gen(epoch, n):
+    from elastic_llm.snapshot.records import ATTEMPT_BITS
+
+    return (epoch << ATTEMPT_BITS) + n
+
+
+def test_a_zombie_managers_offer_and_plan_of_an_older_generation_are_refused_and_named():
+    from elastic_llm.snapshot.manager import SnapshotMissingError
+    from elastic_llm.snapshot.records import ManagerPlan
+
+    m = _manager_holding()
+    m.commit(3, floor=_gen(1, 9))  # the run's driver, after a node was lost: its generation began at attempt 9
+    m.offer(4, 0, 1, NOWHERE, [Piece(0, 1, 2)], attempt=_gen(1, 8))  # the cut node's manager, healed, offers its old version
+    assert 4 not in m.versions  # no version claimed for it (it would hold memory until a discard)
+    with pytest.raises(SnapshotMissingError, match="older membership generation"):
+        m.snapshot_version(ManagerPlan(4, (), attempt=_gen(1, 8), floor=_gen(1, 5)))  # a zombie relay's plan
+    m.offer(4, 0, 1, NOWHERE, [Piece(0, 1, 2)], attempt=_gen(1, 9))  # the current generation's
+    assert m.versions[4].attempt == _gen(1, 9)
+    refused = m.fence.take()
+    assert len(refused) == 2 and "a parity offer of step 4 from member 1 of attempt 1.8" in refused[0] and "a plan of step 4" in refused[1]
+    assert all("membership at 1.9" in w for w in refused) and m.fence.take() == ()  # reported once
+
+
+def test_a_replaced_drivers_commit_discard_and_flush_change_nothing_once_the_new_driver_spoke():
+    """After ``--resume`` (driver epoch 2) the old driver, still alive, sends what it had queued:
+    a commit that would free the version the new driver restored from, a discard of that
+    version, a discard of everything and a flush. Each is refused; the new driver's go through."""
+    from elastic_llm.durable.flush import NodeFlush
+    from elastic_llm.snapshot.manager import SnapshotMissingError
+
+    m = _manager_holding(6, 8)
+    m.versions[6].committed = True
+    m.versions[6].attempt = _gen(1, 6)
+    m.versions[8].attempt = _gen(2, 1)  # the new driver's version in flight
+    m.commit(6, floor=_gen(2, 0))  # the new driver adopts the committed version
+    m.commit(8, floor=_gen(1, 3))  # the old driver: would mark 8 committed and free 6
+    m.discard(6, _gen(1, 6), floor=_gen(1, 3))
+    m.discard_all(floor=_gen(1, 3))
+    with pytest.raises(SnapshotMissingError, match="older membership generation"):
+        m.flush_part(NodeFlush(6, (), floor=_gen(1, 3)))
+    assert sorted(m.versions) == [6, 8] and m.versions[6].committed and not m.versions[8].committed
+    refused = m.fence.take()
+    assert [w.split(" from ")[0] for w in refused] == ["a commit of step 8", "a discard of step 6", "a discard of every version", "a flush of step 6"]
+    assert all("a driver at generation 1.3 (membership at 2.0)" in w for w in refused)
+    m.commit(8, floor=_gen(2, 0))
+    assert sorted(m.versions) == [8] and m.fence.take() == ()

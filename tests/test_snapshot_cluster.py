@@ -388,7 +388,7 @@ def test_a_relaying_manager_that_died_is_sent_past_so_every_live_manager_gets_th
         holders = [n for n in others if v in held[n]]
         assert len(holders) >= 2 and all(held[n][v] for n in holders), held  # committed through the relay
         ray.kill(sn.managers[lead])
-        sn._to_all("discard", v, None)
+        sn._to_all("discard", v, None, sn.floor)  # the driver's floor: a call without one is a zombie's, refused
         sn.settle_relays()
         assert [v in ray.get(sn.managers[n].held.remote()) for n in holders] == [False] * len(holders)
     finally:

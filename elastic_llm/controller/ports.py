@@ -70,6 +70,11 @@ class ResumeError(RuntimeError):
     """A run cannot be resumed as asked; the message says why and what to do."""
 
 
+class Superseded(Exception):
+    """A newer driver took this run over (``--resume RUN_ID`` while this one lived on, frozen or
+    cut off): this driver stops without publishing, recovering or ending anything of the run."""
+
+
 ActorRef = object  # a runtime's handle of an actor: opaque above the ports (the step executor and the runtime use it)
 Json = dict[str, object]  # a JSON object
 

@@ -114,8 +114,12 @@ class RecoveryExecutor:
     them): the same code on Ray and in a simulation."""
 
     def __init__(self, group: StageActors, snapshots: SnapshotCoordinator | None, parity: int, min_width: int, options: ModeOptions,
-                 nodes: LinkGuard, standbys: Standbys | None, meanwhile: Callable[[], None] | None = None) -> None:
+                 nodes: LinkGuard, standbys: Standbys | None, meanwhile: Callable[[], None] | None = None,
+                 fence: Callable[[str], None] | None = None) -> None:
+        """``fence``: raises :class:`~elastic_llm.controller.ports.Superseded` once a newer driver
+        took the run over (checked before each observation: a plan would act on its actors)."""
         self.group = group
+        self.fence = fence
         self.meanwhile = meanwhile  # called about every second while new processes start (notices seen then re-home parts at once)
         self.nodes = nodes  # probed once more before looking: a node whose actor call failed is known dead now
         self.standbys = standbys
@@ -129,6 +133,8 @@ class RecoveryExecutor:
     def observe(self, runner: Any, failed_step: int, from_start: bool = False) -> Observation:
         """``from_start``: the run began at step 0 and has committed nothing since (going back
         to its initial state loses nothing committed)."""
+        if self.fence is not None:
+            self.fence(f"recovering from the failure of step {failed_step}")
         self.nodes.sweep()  # before waiting for the failed step's calls: a dead node's calls then fail at once
         if runner is not None:
             runner.settle()

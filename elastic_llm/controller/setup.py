@@ -24,7 +24,7 @@ from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.elastic import ElasticExecutor
 from elastic_llm.controller.links import LinkGuard
 from elastic_llm.controller.metrics import MetricsWriter
-from elastic_llm.controller.ports import DurableTier, Keepalive, ResumeError, Roster, Runtime, StageActors, Standbys, is_run_id
+from elastic_llm.controller.ports import DurableTier, Keepalive, ResumeError, Roster, RunRegistry, Runtime, StageActors, Standbys, Superseded, is_run_id
 from elastic_llm.controller.recovery import ModeOptions, RecoveryExecutor
 from elastic_llm.data import RunData, open_run_data
 from elastic_llm.durable.format import Checkpoint, open_checkpoint
@@ -32,8 +32,9 @@ from elastic_llm.durable.restore import check_fits
 from elastic_llm.durable.tier import run_storage
 from elastic_llm.monitor import Publisher
 from elastic_llm.recovery.policy import SourceLost, UnrecoverableError
-from elastic_llm.snapshot.coordinator import SnapshotCoordinator, check_parity_fits
-from elastic_llm.snapshot.records import ShardKey, StageSource
+from elastic_llm.snapshot.coordinator import SnapshotCoordinator
+from elastic_llm.snapshot.groups import check_parity_fits
+from elastic_llm.snapshot.records import ShardKey, StageSource, VersionRecord
 from elastic_llm.sources import Mode
 from elastic_llm.spans import Spans
 from elastic_llm.stream import StreamPosition
@@ -56,6 +57,7 @@ class RunParts:
     keepalive: Keepalive | None
     nodes: LinkGuard  # the runtime's nodes, with those the run set aside for a cut link
     roster: Roster | None = None  # --resume RUN_ID: the dead driver's stage actors, until taken over (take_over)
+    fence: DriverFence | None = None  # driver failover on: whether a newer driver took the run over
 
 
 @dataclass(frozen=True)
@@ -119,18 +121,46 @@ def open_snapshots(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool
     return sn
 
 
-def publish_run(cfg: RunConfig, runtime: Runtime, run_id: str, sn: SnapshotCoordinator, group: StageActors) -> Keepalive | None:
+class DriverFence:
+    """This driver's epoch against the run's published one. A driver that lived on while
+    ``--resume`` started a newer one (it was frozen, or cut off and healed) must not publish its
+    committed record over the newer driver's, recover (its plans would kill and start the newer
+    driver's actors) or end the run's actors and managers: before each of these it reads the
+    run's epoch (one read of the run registry) and, finding a newer one, raises
+    :class:`Superseded`, leaving the run to that driver. Decided by the epoch counter, never by
+    time; what it sends meanwhile the stages and managers refuse by generation."""
+
+    def __init__(self, registry: RunRegistry, run_id: str, epoch: int) -> None:
+        self.registry, self.run_id, self.epoch = registry, run_id, epoch
+
+    def superseded(self) -> bool:
+        return self.registry.epoch(self.run_id) > self.epoch
+
+    def check(self, what: str) -> None:
+        if (newer := self.registry.epoch(self.run_id)) > self.epoch:
+            raise Superseded(f"run {self.run_id} was taken over by its driver {newer} (--resume) while this one (driver {self.epoch}) lived on: "
+                             f"this driver stops before {what} and leaves the run's actors, managers and record to it")
+
+
+def publish_run(cfg: RunConfig, runtime: Runtime, run_id: str, sn: SnapshotCoordinator, group: StageActors) -> tuple[Keepalive, DriverFence] | None:
     """Driver failover (``recovery.driver_grace_s`` > 0): publish the run's config, this driver
     and each committed record, and keep the managers and the stage actors alive (the roster of the
-    stage actors is published at every change of membership: :func:`publish_roster`)."""
+    stage actors is published at every change of membership: :func:`publish_roster`). Returns
+    the keepalive and the :class:`DriverFence` (None without failover)."""
     if sn.grace_s <= 0:
         return None
     registry = runtime.registry
     registry.publish_run(run_id, cfg.to_dict(), sn.epoch)
-    sn.on_commit = lambda record: registry.publish_committed(run_id, record)
+    fence = DriverFence(registry, run_id, sn.epoch)
+
+    def publish(record: VersionRecord) -> None:
+        fence.check(f"publishing its committed step {record.version}")
+        registry.publish_committed(run_id, record)
+
+    sn.on_commit = publish
     log.info("run %s: if this driver dies, `elastic-llm train --resume %s` with the same config goes on from its snapshots in memory "
              "within recovery.driver_grace_s=%g s", run_id, run_id, sn.grace_s)
-    return registry.keepalive(lambda: [(h, None) for h in list(sn.managers.values())] + group.handover.leased(), min(5.0, sn.grace_s / 4))
+    return registry.keepalive(lambda: [(h, None) for h in list(sn.managers.values())] + group.handover.leased(), min(5.0, sn.grace_s / 4)), fence
 
 
 def retire(runtime: Runtime, cfg: RunConfig, run_id: str, spans: Spans) -> Roster | None:
@@ -182,7 +212,8 @@ def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, me
         sn.durable = durable
     standbys = runtime.standbys(cfg, run_id)
     group = runtime.group(cfg, run_id, standbys)
-    keepalive = publish_run(cfg, runtime, run_id, sn, group) if sn is not None else None
+    failover = publish_run(cfg, runtime, run_id, sn, group) if sn is not None else None
+    keepalive, fence = failover if failover is not None else (None, None)
     checkpoints = None
     if cfg.recovery.mode == Mode.CHECKPOINT:
         checkpoints = CheckpointExecutor(group, cfg.recovery.checkpoint_every, cfg.recovery.checkpoint_dir, runtime.clock)
@@ -190,8 +221,8 @@ def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, me
     options = ModeOptions(Mode(cfg.recovery.mode), cfg.mirrors, cfg.checkfree.lr_scale, checkpoints, durable)
     nodes = LinkGuard(runtime.nodes, runtime.clock, cfg.recovery, metrics)
     elastic = ElasticExecutor(group, sn, cfg, nodes, runtime.clock)
-    recovery = RecoveryExecutor(group, sn, cfg.snapshot.parity, min_width, options, nodes, standbys, elastic.protect)
-    return RunParts(group, standbys, sn, durable, checkpoints, recovery, elastic, publisher, keepalive, nodes, roster)
+    recovery = RecoveryExecutor(group, sn, cfg.snapshot.parity, min_width, options, nodes, standbys, elastic.protect, fence.check if fence else None)
+    return RunParts(group, standbys, sn, durable, checkpoints, recovery, elastic, publisher, keepalive, nodes, roster, fence)
 
 
 def reattach(runtime: Runtime, run_id: str, group: StageActors, sn: SnapshotCoordinator | None, driver_grace_s: float) -> Resumed:
@@ -288,11 +319,16 @@ def close_parts(parts: RunParts | None, runtime: Runtime, run_id: str, metrics: 
     if parts is None:
         return []
     steps: list[tuple[str, Callable[[], None]]] = []
-    if parts.keepalive is not None:  # a driver that ends cleanly: its managers end with it, nothing is left to resume
-        steps += [("keepalive", parts.keepalive.stop), ("run registry", lambda: runtime.registry.forget(run_id))]
-    steps.append(("stage actors", parts.group.shutdown))
-    if parts.snapshots is not None:
-        steps.append(("snapshot managers", parts.snapshots.shutdown))
+    if parts.keepalive is not None:
+        steps.append(("keepalive", parts.keepalive.stop))
+    if parts.fence is not None and parts.fence.superseded():  # a newer driver has the run: nothing of it is ended here
+        log.warning("run %s was taken over by a newer driver: its stage actors and snapshot managers are left to it", run_id)
+    else:
+        if parts.keepalive is not None:  # a driver that ends cleanly: its managers end with it, nothing is left to resume
+            steps.append(("run registry", lambda: runtime.registry.forget(run_id)))
+        steps.append(("stage actors", parts.group.shutdown))
+        if parts.snapshots is not None:
+            steps.append(("snapshot managers", parts.snapshots.shutdown))
     if parts.publisher is not None:
         pub = parts.publisher
 

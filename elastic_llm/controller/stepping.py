@@ -159,7 +159,7 @@ class StepJobs:
         self.reclaimed = 0  # nodes the run has seen reclaimed so far
         self.waves = 0  # steps at which new reclaims were seen: preemption waves (``durable.every: auto`` counts them as failures)
         self._suspected: set[str] = set()  # the node watch's suspects at the last look (``node_suspect`` lines)
-        self.fenced_total = 0  # calls and links of older generations the stages refused (``fenced`` lines)
+        self.fenced_total = 0  # calls, links and offers of older generations the stages and managers refused (``fenced`` lines)
 
     def suspects(self, step: int) -> None:
         """One ``node_suspect`` line per node the node watch began to suspect since the last look
@@ -171,11 +171,21 @@ class StepJobs:
 
     def fenced(self, step: int, result: StepResult) -> None:
         """One ``fenced`` line per actor whose report names calls or links of an older
-        generation it refused (a healed partition's zombies); :attr:`fenced_total` counts them."""
+        generation it refused (a healed partition's zombies), and per snapshot manager whose
+        latest part names offers, plans or driver calls it refused; :attr:`fenced_total` counts them."""
         for key, report in sorted(result.reports.items()):
             if report.fenced:
                 self.fenced_total += len(report.fenced)
                 self.metrics.emit(events.Fenced(step=step, stage=key.stage, replica=key.replica, count=len(report.fenced), what=list(report.fenced)))
+        sn = self.parts.snapshots
+        if sn is not None and sn.fenced:
+            by_node: dict[str, list[str]] = {}
+            for node, what in sn.fenced:
+                by_node.setdefault(node, []).append(what)
+            sn.fenced.clear()
+            for node, whats in sorted(by_node.items()):
+                self.fenced_total += len(whats)
+                self.metrics.emit(events.Fenced(step=step, node=node, count=len(whats), what=whats))
 
     def deaths(self, step: int) -> None:
         """One ``node_dead`` line per node the runtime found dead since the last look."""

@@ -29,7 +29,7 @@ import numpy as np
 from elastic_llm.durable.format import PartResult, TensorSpec, checkpoint_dir, global_name, shard_file, write_shard
 from elastic_llm.durable.storage import Storage, StorageHung, Syncs
 from elastic_llm.snapshot.erasure import checksum
-from elastic_llm.snapshot.records import Piece, ShardKey, VersionRecord
+from elastic_llm.snapshot.records import Piece, ShardKey, VersionRecord, generation
 
 log = logging.getLogger("elastic_llm.durable")
 WRITE_S = 1500.0
@@ -71,6 +71,7 @@ class NodeFlush:
 
     version: int
     plans: tuple[FlushPlan, ...]
+    floor: int = 0  # the driver's membership generation: a manager of a newer one refuses it (elastic_llm.snapshot.fence)
 
     def write(self, local: Callable[[ShardKey], list[np.ndarray] | None]) -> list[PartResult]:
         """Carried out by the node's snapshot manager (:func:`write_parts`): the manager is handed
@@ -78,12 +79,12 @@ class NodeFlush:
         return write_parts(self.plans, local)
 
 
-def by_node(plans: list[tuple[str, FlushPlan]]) -> dict[str, NodeFlush]:
-    """The plans of :func:`plan_parts` gathered per writing node."""
+def by_node(plans: list[tuple[str, FlushPlan]], floor: int = 0) -> dict[str, NodeFlush]:
+    """The plans of :func:`plan_parts` gathered per writing node; ``floor``: the driver's membership generation."""
     nodes: dict[str, list[FlushPlan]] = {}
     for node, plan in plans:
         nodes.setdefault(node, []).append(plan)
-    return {node: NodeFlush(ps[0].version, tuple(ps)) for node, ps in nodes.items()}
+    return {node: NodeFlush(ps[0].version, tuple(ps), floor) for node, ps in nodes.items()}
 
 
 def stage_tensors(manifest: str, layer_ids: list[int]) -> list[TensorSpec]:
@@ -107,7 +108,7 @@ def plan_parts(
         for part, sl in enumerate(slices):
             hi = sl.lo + sl.nbytes if part < len(slices) - 1 else None
             mine = tuple(t for t in tensors if t.src >= sl.lo and (hi is None or t.src < hi))
-            file = f"{checkpoint_dir(record.version)}/{shard_file(stage, part)}"
+            file = f"{checkpoint_dir(record.version)}/{shard_file(stage, part, f'-g{generation(record.attempt)}')}"
             plans.append((record.home(sl.node_id), FlushPlan(record.version, storage_uri, stage, part, file, mine, sources, max_mb_s, nice)))
     return plans
 

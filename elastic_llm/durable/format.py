@@ -1,8 +1,9 @@
 """The durable checkpoint format: safetensors shards, a JSON manifest, a commit marker.
 
 Owns: the layout ``{run}/checkpoint_{step:08d}/`` (Ray Train's convention, so each directory
-opens with ``ray.train.Checkpoint.from_directory``) holding ``stage_{s:03d}_part_{p:03d}.
-safetensors`` (whole tensors under global names: ``param/layers.7.attn.wqkv.weight``,
+opens with ``ray.train.Checkpoint.from_directory``) holding ``stage_{s:03d}_part_{p:03d}-g{generation}.
+safetensors`` (the flushed version's attempt: a zombie's late write of an older attempt never lands in
+a file the manifest names; whole tensors under global names: ``param/layers.7.attn.wqkv.weight``,
 ``optim/layers.7.attn.wqkv.weight/exp_avg``), ``manifest.json`` (config identity, step, data
 position, per-stage RNG / schedule state of every replica, per tensor: file, dtype, shape,
 CRC-32) and ``COMMITTED`` (the manifest's SHA-256, written last); the global names; writing one
@@ -50,8 +51,9 @@ def checkpoint_dir(step: int) -> str:
     return f"checkpoint_{step:08d}"
 
 
-def shard_file(stage: int, part: int) -> str:
-    return f"stage_{stage:03d}_part_{part:03d}.safetensors"
+def shard_file(stage: int, part: int, tag: str = "") -> str:
+    """``tag``: the generation of the attempt that wrote it (``-g1.37``: driver 1, attempt 37)."""
+    return f"stage_{stage:03d}_part_{part:03d}{tag}.safetensors"
 
 
 def step_of(name: str) -> int | None:

@@ -39,6 +39,7 @@ class DurableStats:
     seconds: float = 0.0  # wall time of the flushes (in the background)
     last_gbps: float = 0.0
     pruned: list[str] = field(default_factory=list)
+    fenced: int = 0  # shard files of older attempts found beside a committed checkpoint's own (a zombie's late flush), never named by its manifest
 
 
 class Snapshots(Protocol):
@@ -50,6 +51,7 @@ class Snapshots(Protocol):
     calls: Any  # the coordinator's Calls (wait / get)
     committed: VersionRecord | None
     every: int
+    floor: int  # the driver's membership generation, sent with each flush (elastic_llm.snapshot.fence)
 
 
 @dataclass
@@ -140,7 +142,7 @@ class DurableTier:
         du = self.cfg.durable
         plans = plan_parts(record, self.run.uri, lambda s: list(stage_layer_range(n, stages, s)), managers, du.max_write_mb_s, du.flush_nice)
         refs = {}
-        for node, batch in by_node(plans).items():
+        for node, batch in by_node(plans, self.coordinator.floor).items():
             if node not in managers:
                 self._fail(record, f"the snapshot manager of node {node[:12]} is gone")
                 return
@@ -179,6 +181,7 @@ class DurableTier:
         manifest = fmt.make_manifest(self.cfg, rec.version, self.run.root.rsplit("/", 1)[-1], states, parts, self._copy_tokenizer(ckpt))
         files = manifest["files"]
         fmt.commit(self.run, ckpt, manifest)
+        self._strays(rec.version, ckpt, {f.rsplit("/", 1)[-1] for f in files})
         seconds = self.clock.perf_counter() - f.started
         nbytes = sum(v["nbytes"] for v in files.values())
         self.inflight = None
@@ -200,6 +203,17 @@ class DurableTier:
                 every=self.every, why=self.why, pruned=pruned,
             ))
         log.info("durable checkpoint of step %d: %s (%.1f MB in %.2f s)", rec.version, self.run.display(ckpt), nbytes / 1e6, seconds)
+
+    def _strays(self, step: int, ckpt: str, named: set[str]) -> None:
+        """Shard files in ``ckpt`` that its manifest does not name: an older attempt's at this
+        step (a zombie manager's flush, or a failed flush's). Never read (files carry their
+        attempt's generation); counted and named in a ``fenced`` line, deleted with the directory."""
+        strays = [f for f in self.run.list_files(ckpt) if f.endswith(".safetensors") and f not in named]
+        if strays:
+            self.stats.fenced += len(strays)
+            log.warning("checkpoint of step %d: %d shard files of an older attempt beside its own, not in its manifest: %s", step, len(strays), ", ".join(strays))
+            if self.metrics is not None:
+                self.metrics.emit(events.Fenced(step=step, count=len(strays), what=[f"{ckpt}/{f}: a flush of an older attempt, not in the manifest" for f in strays]))
 
     def _copy_tokenizer(self, ckpt: str) -> str | None:
         """The run's tokenizer.json beside the weights (an export needs it), if the data has one."""

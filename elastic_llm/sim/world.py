@@ -355,21 +355,22 @@ class SimManager:
                     getattr(h, f"_{method}")(*args)
         return self._ref(0.0)
 
-    def _commit(self, version: int, flush: bool, keep: tuple[int, ...]) -> SimRef:
+    # ``floor`` (the driver's membership generation) is taken and not checked: a simulated node that goes never comes back as a zombie
+    def _commit(self, version: int, flush: bool, keep: tuple[int, ...], floor: int = 0) -> SimRef:
         self.versions = {v: a for v, a in self.versions.items() if v >= version or v in keep}
         self.kept = {v: a for v, a in self.kept.items() if v > version}
         self.parts = {vr: mb for vr, mb in self.parts.items() if vr[0] >= version or vr[0] in keep}
         self.committed = max(self.committed, version)
         return self._ref(0.0)
 
-    def _discard(self, version: int, attempt: int) -> SimRef:
+    def _discard(self, version: int, attempt: int, floor: int = 0) -> SimRef:
         if self.versions.get(version) == attempt:
             del self.versions[version]
         if version in self.kept and version not in self.versions:  # the attempt that displaced it failed: it is back
             self.versions[version] = self.kept.pop(version)
         return self._ref(0.0)
 
-    def _discard_all(self) -> SimRef:
+    def _discard_all(self, floor: int = 0) -> SimRef:
         self.versions.clear()
         self.kept.clear()
         self.parts.clear()

@@ -8,7 +8,7 @@ in -> parity encoded -> committed), the record of the latest committed version, 
 stage's committed state back from the managers (a lost shard as the recipe the restored stage
 follows to rebuild it from parity, :class:`~elastic_llm.snapshot.records.ParityRebuild`). A cluster of
 several nodes too small for one erasure group of ``snapshot.parity`` is refused when the run
-starts (:func:`check_parity_fits`).
+starts (:func:`~elastic_llm.snapshot.groups.check_parity_fits`).
 
 Never blocks a training step except when the committed version trails by more than ``max_lag``
 (and then with a deadline); never decides recovery: it answers where state is, the controller
@@ -38,11 +38,10 @@ from elastic_llm.sources import NodeGone, Source, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.broadcast import Broadcast
 from elastic_llm.snapshot.exposure import Exposure
 from elastic_llm.snapshot.groups import make_groups
-from elastic_llm.snapshot.layout import LayoutError
 from elastic_llm.snapshot.ports import Calls, Flusher, ManagerFleet, ManagerHandle, ManagerLost
-from elastic_llm.snapshot.rebuild import SnapshotMissingError
+from elastic_llm.snapshot.rebuild import SnapshotMissingError, recipe
 from elastic_llm.snapshot.rehome import Rehomer
-from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ParityRebuild, ShardInfo, ShardKey, SnapshotStats, StageSource, VersionRecord
+from elastic_llm.snapshot.records import ATTEMPT_BITS, ManagerPart, ManagerPlan, ParityRebuild, ShardKey, SnapshotStats, StageSource, VersionRecord
 
 log = logging.getLogger("elastic_llm.snapshot")
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
@@ -51,7 +50,6 @@ COLLAPSE_MARGIN_S = 2.0  # in a collapse, no version begins closer than this (pl
 PING_S = 10.0  # a manager that does not answer within this is slow ...
 SLOW_PING_S = 20.0  # ... and lost if it still has not answered this much later
 START_S = 120.0  # longest new managers may take to answer (a worker process start on a loaded node)
-ATTEMPT_BITS = 40  # a driver's attempts: its epoch << ATTEMPT_BITS, then one more per version begun
 # What a manager's answer raises when the run lost something, not when our code is wrong (that propagates): an actor or node
 # gone (ManagerLost from Ray's calls, NodeGone; a simulated manager's death is a plain RuntimeError, as is the manager's "no snapshot
 # of step ..." from its stages), the version or shard not held or failing its checksum (SnapshotMissingError), no answer in time.
@@ -84,18 +82,8 @@ class _Inflight:
     def waiting(self) -> dict[str, Any]:
         return {lead: ref for lead, ref in self.refs.items() if lead not in self.answered}
 
-
-def check_parity_fits(nodes: int, parity: int, group_size: int) -> None:
-    """Raise :class:`LayoutError` when ``nodes`` nodes with CPUs (two or more) cannot form one
-    erasure group of ``parity`` + 1: :func:`make_groups` would form none and every snapshot would
-    go without parity, less protection than a smaller ``snapshot.parity`` gives. A single node is
-    accepted: it holds no parity whatever the setting (the embedded single-node Ray). Pure."""
-    if 2 <= nodes < parity + 1:
-        raise LayoutError(
-            f"snapshot.parity={parity} needs erasure groups of at least parity + 1 = {parity + 1} nodes with CPUs "
-            f"(snapshot.group_size={group_size} per group), but the cluster has {nodes}: no group could form and the snapshots "
-            f"would have no parity at all; set snapshot.parity to at most {nodes - 1}, or add nodes"
-        )
+    def group_of(self, lead: str) -> tuple[str, ...]:  # the members whose relay is lead (a node in no group relays for itself)
+        return next((g for g in self.groups if g and g[0] == lead), (lead,))
 
 
 class SnapshotCoordinator:
@@ -116,6 +104,9 @@ class SnapshotCoordinator:
         self._domain_seen: set[str] = set()
         self.refresh_managers = False
         self.gone: set[str] = set()  # nodes known dead (:meth:`note_alive`): their managers get no broadcast
+        self.floor = epoch << ATTEMPT_BITS  # the first attempt of this membership generation (elastic_llm.snapshot.fence), sent with every change
+        self._renewed = True  # a node was lost since the last version began: the next one starts a generation
+        self.fenced: list[tuple[str, str]] = []  # (node, what its manager refused as a zombie's), not reported yet (the caller clears it)
         self.exposure = Exposure(cfg.snapshot.parity, clock)  # nodes about to go (draining): no parity duties, no new shards
         self.rehomer = Rehomer(self.calls, clock, cfg.snapshot.parity)  # the committed version's parts copied off draining nodes at the notice
         self.emergency = -1  # the newest version flushed because its parts had nowhere to go (a collapse)
@@ -126,6 +117,7 @@ class SnapshotCoordinator:
         self.broadcast = Broadcast(self.calls, PING_S)  # commits and discards to every manager
         self._dropped: list[Any] = []  # result refs of dropped versions, retrieved once done (no "unhandled error" noise)
         self._incarnations: dict[str, int] = {}  # managers created per node
+        self._retired: dict[str, ManagerHandle] = {}  # the manager of each node lost, ended, and ended again if the node rejoins (_rejoin)
         self.durable: Flusher | None = None  # the durable tier: decides at each commit whether to flush it
         self.on_commit: Callable[[VersionRecord], None] | None = None  # driver failover publishes each committed record
         self.grace_s = cfg.recovery.driver_grace_s  # > 0: detached managers that outlive their driver this long
@@ -150,7 +142,9 @@ class SnapshotCoordinator:
         if alive_nodes is not None:
             alive &= set(alive_nodes)
         for node in self.dead_managers(alive):
-            self.managers.pop(node, None)
+            if (old := self.managers.pop(node, None)) is not None and node not in alive:  # cut off, perhaps alive: a zombie if it comes back
+                self.fleet.end(old)
+                self._retired[node] = old
         for node in sorted(alive - set(self.managers)):
             n = self._incarnations[node] = self._incarnations.get(node, -1) + 1
             name = f"smp-{self.run_id}-{node[:12]}{self.name_tag}" + (f"-{n}" if n else "")  # a SIGKILLed actor's name is released late
@@ -167,10 +161,10 @@ class SnapshotCoordinator:
         for node in refused:
             del self.managers[node]
         self.gone |= refused
+        self._renewed = self._renewed or bool(refused)
         return frozenset(refused)
 
-    def dead_managers(self, alive_nodes: set[str] | frozenset[str]) -> frozenset[str]:
-        """Nodes whose part of the committed version is gone (see :meth:`lost_parts`)."""
+    def dead_managers(self, alive_nodes: set[str] | frozenset[str]) -> frozenset[str]:  # nodes whose part of the committed version is gone (lost_parts)
         return frozenset(self.lost_parts(alive_nodes))
 
     def lost_parts(self, alive_nodes: set[str] | frozenset[str]) -> dict[str, str]:
@@ -223,8 +217,7 @@ class SnapshotCoordinator:
         return self.costs.why if self.costs is not None else f"snapshot.every={self._every}"
 
     @property
-    def changes(self) -> list[dict[str, Any]]:
-        """``snapshot.every: auto`` decisions not reported yet (the caller clears the list)."""
+    def changes(self) -> list[dict[str, Any]]:  # snapshot.every: auto decisions not reported yet (the caller clears the list)
         return self.costs.changes if self.costs is not None else []
 
     def shutdown(self) -> None:
@@ -271,7 +264,7 @@ class SnapshotCoordinator:
             self.collapse = beyond and not set(live) - draining  # every node the run has is going: a newer version sits on them too
             if beyond and flush and self.durable is not None:
                 self.emergency, self._flush_t0 = rec.version, self.clock.monotonic()
-                self._to_all("commit", rec.version, True, ())  # pinned for the flush
+                self._to_all("commit", rec.version, True, (), self.floor)  # pinned for the flush
                 self.durable.start(rec)
 
     @property
@@ -347,11 +340,15 @@ class SnapshotCoordinator:
         to parity holders and encodes its parity. Nothing here waits."""
         if not self.can_begin():
             raise RuntimeError(f"snapshots of steps {[p.version for p in self.inflight]} are still in flight")
+        if back := {m.node_id for m in stages} & self.gone:  # the run placed stages on a node it had lost: a new member
+            self._rejoin(back)
         if self.refresh_managers or any(m.node_id not in self.managers for m in stages):
             self.ensure_managers()
             self.refresh_managers = False
         sn = self.cfg.snapshot
         attempt = self._attempt = max(self._attempt + 1, self.epoch << ATTEMPT_BITS)  # increasing, also across drivers (a later driver's epoch is higher)
+        if self._renewed:  # the first version since a node was lost: what older attempts send from now on is a zombie's
+            self.floor, self._renewed = attempt, False
         by_node: dict[str, list[tuple[ShardKey, Any]]] = {node: [] for node in self.managers}
         lost = []
         for m in stages:
@@ -379,6 +376,7 @@ class SnapshotCoordinator:
                 peers=tuple(self.managers[n] for n in group),
                 parity=sn.parity,
                 attempt=attempt,
+                floor=self.floor,
             )
             by_lead.setdefault(group[0] if group else node, []).append((handle, plan))
         # one call per group: its first manager starts the members' parts and answers with all of them
@@ -428,7 +426,9 @@ class SnapshotCoordinator:
                 if p not in self.inflight:
                     continue
                 try:
-                    p.results.update((part.node_id, part) for part in cast(tuple[ManagerPart, ...], self.calls.get(ref)))
+                    parts = cast(tuple[ManagerPart, ...], self.calls.get(ref))
+                    p.results.update((part.node_id, part) for part in parts)
+                    self.fenced += [(part.node_id, what) for part in parts for what in part.fenced]
                     p.answered.add(lead)
                 except CALL_FAILED as e:  # a manager or a stage died mid-snapshot: drop this version
                     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -452,21 +452,17 @@ class SnapshotCoordinator:
     def _commit(self, p: _Inflight, choose: bool = True) -> None:
         t0 = self.clock.perf_counter()
         shards = tuple(s for part in p.results.values() for s in part.shards)
-        record = VersionRecord(p.version, p.groups, tuple(sorted(shards, key=lambda s: (s.key.stage, s.key.replica))))  # a tuple key: ShardKey's own ordering is ~5x slower over 1,000 shards
+        record = VersionRecord(p.version, p.groups, tuple(sorted(shards, key=lambda s: (s.key.stage, s.key.replica))), attempt=p.attempt)  # tuple key: ShardKey's ordering is ~5x slower
         flush = self.durable is not None and self.durable.wants(record)
         flushing = self.durable.inflight if self.durable is not None else None
         keep = (flushing.record.version,) if flushing is not None else ()
         if self.on_commit is not None:  # published before any manager frees the version it replaces: a driver
             self.on_commit(record)  # killed in between leaves a record whose parts are all still held
-        self._to_all("commit", record.version, flush, keep)  # pinned until its flush is over
+        self._to_all("commit", record.version, flush, keep, self.floor)  # pinned until its flush is over
         self.committed = record
         self.exposure.committed(record, p.avoided, p.attempt)
         self.inflight.remove(p)
-        self.stats.committed += 1
-        self.stats.copy_s += sum(s.copy_s for s in shards)
-        self.stats.collect_s += sum(part.collect_s for part in p.results.values())
-        self.stats.exchanged = sum((part.exchanged for part in p.results.values()), self.stats.exchanged)
-        self.stats.commit_s += self.clock.perf_counter() - t0
+        self.stats.add_commit(list(p.results.values()), self.clock.perf_counter() - t0)
         if self.costs is not None and p.charged:  # what its parts took: the busiest node's stage copies and manager CPU time
             self.costs.ended(p.version, max((part.cost_s() for part in p.results.values()), default=0.0) if choose else None)
         if flush and self.durable is not None:
@@ -481,7 +477,7 @@ class SnapshotCoordinator:
     def _discard(self, p: _Inflight, why: str | None, expected: bool = False) -> None:
         """Drop a version in flight: superseded by a newer complete one (``why`` None) or failed
         (``expected``: because its training step failed, which the controller reports)."""
-        self._to_all("discard", p.version, p.attempt)
+        self._to_all("discard", p.version, p.attempt, self.floor)
         self.inflight.remove(p)
         if self.costs is not None and p.charged:
             self.costs.ended(p.version, None)
@@ -504,8 +500,32 @@ class SnapshotCoordinator:
     def note_alive(self, alive_nodes: set[str] | frozenset[str]) -> None:
         """The managers on nodes not in ``alive_nodes`` are dead (the run judged their node dead,
         perhaps before Ray did): no commit or discard goes to them, none is waited for."""
-        self.gone |= {n for n in self.managers if n not in alive_nodes}
+        lost = {n for n in self.managers if n not in alive_nodes} - self.gone
+        self.gone |= lost
+        self._renewed = self._renewed or bool(lost)
+        self._drop_unreachable()
         self.exposure.degraded(frozenset(self.gone), self.committed, self._attempt)
+
+    def _rejoin(self, nodes: set[str]) -> None:
+        """``nodes``, lost before, are members again (a healed partition, the end of a set-aside):
+        the manager each had (a zombie of an older generation: refused by its peers, it still
+        holds memory) is stopped, and the next :meth:`ensure_managers` starts a new one there."""
+        for node in sorted(nodes):
+            for old in filter(None, (self.managers.pop(node, None), self._retired.pop(node, None))):
+                self.fleet.end(old)
+            log.info("node %s rejoins the run: its old snapshot manager is stopped, a new one starts", node[:12])
+        self.gone -= nodes
+
+    def _drop_unreachable(self) -> None:
+        """Drop each version in flight waiting on a group with a member on a node known dead: its
+        part cannot arrive (across a cut link the relay's pull hangs until Ray declares the node
+        dead, ~60 s on the harness, which a recovery used to sit out). A group whose answer is
+        already in keeps its version (the next :meth:`poll` commits it)."""
+        for p in list(self.inflight):
+            stuck = {lead: ref for lead, ref in p.waiting().items() if self.gone.intersection(p.group_of(lead))}
+            if stuck and len(self.calls.wait(list(stuck.values()), len(stuck), 0)[0]) < len(stuck):
+                lost = ", ".join(n[:12] for n in sorted(self.gone & {n for lead in stuck for n in p.group_of(lead)}))
+                self._discard(p, f"the parts of its groups with node {lost} cannot arrive: the node is lost")
 
     def _drain_dropped(self) -> None:
         """Collect the answers of dropped versions' calls (their failure was already acted on:
@@ -530,7 +550,7 @@ class SnapshotCoordinator:
         them all (the next committed version starts the record again)."""
         self.abandon_pending()
         self.settle_relays()
-        calls = [m.discard_all.remote() for m in self.managers.values()]
+        calls = [m.discard_all.remote(self.floor) for m in self.managers.values()]
         self.calls.wait(calls, len(calls), PING_S)  # before any new version starts (threaded actors do not keep call order)
         self.committed = None
 
@@ -538,7 +558,7 @@ class SnapshotCoordinator:
         """``--resume``: the dead driver's published record is committed on every manager (it may
         have died after publishing it, before they heard) and what is older is freed."""
         self.committed = record
-        self._to_all("commit", record.version, False, ())
+        self._to_all("commit", record.version, False, (), self.floor)
 
     # ------------------------------------------------------------------ restore
     def fetch_stage_state(self, stage: int, replica: int, lost_nodes: set[str] | frozenset[str]) -> StageSource:
@@ -562,7 +582,7 @@ class SnapshotCoordinator:
         for info in slices:
             node = rec.home(info.node_id)
             if node in lost_nodes or node not in self.managers:
-                rebuilds.append(self._rebuild(info, set(lost_nodes) | {node}))
+                rebuilds.append(recipe(rec, info, set(lost_nodes) | {node}, self.managers, self.cfg.snapshot.parity))
                 sources.append(Source.PARITY)
                 continue
             try:
@@ -577,22 +597,3 @@ class SnapshotCoordinator:
             sources.append(Source.LOCAL_SMP)
         manifest = slices[min(replica, len(slices) - 1)].manifest
         return StageSource(tuple(offsets), tuple(refs), manifest, tuple(sources), tuple(rebuilds))
-
-    def _rebuild(self, info: ShardInfo, lost_nodes: set[str]) -> ParityRebuild:
-        """The recipe for rebuilding shard ``info`` from its erasure group's survivors (their
-        managers, the shards each holds); :class:`UnrecoverableError` if more of the group is
-        lost than the parity covers (found here, before any process starts)."""
-        rec = self.committed
-        assert rec is not None
-        group = rec.group_of(info.node_id)
-        if group is not None:
-            homes = [rec.home(n) for n in group]
-            lost = tuple(i for i, n in enumerate(homes) if n in lost_nodes or n not in self.managers)
-            if len(lost) < len(group) and len(lost) <= self.cfg.snapshot.parity:
-                peers = tuple(None if i in lost else self.managers[n] for i, n in enumerate(homes))
-                infos = tuple(rec.infos_on(n) for n in group)
-                return ParityRebuild(rec.version, info.key, len(group), self.cfg.snapshot.parity, lost, group.index(info.node_id), peers, infos, group)
-        raise UnrecoverableError(
-            f"{info.key}, step {rec.version}: its snapshot cannot be rebuilt: more nodes of its erasure group are lost than "
-            f"snapshot.parity={self.cfg.snapshot.parity} covers"
-        )

@@ -52,6 +52,13 @@ Lookup = Callable[[int, int, int, int, str], tuple[Sequence[np.ndarray], int]]  
 Sink = Callable[[int, int, np.ndarray], None]  # (array index, offset within it, bytes)
 
 
+def node_address() -> str:
+    """This node's address as Ray knows it (127.0.0.1 on a loopback cluster and outside Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
 class ExchangeError(ConnectionError):
     """A symbol could not be read from a peer's server: refused, not held there, or cut short."""
 

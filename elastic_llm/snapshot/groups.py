@@ -1,6 +1,6 @@
 """Erasure groups of a snapshot version: which nodes protect each other's shards with parity.
 
-Owns: :func:`make_groups`, pure. Nodes that fail together must not share a group beyond what its
+Owns: :func:`make_groups`, pure, and :func:`check_parity_fits` (a cluster too small for one group is refused). Nodes that fail together must not share a group beyond what its
 parity covers: real fleets lose nodes by availability zone, instance type or launch batch (nodes
 launched together are reclaimed together), so groups are never consecutive node names. With
 failure domains known (a label per node: ``elastic-llm.io/failure-domain`` or Ray's
@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
+
+from elastic_llm.snapshot.layout import LayoutError
 
 DOMAIN_LABELS = ("elastic-llm.io/failure-domain", "ray.io/availability-zone")  # the node labels read as a failure domain, first found wins
 
@@ -73,3 +75,16 @@ def domain_of(labels: Mapping[str, str]) -> str | None:
 def exposed(groups: tuple[tuple[str, ...], ...], going: frozenset[str], parity: int) -> bool:
     """Whether some group loses more members than ``parity`` when the ``going`` nodes go. Pure."""
     return any(sum(1 for n in g if n in going) > parity for g in groups)
+
+
+def check_parity_fits(nodes: int, parity: int, group_size: int) -> None:
+    """Raise :class:`LayoutError` when ``nodes`` nodes with CPUs (two or more) cannot form one
+    erasure group of ``parity`` + 1: :func:`make_groups` would form none and every snapshot would
+    go without parity, less protection than a smaller ``snapshot.parity`` gives. A single node is
+    accepted: it holds no parity whatever the setting (the embedded single-node Ray). Pure."""
+    if 2 <= nodes < parity + 1:
+        raise LayoutError(
+            f"snapshot.parity={parity} needs erasure groups of at least parity + 1 = {parity + 1} nodes with CPUs "
+            f"(snapshot.group_size={group_size} per group), but the cluster has {nodes}: no group could form and the snapshots "
+            f"would have no parity at all; set snapshot.parity to at most {nodes - 1}, or add nodes"
+        )

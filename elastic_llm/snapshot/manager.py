@@ -24,7 +24,7 @@ when this node's part of the version is complete.
 Never decides anything: the controller tells it which version to take, commit or hand out.
 Never unpickles data it did not produce: pieces are numpy arrays, manifests JSON text.
 
-Why ~580 lines: it is one Ray actor, and everything it does (collect, offer, encode, commit,
+Why ~600 lines: it is one Ray actor, and everything it does (collect, offer, encode, commit,
 pin and free, hand out pieces and parity, flush) works on the same versions under one lock, with
 buffers it preallocates and reuses; the erasure code itself is in :mod:`elastic_llm.snapshot.erasure`.
 """
@@ -45,6 +45,7 @@ from elastic_llm.clock import SYSTEM
 from elastic_llm.lease import Lease, remove_run_groups
 from elastic_llm.snapshot import exchange
 from elastic_llm.snapshot.erasure import ReedSolomon, checksum
+from elastic_llm.snapshot.fence import Fence
 from elastic_llm.snapshot.layout import ParityLayout
 from elastic_llm.snapshot.rebuild import SnapshotMissingError
 from elastic_llm.snapshot.records import Exchanged, ManagerPart, ManagerPlan, ManagerState, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
@@ -55,18 +56,12 @@ WAIT_S = 600.0  # longest a version waits for a stage's copy or a peer's offer
 RELAYED = frozenset({"commit", "discard"})  # the calls a manager passes on to others for the driver (relay)
 
 
-def _node_address() -> str:
-    """This node's address as Ray knows it (127.0.0.1 on a loopback cluster and outside Ray)."""
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-
-
 
 class PartWriter(Protocol):
     """This node's parts of a durable flush as the manager sees them (the durable tier, a layer up, makes them)."""
 
     version: int
+    floor: int  # the driver's membership generation (:mod:`elastic_llm.snapshot.fence`)
 
     def write(self, local: Callable[[ShardKey], list[np.ndarray] | None]) -> Any:
         """Write the parts; ``local(key)``: this manager's own pieces of ``key`` (None if not held)."""
@@ -112,6 +107,7 @@ class SnapshotManager:
         # back if that attempt is discarded; the run is never without the version it committed
         self.kept: dict[int, Version] = {}
         self.lock = threading.Condition()
+        self.fence = Fence()  # what an older membership generation (a zombie driver or manager) sends is refused
         self._codecs: dict[tuple[int, int], ReedSolomon] = {}
         self._pool: dict[int, list[np.ndarray]] = {}  # freed parity buffers by size, reused
         self._unread: list[Any] = []  # a failed group's members' answers, read later (Ray reports an unread failure as unhandled)
@@ -137,16 +133,9 @@ class SnapshotManager:
             every = [p for v in [*self.versions.values(), *self.kept.values()] for p in v.every()]
             held = sum(s.info.nbytes for v in every for s in v.shards.values())
             held += sum(arr.nbytes for v in every for arr, _ in v.parity.values())
-            out = ManagerState(
-                run=self.run_id,
-                node_id=self.node_id,
-                versions=tuple(versions),
-                committed=committed[-1] if committed else None,
-                pinned=tuple(x for x in versions if self.versions[x].pinned),
-                shards=tuple(sorted(newest.shards)),
-                parity_regions=len(newest.parity),
-                bytes_held=held,
-            )
+            out = ManagerState(run=self.run_id, node_id=self.node_id, versions=tuple(versions), committed=committed[-1] if committed else None,
+                               pinned=tuple(x for x in versions if self.versions[x].pinned), shards=tuple(sorted(newest.shards)),
+                               parity_regions=len(newest.parity), bytes_held=held)
         self._export(out)
         return out
 
@@ -159,7 +148,7 @@ class SnapshotManager:
         address): its group's parity holders and rebuilding stages read its symbols there."""
         with self._server_lock:
             if self._server is None:
-                self._server = exchange.PieceServer(_node_address(), self._symbol)
+                self._server = exchange.PieceServer(exchange.node_address(), self._symbol)
             return self._server.address
 
     def cut_sends(self, nbytes: int) -> None:
@@ -255,6 +244,8 @@ class SnapshotManager:
         version, group, m, me = plan.version, plan.group, plan.parity, plan.me
         layout = ParityLayout(len(group), m) if group else None
         k = layout.k if layout else 1
+        if self.fence.below(plan.attempt, f"a plan of step {version}") or not self.fence.admit(plan.floor, f"a plan of step {version}"):
+            raise SnapshotMissingError(f"step {version}, attempt {plan.attempt}: refused, of an older membership generation")
         with self.lock:
             mine = self._claim(version, plan.attempt)
         if mine is None:
@@ -274,7 +265,7 @@ class SnapshotManager:
                 v.shards[key] = Shard(list(refs[1:]), info.on_node(self.node_id))
         shards = v.infos()
         if layout is None:
-            return ManagerPart(self.node_id, shards, cpu_s=time.thread_time() - cpu0, collect_s=collect_s)
+            return ManagerPart(self.node_id, shards, cpu_s=time.thread_time() - cpu0, collect_s=collect_s, fenced=self.fence.take())
         for region in range(layout.n):  # offer each data chunk to the holders of its region
             if layout.is_holder(me, region):
                 continue
@@ -284,7 +275,7 @@ class SnapshotManager:
                 plan.peers[h].offer.remote(version, region, me, self.endpoint(), pieces, plan.attempt)
         encoded = [self._encode(v, version, layout, region, row) for region, row in layout.parity_regions(me)]
         exchanged = sum((e for _, e in encoded), Exchanged())
-        return ManagerPart(self.node_id, shards, tuple(p for p, _ in encoded), time.thread_time() - cpu0, collect_s, exchanged)
+        return ManagerPart(self.node_id, shards, tuple(p for p, _ in encoded), time.thread_time() - cpu0, collect_s, exchanged, self.fence.take())
 
     def relay_versions(self, calls: tuple[tuple[Any, ManagerPlan], ...]) -> tuple[ManagerPart, ...]:
         """As its group's first member, start the group's parts of a version (``calls``: each
@@ -370,7 +361,9 @@ class SnapshotManager:
     def offer(self, version: int, region: int, member: int, source: tuple[str, int], pieces: list[Piece], attempt: int = 0) -> None:
         """Group member ``member`` offers its data chunk of ``region`` (its piece server's address,
         the pieces' byte ranges and checksums) to this parity holder; an offer of an older attempt
-        than the one held is dropped."""
+        than the one held is dropped, one of an older membership refused (:mod:`fence`)."""
+        if self.fence.below(attempt, f"a parity offer of step {version} from member {member}"):
+            return
         with self.lock:
             v = self._claim(version, attempt)
             if v is None:
@@ -434,12 +427,15 @@ class SnapshotManager:
         return ParityInfo(region, len(out), crc), Exchanged(sum(p.length for _, pieces in contribs for p in pieces), wall, spent[1], spent[0])
 
     # ------------------------------------------------------------------ commit / free
-    def commit(self, version: int, pin: bool = False, keep: tuple[int, ...] = ()) -> list[int]:
+    def commit(self, version: int, pin: bool = False, keep: tuple[int, ...] = (), floor: int = 0) -> list[int]:
         """Mark ``version`` committed and free every older version that is neither pinned nor in
         ``keep``. ``pin``: keep ``version`` until :meth:`unpin` (a durable flush reads it);
         ``keep``: versions the driver is flushing (this actor runs calls on several threads, so
         an older version's own ``commit(pin=True)`` may run after this one). A commit that comes
-        after a newer one frees its version unless pinned. Returns the versions held."""
+        after a newer one frees its version unless pinned. Returns the versions held. ``floor``:
+        the driver's (:mod:`fence`: a zombie driver's commit changes nothing)."""
+        if not self.fence.admit(floor, f"a commit of step {version}"):
+            return sorted(self.versions)
         with self.lock:
             if version in self.versions:  # a manager with no part in this version just frees older ones
                 self.versions[version].committed = True
@@ -466,8 +462,10 @@ class SnapshotManager:
             if any(x > version and w.committed for x, w in self.versions.items()):
                 self._free(self.versions.pop(version))
 
-    def discard_all(self) -> None:
+    def discard_all(self, floor: int = 0) -> None:
         """Forget every version (everyone rolled back to a durable checkpoint older than them)."""
+        if not self.fence.admit(floor, "a discard of every version"):
+            return
         with self.lock:
             for v in list(self.versions):
                 self._free(self.versions.pop(v))
@@ -479,6 +477,8 @@ class SnapshotManager:
     def flush_part(self, plan: "PartWriter") -> Any:
         """Write this node's parts of a committed version to durable storage: the durable tier's
         plan (:class:`~elastic_llm.durable.flush.NodeFlush`) writes, this hands it the pieces."""
+        if not self.fence.admit(plan.floor, f"a flush of step {plan.version}"):
+            raise SnapshotMissingError(f"the flush of step {plan.version} is refused: its driver is of an older membership generation")
         def local(key: ShardKey) -> list[np.ndarray] | None:
             with self.lock:
                 v = self.kept.get(plan.version) or self.versions.get(plan.version)
@@ -488,8 +488,10 @@ class SnapshotManager:
 
         return plan.write(local)
 
-    def discard(self, version: int, attempt: int | None = None) -> None:
-        """Forget ``version`` (only up to ``attempt``: a newer attempt's is kept)."""
+    def discard(self, version: int, attempt: int | None = None, floor: int = 0) -> None:
+        """Forget ``version`` (only up to ``attempt``: a newer attempt's is kept; ``floor``: :meth:`commit`'s)."""
+        if not self.fence.admit(floor, f"a discard of step {version}"):
+            return
         with self.lock:
             v = self.versions.get(version)
             if v is not None and (attempt is None or v.attempt <= attempt):

@@ -69,13 +69,13 @@ class ManagerHandle(Protocol):
     snapshot_version: Remote  # (ManagerPlan) -> ManagerPart
     relay_versions: Remote  # ((handle, ManagerPlan), ...) -> the group's ManagerParts (the first member starts the others')
     relay: Remote  # (method, args, handles) -> None once all ran it: commit or discard passed on to the handles
-    commit: Remote  # (version, flush, keep) -> None
-    discard: Remote  # (version, attempt) -> None
-    discard_all: Remote  # () -> None
+    commit: Remote  # (version, flush, keep, floor) -> None; floor: the driver's membership generation (elastic_llm.snapshot.fence)
+    discard: Remote  # (version, attempt, floor) -> None
+    discard_all: Remote  # (floor) -> None
     shard_parts: Remote  # (version, key) -> refs of its pieces
     endpoint: Remote  # () -> (host, port) of its piece server, where a rebuild reads its (or an adopted role's) chunks and parity
     adopt: Remote  # (version, role, source handle) -> bytes: a draining node's part copied here (:mod:`rehome`)
-    flush_part: Remote  # (NodeFlush) -> the node's written parts
+    flush_part: Remote  # (NodeFlush, carrying the driver's floor) -> the node's written parts
     unpin: Remote  # (version) -> None
     keepalive: Remote  # () -> None
 

@@ -12,14 +12,14 @@ longest chunk of the codeword; a parity symbol is one array of that length. Inst
 every symbol into a zero-filled buffer of the full length, the wanted byte range is cut where any
 symbol's piece starts or ends, and each segment is decoded from views of the received bytes, with
 a shared all-zero view standing in for the padding. Only the lost bytes are written, into the
-caller's buffer. :func:`decode_range` is pure (no Ray, no I/O); :func:`rebuild_into` asks the
+caller's buffer. :func:`recipe` (which survivors a restored stage reads) and :func:`decode_range` are pure (no Ray, no I/O); :func:`rebuild_into` asks the
 managers for their addresses through Ray and reads the bytes over sockets.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,7 +28,8 @@ import numpy as np
 from elastic_llm.snapshot import exchange
 from elastic_llm.snapshot.erasure import ReedSolomon, TooManyErasuresError, checksum
 from elastic_llm.snapshot.layout import ParityLayout
-from elastic_llm.snapshot.records import ParityRebuild, ShardInfo, chunk_pieces
+from elastic_llm.snapshot.records import ParityRebuild, ShardInfo, VersionRecord, chunk_pieces
+from elastic_llm.sources import UnrecoverableError
 
 Runs = Sequence[tuple[int, np.ndarray]]  # (offset within the symbol, bytes), ascending, not overlapping
 WAIT_S = 600.0  # longest a member's answer or pieces are waited for
@@ -141,3 +142,17 @@ def decode_range(rs: ReedSolomon, symbols: Sequence[Runs | None], row: int, lo: 
             seg.append(zeros[: b - a] if view is None else view)
         rs.decode_row(seg, row, out[a - lo : b - lo])
     return out
+
+
+def recipe(rec: VersionRecord, info: ShardInfo, lost_nodes: set[str], managers: Mapping[str, Any], parity: int) -> ParityRebuild:
+    """The recipe for rebuilding shard ``info`` of committed version ``rec`` from its erasure
+    group's survivors (their ``managers``, the shards each holds); :class:`UnrecoverableError` if
+    more of the group is lost than ``parity`` covers (found here, before any process starts). Pure."""
+    group = rec.group_of(info.node_id)
+    if group is not None:
+        homes = [rec.home(n) for n in group]
+        lost = tuple(i for i, n in enumerate(homes) if n in lost_nodes or n not in managers)
+        if len(lost) < len(group) and len(lost) <= parity:
+            peers = tuple(None if i in lost else managers[n] for i, n in enumerate(homes))
+            return ParityRebuild(rec.version, info.key, len(group), parity, lost, group.index(info.node_id), peers, tuple(rec.infos_on(n) for n in group), group)
+    raise UnrecoverableError(f"{info.key}, step {rec.version}: its snapshot cannot be rebuilt: more nodes of its erasure group are lost than snapshot.parity={parity} covers")

@@ -19,6 +19,8 @@ from typing import Any
 
 from elastic_llm.sources import Source
 
+ATTEMPT_BITS = 40  # a driver's attempts: its epoch << ATTEMPT_BITS, then one more per version begun
+
 
 @dataclass(frozen=True, order=True)
 class ShardKey:
@@ -98,6 +100,7 @@ class ManagerPlan:
     peers: tuple[Any, ...] = ()  # the group's manager handles, in ``group`` order
     parity: int = 1  # parity symbols per codeword
     attempt: int = 0  # which attempt at ``version`` (a step re-run after a rollback is a new one): larger is newer
+    floor: int = 0  # the first attempt of the run's membership generation: a plan or offer below it is a zombie's, refused
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class ManagerPart:
     cpu_s: float = 0.0  # CPU time the manager spent on this version (collecting, encoding parity)
     collect_s: float = 0.0  # wall time until its stages' pieces were in
     exchanged: Exchanged = Exchanged()  # its reading and encoding of the group's data
+    fenced: tuple[str, ...] = ()  # what the manager refused as of an older generation since its last part (a zombie's)
 
     def cost_s(self) -> float:
         """Time this version cost the node: the manager's CPU time and its stages' copies."""
@@ -128,6 +132,7 @@ class VersionRecord:
     groups: tuple[tuple[str, ...], ...]
     shards: tuple[ShardInfo, ...]
     homes: tuple[tuple[str, str], ...] = ()  # (role, node holding its pieces now), for re-homed roles
+    attempt: int = 0  # the attempt that committed (ManagerPlan.attempt): its durable files carry it, so a zombie's late write never lands in them
 
     def home(self, role: str) -> str:
         """The node that holds ``role``'s pieces now."""
@@ -251,12 +256,18 @@ def chunk_pieces(infos: tuple[ShardInfo, ...], chunk: int) -> list[Piece]:
     return [s.pieces[chunk] for s in sorted(infos, key=lambda s: s.key)]
 
 
+def generation(value: int) -> str:
+    """An attempt or floor as ``epoch.n`` (the driver that made it, its n-th attempt)."""
+    return f"{value >> ATTEMPT_BITS}.{value & ((1 << ATTEMPT_BITS) - 1)}"
+
+
 def record_json(record: VersionRecord) -> str:
     """``record`` as JSON text (no pickle: a new driver reads it back with :func:`record_from_json`)."""
     return json.dumps({
         "version": record.version,
         "groups": [list(g) for g in record.groups],
         "homes": [list(h) for h in record.homes],
+        "attempt": record.attempt,
         "shards": [
             {"stage": s.key.stage, "replica": s.key.replica, "version": s.version, "lo": s.lo, "nbytes": s.nbytes,
              "pieces": [[p.offset, p.length, p.crc] for p in s.pieces], "manifest": s.manifest, "node_id": s.node_id}
@@ -276,7 +287,7 @@ def record_from_json(text: str | bytes) -> VersionRecord:
             for s in d["shards"]
         )
         homes = tuple((str(r), str(n)) for r, n in d.get("homes", []))
-        return VersionRecord(int(d["version"]), tuple(tuple(str(n) for n in g) for g in d["groups"]), shards, homes)
+        return VersionRecord(int(d["version"]), tuple(tuple(str(n) for n in g) for g in d["groups"]), shards, homes, int(d.get("attempt", 0)))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"not a snapshot version record ({type(e).__name__}: {e})") from None
 
@@ -295,3 +306,11 @@ class SnapshotStats:
     collect_s: float = 0.0  # the managers' waits for their stages' pieces
     exchanged: Exchanged = field(default_factory=Exchanged)  # the parity holders' reading, checking and encoding of their groups' data
     commit_s: float = 0.0  # the driver's commit of each (record, managers told)
+
+    def add_commit(self, parts: list[ManagerPart], commit_s: float) -> None:
+        """One more version committed: its parts' copies, collects and exchanges, and the commit's own time."""
+        self.committed += 1
+        self.copy_s += sum(s.copy_s for part in parts for s in part.shards)
+        self.collect_s += sum(part.collect_s for part in parts)
+        self.exchanged = sum((part.exchanged for part in parts), self.exchanged)
+        self.commit_s += commit_s
