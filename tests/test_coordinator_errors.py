@@ -75,7 +75,8 @@ class Manager:
             return Method(lambda *args: Ref(value(*args) if callable(value) else value, fail.get(method), ready or method != "relay_versions"))
 
         self.held = answer("held", held)
-        self.relay_versions = answer("relay_versions", lambda calls: tuple(ManagerPart(h.node, tuple(ShardInfo(k, p.version, 0, 8, (), "{}", node_id=h.node) for k, _ in p.stages)) for h, p in calls))
+        self.relay_versions = answer("relay_versions", lambda calls: tuple(
+            ManagerPart(h.node, tuple(ShardInfo(k, p.version, 0, 8, (), "{}", node_id=h.node) for k, _ in p.stages), attempt=p.attempt) for h, p in calls))
         for method in ("relay", "commit", "discard", "discard_all", "unpin"):
             setattr(self, method, answer(method, None))
         self.shard_parts = answer("shard_parts", ["piece"])

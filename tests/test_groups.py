@@ -400,13 +400,14 @@ def test_a_version_waiting_on_a_group_with_a_lost_member_is_dropped_at_once_and_
 
 
 class _Recorder:
-    """A manager that answers every call at once and keeps what it was sent."""
+    """A manager that answers every call at once and keeps what it was sent; ``lag``: its parts
+    are of an attempt that much older than their plan's (a zombie's)."""
 
-    def __init__(self, sent):
-        self.sent = sent
+    def __init__(self, sent, lag=0):
+        self.sent, self.lag = sent, lag
 
     def __getattr__(self, name):
-        sent = self.sent
+        sent, lag = self.sent, self.lag
 
         class _Method:
             def remote(self, *args):
@@ -415,7 +416,7 @@ class _Recorder:
                 from elastic_llm.snapshot.records import ManagerPart
 
                 sent.append((name, args))
-                parts = tuple(ManagerPart(plan.group[plan.me], ()) for _, plan in args[0]) if name == "relay_versions" else None
+                parts = tuple(ManagerPart(plan.group[plan.me], (), attempt=plan.attempt - lag) for _, plan in args[0]) if name == "relay_versions" else None
                 return SimRef(0.0, "", set(range(100)) if name == "held" else parts)  # held: every version
 
         return _Method()
@@ -478,3 +479,28 @@ def test_the_first_version_after_a_node_is_lost_starts_a_generation_its_plans_an
     coord.begin(4, stages)  # stages on c again: c rejoins with a new manager
     assert fleet.ended == [old_c] and "c" not in coord.gone and fleet.started == ["smp-gen-c"]
     assert "c" in {p.group[p.me] for p in plans()}
+
+
+def test_a_version_whose_group_answers_with_a_part_of_another_attempt_never_commits():
+    """A committed version never mixes pieces from two generations: a relay that answers with a
+    part of an older attempt (a zombie's) drops the version, and the committed one stays."""
+    from elastic_llm.config import load_config
+    from elastic_llm.sim.world import SimClock
+    from elastic_llm.snapshot.coordinator import SnapshotCoordinator, StageMember
+    from elastic_llm.snapshot.records import ShardKey
+
+    from .conftest import REPO
+
+    cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["snapshot.parity=1", "snapshot.group_size=3"])
+    fleet = _RecordingFleet()
+    coord = SnapshotCoordinator(cfg, fleet, "mix", SimClock())
+    nodes = ["a", "b", "c"]
+    coord.managers = {n: _Recorder(fleet.sent) for n in nodes}
+    stages = [StageMember(ShardKey(i, 0), None, n) for i, n in enumerate(nodes)]
+    coord.begin(1, stages)
+    coord.poll(block=True, timeout=1)
+    assert coord.committed.version == 1
+    coord.managers = {n: _Recorder(fleet.sent, lag=1) for n in nodes}  # the group's relay answers with older parts
+    coord.begin(2, stages)
+    coord.poll(block=True, timeout=1)
+    assert coord.committed.version == 1 and not coord.inflight and coord.stats.discarded == 1

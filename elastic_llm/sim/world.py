@@ -326,7 +326,7 @@ class SimManager:
         self.versions[plan.version] = plan.attempt
         k = len(plan.group) - plan.parity
         self.parts[(plan.version, self.node)] = mb + (group_mb / k * plan.parity / len(plan.group) if plan.group and k > 0 else 0.0)
-        return self._ref(seconds, ManagerPart(self.node, shards, (), 0.0))
+        return self._ref(seconds, ManagerPart(self.node, shards, (), 0.0, attempt=plan.attempt))
 
     def _adopt(self, version: int, role: str, source: "SimManager") -> "SimRelayRef":
         """Member ``role``'s part of ``version`` copied from ``source`` at the profile's network

@@ -41,7 +41,7 @@ from elastic_llm.snapshot.groups import make_groups
 from elastic_llm.snapshot.ports import Calls, Flusher, ManagerFleet, ManagerHandle, ManagerLost
 from elastic_llm.snapshot.rebuild import SnapshotMissingError, recipe
 from elastic_llm.snapshot.rehome import Rehomer
-from elastic_llm.snapshot.records import ATTEMPT_BITS, ManagerPart, ManagerPlan, ParityRebuild, ShardKey, SnapshotStats, StageSource, VersionRecord
+from elastic_llm.snapshot.records import ATTEMPT_BITS, ManagerPart, ManagerPlan, ParityRebuild, ShardKey, SnapshotStats, StageSource, VersionRecord, generation
 
 log = logging.getLogger("elastic_llm.snapshot")
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
@@ -427,8 +427,10 @@ class SnapshotCoordinator:
                     continue
                 try:
                     parts = cast(tuple[ManagerPart, ...], self.calls.get(ref))
-                    p.results.update((part.node_id, part) for part in parts)
                     self.fenced += [(part.node_id, what) for part in parts for what in part.fenced]
+                    if mixed := sorted({part.attempt for part in parts} - {p.attempt}):  # never commits pieces of two generations
+                        raise SnapshotMissingError(f"parts of attempts {', '.join(map(generation, mixed))} in a version of attempt {generation(p.attempt)}")
+                    p.results.update((part.node_id, part) for part in parts)
                     p.answered.add(lead)
                 except CALL_FAILED as e:  # a manager or a stage died mid-snapshot: drop this version
                     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -517,10 +519,9 @@ class SnapshotCoordinator:
         self.gone -= nodes
 
     def _drop_unreachable(self) -> None:
-        """Drop each version in flight waiting on a group with a member on a node known dead: its
-        part cannot arrive (across a cut link the relay's pull hangs until Ray declares the node
-        dead, ~60 s on the harness, which a recovery used to sit out). A group whose answer is
-        already in keeps its version (the next :meth:`poll` commits it)."""
+        """Drop each version in flight waiting on a group with a member on a node known dead: its part cannot arrive (across a cut
+        link the relay's pull hangs until Ray declares the node dead, ~60 s on the harness, which a recovery used to sit out).
+        A group whose answer is already in keeps its version (the next :meth:`poll` commits it)."""
         for p in list(self.inflight):
             stuck = {lead: ref for lead, ref in p.waiting().items() if self.gone.intersection(p.group_of(lead))}
             if stuck and len(self.calls.wait(list(stuck.values()), len(stuck), 0)[0]) < len(stuck):

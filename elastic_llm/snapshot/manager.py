@@ -265,7 +265,7 @@ class SnapshotManager:
                 v.shards[key] = Shard(list(refs[1:]), info.on_node(self.node_id))
         shards = v.infos()
         if layout is None:
-            return ManagerPart(self.node_id, shards, cpu_s=time.thread_time() - cpu0, collect_s=collect_s, fenced=self.fence.take())
+            return ManagerPart(self.node_id, shards, cpu_s=time.thread_time() - cpu0, collect_s=collect_s, fenced=self.fence.take(), attempt=plan.attempt)
         for region in range(layout.n):  # offer each data chunk to the holders of its region
             if layout.is_holder(me, region):
                 continue
@@ -275,7 +275,7 @@ class SnapshotManager:
                 plan.peers[h].offer.remote(version, region, me, self.endpoint(), pieces, plan.attempt)
         encoded = [self._encode(v, version, layout, region, row) for region, row in layout.parity_regions(me)]
         exchanged = sum((e for _, e in encoded), Exchanged())
-        return ManagerPart(self.node_id, shards, tuple(p for p, _ in encoded), time.thread_time() - cpu0, collect_s, exchanged, self.fence.take())
+        return ManagerPart(self.node_id, shards, tuple(p for p, _ in encoded), time.thread_time() - cpu0, collect_s, exchanged, self.fence.take(), plan.attempt)
 
     def relay_versions(self, calls: tuple[tuple[Any, ManagerPlan], ...]) -> tuple[ManagerPart, ...]:
         """As its group's first member, start the group's parts of a version (``calls``: each

@@ -114,6 +114,7 @@ class ManagerPart:
     collect_s: float = 0.0  # wall time until its stages' pieces were in
     exchanged: Exchanged = Exchanged()  # its reading and encoding of the group's data
     fenced: tuple[str, ...] = ()  # what the manager refused as of an older generation since its last part (a zombie's)
+    attempt: int = 0  # the attempt it belongs to (its plan's): a version commits only parts of its own attempt
 
     def cost_s(self) -> float:
         """Time this version cost the node: the manager's CPU time and its stages' copies."""
