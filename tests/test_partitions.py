@@ -175,6 +175,54 @@ def test_a_partitioned_worker_is_rebuilt_elsewhere_bit_identically_and_its_zombi
     assert all("(membership at " in w for ln in fenced if ln.get("node") for w in ln["what"]), fenced  # a snapshot manager's: offers and plans
 
 
+GROWS = ("model.n_layers=4", "parallel.stages=2", "parallel.dp=3", "elastic.min_replicas=1", "elastic.max_replicas=3", "elastic.grow_check_s=2",
+         "parallel.cpus_per_actor=0.5", "snapshot.group_size=3", "recovery.standby=0")
+
+
+@pytest.mark.slow  # 2-3 minutes: the partition and its fencing stay in the suite (above); this adds the heal, the rejoin and the growth
+def test_a_healed_node_whose_zombies_ray_ended_rejoins_as_a_new_node_and_the_run_grows_back_onto_it(hosts):
+    """Three replicas of two stages fill the three 1-CPU workers. Stage 1's node loses its link
+    while step 4 runs: the run recovers on the two others at a smaller width. The link heals at
+    step 8: Ray, which declared the node dead meanwhile, ends its processes (the zombies), and the
+    host's Ray node starts again, a new node at the same address. The run grows back to three
+    replicas, the new one on that node (the only one with room), with no committed step lost."""
+    for name in hosts.dead_workers():
+        hosts.replace(name, 1)
+    metrics = hosts.lab.tmp / "grow.jsonl"
+    seen: dict[str, object] = {}
+    run_over = threading.Event()
+
+    def heal_and_rejoin_at_step_8() -> None:
+        deadline = time.monotonic() + RUN_S
+        while not run_over.wait(0.2) and time.monotonic() < deadline:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if any(json.loads(ln).get("step") == 8 and "loss" in ln for ln in lines):
+                seen["cut"] = cut = hosts.dead_workers()
+                for name in hosts.workers:
+                    hosts.lab.heal(name)
+                seen["healed_at"] = time.time()
+                seen["left"] = [p for name in cut for p in hosts.rejoin(name, 1)]
+                seen["rejoined_at"] = time.time()
+                return
+
+    watcher = threading.Thread(target=heal_and_rejoin_at_step_8, daemon=True)
+    watcher.start()
+    try:
+        lines = hosts.train("grow", "jobs/tiny.yaml", 40, (*BASE, *GROWS, "chaos.events=[{step: 4, kill: partition, stage: 1}]"), timeout=RUN_S, cwd=REPO)
+    finally:
+        run_over.set()
+        watcher.join(RUN_S)
+    zombies = [p for p in seen.get("left", ["none seen"]) if "log_monitor.py" not in p]  # Ray leaves a dead node's log monitor running
+    assert len(seen.get("cut", [])) == 1 and zombies == [], seen  # Ray ended the healed node's raylet, workers and actors itself
+    recoveries = [ln for ln in lines if ln.get("event") == "recovery"]
+    assert recoveries and all(r["committed_steps_lost"] == 0 for r in recoveries), recoveries
+    resizes = [ln for ln in lines if ln.get("event") == "resize"]
+    grown = [r for r in resizes if r["to_dp"] > r["from_dp"] and r["time"] > seen["rejoined_at"]]
+    assert grown and grown[-1]["to_dp"] == 3, resizes
+    widths = [ln["dp"] for ln in lines if ln.get("event") is None and "loss" in ln and "dp" in ln]
+    assert widths and min(widths) < 3 and widths[-1] == 3, widths
+
+
 @pytest.mark.slow  # 1.5 minutes: its rule and figures are also tested without the harness (test_links, test_bench_common)
 def test_a_node_on_a_slow_link_is_reported_as_a_straggler_and_its_stages_move_off_it_like_a_drain(hosts, clean):
     """Stage 1's node gets a link of 20 Mbit/s each way while step 2 runs (the others keep the

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 from elastic_llm.hosts.lab import Host, Lab, LabError, Output
@@ -88,6 +89,19 @@ class RayHosts:
         self.workers.remove(name)
         return self.add_node(cpus, store_bytes)
 
+    def rejoin(self, name: str, cpus: float, grace_s: float = 30.0, store_bytes: int = NODE_STORE_BYTES) -> list[str]:
+        """Host ``name``'s Ray node starts again, a new node at the same address: what a node's
+        service manager does once the machine is reachable again. Its old processes go first:
+        Ray ends a node it declared dead when its link heals; whatever still runs on the host
+        after ``grace_s`` is killed. Returns what was killed (each process's name and title)."""
+        deadline = time.monotonic() + grace_s
+        while self.lab.pids(name) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [_title(pid) for pid in self.lab.pids(name)]
+        self.lab.kill(name)
+        self._ray(self.lab.hosts[name], [f"--address={self.address}", f"--num-cpus={cpus:g}", f"--object-store-memory={store_bytes}"])
+        return left
+
     def train(self, name: str, config: str, steps: int, overrides: Sequence[str] = (), timeout: float = 300.0,
               cwd: str | None = None) -> list[dict[str, object]]:
         """``elastic-llm train`` of ``config`` for ``steps`` steps on the driver's host (with
@@ -146,3 +160,12 @@ def _exit_code(p: subprocess.Popen[str], timeout: float) -> int:
         p.kill()
         p.wait()
         return -9
+
+
+def _title(pid: int) -> str:
+    """A process's name and command line (Ray's workers set theirs: ``ray::StageActor``), or why not."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160] or f"pid {pid}"
+    except OSError as e:
+        return f"pid {pid} ({type(e).__name__})"
