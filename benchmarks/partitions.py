@@ -14,8 +14,8 @@ own metrics lines, per shot:
   steady step (the median step of the undisturbed run of the same cluster): the time the
   fault cost beyond the step it hit;
 - whether the losses equal the undisturbed run's, step for step, and the committed steps lost;
-- recoveries from the fault on (1: none after the heal) and the calls and links of the old
-  generation the stages refused (``fenced`` lines: a healed partition's zombies).
+- recoveries from the fault on (1: none after the heal) and what of the old generation was
+  refused (``fenced`` lines: a healed partition's zombies), in all and by who refused it.
 
 A third shot cuts only the link between stage 1's node and stage 2's (``kill: isolate``: both
 still reach the head, the driver and every other host), with the same figures and the run's
@@ -66,8 +66,19 @@ def shot_figures(lines: list[dict[str, Any]], steady_s: float) -> dict[str, Any]
         "committed_steps_lost": sum(r["committed_steps_lost"] for r in recoveries),
         "recoveries_after_fault": sum(1 for ln in lines if ln.get("event") == "state" and ln.get("new") == "recovering" and ln["time"] >= fault),
         "fenced": sum(ln["count"] for ln in lines if ln.get("event") == "fenced"),
+        "fenced_by": fenced_by(lines),
         "recovery_spans": {k: round(v, 3) for k, v in recoveries[0].items() if k.endswith("_s") and isinstance(v, float)} if recoveries else {},
     }
+
+
+def fenced_by(lines: list[dict[str, Any]]) -> dict[str, int]:
+    """What the run refused as a zombie's, by who refused it: the stages (plans and links of an
+    older link generation), the snapshot managers (offers, plans and driver calls below their
+    floor) and the durable tier (shard files of an older attempt beside a checkpoint's own)."""
+    fenced = [ln for ln in lines if ln.get("event") == "fenced"]
+    return {"stages": sum(ln["count"] for ln in fenced if ln.get("stage") is not None),
+            "managers": sum(ln["count"] for ln in fenced if ln.get("node")),
+            "durable": sum(ln["count"] for ln in fenced if ln.get("stage") is None and not ln.get("node"))}
 
 
 def slow_figures(lines: list[dict[str, Any]], steady_s: float) -> dict[str, Any]:

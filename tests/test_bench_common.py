@@ -89,13 +89,15 @@ def test_partitions_shot_figures_come_from_the_runs_own_lines():
     lines += [{"event": "chaos", "time": t0 + 4.2}, {"event": "state", "time": t0 + 7.2, "old": "running", "new": "recovering"},
               {"event": "recovery", "time": t0 + 9.0, "source": "parity", "committed_steps_lost": 0, "plan_s": 0.25, "actor_s": 1.5},
               {"event": "state", "time": t0 + 9.2, "old": "recovering", "new": "running"},
-              {"event": "fenced", "time": t0 + 11.0, "count": 2, "what": ["a", "b"]}]
+              {"event": "fenced", "time": t0 + 11.0, "count": 2, "what": ["a", "b"], "stage": 1, "replica": 0, "node": None},
+              {"event": "fenced", "time": t0 + 11.5, "count": 3, "what": ["c", "d", "e"], "stage": None, "replica": None, "node": "n1"}]
     lines += [{"step": s, "loss": 1.0, "elapsed_s": float(s + 6)} for s in range(5, 8)]  # resumed: step 5 ends at 11 s
     lines.append({"event": "end", "time": t0 + 13.0, "elapsed_s": 13.0})
     assert steady_step_s(lines) == 1.0
     got = shot_figures(lines, 1.0)
     assert got == {"detect_s": 3.0, "recovering_s": 2.0, "lost_s": 5.8, "sources": ["parity"], "committed_steps_lost": 0,
-                   "recoveries_after_fault": 1, "fenced": 2, "recovery_spans": {"plan_s": 0.25, "actor_s": 1.5}}
+                   "recoveries_after_fault": 1, "fenced": 5, "fenced_by": {"stages": 2, "managers": 3, "durable": 0},
+                   "recovery_spans": {"plan_s": 0.25, "actor_s": 1.5}}
 
 
 def test_partitions_slow_link_figures_split_the_steps_at_the_fault_the_straggler_line_and_the_drain():
