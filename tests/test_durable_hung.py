@@ -85,6 +85,7 @@ class Manager:
 class Snapshots:
     def __init__(self, managers: dict[str, Manager]) -> None:
         self.managers, self.calls, self.committed, self.every = managers, Calls(), None, 1
+        self.floor = 0  # the driver's membership generation, sent with each flush
 
 
 class Events:
@@ -111,7 +112,7 @@ def test_a_flush_whose_write_never_returns_fails_at_the_bound_and_the_previous_c
 
     ckpt = tmp_path / "run" / "checkpoint_00000004"
     ckpt.mkdir()
-    fifo = ckpt / "stage_000_part_000.safetensors"
+    fifo = ckpt / "stage_000_part_000-g0.0.safetensors"  # the file of attempt 0 (driver 0, attempt 0)
     os.mkfifo(fifo)  # the first part's open blocks until a reader comes: a storage that does not answer
     monkeypatch.setattr(flush, "WRITE_S", 0.3)
     record = VersionRecord(4, (), tuple(replace(s, version=4) for s in shards))
@@ -122,7 +123,7 @@ def test_a_flush_whose_write_never_returns_fails_at_the_bound_and_the_previous_c
     assert tier.inflight is None and tier.stats.failed == 1
     assert tier.latest() == (2, "checkpoint_00000002")  # the previous checkpoint stays the newest
     (failed,) = [e for e in events.seen if type(e).__name__ == "DurableFailed"]
-    assert f"writing {tmp_path}/run/checkpoint_00000004/stage_000_part_000.safetensors has not ended after" in failed.reason
+    assert f"writing {tmp_path}/run/checkpoint_00000004/stage_000_part_000-g0.0.safetensors has not ended after" in failed.reason
     assert "WRITE_S=0.3" in failed.reason and "previous checkpoint stays" in failed.reason
 
     os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # the storage answers at last: the open returns, the write finds no reader
