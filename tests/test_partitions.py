@@ -106,6 +106,7 @@ def test_a_ray_head_and_workers_in_their_own_namespaces_form_one_cluster_and_a_s
     hosts.replace("w1", 1)  # three workers again for the runs below
 
 
+@pytest.mark.slow  # 2 minutes: its rule is tested without the harness (test_links) and the harness soak strikes isolate-pair
 def test_two_workers_cut_from_each_other_only_set_one_side_aside_and_recover_once_without_flapping(hosts, clean):
     """The link between stage 1's node and stage 2's is cut both ways while step 5 runs; both
     nodes still reach the head, the driver and every other host (neither is a suspect). The
