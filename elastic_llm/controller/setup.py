@@ -134,7 +134,13 @@ class DriverFence:
         self.registry, self.run_id, self.epoch = registry, run_id, epoch
 
     def superseded(self) -> bool:
-        return self.registry.epoch(self.run_id) > self.epoch
+        """Whether a newer driver took the run over; False when the registry cannot be read (the
+        cluster is gone: ending the run's actors fails harmlessly then)."""
+        try:
+            return self.registry.epoch(self.run_id) > self.epoch
+        except Exception as e:  # noqa: BLE001 - a driver's end must close its own parts whatever the cluster says
+            log.warning("run %s: its registry cannot be read (%s: %s); its parts are ended as usual", self.run_id, type(e).__name__, e)
+            return False
 
     def check(self, what: str) -> None:
         if (newer := self.registry.epoch(self.run_id)) > self.epoch:
