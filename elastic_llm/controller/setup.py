@@ -133,17 +133,22 @@ class DriverFence:
     def __init__(self, registry: RunRegistry, run_id: str, epoch: int) -> None:
         self.registry, self.run_id, self.epoch = registry, run_id, epoch
 
+    def newer(self) -> int | None:
+        """The epoch of the driver that took the run over, None while it is this one's."""
+        published = self.registry.epoch(self.run_id)
+        return published if published > self.epoch else None
+
     def superseded(self) -> bool:
         """Whether a newer driver took the run over; False when the registry cannot be read (the
         cluster is gone: ending the run's actors fails harmlessly then)."""
         try:
-            return self.registry.epoch(self.run_id) > self.epoch
+            return self.newer() is not None
         except Exception as e:  # noqa: BLE001 - a driver's end must close its own parts whatever the cluster says
             log.warning("run %s: its registry cannot be read (%s: %s); its parts are ended as usual", self.run_id, type(e).__name__, e)
             return False
 
     def check(self, what: str) -> None:
-        if (newer := self.registry.epoch(self.run_id)) > self.epoch:
+        if (newer := self.newer()) is not None:
             raise Superseded(f"run {self.run_id} was taken over by its driver {newer} (--resume) while this one (driver {self.epoch}) lived on: "
                              f"this driver stops before {what} and leaves the run's actors, managers and record to it")
 
