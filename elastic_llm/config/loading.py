@@ -1,6 +1,6 @@
 """Loading a run configuration: YAML and ``--set key=value`` overrides in, a validated :class:`RunConfig` out.
 
-Owns: reading the YAML file, applying the overrides (dotted keys, YAML values), turning the
+Owns: reading the YAML file, applying the overrides (dotted keys, YAML values), putting the named ``recovery.policy``'s settings in, turning the
 mapping into the typed sections (unknown keys and wrong types refused naming the field), and
 validating the result (:mod:`.rules`). Never starts Ray or touches the filesystem beyond the file.
 """
@@ -8,6 +8,7 @@ validating the result (:mod:`.rules`). Never starts Ray or touches the filesyste
 from __future__ import annotations
 
 import dataclasses
+import logging
 import typing
 import os
 from pathlib import Path
@@ -17,6 +18,9 @@ import yaml
 
 from elastic_llm.config.rules import validate
 from elastic_llm.config.schema import ConfigError, RunConfig
+from elastic_llm.policies import DP, Policy, named
+
+log = logging.getLogger("elastic_llm.config")
 
 
 def _type_name(tp: Any) -> str:
@@ -121,11 +125,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         data = loaded or {}
     for assignment in overrides:
         _apply_override(data, assignment)
-    return validate(_cluster_paths(_from_dict(RunConfig, data)))
+    return validate(_with_policy(_cluster_paths(_from_dict(RunConfig, data))))
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
-    return validate(_cluster_paths(_from_dict(RunConfig, data)))
+    return validate(_with_policy(_cluster_paths(_from_dict(RunConfig, data))))
+
+
+def _with_policy(cfg: RunConfig) -> RunConfig:
+    """``recovery.policy``: the named policy's settings put into the config (each change logged)."""
+    try:
+        policy = named(cfg.recovery.policy)
+    except KeyError as e:
+        raise ConfigError(str(e.args[0])) from None
+    changed = apply_policy(cfg, policy)
+    if changed:
+        log.info("recovery.policy=%s sets %s", policy.name, "; ".join(changed))
+    return cfg
 
 
 def _cluster_paths(cfg: RunConfig) -> RunConfig:
@@ -135,3 +151,17 @@ def _cluster_paths(cfg: RunConfig) -> RunConfig:
     if cfg.durable.storage_path == "cluster":
         cfg.durable.storage_path = os.environ.get(DURABLE_ENV) or None
     return cfg
+
+
+def apply_policy(cfg: RunConfig, policy: Policy) -> list[str]:
+    """Set ``policy``'s fields on ``cfg`` (in place) and return ``"field: old -> new"`` for each one it changed."""
+    changed = []
+    for key, value in policy.settings:
+        section, name = key.split(".")
+        holder = getattr(cfg, section)
+        new = cfg.parallel.dp if value == DP else value
+        old = getattr(holder, name)
+        if old != new:
+            changed.append(f"{key}: {old!r} -> {new!r}")
+            setattr(holder, name, new)
+    return changed

@@ -126,6 +126,7 @@ class RecoveryConfig:
     capacity_timeout_s: float = 600.0  # longest wait for actors that cannot be placed, then the run stops (exit 4)
     capacity_report_s: float = 10.0  # while waiting for capacity, say what is missing this often
     mode: str = "lossless"  # one of RECOVERY_MODES; only lossless takes snapshots
+    policy: str = "elastic-llm"  # a named recovery policy (elastic_llm.policies): elastic-llm | restart | ray-train-elastic | replica-group | redundant; it sets the fields it models
     checkpoint_every: int = 100  # mode checkpoint: a checkpoint every this many steps
     checkpoint_dir: str | None = None  # mode checkpoint: where (None: a fresh temporary directory per run)
     standby: int | str = 1  # warm standby stage processes per node (0: none; auto: from the observed failure rate)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +107,8 @@ class ModeOptions:
     lr_scale: float = 1.1
     checkpoints: CheckpointExecutor | None = None
     durable: DurableTier | None = None  # the newest durable checkpoint: the last rung before CheckFree
+    restart_all: bool = False  # recovery.policy (elastic_llm.policies): every recovery restarts every process from the newest durable checkpoint
+    whole_replicas: bool = False  # recovery.policy: a lost stage takes its whole replica out
 
 
 class RecoveryExecutor:
@@ -173,12 +175,13 @@ class RecoveryExecutor:
         standbys = self.standbys.ready() if self.standbys is not None and self.standbys.enabled else {}
         par = self.group.cfg.parallel
         anywhere = not par.gpus_per_actor or self.group.cfg.recovery.standby_gpus
-        return build_observation(
+        obs = build_observation(
             steps, dict(self.group.nodes), alive_nodes, dead_managers, sn, self.parity, self.min_width, free_at,
             o.mode, o.mirrors, ckpt[0] if ckpt else None, durable[0] if durable else None,
             standbys, self.group.placement.bundle_nodes(lost) if lost else {}, anywhere, self._own_copies(steps),
             from_start and self.initial_position is not None,
         )
+        return replace(obs, restart_all=o.restart_all, whole_replicas=o.whole_replicas)
 
     def _own_copies(self, steps: dict[ShardKey, int | None]) -> frozenset[ShardKey]:
         """Survivors whose own background copy holds the whole committed version (only a run of
@@ -199,9 +202,9 @@ class RecoveryExecutor:
         if plan.drop_replicas:
             g.resize.drop_replicas(plan.drop_replicas)
         lost = [ShardKey(a.stage, a.replica) for a in plan.actions]
-        if plan.rollback_from is RollbackFrom.INITIAL:  # every actor a new process (or an adopted standby): the seed's weights
+        if plan.rollback_from is RollbackFrom.INITIAL or plan.restart:  # every actor a new process (or an adopted standby)
             survivors = sorted(set(g.keys()) - set(lost))
-            for key in survivors:
+            for key in sorted(g.keys()) if plan.restart else survivors:  # a restart policy's plan names the survivors too
                 g.kill(key)
             lost += survivors
         grown = g.spares.replicas()
@@ -270,6 +273,8 @@ class RecoveryExecutor:
         tier = self.options.durable
         assert tier is not None and plan.rollback_to is not None, "a durable rollback needs the durable tier"
         latest = tier.latest()
+        if latest is not None and latest[0] > plan.rollback_to:  # a flush in flight committed while the plan was made
+            raise SourceLost(f"the durable checkpoint of step {latest[0]} committed after the plan named step {plan.rollback_to}")
         if latest is None or latest[0] != plan.rollback_to:
             raise RuntimeError(f"durable checkpoint of step {plan.rollback_to} is not the newest committed one ({latest})")
         tier.reset()

@@ -31,6 +31,7 @@ from elastic_llm.durable.format import Checkpoint, open_checkpoint
 from elastic_llm.durable.restore import check_fits
 from elastic_llm.durable.tier import run_storage
 from elastic_llm.monitor import Publisher
+from elastic_llm.policies import named
 from elastic_llm.recovery.policy import SourceLost, UnrecoverableError
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.groups import check_parity_fits
@@ -58,6 +59,7 @@ class RunParts:
     nodes: LinkGuard  # the runtime's nodes, with those the run set aside for a cut link
     roster: Roster | None = None  # --resume RUN_ID: the dead driver's stage actors, until taken over (take_over)
     fence: DriverFence | None = None  # driver failover on: whether a newer driver took the run over
+    restart_on_resize: bool = False  # recovery.policy restarts every process from the newest durable checkpoint after a grow (ray-train-elastic)
 
 
 @dataclass(frozen=True)
@@ -229,11 +231,12 @@ def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, me
     if cfg.recovery.mode == Mode.CHECKPOINT:
         checkpoints = CheckpointExecutor(group, cfg.recovery.checkpoint_every, cfg.recovery.checkpoint_dir, runtime.clock)
     min_width = cfg.elastic.bounds(cfg.parallel.dp)[0]
-    options = ModeOptions(Mode(cfg.recovery.mode), cfg.mirrors, cfg.checkfree.lr_scale, checkpoints, durable)
+    policy = named(cfg.recovery.policy)
+    options = ModeOptions(Mode(cfg.recovery.mode), cfg.mirrors, cfg.checkfree.lr_scale, checkpoints, durable, policy.restart_all, policy.whole_replicas)
     nodes = LinkGuard(runtime.nodes, runtime.clock, cfg.recovery, metrics)
     elastic = ElasticExecutor(group, sn, cfg, nodes, runtime.clock)
     recovery = RecoveryExecutor(group, sn, cfg.snapshot.parity, min_width, options, nodes, standbys, elastic.protect, fence.check if fence else None)
-    return RunParts(group, standbys, sn, durable, checkpoints, recovery, elastic, publisher, keepalive, nodes, roster, fence)
+    return RunParts(group, standbys, sn, durable, checkpoints, recovery, elastic, publisher, keepalive, nodes, roster, fence, policy.restart_on_resize)
 
 
 def reattach(runtime: Runtime, run_id: str, group: StageActors, sn: SnapshotCoordinator | None, driver_grace_s: float) -> Resumed:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Union
 
 from elastic_llm.controller.drains import Drain
-from elastic_llm.recovery.failure import FailureBudget, FailurePolicy, StepFailure
+from elastic_llm.recovery.failure import During, FailureBudget, FailurePolicy, StepFailure
 from elastic_llm.sources import UnrecoverableError
 
 EXIT_FAILED = 4  # failure budget spent, or no capacity within recovery.capacity_timeout_s
@@ -220,6 +220,14 @@ def after_source_lost(state: Recovering) -> Recovering:
     and plan again. Not a new failure (the failure budget is not charged); each time, the run has
     learnt of one more lost part, so it ends."""
     return Recovering(state.failure, state.attempt + 1, state.reason)
+
+
+def restart_after_resize(step: int, from_dp: int, to_dp: int) -> Recovering:
+    """A grow under a policy that restarts every process at a new width (ray-train-elastic):
+    a recovery follows that restarts them all from the newest durable checkpoint. Not a failure:
+    the failure budget is not charged."""
+    failure = StepFailure(step, None, None, f"resize {from_dp} -> {to_dp}: recovery.policy restarts every process at a new width", during=During.RESIZE)
+    return Recovering(failure, 1, "a resize under recovery.policy=ray-train-elastic: not charged")
 
 
 def after_unrecoverable(failure: StepFailure, why: str) -> Failed:

@@ -30,7 +30,7 @@ from elastic_llm.controller.stepping import StepJobs, StepRunner
 from elastic_llm.controller.ticks import Requests, Ticks
 from elastic_llm.controller.states import (
     Draining, Failed, Progress, Recovering, Resizing, RunFailed, RunUnrecoverable, Running, Starting, State, WaitingForCapacity,
-    after_failure, after_source_lost, after_step, after_unrecoverable, check_transition, is_terminal, routine, start_waiting, while_waiting, why_entered,
+    after_failure, after_source_lost, after_step, after_unrecoverable, check_transition, is_terminal, restart_after_resize, routine, start_waiting, while_waiting, why_entered,
 )
 from elastic_llm.shape import count_parameters
 from elastic_llm.monitor import RunFacts, RunStatus
@@ -337,7 +337,7 @@ class Trainer:
             return self._failed_work(err, During.RESIZE, alive)
         self._new_executor()
         self._resized(out.from_dp, out.to_dp, out.reason, out.seconds, self.parts.group.spans.totals(t0))
-        return self._next()
+        return restart_after_resize(self.step + 1, out.from_dp, out.to_dp) if self.parts.restart_on_resize else self._next()
 
     def _drain(self, state: Draining) -> State:
         assert self.parts is not None

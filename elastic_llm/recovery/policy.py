@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -82,6 +82,8 @@ class Observation:
     standby_anywhere: bool = True  # a standby may take a stage on any node (CPU runs, or standbys holding a GPU); else only where the dead actor's device is
     own_copies: frozenset[ShardKey] = frozenset()  # survivors whose own background copy holds the whole committed version (a run of one replica)
     from_start: bool = False  # the run began at step 0 from the seed's weights and has committed nothing since: going back there loses nothing committed
+    restart_all: bool = False  # recovery.policy restarts every process from the newest durable checkpoint (restart, ray-train-elastic)
+    whole_replicas: bool = False  # recovery.policy takes a replica out whole when one of its stages is lost (replica-group)
 
     @property
     def n_stages(self) -> int:
@@ -122,6 +124,7 @@ class RecoveryPlan:
     own_copies: tuple[ShardKey, ...] = ()  # a snapshot rollback: survivors that restore from their own background copy (the others: their snapshot managers, parity for lost_shards)
     borrow: tuple[tuple[ShardKey, ShardKey], ...] = ()  # (giver, taker), numbered as observed: a dropped replica's survivor becomes a kept replica's lost actor
     kept: tuple[ShardKey, ...] = ()  # a snapshot rollback: survivors whose state already is rollback_to's (they restore nothing)
+    restart: bool = False  # every survivor's process ends too and starts again with the lost ones (restart_all policies)
 
     def __str__(self) -> str:
         rb = f"roll back to step {self.rollback_to}" if self.rollback_to is not None else "no rollback"
@@ -244,6 +247,25 @@ def replicas_to_drop(obs: Observation) -> tuple[int, ...]:
     return ()
 
 
+def restart_drops(obs: Observation) -> tuple[int, ...]:
+    """When every process restarts from the durable checkpoint (a restart policy, or
+    replica-group with no whole replica left): the broken replicas to drop so that the others'
+    actors fit now (:func:`fewest_drops`; no survivor needs to hold anything), never below
+    ``min_width`` (a fixed width drops none and waits for its nodes). Pure."""
+    width = 1 + max((m.replica for m in obs.members), default=-1)
+    if obs.free_slots is None:
+        candidates = sorted({m.replica for m in obs.members if not m.alive} & obs.unplaceable)
+    else:
+        placed = {k for k, _ in obs.bundle_nodes}
+        need: dict[int, int] = {}
+        for m in obs.members:
+            if not m.alive and ShardKey(m.stage, m.replica) not in placed:
+                need[m.replica] = need.get(m.replica, 0) + 1
+        candidates = sorted(fewest_drops(need, obs.n_stages, obs.free_slots))
+    room = max(0, width - max(1, obs.min_width))
+    return tuple(candidates[len(candidates) - room:] if room < len(candidates) else candidates)
+
+
 def _lost_stages(obs: Observation) -> dict[int, frozenset[int]]:
     out: dict[int, set[int]] = {}
     for m in obs.members:
@@ -357,6 +379,10 @@ def assign_standbys(plan: RecoveryPlan, obs: Observation) -> RecoveryPlan:
 
 class RecoveryPolicy:
     def decide(self, obs: Observation) -> RecoveryPlan:
+        if obs.whole_replicas:
+            return self._whole_replicas(obs)
+        if obs.restart_all:
+            return self._restart_fitting(obs, "recovery.policy restarts every process at a failure")
         drop = replicas_to_drop(obs)
         if not drop:
             return assign_standbys(self._ladder(obs), obs)
@@ -371,12 +397,46 @@ class RecoveryPolicy:
                 return more
         return plan
 
-    def _shrunk(self, obs: Observation, drop: tuple[int, ...]) -> RecoveryPlan:
+    def _whole_replicas(self, obs: Observation) -> RecoveryPlan:
+        """replica-group: every replica with a lost stage goes while a whole replica survives
+        (the others train on, no rollback); with none whole, everyone restarts from the newest
+        durable checkpoint."""
+        broken = sorted({m.replica for m in obs.members if not m.alive})
+        if not broken:
+            return self._ladder(obs)
         width = 1 + max(m.replica for m in obs.members)
-        merged, pairs = with_borrows(obs, drop)
+        if len(broken) < width and width - len(broken) >= max(1, obs.min_width) and _one_step(obs):
+            plan = self._shrunk(obs, tuple(broken), borrow=False)
+            return replace(plan, reason=f"recovery.policy=replica-group: {plan.reason}")
+        return self._restart_fitting(obs, f"no whole replica of {width} survives")
+
+    def _restart_fitting(self, obs: Observation, why: str) -> RecoveryPlan:
+        """Every process restarts from the newest durable checkpoint, at the widest width whose
+        actors fit (:func:`restart_drops`)."""
+        drop = restart_drops(obs)
+        if not drop:
+            return assign_standbys(self._restart(obs, why), obs)
+        return self._shrunk(obs, drop, borrow=False, then=lambda kept: self._restart(kept, why))
+
+    def _restart(self, obs: Observation, why: str) -> RecoveryPlan:
+        """Every process ends and starts again from the newest durable checkpoint (the initial
+        state without one): the restart_all policies, and replica-group with no whole replica."""
+        source = Source.DURABLE if obs.durable is not None else Source.INITIAL
+        everyone = tuple(Action(m.stage, m.replica, source) for m in obs.members)  # every actor a new process, survivors too
+        if obs.durable is not None:
+            plan = self._durable(obs, why)
+            return replace(plan, actions=everyone, restart=True, reason=f"every process restarts ({why}): everyone loads the durable checkpoint of step {obs.durable}")
+        plan = self._initial(obs, why)
+        return replace(plan, actions=everyone, restart=True,
+                       reason=f"every process restarts ({why}), no durable checkpoint yet: everyone goes back to the initial state (step 0)")
+
+    def _shrunk(self, obs: Observation, drop: tuple[int, ...], borrow: bool = True, then: Callable[[Observation], RecoveryPlan] | None = None) -> RecoveryPlan:
+        """``drop`` goes first; ``then`` (default: the ladder) plans for the replicas kept."""
+        width = 1 + max(m.replica for m in obs.members)
+        merged, pairs = with_borrows(obs, drop) if borrow else (obs, ())
         kept = without_replicas(merged, drop)
         kept = replace(kept, bundle_nodes=kept.bundle_nodes + freed_places(merged, drop, kept, {g for g, _ in pairs}))
-        plan = assign_standbys(self._ladder(kept), kept)
+        plan = assign_standbys((then or self._ladder)(kept), kept)
         why = (
             f"replica(s) {list(drop)} lost stages that cannot be placed now (no capacity): dropped, "
             f"{width} -> {width - len(drop)} replicas; "
