@@ -4,7 +4,7 @@ chaos | experiment | checkpoints | export | bench``.
 Owns: argument parsing and turning user errors into one clear message and exit code 2.
 Everything else is delegated (controller, data, bench).
 
-Why ~570 lines: thirteen subcommands, each with its options, help text and the checks that turn a
+Why ~500 lines: eleven of its thirteen subcommands (replay and simulate: :mod:`elastic_llm.fleet_cli`), each with its options, help text and the checks that turn a
 bad argument into a message naming it; each command body is a few lines handing over to the
 module that does the work.
 """
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from elastic_llm.fleet_cli import replay_command, simulate_command
 from elastic_llm.logs import LEVELS
 
 EXIT_USAGE = 2
@@ -109,76 +110,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     meta = prepare(args.sources, out, val_fraction=args.val_fraction, tokenizer=args.tokenizer, vocab_size=args.vocab_size, tokenizer_file=args.tokenizer_file)
     print(json.dumps({"out": str(out), **meta}))
     return 0
-
-
-def cmd_replay(args: argparse.Namespace) -> int:
-    from elastic_llm.config import load_config
-    from elastic_llm.replay.runner import Replay, ReplayOptions, nodes_per_replica
-    from elastic_llm.replay.trace import load_trace, parse_window, plan_replay
-
-    cfg = load_config(args.config, list(args.set or []))
-    try:
-        plan = plan_replay(
-            load_trace(args.trace),
-            window=parse_window(args.window) if args.window else None,
-            time_scale=args.time_scale,
-            node_scale=args.node_scale,
-            notice_s=args.notice_s,
-            seed=args.seed,
-        )
-        nodes_per_replica(cfg, args.cpus_per_node)
-    except ValueError as e:  # TraceError too: it names the line or the option and the fix
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    report = Replay(cfg, plan, ReplayOptions(args.cpus_per_node, args.seed, not args.no_progress)).run(args.out)
-    keys = ("steps", "committed_steps_lost", "useful_fraction", "seconds_by_state", "events", "failed")
-    print(json.dumps({k: report[k] for k in keys}))
-    print(f"wrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.png'}", file=sys.stderr)
-    return int(report["exit_code"])
-
-
-def _simulate_problem(args: argparse.Namespace) -> str | None:
-    """The first bad ``simulate`` argument, named with its fix (pure)."""
-    for name in ("nodes", "stages", "replicas"):
-        if getattr(args, name) < 1:
-            return f"--{name}={getattr(args, name)} must be >= 1"
-    if args.trace is None and args.steps is None:
-        return "--steps: without --trace the simulation needs --steps K (how many steps to run)"
-    if args.trace is None and (args.window or args.notice_s):
-        return "--window and --notice-s go with --trace: pass a trace or drop them"
-    if args.slots_per_node is not None and args.slots_per_node < 1:
-        return f"--slots-per-node={args.slots_per_node} must be >= 1"
-    if args.durable_every < 0:
-        return f"--durable-every={args.durable_every} must be >= 0 (0: no durable tier)"
-    if args.process_failures_per_hour < 0:
-        return f"--process-failures-per-hour={args.process_failures_per_hour:g} must be >= 0"
-    return None
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from elastic_llm.config import load_config
-    from elastic_llm.replay.trace import parse_window
-    from elastic_llm.sim.costs import CostError, load_costs
-    from elastic_llm.sim.runner import SimOptions, simulate
-
-    problem = _simulate_problem(args)
-    if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        return EXIT_USAGE
-    cfg = load_config(args.config, list(args.set or []))
-    try:
-        costs = load_costs(args.cost)
-        options = SimOptions(args.nodes, args.stages, args.replicas, args.trace, parse_window(args.window) if args.window else None,
-                             args.notice_s, args.time_scale, args.steps, args.slots_per_node, args.process_failures_per_hour, args.seed,
-                             args.durable_every)
-        report = simulate(cfg, options, costs, args.out)
-    except (ValueError, CostError) as e:  # TraceError and ConfigError too: they name the line or the field and the fix
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    keys = ("steps", "committed_steps_lost", "useful_fraction", "seconds_by_state", "events", "controller_cpu", "failed", "real_s")
-    print(json.dumps({k: report[k] for k in keys}))
-    print(f"wrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.png'}", file=sys.stderr)
-    return int(report["exit_code"])
 
 
 def _chaos_problem(args: argparse.Namespace) -> str | None:
@@ -398,43 +329,6 @@ def _prepare_command(sub: Any) -> None:
     pr.set_defaults(func=cmd_prepare)
 
 
-def _replay_command(sub: Any) -> None:
-    rp = sub.add_parser("replay", help="replay a spot availability trace on a loopback Ray cluster while a run trains")
-    rp.add_argument("--trace", required=True, help="CSV lines time_ms,add|remove,node_name")
-    rp.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
-    rp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
-    rp.add_argument("--time-scale", type=float, default=60.0, help="trace seconds per replay second (default 60: an hour in a minute)")
-    rp.add_argument("--window", help="START_S:END_S, the stretch of trace time to replay (default: all of it)")
-    rp.add_argument("--node-scale", type=float, default=0.25, help="replay nodes per trace node (default 0.25)")
-    rp.add_argument("--cpus-per-node", type=float, default=1.0, help="CPUs of each replay node (default 1)")
-    rp.add_argument("--notice-s", type=float, default=0.0, help="drain each removed node this many replay seconds before it goes (default 0: no notice)")
-    rp.add_argument("--seed", type=int, default=0, help="seed of the victims drawn when the fleet shrinks")
-    rp.add_argument("--out", required=True, help="directory for replay.json, replay.png and metrics.jsonl")
-    rp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    rp.set_defaults(func=cmd_replay)
-
-
-def _simulate_command(sub: Any) -> None:
-    sm = sub.add_parser("simulate", help="the real controller on a simulated fleet (no Ray): a trace or a fault schedule, in simulated time")
-    sm.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml; jobs/sim-fleet.yaml has 64 layers)")
-    sm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
-    sm.add_argument("--nodes", type=int, required=True, help="nodes of the fleet (with --trace: at the window's start; the trace is scaled to it)")
-    sm.add_argument("--stages", type=int, required=True, help="pipeline stages (must divide model.n_layers)")
-    sm.add_argument("--replicas", type=int, required=True, help="data-parallel replicas at the start")
-    sm.add_argument("--trace", help="CSV lines time_ms,add|remove,node_name (the replay's format); without it the fleet is steady")
-    sm.add_argument("--window", help="START_S:END_S, the stretch of trace time to simulate (default: all of it)")
-    sm.add_argument("--time-scale", type=float, default=1.0, help="trace seconds per simulated second (default 1: real time)")
-    sm.add_argument("--notice-s", type=float, default=0.0, help="drain each removed node this many seconds before it goes (default 0: no notice)")
-    sm.add_argument("--steps", type=int, help="stop after this many steps (needed without --trace)")
-    sm.add_argument("--slots-per-node", type=int, help="stage actors a node holds (default: stages x replicas / nodes, rounded up)")
-    sm.add_argument("--process-failures-per-hour", type=float, default=0.0, help="stage processes dying on live nodes, per actor per hour (seeded)")
-    sm.add_argument("--durable-every", type=int, default=0, help="flush every N-th committed snapshot to a simulated durable tier (default 0: none)")
-    sm.add_argument("--cost", default="cpu-2core", help="cost model: a YAML file or a profile (cpu-2core: measured here; gpu-a100: published figures)")
-    sm.add_argument("--seed", type=int, default=0, help="seed of the trace's victims and of the fault schedule")
-    sm.add_argument("--out", required=True, help="directory for replay.json, replay.png and metrics.jsonl")
-    sm.set_defaults(func=cmd_simulate)
-
-
 def _chaos_command(sub: Any) -> None:
     ch = sub.add_parser("chaos", help="soak runs on a loopback Ray cluster (or the multi-host harness) with seeded faults; check them against an undisturbed run")
     ch.add_argument("--config", default=_default_config(), help="YAML run config (default: jobs/tiny.yaml)")
@@ -515,8 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     _status_command(sub)
     _spot_watcher_command(sub)
     _prepare_command(sub)
-    _replay_command(sub)
-    _simulate_command(sub)
+    replay_command(sub, _default_config())
+    simulate_command(sub, _default_config())
     _chaos_command(sub)
     _experiment_command(sub)
     _checkpoints_command(sub)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_llm.config import RunConfig
+from elastic_llm.replay.cost import Price, cost_fields
 from elastic_llm.replay.report import liveput_fields, oracle_widths, seconds_with_room, useful_fraction, write_report
 from elastic_llm.replay.trace import ReplayAction, ReplayPlan
 
@@ -39,6 +40,7 @@ class ReplayOptions:
     cpus_per_node: float = 1.0
     seed: int = 0
     progress: bool = True
+    price: Price | None = None  # dollars per node-hour of the replay's node type: the report's cost (None: none)
 
 
 def nodes_per_replica(cfg: RunConfig, cpus_per_node: float) -> int:
@@ -195,8 +197,11 @@ class Replay:
             "duration_s": self.plan.duration_s,
             "seconds_with_room": round(room_s, 3),
             "useful_fraction": useful_fraction(training_s, room_s),
-            **liveput_fields(t.history, self.plan.replay_alive, self.plan.duration_s, self._slots(), self.cfg.parallel.stages, self._max_width(),
-                             0 if lost_all else t.committed_step),
+            **(lf := liveput_fields(t.history, self.plan.replay_alive, self.plan.duration_s, self._slots(), self.cfg.parallel.stages, self._max_width(),
+                                    0 if lost_all else t.committed_step)),
+            "cost": cost_fields(self.options.price, self.plan.replay_alive, self.plan.duration_s, 0 if lost_all else t.committed_step, self.cfg.tokens_per_step(),
+                                lf["full_width_steps_per_s"], nodes_per_replica(self.cfg, self.options.cpus_per_node) * self._max_width())
+            if self.options.price is not None else None,
             "events": {
                 "recoveries": dict(Counter(str(r.source) for r in recoveries)),
                 "resizes": dict(Counter(f"{e.from_dp}->{e.to_dp}" for e in t.resizes)),

@@ -45,6 +45,7 @@ class CostModel:
     snapshot_step_s: float = 0.0  # what a step that begins a snapshot version costs beyond a clean one (copies, parity, object moves)
     call_cpu_s: float = 0.0  # the driver's CPU per actor call (bench transport's driver_calls); 0: not charged
     relayed_cpu_s: float = 0.0  # the driver's CPU per stage report relayed by its replica's stage 0 (bench transport's relayed_report_us)
+    sequence_tokens: int = 0  # tokens of the sequence seq_stage_s is for (a report's tokens and tokens per dollar); 0: the config's model.seq_len
     replica_s: float = 0.0  # on shared cores: what each replica beyond the first adds to a step besides the exchange (its calls, update, snapshot slice)
 
     def step_s(self, stages: int, microbatches: int, batch: int, width: int, snapshot: bool = False) -> float:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_llm.config import ConfigError, RunConfig, config_from_dict
+from elastic_llm.replay.cost import Price, cost_fields
 from elastic_llm.replay.report import liveput_fields, oracle_widths, seconds_with_room, useful_fraction, write_report
 from elastic_llm.replay.trace import ReplayPlan, load_trace, plan_replay
 from elastic_llm.sim.costs import CostModel
@@ -53,6 +54,7 @@ class SimOptions:
     process_failures_per_hour: float = 0.0  # per stage actor: stage processes that die on live nodes
     seed: int = 0
     durable_every: int = 0  # flush every N-th committed snapshot to a simulated durable tier (0: none)
+    price: Price | None = None  # dollars per node-hour of the fleet's node type: the report's cost (None: none)
 
 
 log = logging.getLogger("elastic_llm.sim")
@@ -222,7 +224,9 @@ class Simulation:
             "duration_s": duration,
             "seconds_with_room": round(room_s, 3),
             "useful_fraction": useful_fraction(training_s, room_s),
-            **liveput_fields(t.history, alive, duration, self.slots, o.stages, self._max_width(), 0 if lost_all else t.committed_step),
+            **(lf := liveput_fields(t.history, alive, duration, self.slots, o.stages, self._max_width(), 0 if lost_all else t.committed_step)),
+            "cost": cost_fields(o.price, alive, duration, 0 if lost_all else t.committed_step, self.cfg.train.batch_size * (self.costs.sequence_tokens or self.cfg.model.seq_len),
+                                lf["full_width_steps_per_s"], math.ceil(o.stages * self._max_width() / self.slots)) if o.price is not None else None,
             "events": {
                 "recoveries": dict(sorted(Counter(str(r.source) for r in recoveries).items())),
                 "resizes": dict(sorted(Counter(f"{e.from_dp}->{e.to_dp}" for e in t.resizes).items())),
