@@ -106,9 +106,28 @@ def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
         return bench.run_precision_bench(args.config, steps=args.steps or 300, out=args.out, from_dir=args.from_dir, overrides=args.set or [])
     if args.what == "partitions":
         return bench.run_partitions_bench(shots=args.steps or 2, out_dir=args.out)
+    if args.what == "anchors":
+        return bench.run_anchors_bench(out_dir=args.out, traces=args.trace or [], prices=args.prices, loopback_too=args.loopback, from_dir=args.from_dir)
     if args.what == "calibrate":
         return bench.run_calibrate_bench(out=args.out, from_dir=args.from_dir)
     raise AssertionError(args.what)  # argparse restricts choices
+
+
+def _anchors_problem(args: argparse.Namespace) -> str | None:
+    """``--trace`` and ``--prices`` go with ``bench anchors``; a bad trace or price table is named before anything runs."""
+    if args.what != "anchors":
+        return "--trace and --prices are only for `bench anchors`" if args.trace or args.prices else None
+    from elastic_llm.replay.cost import PriceError, load_prices
+    from elastic_llm.replay.trace import load_trace
+
+    try:
+        table = load_prices(args.prices)
+        for trace in args.trace or []:
+            load_trace(trace)
+    except (PriceError, ValueError) as e:  # TraceError is a ValueError: it names the file, the line and the fix
+        return str(e)
+    missing = sorted({"gpu-a100", "cpu-2core"} - set(table))
+    return f"price table {args.prices} has no prices for node type(s) {missing}, which bench anchors simulates: add them" if missing else None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -118,6 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _sweep_problem(args)
         or (f"--steps={args.steps} must be >= {least}" if args.steps is not None and args.steps < least else None)
         or ("--auto-only is only for `bench durable` and `bench snapshot`" if args.auto_only and args.what not in ("durable", "snapshot") else None)
+        or _anchors_problem(args)
     )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -138,19 +158,23 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The ``bench`` subcommand on the product's command line (and the parser of ``python -m benchmarks.<what>``)."""
     b = sub.add_parser("bench", help="benchmarks against real peers (run from the root of a source checkout: they read jobs/*.yaml)")
     b.add_argument("what", choices=["pipeline", "erasure", "snapshot", "recovery", "durable", "transport", "detect", "failover", "simulate", "fleet",
-                                    "calibrate", "rehome", "memory", "precision", "partitions"])
+                                    "calibrate", "rehome", "memory", "precision", "partitions", "anchors"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report")
+    b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report; "
+                   "anchors: also replay restart, replica-group and elastic-llm on a loopback Ray cluster")
     b.add_argument("--out", help=("simulate, fleet: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory; "
                                   "calibrate: the profile to write (default elastic_llm/sim/profiles/cpu-2core.yaml); precision: where the runs' metrics and the plot go; "
                                   "partitions: each faulted run's metrics and driver log"))
-    b.add_argument("--from", dest="from_dir", help="calibrate: read the benchmarks' JSON from this directory instead of running them; precision: the runs' metrics")
+    b.add_argument("--from", dest="from_dir", help="calibrate: read the benchmarks' JSON from this directory instead of running them; precision: the runs' metrics; "
+                   "anchors: the simulated part from this directory's anchors.json (a run of it) instead of simulating again")
     b.add_argument("--config", help="run config for 'pipeline' and 'snapshot' (default jobs/tiny.yaml); memory: the one config to measure (default tiny and llama-25m)")
     b.add_argument("--steps", type=int, default=None, help=(
         "timed steps per system (default: 6 for pipeline, 4 per configuration for pipeline --sweep, 12 for snapshot; round trips "
         "for transport, 200; node removals per setting for detect, 3; driver kills per resume kind for failover, 2; failures per "
         "in-memory path for recovery, 3; bursts for rehome, 3; shots per fault kind for partitions, 2)"))
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
+    b.add_argument("--trace", action="append", metavar="CSV", help="anchors: one more spot trace (time_ms,add|remove,node) to run every policy on")
+    b.add_argument("--prices", metavar="YAML", help="anchors: price table (node type -> spot_per_h, on_demand_per_h; default: elastic_llm/sim/prices.yaml)")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
     b.add_argument("--auto-only", action="store_true", help="durable, snapshot: only snapshot.every: auto against no snapshots on the 3-node loopback cluster "
                    "(snapshot: after a per-step trace of where a version's cost lands)")

@@ -21,6 +21,7 @@ from elastic_llm.recovery.failure import During
 from elastic_llm.recovery.policy import Member, Observation, RecoveryPolicy, RollbackFrom, Source, restart_drops
 from elastic_llm.replay.cost import PriceError, cost_fields, load_prices, node_hours, price_for
 from elastic_llm.replay.trace import ReplayAction, ReplayPlan
+from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.sim.costs import load_costs
 from elastic_llm.sim.runner import SimOptions, Simulation
 
@@ -93,7 +94,7 @@ def test_a_restart_in_a_width_range_drops_what_does_not_fit_and_a_fixed_width_wa
 def test_replica_group_takes_a_replica_with_a_lost_stage_out_whole_and_restarts_only_when_none_is_whole():
     plan = RecoveryPolicy().decide(obs(dead=[(0, 1)], replicas=3, durable=2, whole=True))
     assert plan.drop_replicas == (1,) and plan.width == (3, 2) and plan.rollback_to is None and plan.actions == () and not plan.restart
-    assert "replica-group" in plan.reason
+    assert "replica(s) [1] lost a stage and go out whole, 3 -> 2 replicas" in plan.reason and "replica-group" in plan.why_width
     every = RecoveryPolicy().decide(obs(dead=[(0, 0), (1, 1)], replicas=2, durable=2, whole=True))
     assert every.restart and every.rollback_to == 2 and every.rollback_from is RollbackFrom.DURABLE and every.drop_replicas == ()
 
@@ -189,3 +190,19 @@ def test_each_policy_recovers_the_same_node_loss_as_the_system_it_models(corpus_
         assert cost["node_type"] == "cpu-2core" and cost["tokens"] == report["committed_steps"] * 16 * 128
         assert cost["node_hours"] == pytest.approx((60 * 8 + 140 * 7 + 200 * 9) / 3600, abs=1e-3)  # the same fleet bill for every policy
     assert ours["liveput"] > max(restart["liveput"], ray["liveput"])
+
+
+def test_elastic_llm_rolling_back_to_the_durable_checkpoint_drops_the_replicas_that_do_not_fit_instead_of_waiting():
+    """Found by bench anchors (4 x 4 on one-slot nodes, the synthetic trace, no notice): a burst took
+    stage 1 of both replicas and more nodes of an erasure group than parity covers. The plan rolled
+    everyone back to the durable checkpoint at width 2 and waited for 3 slots that never came,
+    while ray-train-elastic restarted at width 1. Every state comes from the checkpoint then, so
+    the width shrinks to what fits."""
+    members = tuple(Member(s, r, f"n{r}{s}", (s, r) not in {(1, 0), (0, 1), (1, 1)}, None if (s, r) in {(1, 0), (0, 1), (1, 1)} else 5)
+                    for r in range(2) for s in range(2))
+    gone = frozenset({"n01", "n10", "n11"})
+    o = Observation(members, gone, gone, committed=5, shard_nodes=tuple((ShardKey(m.stage, m.replica), m.node) for m in members),
+                    groups=(tuple(m.node for m in members),), parity=1, min_width=1, free_slots=1, free_nodes=(("x", 1),), durable=4)
+    plan = RecoveryPolicy().decide(o)
+    assert plan.rollback_from is RollbackFrom.DURABLE and plan.rollback_to == 4
+    assert plan.drop_replicas == (1,) and plan.width == (2, 1) and [(a.stage, a.replica) for a in plan.actions] == [(1, 0)]

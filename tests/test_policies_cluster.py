@@ -109,7 +109,7 @@ def test_replica_group_takes_the_replica_out_whole_and_grows_it_back_by_a_peer_c
     t = trainer(nodes, corpus_dir, tmp_path, "recovery.policy=replica-group", "elastic.min_replicas=1", kill)
     losses, _, _ = fit_until(t, tmp_path, lambda p: len(events(p, "resize")) >= 2, "the replica's return")
     resizes = [(e["from_dp"], e["to_dp"], e["reason"]) for e in events(tmp_path, "resize")]
-    assert resizes[:2] == [(2, 1, "lost stages could not be placed"), (1, 2, "capacity")], resizes  # the node had room: out whole all the same
+    assert resizes[:2] == [(2, 1, "a lost stage takes its replica out (recovery.policy=replica-group)"), (1, 2, "capacity")], resizes  # the node had room: out whole all the same
     recs = events(tmp_path, "recovery")
     assert recs and all(r["rollback_steps"] == 0 and r["source"] != "durable" for r in recs)
     assert losses and max(losses) <= CLEAN_STEPS, f"the run trained {max(losses)} steps, the clean one {CLEAN_STEPS}"

@@ -306,7 +306,7 @@ class Trainer:
             if outcome.data_position is not None:
                 self.stream.seek(outcome.data_position)
         if outcome.plan.width is not None:
-            self._resized(*outcome.plan.width, "lost stages could not be placed", seconds, spans)
+            self._resized(*outcome.plan.width, outcome.plan.why_width, seconds, spans)
         for rec in recovery_records(outcome, failure, seconds, lost, {"plan_s": 0.0, "actor_s": 0.0, "state_s": 0.0, **spans}):
             self.recoveries.append(self.metrics.emit(rec))
         self.jobs.mirrors(self.step, force=True)

@@ -124,6 +124,7 @@ class RecoveryPlan:
     own_copies: tuple[ShardKey, ...] = ()  # a snapshot rollback: survivors that restore from their own background copy (the others: their snapshot managers, parity for lost_shards)
     borrow: tuple[tuple[ShardKey, ShardKey], ...] = ()  # (giver, taker), numbered as observed: a dropped replica's survivor becomes a kept replica's lost actor
     kept: tuple[ShardKey, ...] = ()  # a snapshot rollback: survivors whose state already is rollback_to's (they restore nothing)
+    why_width: str = "lost stages could not be placed"  # the resize line's reason when replicas are dropped
     restart: bool = False  # every survivor's process ends too and starts again with the lost ones (restart_all policies)
 
     def __str__(self) -> str:
@@ -385,7 +386,11 @@ class RecoveryPolicy:
             return self._restart_fitting(obs, "recovery.policy restarts every process at a failure")
         drop = replicas_to_drop(obs)
         if not drop:
-            return assign_standbys(self._ladder(obs), obs)
+            plan = assign_standbys(self._ladder(obs), obs)
+            fit = restart_drops(obs) if plan.rollback_from in (RollbackFrom.DURABLE, RollbackFrom.INITIAL) else ()
+            if fit:  # everyone loads the checkpoint anyway: at the width that fits now, not waiting for nodes
+                return self._shrunk(obs, fit, borrow=False)
+            return plan
         plan = self._shrunk(obs, drop)
         kept = sorted({m.replica for m in obs.members} - set(drop))
         cold = {kept[a.replica] for a in plan.actions if a.adopt is None}
@@ -407,7 +412,8 @@ class RecoveryPolicy:
         width = 1 + max(m.replica for m in obs.members)
         if len(broken) < width and width - len(broken) >= max(1, obs.min_width) and _one_step(obs):
             plan = self._shrunk(obs, tuple(broken), borrow=False)
-            return replace(plan, reason=f"recovery.policy=replica-group: {plan.reason}")
+            why = f"recovery.policy=replica-group: replica(s) {broken} lost a stage and go out whole, {width} -> {width - len(broken)} replicas; the others train on"
+            return replace(plan, reason=why, why_width="a lost stage takes its replica out (recovery.policy=replica-group)")
         return self._restart_fitting(obs, f"no whole replica of {width} survives")
 
     def _restart_fitting(self, obs: Observation, why: str) -> RecoveryPlan:
