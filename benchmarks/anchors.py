@@ -148,7 +148,7 @@ def plot(rows: list[dict[str, Any]], path: Path, notice: float = PLOT_NOTICE) ->
                 t, w = zip(*r["width"])
                 ax.step([x / 3600 for x in t], w, where="post", linewidth=1, label=f"{r['policy']} (liveput {r['liveput']:.3f})")
         ax.set_title(f"{trace}: {shape}, {notice:.0f} s notices", fontsize=9)
-        ax.set_ylabel("replicas training")
+        ax.set_ylabel("width (replicas)")  # the run's width: a run waiting for nodes keeps its width (its useful fraction says it waits)
         ax.legend(fontsize=7, loc="lower left")
     if fig.axes:
         fig.axes[-1].set_xlabel("hours")
