@@ -26,7 +26,7 @@ from .conftest import REPO, events, loopback_cluster_fixture, top_up, wait_until
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 4
 STEPS = 8
-CLEAN_STEPS = 45  # more than the restart test trains (it stops 2 steps after its restart; 20-30 steps under load)
+CLEAN_STEPS = 45  # the steps the others are compared on (the restart test restarts within them: 20-30 steps under load)
 BASE = [
     "model.dim=64", "model.n_heads=4", "model.seq_len=32", "model.n_layers=4",
     "parallel.stages=4", "parallel.microbatches=2", "parallel.cpus_per_actor=0.5", "parallel.dp=2",
@@ -99,8 +99,9 @@ def test_restart_restarts_every_stage_process_from_the_durable_checkpoint_and_go
     assert {r["source"] for r in recs} == {"durable"} and len(recs) == 8, recs  # all 8 processes, not only the killed one
     assert all("every process restarts" in r["reason"] for r in recs)
     assert not before & after  # every stage process is new
-    assert losses and max(losses) <= CLEAN_STEPS, f"the run trained {max(losses)} steps, the clean one {CLEAN_STEPS}"
-    assert all(losses[s] == clean[s] for s in losses)  # restored with its data position: the same losses, bit for bit
+    common = [s for s in sorted(losses) if s in clean]  # the clean run's steps (a fast machine trains more after the restart)
+    assert common and common == sorted(losses), f"the run trained {max(losses)} steps, the clean one {CLEAN_STEPS}"  # it stops 2 steps after its restart
+    assert all(losses[s] == clean[s] for s in common)  # restored with its data position: the same losses, bit for bit
     assert events(tmp_path, "resize") == []
 
 
@@ -112,8 +113,8 @@ def test_replica_group_takes_the_replica_out_whole_and_grows_it_back_by_a_peer_c
     assert resizes[:2] == [(2, 1, "a lost stage takes its replica out (recovery.policy=replica-group)"), (1, 2, "capacity")], resizes  # the node had room: out whole all the same
     recs = events(tmp_path, "recovery")
     assert recs and all(r["rollback_steps"] == 0 and r["source"] != "durable" for r in recs)
-    assert losses and max(losses) <= CLEAN_STEPS, f"the run trained {max(losses)} steps, the clean one {CLEAN_STEPS}"
-    assert np.allclose([losses[s] for s in sorted(losses)], [clean[s] for s in sorted(losses)], rtol=1e-4)  # other widths: the same math in other sums
+    common = [s for s in sorted(losses) if s in clean]  # the clean run's steps (a fast machine trains more before the replica is back)
+    assert len(common) >= 10 and np.allclose([losses[s] for s in common], [clean[s] for s in common], rtol=1e-4)  # other widths: the same math in other sums
 
 
 @pytest.mark.slow  # the restart is the restart test's; the grow that leads to it: tests/test_policies.py on the simulated runtime
@@ -127,4 +128,5 @@ def test_ray_train_elastic_restarts_every_process_after_a_grow(nodes, corpus_dir
     assert [(e["from_dp"], e["to_dp"]) for e in events(tmp_path, "resize")][:1] == [(1, 2)]
     after = [r for r in events(tmp_path, "recovery") if "resize 1 -> 2" in r["failure"]]
     assert len(after) == 8 and {r["source"] for r in after} <= {"durable", "initial"}, after  # every process of the new width
-    assert losses and max(losses) <= CLEAN_STEPS and np.allclose([losses[s] for s in sorted(losses)], [clean[s] for s in sorted(losses)], rtol=1e-4)
+    common = [s for s in sorted(losses) if s in clean]
+    assert len(common) >= 10 and np.allclose([losses[s] for s in common], [clean[s] for s in common], rtol=1e-4)
