@@ -142,9 +142,7 @@ def replicas_to_drop(obs: Observation) -> tuple[int, ...]:
     whole = [r for r in range(width) if r not in broken]
     lost = _lost_stages(obs)
     if obs.free_slots is not None:
-        placed = {k for k, _ in obs.bundle_nodes}
-        need = {r: sum(1 for m in obs.members if m.replica == r and not m.alive and ShardKey(m.stage, m.replica) not in placed) for r in broken}
-        fewest = fewest_drops({r: n for r, n in need.items() if n}, obs.n_stages, obs.free_slots)
+        fewest = fewest_drops(new_slots(obs), obs.n_stages, obs.free_slots)
         candidates = sorted(merge_drops(lost, obs.n_stages, len(fewest)) if _one_step(obs) else fewest)
     else:
         candidates = sorted(broken & obs.unplaceable)
@@ -165,6 +163,16 @@ def replicas_to_drop(obs: Observation) -> tuple[int, ...]:
     return ()
 
 
+def new_slots(obs: Observation) -> dict[int, int]:
+    """Broken replica -> its lost actors that need a new slot (their reservation is not placed). Pure."""
+    placed = {k for k, _ in obs.bundle_nodes}
+    need: dict[int, int] = {}
+    for m in obs.members:
+        if not m.alive and ShardKey(m.stage, m.replica) not in placed:
+            need[m.replica] = need.get(m.replica, 0) + 1
+    return need
+
+
 def restart_drops(obs: Observation) -> tuple[int, ...]:
     """When every process restarts from the durable checkpoint (a restart policy, or
     replica-group with no whole replica left): the broken replicas to drop so that the others'
@@ -174,12 +182,7 @@ def restart_drops(obs: Observation) -> tuple[int, ...]:
     if obs.free_slots is None:
         candidates = sorted({m.replica for m in obs.members if not m.alive} & obs.unplaceable)
     else:
-        placed = {k for k, _ in obs.bundle_nodes}
-        need: dict[int, int] = {}
-        for m in obs.members:
-            if not m.alive and ShardKey(m.stage, m.replica) not in placed:
-                need[m.replica] = need.get(m.replica, 0) + 1
-        candidates = sorted(fewest_drops(need, obs.n_stages, obs.free_slots))
+        candidates = sorted(fewest_drops(new_slots(obs), obs.n_stages, obs.free_slots))
     room = max(0, width - max(1, obs.min_width))
     return tuple(candidates[len(candidates) - room:] if room < len(candidates) else candidates)
 

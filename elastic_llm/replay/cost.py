@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from elastic_llm.replay.report import spans
+
 PRICES = Path(__file__).resolve().parent.parent / "sim" / "prices.yaml"  # the table this package ships
 
 
@@ -79,13 +81,7 @@ def price_for(table: dict[str, Price], node_type: str, where: str = "the price t
 
 def node_hours(replay_alive: Sequence[tuple[float, int]], duration_s: float) -> float:
     """The alive curve's node-hours over [0, duration_s] (a step function, as the report's)."""
-    total = 0.0
-    for i, (t, alive) in enumerate(replay_alive):
-        until = replay_alive[i + 1][0] if i + 1 < len(replay_alive) else duration_s
-        start, end = max(t, 0.0), min(until, duration_s)
-        if end > start:
-            total += alive * (end - start)
-    return total / 3600.0
+    return sum(seconds * alive for seconds, alive in spans(replay_alive, duration_s)) / 3600.0
 
 
 def cost_fields(price: Price, replay_alive: Sequence[tuple[float, int]], duration_s: float, committed_steps: int, tokens_per_step: int,

@@ -30,13 +30,19 @@ def seconds_with_room(
     (as :class:`~elastic_llm.replay.trace.ReplayPlan` has it); each count holds until the next
     point, the last one until ``duration_s``; before the first point nothing is alive.
     """
-    total = 0.0
+    return sum(seconds for seconds, alive in spans(replay_alive, duration_s) if alive >= nodes_needed)
+
+
+def spans(replay_alive: Sequence[tuple[float, int]], duration_s: float) -> list[tuple[float, int]]:
+    """(seconds, nodes alive) of each stretch of the step function ``replay_alive`` within
+    [0, duration_s] (empty stretches left out). Pure."""
+    out = []
     for i, (t, alive) in enumerate(replay_alive):
         until = replay_alive[i + 1][0] if i + 1 < len(replay_alive) else duration_s
         start, end = max(t, 0.0), min(until, duration_s)
-        if alive >= nodes_needed and end > start:
-            total += end - start
-    return total
+        if end > start:
+            out.append((end - start, alive))
+    return out
 
 
 def oracle_widths(replay_alive: Sequence[tuple[float, int]], slots_per_node: float, stages: int, max_width: int) -> list[tuple[float, int]]:
