@@ -107,7 +107,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def replay_command(sub: Any, default_config: str) -> None:
     rp = sub.add_parser("replay", help="replay a spot availability trace on a loopback Ray cluster while a run trains")
-    rp.add_argument("--trace", required=True, help="CSV lines time_ms,add|remove,node_name")
+    rp.add_argument("--trace", required=True, help="CSV lines time_ms,add|remove,node_name[,zone][,price] (a price column: spot dollars per node-hour from that event on)")
     rp.add_argument("--config", default=default_config, help="YAML run config (default: jobs/tiny.yaml)")
     rp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
     rp.add_argument("--time-scale", type=float, default=60.0, help="trace seconds per replay second (default 60: an hour in a minute)")
@@ -130,7 +130,7 @@ def simulate_command(sub: Any, default_config: str) -> None:
     sm.add_argument("--nodes", type=int, required=True, help="nodes of the fleet (with --trace: at the window's start; the trace is scaled to it)")
     sm.add_argument("--stages", type=int, required=True, help="pipeline stages (must divide model.n_layers)")
     sm.add_argument("--replicas", type=int, required=True, help="data-parallel replicas at the start")
-    sm.add_argument("--trace", help="CSV lines time_ms,add|remove,node_name (the replay's format); without it the fleet is steady")
+    sm.add_argument("--trace", help="CSV lines time_ms,add|remove,node_name[,zone][,price] (the replay's format); without it the fleet is steady")
     sm.add_argument("--window", help="START_S:END_S, the stretch of trace time to simulate (default: all of it)")
     sm.add_argument("--time-scale", type=float, default=1.0, help="trace seconds per simulated second (default 1: real time)")
     sm.add_argument("--notice-s", type=float, default=0.0, help="drain each removed node this many seconds before it goes (default 0: no notice)")

@@ -9,6 +9,7 @@ policies on a loopback Ray cluster are in tests/test_policies_cluster.py.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 
 import pytest
@@ -19,7 +20,7 @@ from elastic_llm.controller.states import Recovering, Resizing, check_transition
 from elastic_llm.policies import POLICIES, names, named
 from elastic_llm.recovery.failure import During
 from elastic_llm.recovery.policy import Member, Observation, RecoveryPolicy, RollbackFrom, Source, restart_drops
-from elastic_llm.replay.cost import PriceError, cost_fields, load_prices, node_hours, price_for
+from elastic_llm.replay.cost import PriceError, cost_fields, load_prices, node_hours, price_for, spot_dollars
 from elastic_llm.replay.trace import ReplayAction, ReplayPlan
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.sim.costs import load_costs
@@ -114,6 +115,33 @@ def test_the_cost_counts_every_node_held_and_compares_with_an_on_demand_fleet_of
     assert c["spot_usd"] == pytest.approx(3.0 * price.spot_per_h, abs=0.01) and c["tokens"] == 100_000
     assert c["on_demand"]["usd"] == pytest.approx(4 * price.on_demand_per_h, abs=0.01) and c["on_demand"]["tokens"] == 180_000
     assert c["vs_on_demand"] == pytest.approx((100_000 / c["spot_usd"]) / (180_000 / c["on_demand"]["usd"]), rel=1e-3)
+
+
+def test_a_traces_prices_replace_the_tables_spot_price_from_the_first_of_them_on():
+    alive = ((0.0, 4), (1800.0, 2), (3600.0, 2))
+    price = price_for(load_prices(), "gpu-a100")
+    assert spot_dollars(price, alive, 3600.0, ((900.0, 10.0), (2700.0, 1.0))) == pytest.approx(
+        (900 * 4 * price.spot_per_h + 900 * 4 * 10.0 + 900 * 2 * 10.0 + 900 * 2 * 1.0) / 3600)
+    c = cost_fields(price, alive, 3600.0, 100, 1000, 0.05, 4, ((0.0, 2.0),))
+    assert c["spot_usd"] == pytest.approx(3.0 * 2.0) and c["spot_price"] == "the trace's price column"
+    assert cost_fields(price, alive, 3600.0, 100, 1000, 0.05, 4)["spot_price"] == "the price table"
+
+
+def test_simulate_pays_a_priced_traces_spot_prices_and_refuses_a_negative_one(corpus_dir, tmp_path, capsys):
+    """8 one-slot nodes for 600 s; the trace says 0.02 $/h, then 0.08 from 300 s on (and one node
+    goes at 300 s): the fleet pays 8 x 300 s x 0.02 + 7 x 300 s x 0.08 (the table says 0.0315)."""
+    lines = ["time_ms,event,node,price"] + [f"0,add,n{i},{'0.02' if i == 0 else ''}" for i in range(8)] + ["300000,remove,n7,0.08", "600000,add,n7,"]
+    (tmp_path / "priced.csv").write_text("\n".join(lines) + "\n")
+    args = ["simulate", "--config", os.path.join(REPO, "jobs", "spot-tiny.yaml"), "--set", f"data.dir={corpus_dir}", "--nodes", "8", "--stages", "4",
+            "--replicas", "2", "--slots-per-node", "1", "--trace", str(tmp_path / "priced.csv"), "--cost", "cpu-2core"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    cost = json.loads((tmp_path / "out" / "replay.json").read_text())["cost"]
+    assert cost["spot_price"] == "the trace's price column"
+    assert cost["spot_usd"] == pytest.approx((8 * 300 * 0.02 + 7 * 300 * 0.08) / 3600, abs=0.005)
+    (tmp_path / "neg.csv").write_text("\n".join(lines[:-1] + ["600000,add,n7,-0.08"]) + "\n")
+    capsys.readouterr()
+    assert main([*args, "--trace", str(tmp_path / "neg.csv"), "--out", str(tmp_path / "neg")]) == 2
+    assert "neg.csv line 11: price '-0.08' is not a number of dollars per node-hour >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("table, message", [

@@ -74,6 +74,9 @@ def test_parse_skips_comments_blank_lines_and_header():
         ("0,add,a\n1,remove,a\n2,remove,a\n", 3, "'a'", "add it earlier"),
         ("0,add,a\n1,add,a\n", 2, "'a'", "remove it first"),
         ("0,add,a\n10,add,b\n9,add,c\n", 3, "time 9", "sort the trace by time_ms"),
+        ("time_ms,event,node,price\n0,add,a,1.5\n1,add,b,-2\n", 3, "price '-2'", "dollars per node-hour >= 0"),
+        ("time_ms,event,node,price\n0,add,a,cheap\n", 2, "price 'cheap'", "leave the cell empty to keep the last price"),
+        ("time_ms,event,node,zone,price\n0,add,a,z1\n", 2, "4 fields, not 5", "time_ms,event,node,zone,price"),
     ],
 )
 def test_parse_errors_name_file_line_value_and_fix(text, line, bad, fix):
@@ -83,6 +86,15 @@ def test_parse_errors_name_file_line_value_and_fix(text, line, bad, fix):
     assert f"trace.csv line {line}:" in message
     assert bad in message
     assert fix in message
+
+
+def test_a_price_column_is_the_spot_price_from_its_event_on_and_an_empty_cell_keeps_it():
+    text = "time_ms,event,node,zone,price\n0,add,a,z1,1.5\n0,add,b,z2,\n4000,remove,a,z1,3\n8000,add,c,z1,\n12000,remove,b,z2,0.5\n"
+    events = parse_trace(text)
+    assert [e.price for e in events] == [1.5, None, 3.0, None, 0.5] and events[0].zone == "z1"
+    plan = plan_replay(events, window=(2.0, 12.0), time_scale=2.0)
+    assert plan.spot_prices == ((0.0, 1.5), (1.0, 3.0))  # the price set before the window holds at its start; the one at its end is out
+    assert plan_replay(parse_trace("0,add,a\n5,remove,a\n")).spot_prices == ()  # no price column: the table's price
 
 
 def test_a_header_after_the_first_event_is_an_error():

@@ -8,7 +8,8 @@ fix), :func:`price_for` (a node type's entry, or the error naming the type and t
 :func:`cost_fields` (a report's ``cost`` section).
 
 A spot fleet pays for every node it holds, used or not. A simulation and a replay hold every
-node the trace has alive, so the cost is the alive curve's node-hours at the spot price. The
+node the trace has alive, so the cost is the alive curve's node-hours at the spot price: the
+table's, or where the trace carries a price column, the trace's from its first price on. The
 on-demand fleet is the run's full width (``ceil(stages x max replicas / actors per node)``
 nodes), never preempted, training at the run's own steady full-width rate for the whole time.
 Pure except :func:`load_prices`, which reads the table.
@@ -16,6 +17,7 @@ Pure except :func:`load_prices`, which reads the table.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,13 +86,30 @@ def node_hours(replay_alive: Sequence[tuple[float, int]], duration_s: float) -> 
     return sum(seconds * alive for seconds, alive in spans(replay_alive, duration_s)) / 3600.0
 
 
+def spot_dollars(price: Price, replay_alive: Sequence[tuple[float, int]], duration_s: float, spot_prices: Sequence[tuple[float, float]] = ()) -> float:
+    """What the spot fleet of the alive curve paid over [0, duration_s]: its node-hours at the
+    table's spot price, or at ``spot_prices`` (a trace's (second, dollars per node-hour from
+    then on)) from the first of them on."""
+    if not spot_prices:
+        return node_hours(replay_alive, duration_s) * price.spot_per_h
+    cuts = sorted({0.0, duration_s} | {t for t, _ in (*replay_alive, *spot_prices) if 0.0 < t < duration_s})
+    return sum((b - a) * _at(replay_alive, a, 0) * _at(spot_prices, a, price.spot_per_h) for a, b in zip(cuts, cuts[1:])) / 3600.0
+
+
+def _at(steps: Sequence[tuple[float, float]], t: float, before: float) -> float:
+    """A step function's value at ``t`` (``before`` ahead of its first point)."""
+    i = bisect.bisect_right([s for s, _ in steps], t)
+    return steps[i - 1][1] if i else before
+
+
 def cost_fields(price: Price, replay_alive: Sequence[tuple[float, int]], duration_s: float, committed_steps: int, tokens_per_step: int,
-                full_width_steps_per_s: float | None, full_width_nodes: int) -> dict[str, Any]:
-    """A report's ``cost``: the spot fleet's dollars (every node the trace held, used or not),
-    the committed tokens per dollar, and the same for an on-demand fleet of ``full_width_nodes``
-    training at ``full_width_steps_per_s`` for ``duration_s``, with the ratio of the two. Pure."""
+                full_width_steps_per_s: float | None, full_width_nodes: int, spot_prices: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+    """A report's ``cost``: the spot fleet's dollars (every node the trace held, used or not, at
+    the trace's prices where it has them, :func:`spot_dollars`), the committed tokens per dollar,
+    and the same for an on-demand fleet of ``full_width_nodes`` training at
+    ``full_width_steps_per_s`` for ``duration_s``, with the ratio of the two. Pure."""
     hours = node_hours(replay_alive, duration_s)
-    spot_usd = hours * price.spot_per_h
+    spot_usd = spot_dollars(price, replay_alive, duration_s, spot_prices)
     tokens = committed_steps * tokens_per_step
     od_usd = full_width_nodes * duration_s / 3600.0 * price.on_demand_per_h
     od_tokens = (full_width_steps_per_s or 0.0) * duration_s * tokens_per_step
@@ -105,4 +124,5 @@ def cost_fields(price: Price, replay_alive: Sequence[tuple[float, int]], duratio
         "on_demand": {"nodes": full_width_nodes, "usd": round(od_usd, 2), "tokens": round(od_tokens), "tokens_per_usd": round(od_per_usd, 1) if od_per_usd else None},
         "vs_on_demand": round(per_usd / od_per_usd, 3) if per_usd is not None and od_per_usd else None,
         "price_source": price.source,
+        "spot_price": "the trace's price column" if spot_prices else "the price table",
     }

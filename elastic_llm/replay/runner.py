@@ -200,7 +200,7 @@ class Replay:
             **(lf := liveput_fields(t.history, self.plan.replay_alive, self.plan.duration_s, self._slots(), self.cfg.parallel.stages, self._max_width(),
                                     0 if lost_all else t.committed_step)),
             "cost": cost_fields(self.options.price, self.plan.replay_alive, self.plan.duration_s, 0 if lost_all else t.committed_step, self.cfg.tokens_per_step(),
-                                lf["full_width_steps_per_s"], nodes_per_replica(self.cfg, self.options.cpus_per_node) * self._max_width())
+                                lf["full_width_steps_per_s"], nodes_per_replica(self.cfg, self.options.cpus_per_node) * self._max_width(), self.plan.spot_prices)
             if self.options.price is not None else None,
             "events": {
                 "recoveries": dict(Counter(str(r.source) for r in recoveries)),

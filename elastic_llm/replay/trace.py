@@ -1,4 +1,8 @@
-"""Spot availability traces: parse ``time_ms,add|remove,node[,zone]`` CSV and plan a replay of it.
+"""Spot availability traces: parse ``time_ms,add|remove,node[,zone][,price]`` CSV and plan a replay of it.
+
+A ``price`` column (named by the header line, which it needs) is the spot price in dollars per
+node-hour from that event's time on, for every node the trace holds; an empty cell keeps the
+price as it was. Before a trace's first price, the price table's applies.
 
 Owns: the trace format and its validation (:class:`TraceError` names the file, the line, the bad
 value and the fix), and :func:`plan_replay`, which turns trace events into timed replay actions on
@@ -22,7 +26,9 @@ KINDS = ("add", "remove")
 ACTION_ORDER = ("drain", "remove", "add")  # the order of actions at equal times
 HEADER = ("time_ms", "event", "node")
 HEADER_ZONE = (*HEADER, "zone")
+HEADERS = (HEADER, HEADER_ZONE, (*HEADER, "price"), (*HEADER_ZONE, "price"))
 Steps = tuple[tuple[float, int], ...]
+Prices = tuple[tuple[float, float], ...]  # (replay second, spot dollars per node-hour from then on)
 
 
 class TraceError(ValueError):
@@ -32,12 +38,14 @@ class TraceError(ValueError):
 @dataclass(frozen=True)
 class TraceEvent:
     """One trace line: at ``time_ms`` trace node ``node`` was added or removed (``kind``), in
-    availability zone ``zone`` when the trace has a fourth column."""
+    availability zone ``zone`` when the trace has a zone column; ``price``: the spot price
+    from then on, when the trace has a price column and the line one."""
 
     time_ms: int
     kind: str
     node: str
     zone: str | None = None
+    price: float | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class ReplayPlan:
     trace_alive: Steps
     replay_alive: Steps
     zones: tuple[tuple[str, str], ...] = ()  # (replay node, its zone) when the trace has zones
+    spot_prices: Prices = ()  # the trace's prices in the window (a point at 0 when one was set before it); none without a price column
 
 
 def _apply(alive: set[str], event: TraceEvent) -> str | None:
@@ -79,13 +88,18 @@ def _apply(alive: set[str], event: TraceEvent) -> str | None:
     return None
 
 
-def _parse_line(fields: list[str], where: str) -> TraceEvent:
-    if len(fields) not in (3, 4):
+def _parse_line(fields: list[str], where: str, columns: tuple[str, ...] = HEADER_ZONE) -> TraceEvent:
+    """One line, its columns named by the trace's header (without one: time_ms,event,node[,zone])."""
+    priced = columns[-1] == "price"
+    allowed = (len(columns),) if priced else (3, 4)
+    if len(fields) not in allowed:
+        shape = ",".join(columns)
         raise TraceError(
-            f"{where}: {','.join(fields)!r} has {len(fields)} fields, not 3 or 4: "
-            "write time_ms,add|remove,node_name[,zone]"
+            f"{where}: {','.join(fields)!r} has {len(fields)} fields, not {' or '.join(map(str, allowed))}: "
+            + (f"write {shape} (an empty price keeps the last one)" if priced else "write time_ms,add|remove,node_name[,zone]")
         )
     time_text, kind, node, *rest = (f.strip() for f in fields)
+    price_text = rest.pop() if priced else ""
     zone = rest[0] if rest else None
     try:
         time_ms = int(time_text)
@@ -101,26 +115,39 @@ def _parse_line(fields: list[str], where: str) -> TraceEvent:
         raise TraceError(f"{where}: the node name is empty: write a node name after the event")
     if rest and not zone:
         raise TraceError(f"{where}: the zone is empty: write a zone name or leave the fourth column out")
-    return TraceEvent(time_ms, kind, node, zone)
+    return TraceEvent(time_ms, kind, node, zone, _price(price_text, where) if price_text else None)
+
+
+def _price(text: str, where: str) -> float:
+    try:
+        price = float(text)
+    except ValueError:
+        price = math.nan
+    if not math.isfinite(price) or price < 0:
+        raise TraceError(f"{where}: price {text!r} is not a number of dollars per node-hour >= 0: write one, or leave the cell empty to keep the last price")
+    return price
 
 
 def parse_trace(text: str, name: str = "trace") -> tuple[TraceEvent, ...]:
     """Parse and validate trace CSV ``text``; ``name`` (e.g. the file name) heads every error.
 
-    Blank lines, ``#`` comments and a first ``time_ms,event,node`` header line are skipped. Times
+    Blank lines, ``#`` comments and a first header line (``time_ms,event,node[,zone][,price]``;
+    a price column needs it) are skipped. Times
     are whole milliseconds >= 0, never going backwards; a node is added only when not alive and
     removed only when alive; at least one event is required.
     """
     events: list[TraceEvent] = []
     alive: set[str] = set()
+    columns: tuple[str, ...] = HEADER_ZONE
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         fields = next(csv.reader([line]))
-        if not events and tuple(f.strip().lower() for f in fields) in (HEADER, HEADER_ZONE):
+        if not events and (header := tuple(f.strip().lower() for f in fields)) in HEADERS:
+            columns = header
             continue
         where = f"{name} line {lineno}"
-        event = _parse_line(fields, where)
+        event = _parse_line(fields, where, columns)
         if events and event.time_ms < events[-1].time_ms:
             raise TraceError(
                 f"{where}: time {event.time_ms} is before the previous event's "
@@ -245,6 +272,7 @@ def plan_replay(
     trace: set[str] = set()
     zone_of: dict[str, str | None] = {}  # trace node -> its zone (None: the trace has none)
     replayed: list[TraceEvent] = []
+    prices: list[tuple[float, float]] = []  # (replay second, spot price from then on)
     for event in events:
         if event.time_ms / 1000 >= end_s:
             break
@@ -254,6 +282,7 @@ def plan_replay(
             raise ValueError(f"events: {problem}")
         else:
             zone_of.setdefault(event.node, event.zone)
+            prices[:] = [(0.0, event.price)] if event.price is not None else prices
     start_trace = len(trace)
     born: dict[str, float] = {}  # replay node alive -> replay time added
     rzone: dict[str, str | None] = {}  # every replay node (alive: those in ``born``) -> its zone
@@ -267,11 +296,15 @@ def plan_replay(
     actions: list[ReplayAction] = []
     trace_changes: list[tuple[float, int]] = []
     for time_ms, burst in groupby(replayed, key=lambda e: e.time_ms):
-        for event in burst:
+        burst_events = list(burst)
+        for event in burst_events:
             if problem := _apply(trace, event):
                 raise ValueError(f"events at time_ms {time_ms}: {problem}")
             zone_of.setdefault(event.node, event.zone)
         t = (time_ms / 1000 - start_s) / time_scale
+        priced = [event.price for event in burst_events if event.price is not None]
+        if priced:
+            prices.append((t, priced[-1]))
         trace_changes.append((t, len(trace)))
         in_trace = Counter(zone_of[n] for n in trace)
         in_replay = Counter(rzone[n] for n in born)
@@ -311,6 +344,7 @@ def plan_replay(
         trace_alive=_steps(start_trace, trace_changes, duration_s),
         replay_alive=_steps(len(initial), replay_changes, duration_s),
         zones=tuple(sorted(labelled.items())),
+        spot_prices=tuple(prices),
     )
 
 

@@ -226,7 +226,7 @@ class Simulation:
             "useful_fraction": useful_fraction(training_s, room_s),
             **(lf := liveput_fields(t.history, alive, duration, self.slots, o.stages, self._max_width(), 0 if lost_all else t.committed_step)),
             "cost": cost_fields(o.price, alive, duration, 0 if lost_all else t.committed_step, self.cfg.train.batch_size * (self.costs.sequence_tokens or self.cfg.model.seq_len),
-                                lf["full_width_steps_per_s"], math.ceil(o.stages * self._max_width() / self.slots)) if o.price is not None else None,
+                                lf["full_width_steps_per_s"], math.ceil(o.stages * self._max_width() / self.slots), self.plan.spot_prices) if o.price is not None else None,
             "events": {
                 "recoveries": dict(sorted(Counter(str(r.source) for r in recoveries).items())),
                 "resizes": dict(sorted(Counter(f"{e.from_dp}->{e.to_dp}" for e in t.resizes).items())),
