@@ -1,6 +1,6 @@
 """What the snapshot coordinator treats as a lost manager and what it lets through: each place
 where it reads a manager's answer handles the failures a run meets (an actor or node gone as
-Ray's calls report it, :class:`ManagerLost`; a simulated manager's death, a plain RuntimeError;
+Ray's and the simulation's calls report it, :class:`ManagerLost`; a manager's own RuntimeError;
 a version or shard not held, :class:`SnapshotMissingError`; no answer, TimeoutError; a refused
 manager, :class:`NodeGone`) and propagates a bug in the code (a TypeError, an AttributeError)
 instead of calling it a dead manager, a dropped version or a lost source.
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 HANDLED = [
     ManagerLost(RuntimeError("The actor died unexpectedly before finishing this task.")),
-    RuntimeError("the snapshot manager on b died (its node was removed)"),  # what a simulated manager's death raises
+    RuntimeError("no snapshot of step 7 on stage 1 replica 0"),  # a manager's own failure
     SnapshotMissingError("step 7, attempt 1: discarded or superseded while its pieces were collected"),
     TimeoutError("no answer"),
     NodeGone(frozenset({"b"}), "Ray's scheduler refused a snapshot manager there"),
@@ -99,10 +99,10 @@ class Fleet:
         pass
 
 
-def coordinator(fails: dict[str, BaseException], on: str = "b", ready: bool = True) -> SnapshotCoordinator:
+def coordinator(fails: dict[str, BaseException], on: str = "b", ready: bool = True, fleet: Fleet | None = None) -> SnapshotCoordinator:
     """Managers on a, b and c (those on ``on`` answer with ``fails``), version 7 committed on them."""
     cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["parallel.stages=3", "model.n_layers=3", "snapshot.parity=1", "snapshot.group_size=3"])
-    coord = SnapshotCoordinator(cfg, Fleet(), "errors")
+    coord = SnapshotCoordinator(cfg, fleet or Fleet(), "errors")
     coord.managers = {n: Manager(n, {7: True}, fails if n in on else None, ready) for n in ("a", "b", "c")}
     coord.committed = VersionRecord(7, (("a", "b", "c"),), tuple(ShardInfo(ShardKey(i, 0), 7, 0, 8, (), "{}", node_id=n) for i, n in enumerate("abc")))
     return coord
@@ -180,3 +180,61 @@ def test_a_bug_loading_a_shard_propagates_and_marks_nothing_lost(err):
     with pytest.raises(type(err)):
         coord.fetch_stage_state(1, 0, frozenset())
     assert coord.unloadable == {}
+
+
+DIED = ManagerLost(RuntimeError("The actor died unexpectedly before finishing this task. The actor died because its node has died."))
+
+
+class Starting(Fleet):
+    """Starts managers as told: the n-th start on a node gets a manager whose answers to
+    ``held`` raise ``script[node][n]`` (None: it answers)."""
+
+    def __init__(self, script: dict[str, list[BaseException | None]]) -> None:
+        super().__init__()
+        self.script, self.started = script, []
+
+    def start(self, node, name, run_id, grace_s):
+        self.started.append(name)
+        err = self.script[node].pop(0)
+        return Manager(node, {7: True}, {"held": err} if err is not None else None)
+
+
+class AnswersThenDies(Manager):
+    """A manager that answers its first ``held`` (the census of lost parts) and dies before the next."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(node, {7: True})
+        outcomes = [None, DIED]
+        self.held = Method(lambda: Ref((7,), outcomes.pop(0) if outcomes else DIED))
+
+
+def test_a_node_whose_new_manager_dies_before_answering_counts_as_lost_and_nothing_raises():
+    """The loopback replay of Bamboo's p3 trace stopped here: a removed node that Ray's node table
+    still listed got a new manager, which died at once (``ActorDiedError``: its node had died)."""
+    fleet = Starting({"b": [DIED]})
+    coord = coordinator({"held": DIED}, fleet=fleet)  # b's manager is gone: the census finds it, a new one is started there
+    assert coord.ensure_managers() == {"b"}
+    assert set(coord.managers) == {"a", "c"} and "b" in coord.gone and len(fleet.started) == 1
+    assert coord.ensure_managers() == frozenset() and len(fleet.started) == 1  # a gone node gets no new manager
+
+
+@pytest.mark.parametrize("second", [None, DIED], ids=["answers", "dies"])
+def test_a_manager_that_dies_while_asked_is_started_once_more(second):
+    """b's manager answered the census, then died while asked again: a new one is started; if
+    that one dies too, b counts as lost."""
+    fleet = Starting({"b": [second]})
+    coord = coordinator({}, fleet=fleet)
+    coord.managers["b"] = AnswersThenDies("b")
+    refused = coord.ensure_managers()
+    assert len(fleet.started) == 1
+    if second is None:
+        assert refused == frozenset() and set(coord.managers) == {"a", "b", "c"} and not coord.gone
+    else:
+        assert refused == {"b"} and set(coord.managers) == {"a", "c"} and "b" in coord.gone
+
+
+@pytest.mark.parametrize("err", BUGS, ids=lambda e: type(e).__name__)
+def test_a_bug_in_a_new_managers_answer_propagates(err):
+    coord = coordinator({"held": DIED}, fleet=Starting({"b": [err]}))
+    with pytest.raises(type(err)):
+        coord.ensure_managers()

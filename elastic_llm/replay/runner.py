@@ -139,7 +139,7 @@ class Replay:
             self.trainer.fit(UNTIL_STOPPED)
         except BaseException as e:  # reported in replay.json; the replay goes on to its end
             self.error = e
-            log.info(f"the run stopped: {str(e).splitlines()[0]}")
+            log.warning("the run stopped: %s", str(e).splitlines()[0], exc_info=True)  # the whole traceback: a replay's stop is diagnosed from its log
 
     def _hung(self, thread: threading.Thread) -> TimeoutError:
         """The run's thread did not stop within JOIN_S: where it waits (its stack, logged; its

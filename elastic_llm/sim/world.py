@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from elastic_llm.replay.trace import ReplayAction
 from elastic_llm.sim.costs import CostModel
+from elastic_llm.snapshot.ports import ManagerLost
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardInfo, ShardKey
 from elastic_llm.sources import NodeGone
 
@@ -261,7 +262,7 @@ class SimCalls:
             raise NodeGone(frozenset({ref.node}), "the simulated scheduler refused a snapshot manager there")
         if ref.failed():
             node = ref.culprit() if isinstance(ref, SimRelayRef) else ref.node
-            raise RuntimeError(f"the snapshot manager on {node} died (its node was removed)")
+            raise ManagerLost(RuntimeError(f"the snapshot manager on {node} died (its node was removed)"))  # as Ray's calls raise it
         return ref.value
 
 

@@ -14,7 +14,8 @@ Never blocks a training step except when the committed version trails by more th
 (and then with a deadline); never decides recovery: it answers where state is, the controller
 decides what to do with it.
 
-Commits and discards reach the managers ~16 per driver call (:mod:`elastic_llm.snapshot.broadcast`).
+Commits and discards reach the managers ~16 per driver call (:mod:`elastic_llm.snapshot.broadcast`);
+its managers are started and counted by :class:`~elastic_llm.snapshot.census.ManagerCensus`.
 It talks to its managers through :class:`~elastic_llm.snapshot.ports.Calls` (Ray's ``wait``/``get``, or a simulation's) and
 reads time from a :class:`~elastic_llm.clock.Clock`: ``elastic-llm simulate`` runs it unchanged.
 
@@ -28,17 +29,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from collections.abc import Container, Callable
+from collections.abc import Callable
 from typing import Any, cast
 
 from elastic_llm.cadence import SnapshotCost
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
-from elastic_llm.sources import NodeGone, Source, SourceLost, UnrecoverableError
+from elastic_llm.sources import Source, SourceLost, UnrecoverableError
 from elastic_llm.snapshot.broadcast import Broadcast
+from elastic_llm.snapshot.census import CALL_FAILED, PING_S, ManagerCensus
 from elastic_llm.snapshot.exposure import Exposure
 from elastic_llm.snapshot.groups import make_groups
-from elastic_llm.snapshot.ports import Calls, Flusher, ManagerFleet, ManagerHandle, ManagerLost
+from elastic_llm.snapshot.ports import Calls, Flusher, ManagerFleet, ManagerHandle
 from elastic_llm.snapshot.rebuild import SnapshotMissingError, recipe
 from elastic_llm.snapshot.rehome import Rehomer
 from elastic_llm.snapshot.records import ATTEMPT_BITS, ManagerPart, ManagerPlan, ParityRebuild, ShardKey, SnapshotStats, StageSource, VersionRecord, generation
@@ -47,13 +49,6 @@ log = logging.getLogger("elastic_llm.snapshot")
 MAX_INFLIGHT = 2  # versions in flight at once: step t+1's snapshot starts while step t's parity finishes
 WAIT_S = 600.0  # longest the driver waits for versions in flight before calling it a failure
 COLLAPSE_MARGIN_S = 2.0  # in a collapse, no version begins closer than this (plus twice a flush) to the nodes' end
-PING_S = 10.0  # a manager that does not answer within this is slow ...
-SLOW_PING_S = 20.0  # ... and lost if it still has not answered this much later
-START_S = 120.0  # longest new managers may take to answer (a worker process start on a loaded node)
-# What a manager's answer raises when the run lost something, not when our code is wrong (that propagates): an actor or node
-# gone (ManagerLost from Ray's calls, NodeGone; a simulated manager's death is a plain RuntimeError, as is the manager's "no snapshot
-# of step ..." from its stages), the version or shard not held or failing its checksum (SnapshotMissingError), no answer in time.
-CALL_FAILED: tuple[type[Exception], ...] = (ManagerLost, NodeGone, SnapshotMissingError, TimeoutError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -86,7 +81,7 @@ class _Inflight:
         return next((g for g in self.groups if g and g[0] == lead), (lead,))
 
 
-class SnapshotCoordinator:
+class SnapshotCoordinator(ManagerCensus):
     def __init__(self, cfg: RunConfig, fleet: ManagerFleet, run_id: str, clock: Clock = SYSTEM, epoch: int = 1) -> None:
         """``fleet``: where the managers live; ``epoch``: which driver of the run this is (1, then
         one more at each ``--resume RUN_ID``): the attempts it sends exceed any earlier driver's."""
@@ -129,83 +124,6 @@ class SnapshotCoordinator:
         self.last_begin = 0
         self._attempt = 0  # the newest ManagerPlan.attempt sent
         self.unloadable: dict[str, int] = {}  # node -> committed version whose shard there failed to load
-
-    # ------------------------------------------------------------------ managers
-    def ensure_managers(self, alive_nodes: set[str] | frozenset[str] | None = None) -> frozenset[str]:
-        """One live SnapshotManager per alive node with CPUs (re-created where one died), the
-        nodes the run knows dead left out even while the fleet still lists them (those of
-        :meth:`note_alive`, and those not in ``alive_nodes``: the run's view, when the caller has
-        one). A node where Ray's scheduler refuses to start one is gone (the refusal is the
-        declaration): it gets no manager and counts as dead from now on. Returns those nodes
-        (the caller re-plans without them). Waits for every manager's answer, within ``START_S``."""
-        alive = self.fleet.nodes() - self.gone
-        if alive_nodes is not None:
-            alive &= set(alive_nodes)
-        for node in self.dead_managers(alive):
-            if (old := self.managers.pop(node, None)) is not None and node not in alive:  # cut off, perhaps alive: a zombie if it comes back
-                self.fleet.end(old)
-                self._retired[node] = old
-        for node in sorted(alive - set(self.managers)):
-            n = self._incarnations[node] = self._incarnations.get(node, -1) + 1
-            name = f"smp-{self.run_id}-{node[:12]}{self.name_tag}" + (f"-{n}" if n else "")  # a SIGKILLed actor's name is released late
-            self.managers[node] = self.fleet.start(node, name, self.run_id, self.grace_s)
-        asks = {node: m.held.remote() for node, m in self.managers.items()}
-        self.calls.wait(list(asks.values()), len(asks), START_S)
-        refused: set[str] = set()
-        for node, ref in asks.items():
-            try:
-                self.calls.get(ref, timeout=0)
-            except NodeGone as e:
-                log.warning("no snapshot manager on node %s: %s; the node counts as lost", node[:12], e.why)
-                refused.add(node)
-        for node in refused:
-            del self.managers[node]
-        self.gone |= refused
-        self._renewed = self._renewed or bool(refused)
-        return frozenset(refused)
-
-    def dead_managers(self, alive_nodes: set[str] | frozenset[str]) -> frozenset[str]:  # nodes whose part of the committed version is gone (lost_parts)
-        return frozenset(self.lost_parts(alive_nodes))
-
-    def lost_parts(self, alive_nodes: set[str] | frozenset[str]) -> dict[str, str]:
-        """Nodes whose part of the committed version is gone, each with why: the node died, its
-        manager does not answer, its manager no longer holds that version (a successor of a killed
-        manager), or a shard of it failed to load there (:meth:`fetch_stage_state`: missing or
-        failing its checksum). Asks every manager at once; one that is alive but slow (a loaded
-        node) gets a second, longer deadline before it counts as lost, since a manager counted
-        lost can send the run back to the durable tier. Changes nothing, beyond reading the
-        relays of commits and discards that answered (:meth:`settle_relays`, not waiting for the
-        rest: none of them changes whether a manager holds the committed version, and waiting
-        for them took 33-119 ms of each parity recovery's plan on the loopback cluster)."""
-
-        self.note_alive(alive_nodes)
-        self.settle_relays(block=False)
-        why = {n: "its node died" for n in self.managers if n not in alive_nodes}
-        pings = {n: h.held.remote() for n, h in self.managers.items() if n not in why}
-        ready, slow = self.calls.wait(list(pings.values()), len(pings), PING_S)
-        if slow:
-            self.calls.wait(slow, len(slow), SLOW_PING_S)
-        rec = self.committed
-        part_of = {n for g in rec.placed for n in g} | {rec.home(s.node_id) for s in rec.shards} if rec is not None else set()
-        for node, ref in pings.items():
-            try:
-                held = cast(Container[int], self.calls.get(ref, timeout=0))  # held(): the versions it holds
-            except TimeoutError:  # Ray's GetTimeoutError is one
-                why[node] = f"its manager did not answer within {PING_S + SLOW_PING_S:g} s"
-                continue
-            except CALL_FAILED as e:
-                why[node] = f"its manager is gone ({type(getattr(e, 'cause', None) or e).__name__})"
-                continue
-            if rec is not None and node in part_of and rec.version not in held:
-                why[node] = f"its manager no longer holds step {rec.version} (a successor of a killed manager)"
-        if rec is not None:  # shards recorded on nodes that no longer have a manager, or that failed to load
-            for s in rec.shards:
-                if rec.home(s.node_id) not in self.managers:
-                    why.setdefault(rec.home(s.node_id), "it has no manager")
-            for n, v in self.unloadable.items():
-                if v == rec.version:
-                    why.setdefault(n, f"a shard of step {v} failed to load there")
-        return why
 
     @property
     def every(self) -> int:
