@@ -202,8 +202,16 @@ def test_redundant_promotes_the_predecessors_copy_ring_included():
     plan = RecoveryPolicy().decide(observe("redundant", {(0, 0)}))
     assert plan.rollback_to is None
     assert [(a.source, a.donors) for a in plan.actions] == [("redundant", (ShardKey(3, 0), ShardKey(1, 0)))]
-    with pytest.raises(UnrecoverableError, match="hold its redundant copy"):
+    with pytest.raises(UnrecoverableError, match="hold its redundant copy or the copy it held, and no other replica holds stage 1"):
         RecoveryPolicy().decide(observe("redundant", {(1, 0), (2, 0)}))
+
+
+def test_redundant_with_replicas_copies_a_live_replica_where_two_neighbours_are_lost():
+    plan = RecoveryPolicy().decide(observe("redundant", {(1, 0), (2, 0), (0, 1)}, dp=2))
+    assert [(a.stage, a.replica, a.source, a.peer) for a in plan.actions] == [(1, 0, "dp_peer", 1), (2, 0, "dp_peer", 1), (0, 1, "redundant", None)]
+    assert plan.rollback_to is None and all(a.lossless for a in plan.actions) and "a live replica's stage is copied" in plan.reason
+    with pytest.raises(UnrecoverableError, match="no other replica holds stage 2"):
+        RecoveryPolicy().decide(observe("redundant", {(1, 0), (2, 0), (2, 1)}, dp=2))
 
 
 def test_checkpoint_mode_rolls_everyone_back_to_the_newest_checkpoint_or_the_start():
@@ -229,8 +237,9 @@ def test_lossless_ladder_ends_in_checkfree_with_the_reason():
 def test_modes_are_validated_with_the_fix():
     with pytest.raises(ConfigError, match="recovery.mode='fast' is unknown"):
         load_config(None, ["recovery.mode=fast"])
-    with pytest.raises(ConfigError, match="redundant trains one pipeline"):
-        load_config(None, ["recovery.mode=redundant", "parallel.dp=2"])
+    assert load_config(None, ["recovery.mode=redundant", "parallel.dp=2", "parallel.stages=3", "model.n_layers=3"]).parallel.dp == 2  # a copy per replica
+    with pytest.raises(ConfigError, match="recovery.mode=redundant needs parallel.stages >= 3, got 2"):
+        load_config(None, ["recovery.mode=redundant", "parallel.stages=2"])
     with pytest.raises(ConfigError, match="write 0.1 for 10%"):
         load_config(None, ["chaos.failure_rate_per_hour=10"])
     with pytest.raises(ConfigError, match="set one of them"):

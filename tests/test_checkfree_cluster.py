@@ -38,6 +38,20 @@ def params(t):
     return [ray.get(t.group.actor(ShardKey(s, 0)).parameters.remote()) for s in range(N)]
 
 
+def fit(t, steps):
+    """``steps`` steps of trainer ``t``: its history and replica 0's final parameters; shut down after."""
+    try:
+        return t.fit(steps), params(t)
+    finally:
+        t.shutdown()
+
+
+def assert_same(got, final):
+    for s in range(N):
+        for name, value in final[s].items():
+            np.testing.assert_array_equal(got[s][name], value, err_msg=f"stage {s} {name}")
+
+
 @pytest.fixture(scope="module")
 def clean(ray_local, corpus_dir):
     """Losses and final parameters of an uninterrupted run without fault-tolerance overhead."""
@@ -94,33 +108,38 @@ def test_checkfree_plus_rebuilds_every_stage_first_and_last_included(ray_local, 
 def test_redundant_copy_is_promoted_bit_for_bit(ray_local, corpus_dir, clean):
     losses, final = clean
     t = make(corpus_dir, "recovery.mode=redundant", "chaos.events=[{step: 3, kill: stage, stage: 0, how: sigkill}, {step: 6, kill: stage, stage: 2}]")
-    try:
-        history = t.fit(10)
-        got = params(t)
-    finally:
-        t.shutdown()
+    history, got = fit(t, 10)
     assert [(r["stage"], r["source"], r["lossless"], r["rollback_steps"]) for r in t.recoveries] == [(0, "redundant", True, 0), (2, "redundant", True, 0)]
     assert {h["step"]: h["loss"] for h in history} == losses
-    for s in range(N):
-        for name, value in final[s].items():
-            np.testing.assert_array_equal(got[s][name], value, err_msg=f"stage {s} {name}")
+    assert_same(got, final)
+
+
+def test_redundant_copies_with_two_replicas_are_promoted_or_copied_from_the_other_replica_bit_for_bit(ray_local, corpus_dir):
+    """Two pipelines, each stage training a copy of its successor (the copies' gradients summed
+    over the replicas like the stages'). Step 3: stage 1 of replica 1 dies: promoted. Step 6:
+    stage 1 of replica 0 dies, then its successor while that promotion is carried out: both
+    copy replica 1's stages and their redundant copies. Step 8: stage 2 of replica 0 dies again:
+    promoted from the copy that came from replica 1. Losses and parameters as an undisturbed run's."""
+    dp2 = ("parallel.dp=2", "elastic.max_replicas=2")
+    clean_history, final = fit(make(corpus_dir, *dp2, "recovery.mode=checkfree"), 10)
+    t = make(corpus_dir, *dp2, "recovery.mode=redundant", "chaos.events=[{step: 3, kill: stage, stage: 1, replica: 1, how: sigkill}, "
+             "{step: 6, kill: stage, stage: 1}, {step: 6, kill: stage, stage: 2, during: recovery}, {step: 8, kill: stage, stage: 2}]")
+    history, got = fit(t, 10)
+    sources = [(r["stage"], r["replica"], r["source"], r["rollback_steps"]) for r in t.recoveries]
+    assert sources == [(1, 1, "redundant", 0), (1, 0, "dp_peer", 0), (2, 0, "dp_peer", 0), (2, 0, "redundant", 0)], sources
+    assert {h["step"]: h["loss"] for h in history} == {h["step"]: h["loss"] for h in clean_history}
+    assert_same(got, final)
 
 
 def test_checkpoint_rolls_back_to_the_newest_checkpoint_bit_for_bit(ray_local, corpus_dir, clean, tmp_path):
     losses, final = clean
     t = make(corpus_dir, "recovery.mode=checkpoint", "recovery.checkpoint_every=3", f"recovery.checkpoint_dir={tmp_path}",
              "chaos.events=[{step: 5, kill: stage, stage: 1, how: sigkill}]")
-    try:
-        history = t.fit(10)
-        got = params(t)
-    finally:
-        t.shutdown()
+    history, got = fit(t, 10)
     assert [(r["stage"], r["source"], r["rollback_steps"], r["committed_steps_lost"]) for r in t.recoveries] == [(1, "checkpoint", 1, 0)]
     assert [h["step"] for h in history] == [1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10]  # step 4 replayed after the rollback to 3
     assert {h["step"]: h["loss"] for h in history} == losses
-    for s in range(N):
-        for name, value in final[s].items():
-            np.testing.assert_array_equal(got[s][name], value, err_msg=f"stage {s} {name}")
+    assert_same(got, final)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{s:08d}" for s in (0, 3, 6, 9)]
 
 

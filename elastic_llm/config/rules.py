@@ -257,8 +257,6 @@ def _validate_recovery_mode(c: RunConfig) -> list[str]:
         p.append(f"recovery.mode=checkfree_plus needs parallel.stages >= 4 (it swaps the first two and the last two stages), got {n}: use more stages or recovery.mode=lossless")
     if rc.mode in ("checkfree", "redundant") and n < 3:
         p.append(f"recovery.mode={rc.mode} needs parallel.stages >= 3, got {n}: use more stages or recovery.mode=lossless")
-    if rc.mode == "redundant" and max(c.parallel.dp, c.elastic.bounds(c.parallel.dp)[1]) > 1:
-        p.append("recovery.mode=redundant trains one pipeline (parallel.dp=1, elastic.max_replicas<=1): a lost stage is covered by its predecessor's copy, not by a replica")
     if rc.checkpoint_every < 1:
         p.append(f"recovery.checkpoint_every={rc.checkpoint_every} must be >= 1")
     if cf.lr_scale <= 0:

@@ -341,25 +341,25 @@ class StageWorker(OtherSources):
         """Refuse to share or apply gradients of a step whose backward did not fully run (a call
         queued behind failed ones still executes: this keeps it from using partial gradients)."""
         if self.backwards_done != self.backwards_per_step or self.inputs or self.outputs:
-            raise RuntimeError(
-                f"stage {self.stage} replica {self.replica}: only {self.backwards_done} of {self.backwards_per_step} "
-                "microbatch visits were backpropagated this step"
-            )
+            raise RuntimeError(f"stage {self.stage} replica {self.replica}: only {self.backwards_done} of {self.backwards_per_step} microbatch visits were backpropagated this step")
 
     def flat_grad(self) -> np.ndarray:
-        """All parameter gradients of this stage, flattened (for the replicas' sum)."""
+        """All parameter gradients of this stage, flattened (for the replicas' sum); with a redundant copy, the copy's
+        after them (their sum is its successor's, added in the same order: the copy stays bit-identical to it)."""
         self._check_complete()
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in self.module.parameters()]
-        return host(torch.cat(grads))
+        return host(torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in self._summed()]))
 
     def set_flat_grad(self, flat: np.ndarray) -> None:
         """Replace the local gradients by ``flat`` (the replicas' sum, :meth:`flat_grad` layout)."""
         total = torch.from_numpy(np.asarray(flat))
         offset = 0
-        for p in self.module.parameters():
+        for p in self._summed():
             n = p.numel()
-            p.grad = total[offset : offset + n].view_as(p).to(self.device)
+            p.grad = total[offset : offset + n].view_as(p).to(p.device)
             offset += n
+
+    def _summed(self) -> list[torch.nn.Parameter]:  # the parameters whose gradients the replicas sum: the stage's, then its redundant copy's
+        return [*self.module.parameters(), *(self.shadow.module.parameters() if self.shadow is not None else ())]
 
     def step(self, snapshot: StreamPosition | Mapping[str, Any] | None = None) -> StepStats:
         """Clip the (already summed over replicas) gradients, remember the clipped norm, update, advance the

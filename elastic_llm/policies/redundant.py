@@ -1,14 +1,19 @@
 """``recovery.policy: redundant``: Bamboo's redundant computation (NSDI'23).
 
 Models: each stage also trains a copy of its successor (``recovery.mode: redundant``). A lost
-stage's copy, held by its predecessor, is promoted, with no rollback and no state transfer.
-Notices are unused (``elastic.drains: false``).
+stage's copy, held by its predecessor, is promoted, with no rollback. With several pipelines,
+the copies' gradients are summed over the replicas with their stages', and a stage lost with
+its holder or successor copies a live replica's stage (and its copy). Notices are unused
+(``elastic.drains: false``).
 
 Leaves out:
-- Bamboo's pipeline reconfiguration after its redundancy is used up.
-- Running more than one pipeline. ``recovery.mode: redundant`` trains one pipeline
-  (``parallel.dp: 1``). The simulation does not model the redundant copies, so this policy runs
-  on Ray only (see ``bench anchors``).
+- Bamboo's pipeline reconfiguration after its redundancy is used up; here a live replica's
+  stage stands in, and with none the run stops.
+- Bamboo's placement of a copy on another node than its stage's successor, and its lazy
+  backward of the copies (computed here at every step: about 1.75x a step on this project's
+  runs).
+- The simulation: it does not model the copies yet, so this policy runs on Ray only (see
+  ``bench anchors``).
 
 Parameters and their sources:
 - The copy's cost: the successor's forward and backward on every stage, measured by this

@@ -499,7 +499,9 @@ class RecoveryPolicy:
 
     def _redundant(self, obs: Observation) -> RecoveryPlan:
         """Promote the copy the predecessor trains (ring: the last stage holds stage 0's); the new
-        actor's own copy of its successor comes from that successor."""
+        actor's own copy of its successor comes from that successor. A lost stage whose holder or
+        successor is lost too copies a live replica's same stage (and its copy), as a lossless
+        data-parallel peer; with none, the run cannot go on."""
         alive = {ShardKey(m.stage, m.replica): m for m in obs.members if m.alive}
         steps = {m.step for m in alive.values() if m.step is not None}
         if len(steps) > 1:
@@ -509,13 +511,16 @@ class RecoveryPolicy:
         for m in (m for m in obs.members if not m.alive):
             holder, successor = ShardKey((m.stage - 1) % n, m.replica), ShardKey((m.stage + 1) % n, m.replica)
             gone = [k.stage for k in (holder, successor) if k not in alive]
-            if gone:
+            peers = sorted(k.replica for k in alive if k.stage == m.stage)
+            if gone and not peers:
                 raise UnrecoverableError(
                     f"stage {m.stage} replica {m.replica} is lost and so are stage(s) {gone}, which hold its redundant copy "
-                    "or the copy it held: recovery.mode=redundant covers one lost stage of every two neighbours"
+                    f"or the copy it held, and no other replica holds stage {m.stage}: recovery.mode=redundant covers one lost "
+                    "stage of every two neighbours of a replica"
                 )
-            actions.append(Action(m.stage, m.replica, Source.REDUNDANT, donors=(holder, successor)))
-        return RecoveryPlan(tuple(actions), None, "the predecessor's redundant copy is promoted" if actions else "no stage lost")
+            actions.append(Action(m.stage, m.replica, Source.DP_PEER, peer=peers[0]) if gone else Action(m.stage, m.replica, Source.REDUNDANT, donors=(holder, successor)))
+        how = "; ".join(sorted({"the predecessor's redundant copy is promoted" if a.source is Source.REDUNDANT else "a live replica's stage is copied" for a in actions}))
+        return RecoveryPlan(tuple(actions), None, how or "no stage lost")
 
     def _checkpoint(self, obs: Observation) -> RecoveryPlan:
         lost = [m for m in obs.members if not m.alive]

@@ -16,9 +16,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from elastic_llm.config import RunConfig
 from elastic_llm.durable.format import DurableError
 from elastic_llm.runtime.handover import CONTROL
 from elastic_llm.snapshot.records import Piece, ShardKey, StageSource
+from elastic_llm.sources import Mode
 from elastic_llm.spans import Spans
 
 COPY_S = 600.0  # longest a state copy from one actor to another may take
@@ -34,13 +36,14 @@ def checkpoint_refusal(error: BaseException) -> DurableError | None:
     return DurableError(str(cause)) if isinstance(cause, DurableError) else None
 
 
-def stream_states(copies: list[tuple[Any, ShardKey, Any]]) -> list[tuple[int, float]]:
+def stream_states(copies: list[tuple[Any, ShardKey, Any]], shadows: bool = False) -> list[tuple[int, float]]:
     """For each (source actor, its key, target actor): the source streams its whole state to the
     target over one TCP connection, from its memory into the target's (``send_state`` /
     ``receive_state``: not through the object store), all copies at once. Returns per copy the
     bytes and the target's seconds. A source that fails before it connected has its target's
     wait cancelled (the target's control group), so the target is not left waiting; the first
-    failure raises."""
+    failure raises. With ``shadows`` (``recovery.mode: redundant``), each target then also takes
+    its source's redundant copy (of the same successor stage, at the same step)."""
     import ray
 
     if not copies:
@@ -60,12 +63,16 @@ def stream_states(copies: list[tuple[Any, ShardKey, Any]]) -> list[tuple[int, fl
             if done[0] in sends:
                 sends[done[0]].cancel_receive.options(concurrency_group=CONTROL).remote()
             raise
+    if shadows:
+        taken = [(dst, src.shadow_state.options(num_returns=2).remote()) for src, _, dst in copies]
+        ray.get([dst.load_shadow.remote(*refs) for dst, refs in taken], timeout=max(0.0, deadline - time.monotonic()))
     return [tuple(x) for x in ray.get(receives, timeout=0)]
 
 
 class StateCalls:
-    """Mixed into the Ray actor group: needs ``actor(key)``, ``keys()``, ``spans``, ``stages`` and ``width``."""
+    """Mixed into the Ray actor group: needs ``actor(key)``, ``keys()``, ``cfg``, ``spans``, ``stages`` and ``width``."""
 
+    cfg: RunConfig
     spans: Spans
     stages: int
 
@@ -83,7 +90,7 @@ class StateCalls:
         """For each (source, target): the target actor takes the whole state of the source
         (:func:`stream_states`). Returns per target its bytes and seconds."""
         with self.spans.span("state"):
-            got = stream_states([(self.actor(src), src, self.actor(dst)) for src, dst in pairs])
+            got = stream_states([(self.actor(src), src, self.actor(dst)) for src, dst in pairs], self.cfg.recovery.mode == Mode.REDUNDANT)
         return {dst: g for (_, dst), g in zip(pairs, got)}
 
     def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> dict[ShardKey, tuple[int, float]]:
