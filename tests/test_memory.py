@@ -80,6 +80,8 @@ def test_plan_adds_up_and_counts_what_each_mode_holds():
     assert s0.snapshot_buffers == 2 * (s0.params + s0.optimizer) and p.object_store_per_node > 0
     redundant = memory.plan(load_config("jobs/llama-25m.yaml", ["durable.storage_path=null", "recovery.mode=redundant"]))
     assert redundant.stages[0].redundant > redundant.stages[1].params  # the successor's state and its activations
+    two = memory.plan(load_config("jobs/llama-25m.yaml", ["durable.storage_path=null", "recovery.mode=redundant", "parallel.dp=2", "train.batch_size=32"]))
+    assert two.stages[0].redundant - two.stages[1].collective == 4 * two.stages[1].params + 4 * two.stages[1].activations  # + the copy's gradients in the replicas' sum
     wide = memory.plan(load_config("jobs/llama-25m.yaml", ["durable.storage_path=null", "parallel.dp=2", "train.batch_size=32"]))
     assert wide.stages[0].collective == 2 * wide.stages[0].params
     ckpt = memory.plan(load_config("jobs/llama-25m.yaml", ["durable.storage_path=null", "train.activation_checkpointing=layers"]))
