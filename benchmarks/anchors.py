@@ -19,8 +19,10 @@ Three parts, each side by side in one run:
   policy, 64 x 16 at 30 s notices).
 - ``published``: torchft's published efficiency with a failure a minute, set up in the
   simulation (``replica-group`` on a steady 64 x 16 fleet), and how close the model comes;
-- ``loopback`` (``--loopback``): ``restart``, ``replica-group`` and ``elastic-llm`` replayed on
-  a loopback Ray cluster on the real p3 trace: the same order measured on real Ray.
+- ``loopback`` (``--loopback``): every policy replayed on a loopback Ray cluster on the real p3
+  trace (and ``elastic-llm`` once more without warm standbys: on loopback every node's processes
+  share this machine's cores, so a standby's start slows the training it would not touch on
+  real nodes): the order measured on real Ray, by committed steps (the same tokens each).
 
 The peer every figure is a ratio of is in the same run: the oracle (liveput) and the on-demand
 fleet (tokens per dollar). Never changes product code or reads its internals: it runs
@@ -38,8 +40,7 @@ from typing import Any
 from benchmarks.common import machine_info, ratio
 
 SHIPPED = Path(__file__).resolve().parent.parent / "elastic_llm" / "sim" / "spot_traces"
-POLICIES = ("elastic-llm", "restart", "ray-train-elastic", "replica-group")
-NOT_RUN = {"redundant": "recovery.mode=redundant trains one pipeline on Ray (parallel.dp=1), and the simulation does not model its redundant copies"}
+POLICIES = ("elastic-llm", "restart", "ray-train-elastic", "replica-group", "redundant")
 NOTICES = (0.0, 30.0, 120.0)
 TRACES = (  # (name, file, window in trace seconds)
     ("bamboo-aws-p3 (real, first 4 h)", SHIPPED / "bamboo-aws-p3.csv", (0.0, 14400.0)),
@@ -91,12 +92,12 @@ def _one(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _jobs(out: Path, traces: list[tuple[str, str, tuple[float, float] | None]], prices: str | None) -> list[dict[str, Any]]:
+def _jobs(out: Path, traces: list[tuple[str, str, tuple[float, float] | None]], prices: str | None, policies: tuple[str, ...] = POLICIES) -> list[dict[str, Any]]:
     jobs = []
     for shape, config, nodes, stages, replicas, cost, slots in SHAPES:
         for t, (trace_name, trace, window) in enumerate(traces):
             for notice in NOTICES:
-                for policy in POLICIES:
+                for policy in policies:
                     jobs.append({"shape": shape, "config": config, "nodes": nodes, "stages": stages, "replicas": replicas, "cost": cost,
                                  "slots": slots, "trace": trace, "trace_name": trace_name, "window": window, "notice": notice, "policy": policy,
                                  "prices": prices, "out": str(out / f"{shape.split()[0]}-t{t}-n{int(notice)}-{policy}")})
@@ -181,14 +182,22 @@ def published() -> dict[str, Any]:
             "model_vs_published": ratio(rows[0]["efficiency"], TORCHFT_EFFICIENCY)}
 
 
-LOOPBACK_POLICIES = ("restart", "replica-group", "elastic-llm")
+LOOPBACK_RUNS = (  # (row name, policy, extra config); every run but redundant's (no snapshots to flush) flushes every committed snapshot
+    ("restart", "restart", ()),
+    ("ray-train-elastic", "ray-train-elastic", ()),
+    ("replica-group", "replica-group", ()),
+    ("redundant", "redundant", ()),
+    ("elastic-llm", "elastic-llm", ()),
+    ("elastic-llm, no standbys", "elastic-llm", ("recovery.standby=0",)),
+)
 LOOPBACK_WINDOW = (0.0, 7200.0)  # the p3 trace's first 2 hours, at 30 trace seconds per replay second: 4 minutes each
 
 
 def loopback(out: Path, prices: str | None) -> list[dict[str, Any]]:
-    """``restart``, ``replica-group`` and ``elastic-llm`` replayed on a loopback Ray cluster (the
-    replay's own: one-CPU nodes, a quarter of the trace's nodes, 10 s notices) on the real p3
-    trace, each with a durable checkpoint of every committed snapshot in a local directory."""
+    """Every policy replayed on a loopback Ray cluster (the replay's own: one-CPU nodes, a
+    quarter of the trace's nodes, 10 s notices) on the real p3 trace, each with a durable
+    checkpoint of every committed snapshot in a local directory. Each run's liveput is against
+    its own full-width rate; the runs compare by committed steps (the same tokens per step)."""
     from elastic_llm.config import load_config
     from elastic_llm.replay.cost import load_prices, price_for
     from elastic_llm.replay.runner import Replay, ReplayOptions
@@ -196,41 +205,58 @@ def loopback(out: Path, prices: str | None) -> list[dict[str, Any]]:
 
     price = price_for(load_prices(prices), "cpu-2core")
     rows = []
-    for policy in LOOPBACK_POLICIES:
-        cfg = load_config("jobs/spot-tiny.yaml", [f"recovery.policy={policy}", f"durable.storage_path={out / 'durable' / policy}", "durable.every=1"])
+    for name, policy, extra in LOOPBACK_RUNS:
+        tag = name.replace(", ", "-").replace(" ", "-")
+        durable = [f"durable.storage_path={out / 'durable' / tag}", "durable.every=1"] if policy != "redundant" else []
+        cfg = load_config("jobs/spot-tiny.yaml", [f"recovery.policy={policy}", *durable, *extra])
         plan = plan_replay(load_trace(str(SHIPPED / "bamboo-aws-p3.csv")), window=LOOPBACK_WINDOW, time_scale=30.0, node_scale=0.25, notice_s=10.0, seed=0)
-        rep = Replay(cfg, plan, ReplayOptions(1.0, 0, False, price)).run(out / f"loopback-{policy}")
+        rep = Replay(cfg, plan, ReplayOptions(1.0, 0, False, price)).run(out / f"loopback-{tag}")
         cost = rep.get("cost") or {}
-        rows.append({"policy": policy, "survived": rep["failed"] is None, "failed": rep["failed"], "liveput": rep.get("liveput"),
-                     "useful_fraction": rep["useful_fraction"], "steps": rep["steps"], "committed_steps_lost": rep["committed_steps_lost"],
+        rows.append({"run": name, "policy": policy, "set": list(extra), "survived": rep["failed"] is None, "failed": rep["failed"], "liveput": rep.get("liveput"),
+                     "useful_fraction": rep["useful_fraction"], "steps": rep["steps"], "committed_steps": rep["committed_steps"],
+                     "committed_steps_lost": rep["committed_steps_lost"], "full_width_steps_per_s": rep.get("full_width_steps_per_s"),
                      "tokens_per_usd": cost.get("tokens_per_usd"), "vs_on_demand": cost.get("vs_on_demand"),
                      "seconds_by_state": rep["seconds_by_state"], "recoveries": rep["events"]["recoveries"], "resizes": rep["events"]["resizes"],
                      "wall_s": rep["wall_s"]})
+    best = max((r["committed_steps"] for r in rows), default=0)
+    for r in rows:
+        r["vs_most_committed"] = round(r["committed_steps"] / best, 3) if best else None
     return rows
 
 
 def run_anchors_bench(out_dir: str | None = None, traces: list[str] | None = None, prices: str | None = None, workers: int = 2,
-                      shapes: tuple[str, ...] | None = None, loopback_too: bool = False, from_dir: str | None = None) -> dict[str, Any]:
+                      shapes: tuple[str, ...] | None = None, loopback_too: bool = False, from_dir: str | None = None,
+                      policies: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Every policy x trace x notice x shape simulated, ``workers`` at a time (or, with
     ``from_dir``, the simulated part read from that directory's ``anchors.json``, a run of this
-    bench); with ``loopback_too``, then the loopback replays (:func:`loopback`). The result is
-    written to ``anchors.json`` in the output directory too."""
+    bench, and with ``policies`` too, those policies simulated again in its place); with
+    ``loopback_too``, then the loopback replays (:func:`loopback`). The result is written to
+    ``anchors.json`` in the output directory too."""
     from elastic_llm.replay.cost import load_prices
 
     load_prices(prices)  # a bad table is refused before anything runs
+    unknown = sorted(set(policies or ()) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"--policy {', '.join(unknown)}: not a policy of this bench; use one of {', '.join(POLICIES)}")
     with tempfile.TemporaryDirectory(prefix="bench-anchors-") as tmp:
         out = Path(out_dir or tmp)
         out.mkdir(parents=True, exist_ok=True)
         if from_dir is not None:
             result = json.loads((Path(from_dir) / "anchors.json").read_text())
+            chosen = [(t["name"], t["file"], tuple(t["window"]) if t["window"] else None) for t in result["traces"]]
         else:
             chosen = [(n, str(f), w) for n, f, w in TRACES] + [(f"{Path(t).name} (given)", t, None) for t in traces or []]
-            jobs = [j for j in _jobs(out, chosen, prices) if shapes is None or j["shape"] in shapes]
+            result = {"bench": "anchors", "machine": machine_info(), "traces": [{"name": n, "file": f, "window": w} for n, f, w in chosen],
+                      "notices": list(NOTICES), "rows": [], "loopback": None}
+        if from_dir is None or policies:
+            jobs = [j for j in _jobs(out, chosen, prices, policies or POLICIES) if shapes is None or j["shape"] in shapes]
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                rows = list(pool.map(_one, jobs))
-            result = {"bench": "anchors", "machine": machine_info(), "policies": list(POLICIES), "not_run": NOT_RUN,
-                      "traces": [{"name": n, "file": f, "window": w} for n, f, w in chosen],
-                      "notices": list(NOTICES), "rows": rows, "verdicts": verdicts(rows), "plot": str(plot(rows, out / "anchors-width.png")), "loopback": None}
+                fresh = list(pool.map(_one, jobs))
+            rows = [r for r in result["rows"] if r["policy"] not in {j["policy"] for j in jobs}] + fresh
+            result.update(rows=rows, policies=list(POLICIES), verdicts=verdicts(rows), plot=str(plot(rows, out / "anchors-width.png")))
+            result.pop("not_run", None)
+            if from_dir is not None:
+                result.setdefault("reruns", []).append({"policies": sorted({j["policy"] for j in jobs}), "machine": machine_info()})
         if "published" not in result:
             result["published"] = published()
         if loopback_too:

@@ -107,7 +107,8 @@ def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "partitions":
         return bench.run_partitions_bench(shots=args.steps or 2, out_dir=args.out)
     if args.what == "anchors":
-        return bench.run_anchors_bench(out_dir=args.out, traces=args.trace or [], prices=args.prices, loopback_too=args.loopback, from_dir=args.from_dir)
+        return bench.run_anchors_bench(out_dir=args.out, traces=args.trace or [], prices=args.prices, loopback_too=args.loopback, from_dir=args.from_dir,
+                                       policies=tuple(args.policy) if args.policy else None)
     if args.what == "calibrate":
         return bench.run_calibrate_bench(out=args.out, from_dir=args.from_dir)
     raise AssertionError(args.what)  # argparse restricts choices
@@ -116,7 +117,7 @@ def _run_one(bench: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
 def _anchors_problem(args: argparse.Namespace) -> str | None:
     """``--trace`` and ``--prices`` go with ``bench anchors``; a bad trace or price table is named before anything runs."""
     if args.what != "anchors":
-        return "--trace and --prices are only for `bench anchors`" if args.trace or args.prices else None
+        return "--trace, --prices and --policy are only for `bench anchors`" if args.trace or args.prices or args.policy else None
     from elastic_llm.replay.cost import PriceError, load_prices
     from elastic_llm.replay.trace import load_trace
 
@@ -127,7 +128,12 @@ def _anchors_problem(args: argparse.Namespace) -> str | None:
     except (PriceError, ValueError) as e:  # TraceError is a ValueError: it names the file, the line and the fix
         return str(e)
     missing = sorted({"gpu-a100", "cpu-2core"} - set(table))
-    return f"price table {args.prices} has no prices for node type(s) {missing}, which bench anchors simulates: add them" if missing else None
+    if missing:
+        return f"price table {args.prices} has no prices for node type(s) {missing}, which bench anchors simulates: add them"
+    from benchmarks.anchors import POLICIES
+
+    unknown = sorted(set(args.policy or ()) - set(POLICIES))
+    return f"--policy {', '.join(unknown)} is not a policy bench anchors runs: use one of {', '.join(POLICIES)}" if unknown else None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -161,7 +167,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                                     "calibrate", "rehome", "memory", "precision", "partitions", "anchors"])
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--loopback", action="store_true", help="simulate: also run the loopback replay it is cross-checked against (about 5 minutes) instead of reading its recorded report; "
-                   "anchors: also replay restart, replica-group and elastic-llm on a loopback Ray cluster")
+                   "anchors: also replay every policy on a loopback Ray cluster (about 30 minutes)")
     b.add_argument("--out", help=("simulate, fleet: keep every simulation's replay.json / replay.png / metrics.jsonl under this directory; "
                                   "calibrate: the profile to write (default elastic_llm/sim/profiles/cpu-2core.yaml); precision: where the runs' metrics and the plot go; "
                                   "partitions: each faulted run's metrics and driver log"))
@@ -174,6 +180,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "in-memory path for recovery, 3; bursts for rehome, 3; shots per fault kind for partitions, 2)"))
     b.add_argument("--set", action="append", metavar="KEY=VALUE")
     b.add_argument("--trace", action="append", metavar="CSV", help="anchors: one more spot trace (time_ms,add|remove,node) to run every policy on")
+    b.add_argument("--policy", action="append", metavar="NAME", help="anchors: simulate only this policy (repeatable); with --from, its rows replace those read back")
     b.add_argument("--prices", metavar="YAML", help="anchors: price table (node type -> spot_per_h, on_demand_per_h; default: elastic_llm/sim/prices.yaml)")
     b.add_argument("--size-mib", type=int, default=64, help="data size for 'erasure'")
     b.add_argument("--auto-only", action="store_true", help="durable, snapshot: only snapshot.every: auto against no snapshots on the 3-node loopback cluster "

@@ -16,9 +16,9 @@ def test_the_grid_is_every_policy_on_every_trace_at_every_notice_on_both_shapes(
     traces = [(n, str(f), w) for n, f, w in anchors.TRACES]
     jobs = anchors._jobs(tmp_path, traces, None)
     assert len(jobs) == len(anchors.POLICIES) * len(traces) * len(anchors.NOTICES) * len(anchors.SHAPES)
-    assert {j["policy"] for j in jobs} == {"elastic-llm", "restart", "ray-train-elastic", "replica-group"}
+    assert {j["policy"] for j in jobs} == {"elastic-llm", "restart", "ray-train-elastic", "replica-group", "redundant"}
     assert {j["notice"] for j in jobs} == {0.0, 30.0, 120.0} and len({j["out"] for j in jobs}) == len(jobs)
-    assert "redundant" in anchors.NOT_RUN
+    assert "redundant" in anchors.POLICIES and {j["policy"] for j in anchors._jobs(tmp_path, traces, None, ("redundant",))} == {"redundant"}
 
 
 def test_the_shipped_traces_are_real_licensed_and_load():
@@ -64,3 +64,23 @@ def test_a_bad_price_table_or_trace_is_refused_before_anything_runs(tmp_path, ca
     assert "'b' is removed but not alive" in capsys.readouterr().err
     assert main(["bench", "fleet", "--prices", str(tmp_path / "p.yaml")]) == 2
     assert "only for `bench anchors`" in capsys.readouterr().err
+    assert main(["bench", "anchors", "--policy", "bamboo"]) == 2
+    assert "--policy bamboo is not a policy bench anchors runs: use one of elastic-llm, restart, ray-train-elastic, replica-group, redundant" in capsys.readouterr().err
+
+
+def test_a_rerun_of_one_policy_replaces_its_rows_and_keeps_the_others(tmp_path, monkeypatch):
+    """``--from DIR --policy redundant``: the other policies' rows are read back, redundant's simulated again."""
+    import json
+
+    old = [dict(row("elastic-llm", 0.95, 100.0), timeline=[]), dict(row("redundant", 0.1, 1.0), timeline=[])]
+    (tmp_path / "anchors.json").write_text(json.dumps({"bench": "anchors", "traces": [{"name": "t", "file": "f.csv", "window": None}], "rows": old}))
+    ran = []
+    monkeypatch.setattr(anchors, "SHAPES", anchors.SHAPES[1:])
+    monkeypatch.setattr(anchors, "NOTICES", (30.0,))
+    monkeypatch.setattr(anchors, "_one", lambda job: ran.append(job["policy"]) or dict(row(job["policy"], 0.5, 50.0), timeline=[]))
+    monkeypatch.setattr(anchors, "ProcessPoolExecutor", lambda max_workers: __import__("concurrent.futures").futures.ThreadPoolExecutor(max_workers))
+    monkeypatch.setattr(anchors, "published", lambda: {})
+    monkeypatch.setattr(anchors, "plot", lambda rows, path: path)
+    result = anchors.run_anchors_bench(out_dir=str(tmp_path / "out"), from_dir=str(tmp_path), policies=("redundant",))
+    assert ran == ["redundant"] and sorted((r["policy"], r["liveput"]) for r in result["rows"]) == [("elastic-llm", 0.95), ("redundant", 0.5)]
+    assert result["verdicts"][0]["best_other"] == "redundant" and result["reruns"][0]["policies"] == ["redundant"]

@@ -22,6 +22,7 @@ from elastic_llm.recovery.failure import During
 from elastic_llm.recovery.policy import Member, Observation, RecoveryPolicy, RollbackFrom, Source, restart_drops
 from elastic_llm.replay.cost import PriceError, cost_fields, load_prices, node_hours, price_for, spot_dollars
 from elastic_llm.replay.trace import ReplayAction, ReplayPlan
+from elastic_llm.shape import count_parameters
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.sim.costs import load_costs
 from elastic_llm.sim.runner import SimOptions, Simulation
@@ -144,6 +145,13 @@ def test_simulate_pays_a_priced_traces_spot_prices_and_refuses_a_negative_one(co
     assert "neg.csv line 11: price '-0.08' is not a number of dollars per node-hour >= 0" in capsys.readouterr().err
 
 
+def test_simulate_refuses_a_mode_it_does_not_model_naming_the_ones_it_does(tmp_path, capsys):
+    args = ["simulate", "--config", os.path.join(REPO, "jobs", "spot-tiny.yaml"), "--nodes", "8", "--stages", "4", "--replicas", "2", "--steps", "2",
+            "--set", "recovery.mode=checkfree", "--out", str(tmp_path)]
+    assert main(args) == 2
+    assert "recovery.mode=checkfree: simulate models the lossless and redundant modes only" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("table, message", [
     ("gpu-a100: {spot_per_h: -1, on_demand_per_h: 3}\n", "gpu-a100.spot_per_h=-1 is negative"),
     ("gpu-a100: {spot_per_h: 1, on_demand_per_h: cheap}\n", "gpu-a100.on_demand_per_h='cheap' must be a number"),
@@ -213,11 +221,30 @@ def test_each_policy_recovers_the_same_node_loss_as_the_system_it_models(corpus_
     grown = [r for r in ray_rec if "resize 3 -> 4" in r["failure"]]  # ... and so did the grow, all 16 of them
     assert len(grown) == 16 and len([r for r in ray_rec if "resize" not in r["failure"]]) == 12  # 3 replicas kept after the failure
 
-    for report in (ours, restart, group, ray):
+    red, red_rec, red_resize = simulate(corpus_dir, tmp_path / "red", "redundant")
+    assert red["failed"] is None and red["committed_steps_lost"] == 0 and all(r["rollback_steps"] == 0 for r in red_rec)
+    assert [(e["from_dp"], e["to_dp"]) for e in red_resize] == [(4, 3), (3, 4)]  # no room for r3's two stages: out, back once it fits
+    assert red["full_width_steps_per_s"] < ours["full_width_steps_per_s"] / 1.5  # every stage also trains its successor's copy
+
+    for report in (ours, restart, group, ray, red):
         cost = report["cost"]
         assert cost["node_type"] == "cpu-2core" and cost["tokens"] == report["committed_steps"] * 16 * 128
         assert cost["node_hours"] == pytest.approx((60 * 8 + 140 * 7 + 200 * 9) / 3600, abs=1e-3)  # the same fleet bill for every policy
     assert ours["liveput"] > max(restart["liveput"], ray["liveput"])
+
+
+def test_a_simulated_redundant_run_promotes_the_copy_where_a_node_held_one_stage(corpus_dir, tmp_path):
+    """17 one-slot nodes (4 x 4 and one free): r3's stage is promoted from its predecessor's copy
+    onto the free node, no rollback, at two stage states over the link."""
+    cfg = load_config(os.path.join(REPO, "jobs", "spot-tiny.yaml"), [f"data.dir={corpus_dir}", "parallel.dp=4", "elastic.max_replicas=4", "recovery.policy=redundant"])
+    nodes = tuple(f"r{i}" for i in range(17))
+    alive = ((0.0, 17), (60.0, 16), (120.0, 16))
+    plan = ReplayPlan(nodes, (ReplayAction(60.0, "remove", "r3"),), 120.0, alive, alive)
+    costs = load_costs("cpu-2core")
+    report = Simulation(cfg, SimOptions(nodes=17, stages=4, replicas=4, slots_per_node=1), costs, plan).run(tmp_path)
+    rec = events(tmp_path, "recovery")
+    assert report["failed"] is None and [(r["source"], r["rollback_steps"], r["lossless"]) for r in rec] == [("redundant", 0, True)]
+    assert rec[0]["state_s"] == pytest.approx(2 * costs.stage_mb(count_parameters(cfg.model.shape()), 4) / costs.network_mb_s, rel=1e-3)
 
 
 def test_elastic_llm_rolling_back_to_the_durable_checkpoint_drops_the_replicas_that_do_not_fit_instead_of_waiting():

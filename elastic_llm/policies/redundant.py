@@ -9,15 +9,18 @@ its holder or successor copies a live replica's stage (and its copy). Notices ar
 Leaves out:
 - Bamboo's pipeline reconfiguration after its redundancy is used up; here a live replica's
   stage stands in, and with none the run stops.
-- Bamboo's placement of a copy on another node than its stage's successor, and its lazy
-  backward of the copies (computed here at every step: about 1.75x a step on this project's
-  runs).
-- The simulation: it does not model the copies yet, so this policy runs on Ray only (see
-  ``bench anchors``).
+- Bamboo's placement of a copy on another node than its stage's successor (here a stage and
+  its successor often share a node, so a node loss takes both: a live replica's copy serves),
+  and its lazy backward of the copies and forward in pipeline bubbles (computed here at every
+  step).
 
 Parameters and their sources:
-- The copy's cost: the successor's forward and backward on every stage, measured by this
-  project's runs (the published figure is in Bamboo's paper, section 6).
+- The copy's cost: the successor's forward and backward on every stage, and its gradients in
+  the replicas' sum. On Ray it is the real compute; the simulation charges ``redundant_extra``
+  of the cost model (0.79: bench convergence's redundant step on tiny, 1.79x the median of no
+  fault tolerance) on top of a step's compute and exchange.
+- A promotion: the new actor reads two stage states over its link (the holder's copy, and its
+  successor's state for its own copy); a copy from a live replica reads the same two.
 - Warm standbys: none (``recovery.standby: 0``).
 """
 

@@ -32,6 +32,7 @@ from elastic_llm.sim.costs import MB
 from elastic_llm.sim.world import SimRef, World
 from elastic_llm.snapshot.coordinator import StageMember
 from elastic_llm.snapshot.records import Piece, ShardKey, StageSource
+from elastic_llm.sources import Mode
 from elastic_llm.spans import Spans
 
 
@@ -369,7 +370,7 @@ class SimActors(Members):
         if not pairs:
             return {}
         fan_out = max(Counter(src for src, _ in pairs).values())
-        seconds = fan_out * self.stage_mb() / self.world.costs.network_mb_s
+        seconds = fan_out * self.stage_mb() * self._with_copy() / self.world.costs.network_mb_s
         with self.spans.span("state"):
             self.world.clock.sleep(seconds)
         self._check("copying stage state", [self.nodes[k] for pair in pairs for k in pair])
@@ -439,7 +440,7 @@ class SimActors(Members):
         return self._unmodelled("chaos")
 
     def _unmodelled(self, what: str) -> Any:
-        raise NotImplementedError(f"simulate models recovery.mode=lossless only: {what} is not simulated")
+        raise NotImplementedError(f"simulate models recovery.mode lossless and redundant only: {what} is not simulated")
 
     def grad_norms(self, keys: list[ShardKey]) -> dict[ShardKey, float]:
         return {k: 1.0 for k in keys}  # CheckFree's weights: the simulation computes no gradients
@@ -453,7 +454,16 @@ class SimActors(Members):
         return 0
 
     def promote(self, key: ShardKey, holder: ShardKey, successor: ShardKey) -> None:
-        self._unmodelled("redundant copies")
+        """The new actor reads the holder's copy of its stage and its successor's state (its own
+        copy), both over its link."""
+        with self.spans.span("state"):
+            self.world.clock.sleep(2 * self.stage_mb() / self.world.costs.network_mb_s)
+        self._check(f"promoting the copy of {key}", [self.nodes[k] for k in (key, holder, successor)])
+        self.at[key] = self.at.get(holder)
+
+    def _with_copy(self) -> int:
+        """Stage states a copy moves: with redundant copies, the source's copy of its successor goes along."""
+        return 2 if self.cfg.recovery.mode == Mode.REDUNDANT else 1
 
     def mirror(self, pairs: list[tuple[ShardKey, ShardKey]], step: int) -> None:
         pass  # an embedding or LM head copied to a neighbour, not waited for: nothing the cost model charges

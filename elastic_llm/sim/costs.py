@@ -47,17 +47,23 @@ class CostModel:
     relayed_cpu_s: float = 0.0  # the driver's CPU per stage report relayed by its replica's stage 0 (bench transport's relayed_report_us)
     sequence_tokens: int = 0  # tokens of the sequence seq_stage_s is for (a report's tokens and tokens per dollar); 0: the config's model.seq_len
     replica_s: float = 0.0  # on shared cores: what each replica beyond the first adds to a step besides the exchange (its calls, update, snapshot slice)
+    # recovery.mode redundant: what each stage's copy of its successor adds to its compute and exchange (its forward and backward
+    # over every microbatch, its gradients in the replicas' sum): bench convergence's redundant step on tiny, 1.77-1.87x of no fault
+    # tolerance (median 1.79x); a profile may set its own. Bamboo hides part of this in pipeline bubbles, which is not modelled.
+    redundant_extra: float = 0.79
 
-    def step_s(self, stages: int, microbatches: int, batch: int, width: int, snapshot: bool = False) -> float:
+    def step_s(self, stages: int, microbatches: int, batch: int, width: int, snapshot: bool = False, redundant: bool = False) -> float:
         """One 1F1B step: (m + S - 1) slots of a microbatch of batch / (width x m) sequences, or,
         on shared cores, the whole step's work over the cores when that takes longer (the other
         actors fill a stage's bubble, and each replica beyond the first adds ``replica_s``); then
-        the gradient exchange, and the snapshot's cost."""
+        the gradient exchange (both ``redundant_extra`` more with redundant copies), and the
+        snapshot's cost."""
         per_mb = batch / (width * microbatches)
         compute = (microbatches + stages - 1) * per_mb * self.seq_stage_s
         if self.cores > 0:
             compute = max(compute, batch * stages * self.seq_stage_s / self.cores + (width - 1) * self.replica_s)
-        return compute + (self.allreduce_s if width > 1 else 0.0) + (self.snapshot_step_s if snapshot else 0.0)
+        work = compute + (self.allreduce_s if width > 1 else 0.0)
+        return work * (1.0 + (self.redundant_extra if redundant else 0.0)) + (self.snapshot_step_s if snapshot else 0.0)
 
     def shard_mb(self, parameters: int, stages: int, width: int) -> float:
         """Megabytes of one (stage, replica) shard of the training state (a 1/width slice)."""

@@ -63,8 +63,8 @@ log = logging.getLogger("elastic_llm.sim")
 def sim_config(cfg: RunConfig, o: SimOptions) -> RunConfig:
     """``cfg`` at the simulated shape: ``--stages`` and ``--replicas``, no validation batches,
     no chaos; refused (naming the field) where the simulation does not model a setting."""
-    if cfg.recovery.mode != Mode.LOSSLESS:
-        raise ConfigError(f"recovery.mode={cfg.recovery.mode}: simulate models the lossless mode only; set recovery.mode=lossless")
+    if cfg.recovery.mode not in (Mode.LOSSLESS, Mode.REDUNDANT):
+        raise ConfigError(f"recovery.mode={cfg.recovery.mode}: simulate models the lossless and redundant modes only; set recovery.mode=lossless")
     if cfg.durable.storage_path:
         raise ConfigError("durable.storage_path is set: simulate writes nothing; unset it (--set durable.storage_path=null) and "
                           "pass --durable-every N for a simulated durable tier")
