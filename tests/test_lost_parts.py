@@ -91,11 +91,12 @@ def test_a_slow_manager_gets_a_second_deadline_and_each_lost_part_says_why(ray_l
 
     import ray
 
-    from elastic_llm.snapshot import coordinator as mod
+    from elastic_llm.snapshot import census, coordinator
     from elastic_llm.snapshot.manager import SnapshotManager, Version
 
-    monkeypatch.setattr(mod, "PING_S", 0.5)
-    monkeypatch.setattr(mod, "SLOW_PING_S", 4.0)
+    for mod in (census, coordinator):  # the census's deadlines, and the broadcast's the coordinator builds
+        monkeypatch.setattr(mod, "PING_S", 0.5)
+    monkeypatch.setattr(census, "SLOW_PING_S", 4.0)
     cfg = load_config(f"{REPO}/jobs/tiny.yaml", ["parallel.stages=2", "snapshot.parity=1"])
     coord = SnapshotCoordinator(cfg, RayManagers("elastic-llm-test", cfg.snapshot.codec), "lost03")
     nodes = ("a", "b", "c", "d")
