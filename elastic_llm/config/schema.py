@@ -258,6 +258,11 @@ class RunConfig:
         return self.recovery.mode == Mode.CHECKFREE_PLUS
 
     @property
+    def redundant(self) -> bool:
+        """Whether every stage also trains a copy of its successor (``recovery.mode: redundant``)."""
+        return self.recovery.mode == Mode.REDUNDANT
+
+    @property
     def mirrors(self) -> bool:
         """Whether the embedding / LM head are mirrored on the neighbouring stages."""
         return self.recovery.mode in (Mode.LOSSLESS, Mode.CHECKFREE_PLUS) and self.checkfree.mirror_every > 0 and self.parallel.stages >= 2

@@ -216,7 +216,7 @@ def plan(cfg: RunConfig, nodes: int | None = None) -> Plan:
             collective=8 * p if par.dp > 1 else 0, redundant=0,
             transport=2 * tokens * shape.dim * wire, snapshot_buffers=(3 if on_cuda else 2) * SNAPSHOT_BYTES_PER_PARAM * p if cfg.snapshots_on else 0,
         ))
-    if cfg.recovery.mode == "redundant":  # each stage also runs its successor's copy over every microbatch (its gradients in the replicas' sum too)
+    if cfg.redundant:  # each stage also runs its successor's copy over every microbatch (its gradients in the replicas' sum too)
         stages = [replace(st, redundant=(nxt := stages[(st.stage + 1) % par.stages]).params * 4 + nxt.collective + len(sizes) * nxt.activations) for st in stages]
     actors = par.stages * par.dp
     n_nodes = nodes or actors

@@ -47,7 +47,6 @@ from elastic_llm.pipeline.sources import OtherSources
 from elastic_llm.pipeline.schedules import Hop, hop_index, hops_of, routes
 from elastic_llm.pipeline.shares import microbatch_sizes
 from elastic_llm.snapshot.records import Piece, ShardInfo, ShardKey
-from elastic_llm.sources import Mode
 from elastic_llm.stream import StreamPosition
 from elastic_llm.monitor import StageState
 from elastic_llm.telemetry import Metrics
@@ -164,7 +163,7 @@ class StageWorker(OtherSources):
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.mirror: np.ndarray | None = None  # CheckFree+: the neighbour's embedding / head, flat
         self.mirror_step = -1
-        self.shadow: Shadow | None = Shadow(self.cfg, (stage + 1) % par.stages, self.device) if self.cfg.recovery.mode == Mode.REDUNDANT else None
+        self.shadow: Shadow | None = Shadow(self.cfg, (stage + 1) % par.stages, self.device) if self.cfg.redundant else None
         self.last_grad_norm = 0.0
         self.step_count = 0
         # Lazy asynchronous snapshots: step(snapshot=...) starts copying the updated state into the

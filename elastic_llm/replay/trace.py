@@ -282,7 +282,8 @@ def plan_replay(
             raise ValueError(f"events: {problem}")
         else:
             zone_of.setdefault(event.node, event.zone)
-            prices[:] = [(0.0, event.price)] if event.price is not None else prices
+            if event.price is not None:  # the price set last before the window holds at its start
+                prices = [(0.0, event.price)]
     start_trace = len(trace)
     born: dict[str, float] = {}  # replay node alive -> replay time added
     rzone: dict[str, str | None] = {}  # every replay node (alive: those in ``born``) -> its zone

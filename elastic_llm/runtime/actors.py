@@ -31,7 +31,6 @@ from elastic_llm.runtime.placement import PLACE_S, Reservations, kill_actor
 from elastic_llm.runtime.spares import RaySpares, Spare, StageSpare, own
 from elastic_llm.runtime.stage_calls import StateCalls
 from elastic_llm.snapshot.coordinator import StageMember
-from elastic_llm.sources import Mode
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.spans import Spans
 
@@ -328,7 +327,7 @@ class ActorGroup(Members, StateCalls):
         assert len(spares) == len(refs), "swap_in takes stage spares"
         infos = ray.get([sp.info for sp in spares], timeout=START_S)
         with self.spans.span("state"):
-            stream_states([(self.actor(sp.key), sp.key, sp.actor) for sp in spares], self.cfg.recovery.mode == Mode.REDUNDANT)
+            stream_states([(self.actor(sp.key), sp.key, sp.actor) for sp in spares], self.cfg.redundant)
         for sp, info in zip(spares, infos):
             self._install(sp)
             self.record(sp.key, info)

@@ -31,7 +31,6 @@ from elastic_llm.runtime.liveness import NodeWatch, RayNodeTable, tcp_hold
 from elastic_llm.runtime.session import NAMESPACE, start_ray, store_warnings
 from elastic_llm.runtime.managers import RayManagers
 from elastic_llm.snapshot.records import ShardKey
-from elastic_llm.sources import Mode
 from elastic_llm.spans import Spans
 
 GENERATION_BITS = 40  # a driver's link generations: its epoch << GENERATION_BITS, then one more per membership
@@ -193,7 +192,7 @@ class RayRuntime:
     def executor(self, actors: list[list[Any]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None,
                  set_aside: Callable[[], frozenset[str]] = frozenset) -> StepExecutor:
         watched = self.nodes.watch is not None
-        return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.recovery.mode == Mode.REDUNDANT, self.generations,
+        return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.redundant, self.generations,
                                lambda: (self.nodes.dead() if watched else set()) | set_aside(), node_of)
 
     def cpu(self) -> float:

@@ -20,7 +20,6 @@ from elastic_llm.config import RunConfig
 from elastic_llm.durable.format import DurableError
 from elastic_llm.runtime.handover import CONTROL
 from elastic_llm.snapshot.records import Piece, ShardKey, StageSource
-from elastic_llm.sources import Mode
 from elastic_llm.spans import Spans
 
 COPY_S = 600.0  # longest a state copy from one actor to another may take
@@ -90,7 +89,7 @@ class StateCalls:
         """For each (source, target): the target actor takes the whole state of the source
         (:func:`stream_states`). Returns per target its bytes and seconds."""
         with self.spans.span("state"):
-            got = stream_states([(self.actor(src), src, self.actor(dst)) for src, dst in pairs], self.cfg.recovery.mode == Mode.REDUNDANT)
+            got = stream_states([(self.actor(src), src, self.actor(dst)) for src, dst in pairs], self.cfg.redundant)
         return {dst: g for (_, dst), g in zip(pairs, got)}
 
     def load_parts(self, sources: Mapping[ShardKey, StageSource]) -> dict[ShardKey, tuple[int, float]]:

@@ -32,7 +32,6 @@ from elastic_llm.sim.costs import MB
 from elastic_llm.sim.world import SimRef, World
 from elastic_llm.snapshot.coordinator import StageMember
 from elastic_llm.snapshot.records import Piece, ShardKey, StageSource
-from elastic_llm.sources import Mode
 from elastic_llm.spans import Spans
 
 
@@ -463,7 +462,7 @@ class SimActors(Members):
 
     def _with_copy(self) -> int:
         """Stage states a copy moves: with redundant copies, the source's copy of its successor goes along."""
-        return 2 if self.cfg.recovery.mode == Mode.REDUNDANT else 1
+        return 2 if self.cfg.redundant else 1
 
     def mirror(self, pairs: list[tuple[ShardKey, ShardKey]], step: int) -> None:
         pass  # an embedding or LM head copied to a neighbour, not waited for: nothing the cost model charges

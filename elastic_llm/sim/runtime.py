@@ -30,7 +30,6 @@ from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
 from elastic_llm.pipeline.plan import STEP_DEADLINE_S
 from elastic_llm.sim.actors import SimActors, SimLost
 from elastic_llm.sim.snapshots import SimFlusher, SimManagers
-from elastic_llm.sources import Mode
 from elastic_llm.sim.world import EPOCH, NEVER, SimCalls, SimMonitor, SimNode, World
 from elastic_llm.snapshot.records import ShardKey, VersionRecord
 from elastic_llm.spans import Spans
@@ -300,8 +299,7 @@ class SimExecutor:
         if self._pending is None or self._pending[0] is not pending:
             g, w, p = self.group, self.world, self.cfg.parallel
             with g.charged:
-                end = w.step_end(w.clock.now, w.costs.step_s(g.stages, p.microbatches, self.cfg.train.batch_size, g.width, pending.snapshot,
-                                                              self.cfg.recovery.mode == Mode.REDUNDANT), len(g.nodes))
+                end = w.step_end(w.clock.now, w.costs.step_s(g.stages, p.microbatches, self.cfg.train.batch_size, g.width, pending.snapshot, self.cfg.redundant), len(g.nodes))
                 death = w.fleet.first_death(set(g.nodes.values()), set(g.nodes), end)
                 cut = w.fleet.first_cut(set(g.nodes.values()), end)
                 if cut is not None and (death is None or cut < death[0]):  # a silent stage: the step waits for ever
