@@ -503,6 +503,76 @@ def test_a_node_writes_its_parts_one_after_the_other_and_a_damaged_piece_in_any_
         batch.write(lambda key: [bufs[key]])
 
 
+def test_a_drafted_manifest_is_the_whole_manifest_and_commits_alike(trained, tmp_path):
+    """The durable tier drafts a checkpoint's manifest while the managers write and adds the files
+    at the end (:class:`format.Draft`): the bytes it commits read back as the manifest
+    :func:`format.make_manifest` builds whole, and the checkpoint is committed and restorable.
+    :class:`flush.StageTensors` gives each stage's tensors as :func:`stage_tensors` does,
+    reading a stage's manifest again only when its state's size differs."""
+    from elastic_llm.durable import flush
+
+    cfg, workers = trained
+    run = Storage(str(tmp_path))
+    step, parts, states = 6, [], []
+    reads = []
+    layers_of = lambda s: (reads.append(s), list(stage_layer_range(cfg.model.n_layers, cfg.parallel.stages, s)))[1]  # noqa: E731
+    tensors_of = flush.StageTensors(layers_of)
+    for w in workers:
+        buf, manifest = w.capture_state({"epoch": 0, "index": 7})
+        tensors = tensors_of(w.stage, len(buf), manifest)
+        assert tensors == stage_tensors(manifest, list(stage_layer_range(cfg.model.n_layers, cfg.parallel.stages, w.stage)))
+        assert tensors_of(w.stage, len(buf), manifest) is tensors
+        tensors_of(w.stage, len(buf) - 8, manifest)  # another size: read again
+        rel = f"{fmt.checkpoint_dir(step)}/{fmt.shard_file(w.stage, 0)}"
+        run.makedirs(fmt.checkpoint_dir(step))
+        nbytes, records = fmt.write_shard(run, rel, tensors, lambda lo, hi, buf=buf: iter([buf[lo:hi]]), {"format": "pt"})
+        parts.append(fmt.PartResult(w.stage, 0, fmt.shard_file(w.stage, 0), nbytes, 0.0, records))
+        states.append((w.stage, 0, manifest))
+    assert reads == [s for w in workers for s in (w.stage, w.stage)]
+    data, files = fmt.draft(cfg, step, "run", states, None).finish(parts)
+    whole = fmt.make_manifest(cfg, step, "run", states, parts, None)
+    assert json.loads(data) == whole and files == whole["files"]
+    fmt.commit_bytes(run, fmt.checkpoint_dir(step), step, data)
+    assert fmt.read_manifest(run, fmt.checkpoint_dir(step)) == whole
+    assert fmt.newest_committed(run).step == step
+    fresh = StageWorker(cfg, 1, 0)
+    fresh.load_durable(run.uri, fmt.checkpoint_dir(step))
+    assert np.array_equal(state_bytes(fresh), state_bytes(workers[1]))
+
+
+def test_a_flush_writes_nicer_than_its_manager_never_ahead_of_training(trained, tmp_path):
+    """Ray starts workers at nice 15: the flush's writer once set an absolute nice 10, which put it
+    ahead of the training step on the same cores. It now runs ``durable.flush_nice`` steps nicer
+    than the thread that called it, capped at 19."""
+    import threading
+
+    from elastic_llm.durable import flush
+    from elastic_llm.snapshot.erasure import checksum
+    from elastic_llm.snapshot.records import Piece
+
+    cfg, workers = trained
+    buf, manifest = workers[0].capture_state({"epoch": 0, "index": 7})
+    buf = buf.copy()
+    tensors = tuple(stage_tensors(manifest, list(stage_layer_range(cfg.model.n_layers, cfg.parallel.stages, 0))))
+    src = flush.SliceSource(ShardKey(0, 0), 0, (Piece(0, len(buf), checksum(buf)),), None, "node")
+    seen = []
+
+    def local(key):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))  # called on the writing thread
+        return [buf]
+
+    def call(start, nice, step):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), start)  # the manager's thread
+        plan = flush.FlushPlan(step, str(tmp_path), 0, 0, f"{fmt.checkpoint_dir(step)}/{fmt.shard_file(0, 0)}", tensors, (src,), nice=nice)
+        flush.write_part(plan, local)
+
+    for step, (start, nice) in enumerate(((15, 10), (2, 10), (15, 0)), start=1):
+        t = threading.Thread(target=call, args=(start, nice, step))
+        t.start()
+        t.join()
+    assert seen == [19, 12, 15]
+
+
 def test_the_commit_marker_is_renamed_into_place_only_after_the_manifest_and_it_are_on_disk(tmp_path, monkeypatch):
     """:meth:`Storage.write_then_mark`: both files' bytes are fsynced before the marker's rename
     (a crash in between leaves no marker), no temporary file stays behind, and a failed fsync

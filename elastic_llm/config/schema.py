@@ -149,7 +149,7 @@ class DurableConfig:
     run_name: str | None = None  # directory under storage_path (None: the run's name)
     mtbf_h: float = 24.0  # every: auto: mean time between failures assumed until the run has seen failures of its own
     max_write_mb_s: float = 0.0  # throttle each manager's flush writes to this many MB/s (0: as fast as storage takes them)
-    flush_nice: int = 10  # niceness of the flushing threads (0-19; 0: as urgent as training)
+    flush_nice: int = 10  # how many steps nicer than its snapshot manager a flush's writing thread runs (0-19, capped at nice 19; 0: as urgent as training)
 
 
 @dataclass

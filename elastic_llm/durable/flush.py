@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ import numpy as np
 
 from elastic_llm.durable.format import PartResult, TensorSpec, checkpoint_dir, global_name, shard_file, write_shard
 from elastic_llm.durable.storage import Storage, StorageHung, Syncs
+from elastic_llm.priority import nicer
 from elastic_llm.snapshot.erasure import checksum
 from elastic_llm.snapshot.records import Piece, ShardKey, VersionRecord, generation
 
@@ -62,7 +62,7 @@ class FlushPlan:
     tensors: tuple[TensorSpec, ...]
     slices: tuple[SliceSource, ...]
     max_mb_s: float = 0.0
-    nice: int = 10  # the writing thread's niceness: training on the same cores goes first
+    nice: int = 10  # how much nicer than its manager the writing thread runs (elastic_llm.priority.nicer): training on the same cores goes first
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,33 @@ def stage_tensors(manifest: str, layer_ids: list[int]) -> list[TensorSpec]:
     return out
 
 
+class StageTensors:
+    """:func:`stage_tensors` of each stage, read from its manifest once per run: a stage's layout
+    (its tensors, their order and sizes) is fixed by the model and the stage for the whole run,
+    while parsing a manifest (its RNG states are long JSON lists) and naming its tensors took 2 ms
+    of each flush's path on tiny. A manifest of another size than the one read is read again."""
+
+    def __init__(self, layers_of: Callable[[int], list[int]]) -> None:
+        self.layers_of = layers_of
+        self._read: dict[tuple[int, int], list[TensorSpec]] = {}
+
+    def __call__(self, stage: int, nbytes: int, manifest: str) -> list[TensorSpec]:
+        """The tensors of ``stage``, whose state is ``nbytes`` long (``manifest``: one of its shards')."""
+        if (stage, nbytes) not in self._read:
+            self._read[(stage, nbytes)] = stage_tensors(manifest, self.layers_of(stage))
+        return self._read[(stage, nbytes)]
+
+
 def plan_parts(
-    record: VersionRecord, storage_uri: str, layers_of: Callable[[int], list[int]], managers: dict[str, Any], max_mb_s: float = 0.0, nice: int = 10
+    record: VersionRecord, storage_uri: str, tensors_of: Callable[[int, int, str], list[TensorSpec]], managers: dict[str, Any], max_mb_s: float = 0.0, nice: int = 10
 ) -> list[tuple[str, FlushPlan]]:
-    """(node, plan) per shard file of ``record``: the writer is the node holding the part's slice now (re-homed or not)."""
+    """(node, plan) per shard file of ``record``: the writer is the node holding the part's slice
+    now (re-homed or not). ``tensors_of(stage, nbytes, manifest)``: the tensors of the stage, whose
+    state is ``nbytes`` long (:func:`stage_tensors` of its layers, or :class:`StageTensors`)."""
     plans = []
     for stage in sorted({s.key.stage for s in record.shards}):
         slices = sorted((s for s in record.shards if s.key.stage == stage), key=lambda s: s.lo)
-        tensors = stage_tensors(slices[0].manifest, layers_of(stage))
+        tensors = tensors_of(stage, sum(s.nbytes for s in slices), slices[0].manifest)
         sources = tuple(SliceSource(s.key, s.lo, s.pieces, managers.get(record.home(s.node_id)), record.home(s.node_id)) for s in slices)
         for part, sl in enumerate(slices):
             hi = sl.lo + sl.nbytes if part < len(slices) - 1 else None
@@ -162,15 +181,15 @@ class PieceReader:
 
 def write_part(plan: FlushPlan, local: Callable[[ShardKey], list[np.ndarray] | None]) -> PartResult:
     """Stream ``plan``'s tensors into its file (run inside the snapshot manager holding the slice),
-    on a thread of its own at niceness ``plan.nice`` (Linux sets it per thread; the kernel's copy
+    on a thread of its own ``plan.nice`` steps nicer than its manager (Linux sets it per thread; the kernel's copy
     into the page cache is charged to that thread too). ``local(key)``: this manager's own pieces
     of ``key`` (None if it does not hold them)."""
     return write_parts((plan,), local)[0]
 
 
 def write_parts(plans: tuple[FlushPlan, ...], local: Callable[[ShardKey], list[np.ndarray] | None]) -> list[PartResult]:
-    """:func:`write_part` of every plan, one after the other on one thread at the plans'
-    niceness, each file's bytes sent on to the device as they are written
+    """:func:`write_part` of every plan, one after the other on one thread (the plans'
+    ``nice`` steps nicer than its manager), each file's bytes sent on to the device as they are written
     (:meth:`~elastic_llm.durable.storage.Storage.writer`) and every file fsynced at the end,
     together, while the pieces are checked against their records (one wait for the disk per
     node, not one per part; on the 2-core VM one thread writing tiny's four parts this way took
@@ -184,12 +203,7 @@ def write_parts(plans: tuple[FlushPlan, ...], local: Callable[[ShardKey], list[n
 
     def run() -> None:
         try:
-            nice = max(p.nice for p in plans)
-            if nice > 0 and hasattr(os, "setpriority"):
-                try:
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-                except OSError:
-                    pass  # not permitted here: write at normal priority
+            nicer(max(p.nice for p in plans))  # relative to the manager's own (Ray's workers run at nice 15)
             t0 = time.perf_counter()
             syncs = Syncs()
             written: list[PartResult] = []

@@ -19,7 +19,7 @@ from elastic_llm import cadence, events
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.durable import format as fmt
-from elastic_llm.durable.flush import by_node, plan_parts
+from elastic_llm.durable.flush import StageTensors, by_node, plan_parts
 from elastic_llm.durable.storage import Storage, StorageError
 from elastic_llm.shape import stage_layer_range
 from elastic_llm.snapshot.records import VersionRecord
@@ -59,6 +59,7 @@ class _Flush:
     record: VersionRecord
     refs: dict[Any, Any]  # ref -> (node, NodeFlush): one call per writing node
     started: float
+    draft: fmt.Draft  # the manifest but its files, drafted while the managers write
     results: list[Any] = field(default_factory=list)
 
 
@@ -103,6 +104,7 @@ class DurableTier:
         self.step_s = cadence.Ema()
         self.elapsed_s = 0.0
         self.failures = 0
+        self.tensors = StageTensors(lambda s: list(stage_layer_range(cfg.model.n_layers, cfg.parallel.stages, s)))
 
     # ------------------------------------------------------------------ inputs from the run
     def observe(self, step_s: float, elapsed_s: float, failures: int) -> None:
@@ -135,19 +137,22 @@ class DurableTier:
         return wanted
 
     def start(self, record: VersionRecord) -> None:
-        """Send every writer its parts of ``record`` (pinned by its managers). Returns at once."""
+        """Send every writer its parts of ``record`` (pinned by its managers), then build the
+        manifest but its files while they write. Returns at once."""
         self.turns.started()
+        t0 = self.clock.perf_counter()
         managers = self.coordinator.managers
-        n, stages = self.cfg.model.n_layers, self.cfg.parallel.stages
         du = self.cfg.durable
-        plans = plan_parts(record, self.run.uri, lambda s: list(stage_layer_range(n, stages, s)), managers, du.max_write_mb_s, du.flush_nice)
+        plans = plan_parts(record, self.run.uri, self.tensors, managers, du.max_write_mb_s, du.flush_nice)
         refs = {}
         for node, batch in by_node(plans, self.coordinator.floor).items():
             if node not in managers:
                 self._fail(record, f"the snapshot manager of node {node[:12]} is gone")
                 return
             refs[managers[node].flush_part.remote(batch)] = (node, batch)
-        self.inflight = _Flush(record, refs, self.clock.perf_counter())
+        states = [(s.key.stage, s.key.replica, s.manifest) for s in record.shards]
+        tokenizer = self._copy_tokenizer(fmt.checkpoint_dir(record.version))
+        self.inflight = _Flush(record, refs, t0, fmt.draft(self.cfg, record.version, self.run.root.rsplit("/", 1)[-1], states, tokenizer))
 
     def poll(self, block: bool = False, timeout: float = FLUSH_S) -> None:
         """Commit the flush in flight once every part is written (``block``: wait for it)."""
@@ -176,13 +181,10 @@ class DurableTier:
     def _commit(self, f: _Flush) -> None:
         rec = f.record
         ckpt = fmt.checkpoint_dir(rec.version)
-        states = [(s.key.stage, s.key.replica, s.manifest) for s in rec.shards]
-        parts = [part for _, written in f.results for part in written]
-        manifest = fmt.make_manifest(self.cfg, rec.version, self.run.root.rsplit("/", 1)[-1], states, parts, self._copy_tokenizer(ckpt))
-        files = manifest["files"]
-        fmt.commit(self.run, ckpt, manifest)
+        data, files = f.draft.finish([part for _, written in f.results for part in written])
+        fmt.commit_bytes(self.run, ckpt, rec.version, data)
+        seconds = self.clock.perf_counter() - f.started  # durable from here on: the flush's time ends
         self._strays(rec.version, ckpt, {f.rsplit("/", 1)[-1] for f in files})
-        seconds = self.clock.perf_counter() - f.started
         nbytes = sum(v["nbytes"] for v in files.values())
         self.inflight = None
         self._unpin(rec.version)
@@ -223,6 +225,7 @@ class DurableTier:
             src = Storage(str(self.data_dir))
             if not src.exists(fmt.TOKENIZER):
                 return None
+            self.run.makedirs(ckpt)  # (the managers, writing meanwhile, make it too)
             self.run.write_bytes(f"{ckpt}/{fmt.TOKENIZER}", src.read_bytes(fmt.TOKENIZER))
         except OSError as e:
             log.warning("tokenizer not copied into %s: %s", ckpt, e)

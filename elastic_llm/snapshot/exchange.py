@@ -22,7 +22,6 @@ cut short raises :class:`ExchangeError`, so a partial symbol is never used.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import struct
 import threading
@@ -30,6 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from elastic_llm.priority import nicer
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +141,7 @@ def yield_to_training() -> None:
     if getattr(_yielded, "done", False):
         return
     _yielded.done = True
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICE))
-    except (OSError, AttributeError):
-        pass
+    nicer(NICE)
 
 
 def _read_exact(conn: socket.socket, n: int) -> bytes:
