@@ -54,10 +54,9 @@ class Ema:
 
 
 @dataclass
-class Recent:
-    """The mean of the last ``window`` samples; ``None`` until the first. An outlier (a cold first
-    step, another process's burst) is gone after ``window`` samples, where an all-time or
-    exponential average carries it for many."""
+class Median:
+    """The median of the last ``window`` samples; ``None`` until the first. Where an average would
+    carry one slow outlier (a cold first step, another process's burst) for many samples."""
 
     window: int = 9
     recent: deque[float] = field(default_factory=deque)
@@ -66,11 +65,11 @@ class Recent:
         self.recent.append(x)
         while len(self.recent) > self.window:
             self.recent.popleft()
-        return statistics.fmean(self.recent)
+        return statistics.median(self.recent)
 
     @property
     def value(self) -> float | None:
-        return statistics.fmean(self.recent) if self.recent else None
+        return statistics.median(self.recent) if self.recent else None
 
 
 def snapshot_every(cost_s: float, step_s: float, max_overhead_pct: float, cap: int = MAX_SNAPSHOT_EVERY) -> int:
@@ -126,21 +125,15 @@ class SnapshotCost:
     A step is *clean* when no version began in it or was in flight and at least :data:`SETTLE`
     steps passed since the last one ended: what a version leaves behind (its objects freed, the
     durable flush it started, the raylets' last moves) lands on the steps after it, and those are
-    not the baseline. The mean of the last clean steps is the baseline (:class:`Recent`: the run's cold first
-    steps are clean too, and rare at short intervals: an all-time average kept them); every other step's time beyond it is charged
+    not the baseline. The median of the last clean steps is the baseline (the run's cold first
+    steps are clean too, and rare at short intervals: an average kept them); every other step's time beyond it is charged
     to the versions in flight (shared), or, when none is, to the newest one begun, negative
     differences too (noise evens out over a version's steps instead of adding up). A version's
     cost is final when a newer one begins after it ended, or when a clean step ran after it;
-    then what its steps felt, negative or not, is a sample of the cost, and the interval is chosen again: the smallest that keeps
+    then the larger of it and what its parts reported (the managers' CPU time and the stages'
+    copies) is a sample of the cost, and the interval is chosen again: the smallest that keeps
     the cost within ``max_overhead_pct`` of the clean steps' time (:func:`snapshot_every`), the
-    cost taken as the samples' moving average plus its standard error, and never less than the
-    moving average of what its parts reported (the managers' CPU time and the stages' copies).
-    Unbiased on purpose: a budget is a share of the run's time, an average. Measured on tiny's
-    3-node loopback cluster, clean steps' mean was 0.015 s above their median (a step's noise is
-    skewed: some steps are slow, none much faster), so against the median (as before) each of a
-    version's three charged steps added that much, and clipping each sample at zero and at its
-    parts' added more: auto's average was 0.137 s where the per-step trace measured 0.073 s, and
-    it chose every 7 instead of 4 (:attr:`Ema.bound`: the
+    cost taken as the samples' moving average plus its standard error (:attr:`Ema.bound`: the
     budget is a share of the run's time, so what must stay within it is the average cost, known
     up to that error; the average plus a whole deviation, as before, bounded every single
     interval instead and chose intervals 2-4x longer than the budget needs on a noisy 2-core
@@ -154,10 +147,9 @@ class SnapshotCost:
         self.pct = max_overhead_pct
         self.every = every
         self.why = "auto: measuring the cost"
-        self.cost = Ema(alpha=0.3)  # seconds one version costs the run, as its steps felt it
-        self.parts = Ema(alpha=0.3)  # seconds one version's parts reported (a floor of the cost)
+        self.cost = Ema(alpha=0.3)  # seconds one version costs the run
         self.span = Ema(alpha=0.3)  # steps one version is in flight
-        self.clean_s = Recent()  # clean steps: the baseline
+        self.clean_s = Median()  # clean steps: the baseline
         self.since_clean = 0  # steps since the last clean one (auto keeps its baseline fresh: AUTO_PROBE)
         self.since_end = SETTLE  # steps since a version last ended
         self.open: dict[int, _Open] = {}
@@ -174,12 +166,6 @@ class SnapshotCost:
         version's felt cost would read as nothing, and the interval would shrink to its parts';
         measured: every 3 at 25% overhead on the 3-node loopback cluster, against a 2% budget)."""
         return math.ceil(self.span.high or 1) + SETTLE + 1
-
-    @property
-    def estimate(self) -> float:
-        """Seconds a version costs the run, as the interval is chosen for: the felt samples'
-        moving average plus its standard error, at least the parts' moving average (0 before any)."""
-        return max(self.cost.bound or 0.0, self.parts.value or 0.0)
 
     def probing(self) -> bool:
         """No version should begin: too long without a clean step (its baseline would go stale)."""
@@ -241,18 +227,16 @@ class SnapshotCost:
         base = self.clean_s.value
         if self.finals <= 1 or base is None:
             return
-        felt = o.felt if o.measured else None
-        self.cost.add(o.parts_s if felt is None else felt)
-        self.parts.add(o.parts_s)
+        felt = max(0.0, o.felt) if o.measured else None
+        self.cost.add(max(o.parts_s, felt or 0.0))
         self.span.add(max(1, o.in_flight))
-        cost = self.estimate
+        cost = self.cost.bound or 0.0
         budget = snapshot_every(cost, base, self.pct)
         floor = self.floor()
         every = max(budget, floor)
         felt_txt = f"{felt:.3f}" if felt is not None else "unmeasured"
         self.why = (
-            f"auto: {cost:.3f} s per snapshot (average {self.cost.value:.3f} s + its standard error, at least its parts' {self.parts.value:.3f} s; "
-            f"this one's parts {o.parts_s:.3f} s, "
+            f"auto: {cost:.3f} s per snapshot (average {self.cost.value:.3f} s + its standard error; this one's parts {o.parts_s:.3f} s, "
             f"felt {felt_txt} s over its steps and the {SETTLE} after it), {base:.3f} s per clean step, budget {self.pct:g}% -> every {budget}"
             + (f"; at least {floor} (a version's {floor - SETTLE - 1} step(s) in flight, the {SETTLE} after it and one clean step "
                f"to measure against) -> every {every}" if floor > budget else "")

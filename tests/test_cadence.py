@@ -45,7 +45,7 @@ def test_noise_evens_out_over_a_versions_steps_and_its_parts_are_a_floor():
         c.step(1.0, [], began=False)
     cycle(c, 10, [1.1, 0.9, 1.1, 0.9, 1.0])
     cycle(c, 20, [1.1, 0.9, 1.1, 0.9, 1.0], parts_s=0.05)
-    assert c.cost.value == pytest.approx(0.0, abs=1e-9) and c.estimate == pytest.approx(0.05)
+    assert c.cost.value == pytest.approx(0.05)
     assert c.every == 5  # 0.05 s / (1.0 s x 2%) = 2.5 -> 3, but a version is 2 steps in flight: at least 2 + SETTLE + 1
     assert "-> every 3; at least 5" in c.why
 
@@ -92,49 +92,14 @@ def test_a_dropped_version_is_forgotten_and_a_long_stretch_without_a_clean_step_
     assert not c.probing() and c.since_clean == 0 and not c.open
 
 
-def test_the_baseline_is_the_mean_of_recent_clean_steps_and_the_first_steps_count_for_nothing():
+def test_the_baseline_is_the_median_of_recent_clean_steps_and_the_first_steps_count_for_nothing():
     """A run's first steps are slow (compiling, first touches): they are not the baseline; a slow
-    clean step later (another process's burst) is in the mean of the last ones until
-    ``window`` clean steps came after it."""
+    clean step later (another process's burst) moves the median, not an average, of the last ones."""
     c = SnapshotCost(max_overhead_pct=2.0)
     for s in [9.0, 3.0] + [1.0] * 4 + [5.0] + [1.0] * 2:
         c.step(s, [], began=False)
-    assert COLD == 2 and c.clean_s.value == pytest.approx(11.0 / 7)
-    for _ in range(c.clean_s.window):
-        c.step(1.0, [], began=False)
-    assert c.clean_s.value == pytest.approx(1.0)
+    assert COLD == 2 and c.clean_s.value == pytest.approx(1.0)
     assert c.since_clean == 0 and not c.open
-
-
-def test_skewed_step_noise_is_not_a_cost():
-    """A step's noise on a shared machine is skewed: most steps near the typical time, a few slow
-    ones, none much faster. Versions that cost nothing, amid such noise, cost nothing on average,
-    and the interval is their parts': measured against the clean steps' median instead, each
-    charged step added the mean's distance above the median (0.015 s on tiny's loopback
-    cluster), and clipping each version's sample at zero added more (auto's 0.137 s a version
-    where a per-step trace measured 0.073 s)."""
-    import random
-    import statistics
-
-    for seed in range(3):
-        rng = random.Random(seed)
-        c = SnapshotCost(max_overhead_pct=2.0, every=6)
-
-        def noise(rng: random.Random = rng) -> float:
-            return 1.0 + (0.3 if rng.random() < 0.1 else 0.0) + rng.random() * 0.02  # slow one step in ten
-
-        for _ in range(COLD + 9):
-            c.step(noise(), [], began=False)
-        felt, estimate, every = [], [], []
-        for v in range(1, 401):
-            cycle(c, v, [noise() for _ in range(6)], in_flight=1, parts_s=0.05)
-            if v > 100:
-                felt.append(c.cost.value)
-                estimate.append(c.estimate)
-                every.append(c.every)
-        assert abs(statistics.fmean(felt)) < 0.03  # around 0 (against the median, and clipped at the parts': 0.12)
-        assert statistics.fmean(estimate) < 0.12  # about 0.09: the parts' 0.05 s + the felt average's error (before: 0.17)
-        assert statistics.fmean(every) < 7  # about 5.6 (before: 9)
 
 
 def test_the_interval_covers_the_average_cost_and_its_error_not_every_single_versions():
@@ -179,7 +144,7 @@ def test_slow_first_steps_do_not_stay_the_baseline_and_the_interval_leaves_a_cle
             c.ended(version, 0.02)
         if step > 200:
             overhead.append(cost / base)
-    assert c.clean_s.value == pytest.approx(0.42, abs=0.002)  # the steady steps, not the first ones (a version's fourth step, +0.01 s, is clean)
+    assert c.clean_s.value == pytest.approx(0.42)  # the steady steps, not the first ones
     assert c.every >= 12  # 0.12 s / (0.42 s x 2%) = 14.3 (less while the deviation settles)
     assert sum(overhead) / len(overhead) <= 0.0201  # the budget holds (7 versions of 0.12 s in these 100 steps of 0.42 s: 2.0%)
 
