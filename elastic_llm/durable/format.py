@@ -171,7 +171,6 @@ class Draft:
     the managers write (its stages' RNG states make it about 100 KB on tiny: encoding and
     hashing it whole took 1.8 ms of the flush's path to its marker). :meth:`finish` adds the files."""
 
-    step: int
     head: bytes  # the JSON object of manifest_base without its closing brace
 
     def finish(self, parts: list[PartResult]) -> tuple[bytes, dict[str, Any]]:
@@ -183,7 +182,7 @@ class Draft:
 
 def draft(cfg: Any, step: int, run_name: str, states: list[tuple[int, int, str]], tokenizer_file: str | None) -> Draft:
     """:class:`Draft` of checkpoint ``step``'s manifest (:func:`manifest_base`, encoded)."""
-    return Draft(step, manifest_bytes(manifest_base(cfg, step, run_name, states, tokenizer_file))[:-1])
+    return Draft(manifest_bytes(manifest_base(cfg, step, run_name, states, tokenizer_file))[:-1])
 
 
 def manifest_base(cfg: Any, step: int, run_name: str, states: list[tuple[int, int, str]], tokenizer_file: str | None) -> dict[str, Any]:
