@@ -13,13 +13,12 @@ import os
 import threading
 
 
-def nicer(by: int) -> int:
-    """Run the calling thread ``by`` steps nicer than it runs now (at most 19). Returns its niceness after."""
+def nicer(by: int) -> None:
+    """Run the calling thread ``by`` steps nicer than it runs now (at most 19)."""
+    if by <= 0:
+        return
     try:
         tid = threading.get_native_id()
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        if by > 0:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + by))
-        return os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
     except (OSError, AttributeError):  # not permitted, or not Linux
-        return 0
+        pass

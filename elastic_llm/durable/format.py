@@ -146,13 +146,8 @@ def make_manifest(cfg: Any, step: int, run_name: str, states: list[tuple[int, in
     """The manifest of checkpoint ``step``: ``states`` are (stage, replica, the shard manifest a
     stage wrote with its snapshot copy: RNG, LR schedule, data position); ``parts`` the written
     shard files with their tensors' CRC-32."""
-    return with_parts(manifest_base(cfg, step, run_name, states, tokenizer_file), parts)
-
-
-def with_parts(base: dict[str, Any], parts: list[PartResult]) -> dict[str, Any]:
-    """``base`` (:func:`manifest_base`) with the written shard files and their tensors' CRC-32s."""
     files, tensors = part_entries(parts)
-    return {**base, "files": files, "tensors": tensors}
+    return {**manifest_base(cfg, step, run_name, states, tokenizer_file), "files": files, "tensors": tensors}
 
 
 def part_entries(parts: list[PartResult]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -187,7 +182,7 @@ def draft(cfg: Any, step: int, run_name: str, states: list[tuple[int, int, str]]
 
 def manifest_base(cfg: Any, step: int, run_name: str, states: list[tuple[int, int, str]], tokenizer_file: str | None) -> dict[str, Any]:
     """Everything in the manifest of checkpoint ``step`` but its ``files`` and ``tensors``
-    (:func:`with_parts`, :class:`Draft`)."""
+    (:func:`make_manifest`, :class:`Draft`)."""
     from dataclasses import asdict
 
     by_stage: dict[str, dict[str, Any]] = {}
