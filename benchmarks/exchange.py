@@ -1,15 +1,17 @@
 """The snapshot exchange's transport alone: the managers' piece servers against a loopback socket.
 
 Measures, in one process on 127.0.0.1, with the product's own parts (:class:`PieceServer`,
-:func:`exchange.stream`, :func:`exchange.fetch`, ``checksum``, ``ReedSolomon.encode_update``),
+:func:`exchange.stream`, :func:`exchange.fetch`, ``ReedSolomon.updater``),
 taking turns round by round with its peer, one TCP connection moving as many bytes between warm
 buffers (``benchmarks.common.reference_rates``):
 
 * ``holder``: a parity holder reading one member's chunk of ``chunk_bytes`` from that member's
-  piece server and checking its CRC-32 and encoding it as it arrives (the manager's sink);
+  piece server (which computes its CRC-32 as it sends it) and encoding it as it arrives (the
+  manager's sink, ``ReedSolomon.updater``), then comparing the CRC-32 with the recorded one;
 * ``rebuild``: a lost stage of ``stage_bytes`` rebuilt the way :mod:`elastic_llm.snapshot.rebuild`
   reads it: each of its ``k`` codewords' ``k`` surviving symbols (``stage_bytes / k`` each) read at
-  once, on a pool of threads, from ``k`` piece servers, each into a buffer of its own.
+  once, on a pool of threads, from ``k`` piece servers, each into a buffer of its own, each
+  symbol's CRC-32 (as its server read it) compared with the recorded one.
 
 Rates are bytes moved over the socket per second. Beside training the exchange runs at the lowest
 priority on the same cores (``bench snapshot``'s ``parity_exchange_GBps`` measures that priority as
@@ -48,25 +50,28 @@ def exchange_alone(chunk_bytes: int, stage_bytes: int, k: int, rounds: int = 7) 
     servers = [exchange.PieceServer(HOST, lookup(j)) for j in range(k)]
     rs = ReedSolomon(max(2, k), 1)
     out = np.zeros(chunk_bytes, np.uint8)
-    crc = [0]
+    update = rs.updater(0, 0)
+    want = checksum(member[0])
+    wants = [checksum(s[0]) for s in symbols]
     holder_s, rebuild_s, sock_holder, sock_rebuild = [], [], [], []
 
     def sink(i: int, pos: int, block: np.ndarray) -> None:
-        crc[0] = checksum(block, crc[0])
-        rs.encode_update(block, 0, 0, out[pos : pos + len(block)])
+        update(block, out[pos : pos + len(block)])
 
     def rebuild(pool: ThreadPoolExecutor) -> None:
         deadline = time.monotonic() + 60
-        reads = [pool.submit(exchange.fetch, servers[j].address, 1, exchange.ANY_ATTEMPT, exchange.CHUNK, c, "", deadline) for c in range(k) for j in range(k)]
-        for f in reads:
-            f.result()
+        reads = [(j, pool.submit(exchange.fetch, servers[j].address, 1, exchange.ANY_ATTEMPT, exchange.CHUNK, c, "", deadline)) for c in range(k) for j in range(k)]
+        for j, f in reads:
+            if f.result()[1].sent != [wants[j]]:
+                raise RuntimeError("a rebuild's symbol failed its checksum")
 
     try:
         with ThreadPoolExecutor(max_workers=min(16, k * k)) as pool:
             for _ in range(rounds):
-                crc[0] = 0
                 t0 = time.perf_counter()
-                exchange.stream(servers[0].address, 0, exchange.ANY_ATTEMPT, exchange.CHUNK, 0, "", sink, time.monotonic() + 60)
+                got = exchange.stream(servers[0].address, 0, exchange.ANY_ATTEMPT, exchange.CHUNK, 0, "", sink, time.monotonic() + 60)
+                if got.sent != [want]:
+                    raise RuntimeError("the holder's chunk failed its checksum")
                 holder_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 rebuild(pool)

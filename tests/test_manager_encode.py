@@ -29,11 +29,13 @@ def padded(symbols, length):
     return out
 
 
+@pytest.mark.parametrize("via", ["encode_update", "updater"])
 @pytest.mark.parametrize("k,m", [(2, 1), (3, 2), (4, 1)])
 @pytest.mark.parametrize("seed", range(4))
-def test_parity_added_up_from_blocks_in_any_order_matches_padded_chunks(k, m, seed):
-    """``encode_update`` of every symbol's pieces, cut in blocks of any size, in any order of the
-    symbols, gives ``encode``'s parity of the padded chunks; the parity decodes lost chunks back."""
+def test_parity_added_up_from_blocks_in_any_order_matches_padded_chunks(k, m, seed, via):
+    """``encode_update`` of every symbol's pieces (or the unchecked ``updater`` a holder calls per
+    block), cut in blocks of any size, in any order of the symbols, gives ``encode``'s parity of
+    the padded chunks; the parity decodes lost chunks back."""
     rng = np.random.default_rng(seed)
     symbols = [pieces(rng, rng.integers(0, 3000, rng.integers(0, 4))) for _ in range(k)]
     length = max(sum(len(p) for p in s) for s in symbols) + int(rng.integers(0, 2)) * 64
@@ -47,7 +49,10 @@ def test_parity_added_up_from_blocks_in_any_order_matches_padded_chunks(k, m, se
             for arr in symbols[sym]:
                 cuts = sorted({0, len(arr), *rng.integers(0, len(arr) + 1, 3).tolist()})
                 for a, b in zip(cuts, cuts[1:]):
-                    rs.encode_update(arr[a:b], int(sym), row, out[pos + a : pos + b])
+                    if via == "updater":
+                        rs.updater(int(sym), row)(arr[a:b], out[pos + a : pos + b])
+                    else:
+                        rs.encode_update(arr[a:b], int(sym), row, out[pos + a : pos + b])
                 pos += len(arr)
         assert np.array_equal(out, expected[row])
     if length:  # losing up to m data symbols, parity brings the pieces back
@@ -85,6 +90,41 @@ def offer_all(mgr, layout, members, chunks, region):
         c = layout.chunk_of(j, region)
         arrs = chunks[j][c]
         mgr.offer(7, region, j, members[j].server.address, [Piece(0, len(a), checksum(a)) for a in arrs], attempt=100)
+
+
+def test_an_updater_checks_its_row_and_symbol_once_when_made():
+    from elastic_llm.snapshot.erasure import CodeParametersError
+
+    rs = ReedSolomon(3, 2)
+    for sym, row in [(3, 0), (0, 2), (-1, 0), (True, 0)]:
+        with pytest.raises(CodeParametersError):
+            rs.updater(sym, row)
+
+
+def test_a_server_sends_each_arrays_crc_as_it_read_it_and_an_answer_cut_before_it_is_refused():
+    """The trailer carries each array's CRC-32 as the server read the bytes (what a holder and a
+    rebuild compare with the recorded ones), the server counts the CPU its CRC-32s took, and an
+    answer cut after its last body byte but before its trailer raises: a reader never takes bytes
+    whose checksums it did not get."""
+    import time
+
+    rng = np.random.default_rng(5)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in (3, exchange.BLOCK + 17, 0, 5000)]
+    server = exchange.PieceServer("127.0.0.1", lambda *a: (arrays, 1234))
+    try:
+        seen = []
+        got = exchange.stream(server.address, 1, exchange.ANY_ATTEMPT, exchange.CHUNK, 0, "", lambda i, pos, b: seen.append((i, pos, b.copy())), time.monotonic() + 10)
+        assert got == exchange.Answer([len(a) for a in arrays], 1234, [checksum(a) for a in arrays])
+        for i, a in enumerate(arrays):
+            assert np.array_equal(np.concatenate([b for j, _, b in seen if j == i] or [np.zeros(0, np.uint8)]), a)
+        buf, answer = exchange.fetch(server.address, 1, exchange.ANY_ATTEMPT, exchange.CHUNK, 0, "", time.monotonic() + 10)
+        assert answer == got and np.array_equal(buf, np.concatenate(arrays))
+        assert server.take_crc_s() > 0 and server.take_crc_s() == 0.0
+        server.cut_after = sum(len(a) for a in arrays)  # the whole body, not the trailer
+        with pytest.raises(exchange.ExchangeError, match="checksums|closed"):
+            exchange.fetch(server.address, 1, exchange.ANY_ATTEMPT, exchange.CHUNK, 0, "", time.monotonic() + 10)
+    finally:
+        server.close()
 
 
 def test_a_holder_encodes_each_members_bytes_as_they_arrive_and_gets_encodes_parity():

@@ -200,8 +200,8 @@ def test_a_draining_members_part_adopted_by_another_node_is_served_there_after_t
     assert np.array_equal(ray.get(adopter.get_shard.remote(4, ShardKey(0, 0)))[0], want_shard)
     at = tuple(ray.get(adopter.endpoint.remote()))  # what a rebuild reads from the adopter's piece server
     assert np.array_equal(exchange.fetch(at, 4, -1, exchange.PARITY, region, ids[0], deadline)[0], want_parity)
-    chunk, lengths, _ = exchange.fetch(at, 4, -1, exchange.CHUNK, 0, ids[0], deadline)
-    assert checksum(chunk[: lengths[0]]) == parts[0].shards[0].pieces[0].crc
+    chunk, answer = exchange.fetch(at, 4, -1, exchange.CHUNK, 0, ids[0], deadline)
+    assert checksum(chunk[: answer.lengths[0]]) == parts[0].shards[0].pieces[0].crc == answer.sent[0]
     with pytest.raises(exchange.ExchangeError, match="not held"):  # a role it does not hold is refused by name
         exchange.fetch(at, 4, -1, exchange.PARITY, region, ids[1], deadline)
     ray.get(adopter.commit.remote(5))

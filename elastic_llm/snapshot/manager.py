@@ -17,8 +17,9 @@ call: ``relay``, which answers once every member took it, so the driver re-sends
 share itself); the manager collects its stages' pieces, offers the data chunks of each
 region to that region's parity holders (its piece server's address and the pieces' ranges and
 checksums: :mod:`elastic_llm.snapshot.exchange`), and encodes the parity of its own regions by
-reading each member's chunk from that member's piece server, a block at a time, checked and
-encoded as it arrives (the bytes never pass through Ray's object transfer). The call returns
+reading each member's chunk from that member's piece server, a block at a time, encoded as it
+arrives and checked against the CRC-32s the server read (the bytes never pass through Ray's
+object transfer). The call returns
 when this node's part of the version is complete.
 
 Never decides anything: the controller tells it which version to take, commit or hand out.
@@ -274,7 +275,7 @@ class SnapshotManager:
             for h in layout.holders(region):  # the holder reads the bytes from this node's piece server
                 plan.peers[h].offer.remote(version, region, me, self.endpoint(), pieces, plan.attempt)
         encoded = [self._encode(v, version, layout, region, row) for region, row in layout.parity_regions(me)]
-        exchanged = sum((e for _, e in encoded), Exchanged())
+        exchanged = sum((e for _, e in encoded), Exchanged(crc_s=self._server.take_crc_s() if self._server is not None else 0.0))  # its server's CRC-32s since the last part
         return ManagerPart(self.node_id, shards, tuple(p for p, _ in encoded), time.thread_time() - cpu0, collect_s, exchanged, self.fence.take(), plan.attempt)
 
     def relay_versions(self, calls: tuple[tuple[Any, ManagerPlan], ...]) -> tuple[ManagerPart, ...]:
@@ -373,8 +374,9 @@ class SnapshotManager:
 
     def _encode(self, v: Version, version: int, layout: ParityLayout, region: int, row: int) -> tuple[ParityInfo, Exchanged]:
         """Parity row ``row`` of ``region``: each data member's chunk is read from its piece server
-        and encoded as it arrives (blocks that stay in cache, no second pass), every piece checked
-        against its CRC-32; a member whose bytes do not arrive whole fails this node's part."""
+        and encoded as it arrives (blocks that stay in cache, no second pass), every piece's CRC-32
+        as its server read it checked against the recorded one; a member whose bytes do not arrive
+        whole, or fail that check, fails this node's part."""
         members = layout.data_nodes(region)
         with self.lock:
             ok = self.lock.wait_for(
@@ -393,27 +395,24 @@ class SnapshotManager:
         rs = self._codec(layout.k, layout.m)
         t0 = time.perf_counter()
         deadline = time.monotonic() + WAIT_S
-        spent = [0.0, 0.0]  # CPU seconds of CRC-32s, of encoding
+        spent = [0.0]  # CPU seconds of encoding (the CRC-32s are the serving member's: exchange's opening)
         try:
             for sym, (j, (source, pieces)) in enumerate(zip(members, contribs)):
                 starts = np.cumsum([0] + [p.length for p in pieces]).tolist()
-                crcs = [0] * len(pieces)
+                update = rs.updater(sym, row)
 
-                def sink(i: int, pos: int, block: np.ndarray, sym: int = sym, starts: list[int] = starts, crcs: list[int] = crcs) -> None:
-                    if i >= len(crcs) or pos + len(block) > starts[i + 1] - starts[i]:
+                def sink(i: int, pos: int, block: np.ndarray, starts: list[int] = starts, update: Callable[[np.ndarray, np.ndarray], None] = update) -> None:
+                    if i >= len(starts) - 1 or pos + len(block) > starts[i + 1] - starts[i]:
                         raise exchange.ExchangeError("more bytes than the offer's pieces")
                     a = time.thread_time()
-                    crcs[i] = checksum(block, crcs[i])
-                    b = time.thread_time()
-                    rs.encode_update(block, sym, row, out[starts[i] + pos : starts[i] + pos + len(block)])
-                    spent[0] += b - a
-                    spent[1] += time.thread_time() - b
+                    update(block, out[starts[i] + pos : starts[i] + pos + len(block)])
+                    spent[0] += time.thread_time() - a
 
                 try:
-                    lengths, _ = exchange.stream(source, version, v.attempt, exchange.CHUNK, layout.chunk_of(j, region), "", sink, deadline)
+                    got = exchange.stream(source, version, v.attempt, exchange.CHUNK, layout.chunk_of(j, region), "", sink, deadline)
                 except exchange.ExchangeError as e:
                     raise SnapshotMissingError(f"step {version}: group member {j}'s data for region {region} did not arrive whole ({e})") from None
-                if lengths != [p.length for p in pieces] or crcs != [p.crc for p in pieces]:
+                if got.lengths != [p.length for p in pieces] or got.sent != [p.crc for p in pieces]:
                     raise SnapshotMissingError(f"step {version}: a piece from group member {j} for region {region} fails its checksum")
         except BaseException:
             with self.lock:
@@ -424,7 +423,7 @@ class SnapshotManager:
         with self.lock:
             v.parity[region] = (out, crc)
             v.offers.pop(region, None)
-        return ParityInfo(region, len(out), crc), Exchanged(sum(p.length for _, pieces in contribs for p in pieces), wall, spent[1], spent[0])
+        return ParityInfo(region, len(out), crc), Exchanged(sum(p.length for _, pieces in contribs for p in pieces), wall, spent[0])
 
     # ------------------------------------------------------------------ commit / free
     def commit(self, version: int, pin: bool = False, keep: tuple[int, ...] = (), floor: int = 0) -> list[int]:

@@ -88,7 +88,7 @@ def _endpoint(ref: Any) -> tuple[str, int] | None:
         return None
 
 
-def _read(address: tuple[str, int], r: ParityRebuild, region: int, sym: Any, deadline: float) -> tuple[np.ndarray, list[int], int] | None:
+def _read(address: tuple[str, int], r: ParityRebuild, region: int, sym: Any, deadline: float) -> tuple[np.ndarray, exchange.Answer] | None:
     """One symbol's bytes from its member's piece server; None if refused or cut short."""
     kind, index = (exchange.PARITY, region) if sym.chunk is None else (exchange.CHUNK, sym.chunk)
     try:
@@ -97,26 +97,21 @@ def _read(address: tuple[str, int], r: ParityRebuild, region: int, sym: Any, dea
         return None
 
 
-def _runs(got: tuple[np.ndarray, list[int], int] | None, sym: Any, infos: Sequence[tuple[ShardInfo, ...]]) -> list[tuple[int, np.ndarray]] | None:
-    """One symbol of a codeword as runs of bytes: a parity region checked against the CRC-32
-    its holder recorded, or a data chunk whose pieces are checked against theirs and laid end to
-    end; None for an erasure (a lost or dead member, a refusal, a piece that fails its checksum)."""
+def _runs(got: tuple[np.ndarray, exchange.Answer] | None, sym: Any, infos: Sequence[tuple[ShardInfo, ...]]) -> list[tuple[int, np.ndarray]] | None:
+    """One symbol of a codeword as runs of bytes: a parity region whose CRC-32 as its holder
+    sent it is the one it recorded, or a data chunk whose pieces' are theirs, laid end to end
+    (the server computes them as it reads the bytes: :mod:`.exchange`); None for an erasure (a
+    lost or dead member, a refusal, a piece that fails its checksum)."""
     if got is None:
         return None
-    buf, lengths, crc = got
+    buf, answer = got
     if sym.chunk is None:
-        return [(0, buf)] if checksum(buf) == crc else None
+        return [(0, buf)] if answer.sent == [answer.crc] else None
     pieces = chunk_pieces(infos[sym.node], sym.chunk)
-    if lengths != [p.length for p in pieces]:
-        return None
-    runs, pos = [], 0
-    for piece in pieces:
-        arr = buf[pos : pos + piece.length]
-        if checksum(arr) != piece.crc:
-            return None  # a corrupted piece: one more erasure
-        runs.append((pos, arr))
-        pos += piece.length
-    return runs
+    if answer.lengths != [p.length for p in pieces] or answer.sent != [p.crc for p in pieces]:
+        return None  # a corrupted piece: one more erasure
+    starts = np.cumsum([0] + [p.length for p in pieces]).tolist()
+    return [(pos, buf[pos : pos + piece.length]) for pos, piece in zip(starts, pieces)]
 
 
 def decode_range(rs: ReedSolomon, symbols: Sequence[Runs | None], row: int, lo: int, out: np.ndarray) -> np.ndarray:

@@ -77,7 +77,9 @@ class ParityInfo:
 class Exchanged:
     """What a parity holder's reading of its group's data cost (summed over its regions): bytes
     received over the piece servers' links, the wall time from the first request to the last
-    byte, and within it the CPU time of encoding and of checking CRC-32s."""
+    byte, and within it the CPU time of encoding; ``crc_s``: the CPU time its own piece server
+    spent on the CRC-32s of what it sent since its last part (the sender checks:
+    :mod:`~elastic_llm.snapshot.exchange`)."""
 
     received: int = 0
     wall_s: float = 0.0

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -120,6 +120,10 @@ def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
 # --------------------------------------------------------------------------
 # the code
 # --------------------------------------------------------------------------
+
+
+def _xor_into(data: np.ndarray, out: np.ndarray) -> None:
+    np.bitwise_xor(out, data, out=out)
 
 
 class ReedSolomon:
@@ -219,26 +223,37 @@ class ReedSolomon:
         range of the parity, and the same range of the symbol): ``out ^= P[row, symbol] * data``.
         Starting from zeros and adding every symbol's bytes once, in any order and any cuts, gives
         ``encode_row``'s parity: a holder encodes as the bytes arrive, with no second pass."""
-        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.m:
-            raise CodeParametersError(f"parity row must be an int in [0, {self.m}), got {row!r}")
-        if isinstance(symbol, bool) or not isinstance(symbol, (int, np.integer)) or not 0 <= symbol < self.k:
-            raise CodeParametersError(f"data symbol must be an int in [0, {self.k}), got {symbol!r}")
+        update = self.updater(symbol, row)
         _check_array(data, "data bytes")
         _check_array(out, "parity out buffer", writable=True)
         if out.shape[0] != data.shape[0]:
             raise ShardLengthError(f"parity out buffer has {out.shape[0]} bytes, the data {data.shape[0]}")
         _check_no_overlap([("parity out buffer", out)], [("data bytes", data)])
+        update(data, out)
+        return out
+
+    def updater(self, symbol: int, row: int) -> Callable[[np.ndarray, np.ndarray], None]:
+        """:meth:`encode_update` for one data symbol and parity row, checked once here: the
+        returned ``update(data, out)`` does ``out ^= P[row, symbol] * data`` with no checks of its
+        own (a parity holder calls it for every block it reads: uint8, contiguous, of one length,
+        not overlapping; about 20 us of checks a call saved, a sixth of a 128 KiB block's time)."""
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.m:
+            raise CodeParametersError(f"parity row must be an int in [0, {self.m}), got {row!r}")
+        if isinstance(symbol, bool) or not isinstance(symbol, (int, np.integer)) or not 0 <= symbol < self.k:
+            raise CodeParametersError(f"data symbol must be an int in [0, {self.k}), got {symbol!r}")
         coef = int(self.parity_matrix[row, symbol])
         if coef == 1:  # a plain XOR (every coefficient of a single parity row is 1)
-            np.bitwise_xor(out, data, out=out)
-            return out
+            return _xor_into
         plan = self._update_plans.get((int(row), int(symbol)))
         if plan is None:
             plan = self._update_plans[(int(row), int(symbol))] = self._codec.prepare(np.array([[coef]], dtype=np.uint8))
-        scratch = self._scratch(len(data))
-        self._codec.apply(plan, [data], [scratch])
-        np.bitwise_xor(out, scratch, out=out)
-        return out
+
+        def update(data: np.ndarray, out: np.ndarray) -> None:
+            scratch = self._scratch(len(data))
+            self._codec.apply(plan, [data], [scratch])
+            np.bitwise_xor(out, scratch, out=out)
+
+        return update
 
     def _scratch(self, nbytes: int) -> np.ndarray:
         """A per-thread buffer of at least ``nbytes`` (reused: a streamed chunk's products stay in cache)."""
