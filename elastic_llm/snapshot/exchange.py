@@ -43,6 +43,7 @@ import numpy as np
 
 from elastic_llm.priority import nicer
 from elastic_llm.snapshot.erasure import checksum
+from elastic_llm.snapshot.records import Piece
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,10 @@ class Answer:
     lengths: list[int]
     crc: int
     sent: list[int]
+
+    def carries(self, pieces: Sequence[Piece]) -> bool:
+        """Whether these are ``pieces``' bytes whole: their lengths, and their CRC-32s as recorded."""
+        return self.lengths == [p.length for p in pieces] and self.sent == [p.crc for p in pieces]
 
 
 def node_address() -> str:

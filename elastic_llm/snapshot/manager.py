@@ -412,7 +412,7 @@ class SnapshotManager:
                     got = exchange.stream(source, version, v.attempt, exchange.CHUNK, layout.chunk_of(j, region), "", sink, deadline)
                 except exchange.ExchangeError as e:
                     raise SnapshotMissingError(f"step {version}: group member {j}'s data for region {region} did not arrive whole ({e})") from None
-                if got.lengths != [p.length for p in pieces] or got.sent != [p.crc for p in pieces]:
+                if not got.carries(pieces):
                     raise SnapshotMissingError(f"step {version}: a piece from group member {j} for region {region} fails its checksum")
         except BaseException:
             with self.lock:

@@ -108,7 +108,7 @@ def _runs(got: tuple[np.ndarray, exchange.Answer] | None, sym: Any, infos: Seque
     if sym.chunk is None:
         return [(0, buf)] if answer.sent == [answer.crc] else None
     pieces = chunk_pieces(infos[sym.node], sym.chunk)
-    if answer.lengths != [p.length for p in pieces] or answer.sent != [p.crc for p in pieces]:
+    if not answer.carries(pieces):
         return None  # a corrupted piece: one more erasure
     starts = np.cumsum([0] + [p.length for p in pieces]).tolist()
     return [(pos, buf[pos : pos + piece.length]) for pos, piece in zip(starts, pieces)]
