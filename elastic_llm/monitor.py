@@ -21,6 +21,7 @@ from typing import Any
 
 from elastic_llm import events
 from elastic_llm.clock import SYSTEM, Clock
+from elastic_llm.remote import remote_of
 from elastic_llm.snapshot.records import VersionRecord
 from elastic_llm.telemetry import Metrics
 
@@ -259,7 +260,7 @@ def start_monitor(namespace: str, status: RunStatus) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
-    return ray.remote(RunMonitor).options(
+    return remote_of(RunMonitor).options(
         name=f"run-{status.run}",
         namespace=namespace,
         num_cpus=0,

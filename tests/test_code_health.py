@@ -36,7 +36,7 @@ def test_mypy_finds_nothing(tmp_path):
 
 # Lowest first: a unit may import only units before it (and its own package's modules).
 LAYERS = (
-    "sources", "shape", "clock", "priority", "logs", "events", "files", "hosts", "lease", "spans", "telemetry", "cadence", "tensors", "model", "policies", "config",
+    "sources", "shape", "clock", "remote", "priority", "logs", "events", "files", "hosts", "lease", "spans", "telemetry", "cadence", "tensors", "model", "policies", "config",
     "stream", "data", "checkpoint", "export",
     "snapshot", "durable", "recovery", "monitor", "pipeline", "chaos", "controller", "runtime",
     "ops", "experiment", "replay", "sim", "soak", "fleet_cli", "cli",

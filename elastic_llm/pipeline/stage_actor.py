@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from elastic_llm.remote import remote_of
+
 # The stage actor's thread groups besides training: "snapshot" serves its node manager's requests
 # for copies (two threads: a request made before a rollback that still waits cannot hold up the
 # requests of the steps run again), "status" the dashboard's state() and "control" the driver's
@@ -61,15 +63,7 @@ def _handing(name: str) -> Callable[..., Any]:
 for _name in STAGE_METHODS:
     setattr(StageWorker, _name, _handing(_name))
 
-_remote: Any = None
-
-
 def remote_stage_class() -> Any:
     """``ray.remote`` of :class:`StageWorker` with its thread groups (made once per process): what
     the stage actors and the warm standbys are started from (an adopted standby is a stage actor)."""
-    global _remote
-    if _remote is None:
-        import ray
-
-        _remote = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(StageWorker)
-    return _remote
+    return remote_of(StageWorker, concurrency_groups=CONCURRENCY_GROUPS)

@@ -19,6 +19,7 @@ from itertools import combinations
 
 from elastic_llm.controller.drains import Outcome
 from elastic_llm.pipeline.transport import _read_exact
+from elastic_llm.remote import remote_of
 from elastic_llm.runtime.liveness import RayNodeTable, tcp_probe
 
 CUT_PROBE_S = 1.0  # one node's connection to another's raylet: longer is a cut link
@@ -82,7 +83,7 @@ def cut_pairs(nodes: frozenset[str], wait_s: float = CUT_WAIT_S) -> frozenset[tu
     table = {n: a for n, a in RayNodeTable().workers().items() if n in nodes}
     if len(table) < 2:
         return frozenset()
-    probe = ray.remote(num_cpus=0, max_retries=0)(_reach)
+    probe = remote_of(_reach, num_cpus=0, max_retries=0)
     refs = {probe.options(**_on(n)).remote({m: a for m, a in table.items() if m != n}, CUT_PROBE_S): n for n in table}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
     cut: set[tuple[str, str]] = set()
@@ -109,7 +110,7 @@ def link_rates(nodes: frozenset[str], nbytes: int = RATE_BYTES, wait_s: float = 
     live = sorted(n for n in RayNodeTable().workers() if n in nodes)
     if len(live) < 2:
         return {}
-    actor = ray.remote(num_cpus=0, max_restarts=0)(_Prober)
+    actor = remote_of(_Prober, num_cpus=0, max_restarts=0)
     probers = {n: actor.options(**_on(n)).remote() for n in live}  # type: ignore[attr-defined]
     out: dict[tuple[str, str], float] = {}
     deadline = time.monotonic() + wait_s

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from elastic_llm.remote import remote_of
 from elastic_llm.snapshot.ports import ManagerHandle, ManagerLost
 from elastic_llm.snapshot.groups import domain_of
 from elastic_llm.snapshot.manager import SnapshotManager
@@ -74,10 +75,9 @@ class RayManagers:
         return out
 
     def start(self, node: str, name: str, run_id: str, grace_s: float) -> ManagerHandle:
-        import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        return ray.remote(SnapshotManager).options(
+        return remote_of(SnapshotManager).options(
             name=name,
             namespace=self.namespace,
             num_cpus=0,
