@@ -123,3 +123,24 @@ def test_a_slow_manager_gets_a_second_deadline_and_each_lost_part_says_why(ray_l
     assert set(why) == {"b", "c", "d"}
     assert "did not answer within 4.5 s" in why["b"]
     assert "manager is gone" in why["c"] and why["d"] == "its node died"
+
+
+def test_managers_started_one_by_one_share_one_remote_class_and_each_answers(ray_local):
+    """Every manager start used to make a ``ray.remote(SnapshotManager)`` of its own, which Ray
+    pickles and disassembles again before the actor can start; now one per process
+    (:func:`elastic_llm.remote.remote_of`), with the per-start settings in ``.options``."""
+    import ray
+
+    from elastic_llm.remote import remote_of
+    from elastic_llm.snapshot.manager import SnapshotManager
+
+    assert remote_of(SnapshotManager) is remote_of(SnapshotManager)
+    assert remote_of(SnapshotManager, num_cpus=0) is not remote_of(SnapshotManager)  # other settings: another remote class
+    fleet = RayManagers("elastic-llm-test", "rs")
+    node = ray.get_runtime_context().get_node_id()
+    handles = [fleet.start(node, f"share-{i}", "share", 0.0) for i in range(2)]
+    try:
+        assert ray.get([h.held.remote() for h in handles], timeout=120) == [{}, {}]  # nothing held yet
+    finally:
+        for h in handles:
+            fleet.end(h)
