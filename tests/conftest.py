@@ -67,11 +67,18 @@ FOUR_SMALL_STAGES = [
 ]
 
 
+def written_lines(path):
+    """The complete lines of a metrics file a run may still be writing (a last line without its
+    newline yet is left for the next look); none while it does not exist."""
+    text = path.read_text() if path.exists() else ""
+    return text[: text.rfind("\n") + 1].splitlines()
+
+
 def events(tmp_path, name):
-    """The ``{"event": name}`` lines of ``tmp_path/metrics.jsonl``."""
+    """The ``{"event": name}`` lines of ``tmp_path/metrics.jsonl`` (:func:`written_lines`)."""
     import json
 
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in written_lines(tmp_path / "metrics.jsonl")]
     return [x for x in lines if x.get("event") == name]
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from elastic_llm.hosts.lab import Lab, unavailable
 
+from .conftest import written_lines
+
 WHY = unavailable(directional=True)
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"the multi-host harness cannot run here: {WHY}"), pytest.mark.timeout(400)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,7 +146,7 @@ def test_a_partitioned_worker_is_rebuilt_elsewhere_bit_identically_and_its_zombi
         ends, or the run's own deadline passes."""
         deadline = time.monotonic() + RUN_S
         while not run_over.wait(0.1) and time.monotonic() < deadline:
-            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            lines = written_lines(metrics)
             if any(json.loads(ln).get("step") == 7 and "loss" in ln for ln in lines):
                 seen["cut"] = hosts.dead_workers()
                 seen["pids"] = {h: hosts.lab.pids(h) for h in seen["cut"]}
@@ -196,7 +198,7 @@ def test_a_healed_node_whose_zombies_ray_ended_rejoins_as_a_new_node_and_the_run
     def heal_and_rejoin_at_step_8() -> None:
         deadline = time.monotonic() + RUN_S
         while not run_over.wait(0.2) and time.monotonic() < deadline:
-            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            lines = written_lines(metrics)
             if any(json.loads(ln).get("step") == 8 and "loss" in ln for ln in lines):
                 seen["cut"] = cut = hosts.dead_workers()
                 for name in hosts.workers:
