@@ -247,11 +247,12 @@ def timeline(lines: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]], t
 
 def product_spans(lines: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
     """The product's own timing spans of one recovery / drain / resize, from its metrics lines
-    (``plan_s``: observe + decide, ``actor_s``: adopting a standby or starting actor processes
+    (``plan_s``: observe + decide, ``managers_s``: a snapshot manager on every node before the
+    new actors start, ``actor_s``: adopting a standby or starting actor processes
     until they answer, ``state_s``: restore, peer or drain copy): the max over the lines, which
     repeat the same spans once per restored actor. None where no line carries the span."""
     out: dict[str, float | None] = {}
-    for key in ("plan_s", "actor_s", "state_s"):
+    for key in ("plan_s", "managers_s", "actor_s", "state_s"):
         vals = [float(ev.spans[key]) for ev in map(events.parse, lines)
                 if isinstance(ev, (events.Recovery, events.Drain, events.Resize)) and ev.spans.get(key) is not None]
         out[key] = _r(max(vals)) if vals else None
@@ -280,6 +281,7 @@ def path_result(t: dict[str, Any], adopted: bool | None) -> dict[str, Any]:
         "detect_s": t["to_handler_s"],
         "strike_s": t.get("strike_s"),
         "plan_s": t.get("plan_s"),
+        "managers_s": t.get("managers_s"),
         "actor_s": t.get("actor_s"),
         "state_s": t.get("state_s"),
         "first_step_s": t["next_step_s"],

@@ -105,11 +105,11 @@ def test_timeline_refuses_runs_that_did_not_recover():
 def test_product_spans_take_the_max_over_the_lines_of_one_recovery():
     lines = [
         {"event": "state", "plan_s": 9.0},  # not a recovery line
-        {"event": "recovery", "stage": 1, "plan_s": 0.1, "actor_s": 0.3, "state_s": 0.2},
-        {"event": "recovery", "stage": 2, "plan_s": 0.1, "actor_s": 0.5, "state_s": 0.1},
+        {"event": "recovery", "stage": 1, "plan_s": 0.1, "managers_s": 0.02, "actor_s": 0.3, "state_s": 0.2},
+        {"event": "recovery", "stage": 2, "plan_s": 0.1, "managers_s": 0.02, "actor_s": 0.5, "state_s": 0.1},
     ]
-    assert product_spans(lines) == {"plan_s": 0.1, "actor_s": 0.5, "state_s": 0.2}
-    assert product_spans([{"event": "drain", "actor_s": 1.25}]) == {"plan_s": None, "actor_s": 1.25, "state_s": None}
+    assert product_spans(lines) == {"plan_s": 0.1, "managers_s": 0.02, "actor_s": 0.5, "state_s": 0.2}
+    assert product_spans([{"event": "drain", "actor_s": 1.25}]) == {"plan_s": None, "managers_s": None, "actor_s": 1.25, "state_s": None}
 
 
 def test_timeline_carries_the_product_spans_and_the_drain_move_kind():

@@ -216,7 +216,8 @@ class RecoveryExecutor:
             for spare in grown:
                 g.spares.cancel(spare)
         if self.snapshots is not None:
-            refused = self.snapshots.ensure_managers(self.nodes.alive())
+            with g.spans.span("managers"):
+                refused = self.snapshots.ensure_managers(self.nodes.alive())
             if refused:  # the plan was made with these nodes alive: made again without them
                 raise NodeGone(refused, "Ray's scheduler refused a snapshot manager there")
         g.placement.place(at_once=True, avoid=frozenset(self.nodes.draining()) | frozenset(self.nodes.suspects()))
