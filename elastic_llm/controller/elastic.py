@@ -26,14 +26,15 @@ import enum
 import logging
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from elastic_llm import events
 from elastic_llm.clock import Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.controller.drains import Drain
-from elastic_llm.controller.ports import CapacityUnavailable, Nodes, StageActors
+from elastic_llm.controller.ports import CapacityUnavailable, Nodes, SpareRef, StageActors
 from elastic_llm.recovery.failure import During, StepFailure
+from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.records import ShardKey
 
 SETTLE_S = 60.0  # how long versions in flight get to commit before the membership changes
@@ -132,7 +133,7 @@ def drain_due(spares_ready: int, needed: int, started_any: bool, seconds_left: f
 class SpareView:
     """A spare replica (``key`` None) or stage spare as one look saw it."""
 
-    handle: Any  # the group's Spare / StageSpare (opaque to the policy)
+    handle: SpareRef  # the group's Spare / StageSpare (opaque to the policy)
     key: ShardKey | None
     nodes: frozenset[str]  # where its bundles are placed (empty while unplaced)
     age_s: float  # since it was started
@@ -299,7 +300,7 @@ class ElasticExecutor:
     """Carries the elastic policy out on the run's :class:`~elastic_llm.controller.ports.StageActors`
     (whatever runtime provides them): the same code on Ray and in a simulation."""
 
-    def __init__(self, group: StageActors, snapshots: Any, cfg: RunConfig, nodes: Nodes, clock: Clock) -> None:
+    def __init__(self, group: StageActors, snapshots: SnapshotCoordinator | None, cfg: RunConfig, nodes: Nodes, clock: Clock) -> None:
         self.group = group
         self.snapshots = snapshots
         self.cfg = cfg
@@ -414,7 +415,7 @@ class ElasticExecutor:
         sn.poll(block=True, timeout=0.0)  # drops what is left
         return "cut" if within_s > 0 else "skipped"
 
-    def _ready_spare(self) -> Any:
+    def _ready_spare(self) -> SpareRef | None:
         """A spare replica that has started, if any (no waiting)."""
         sp = self.group.spares
         return next((s for s in sp.replicas() if sp.ready(s)), None)
@@ -436,7 +437,7 @@ class ElasticExecutor:
         self._join(ready, [i % width for i in range(len(ready))], self.joined)
         return ResizeOutcome(width, self.group.width, self.clock.perf_counter() - t0, "capacity")
 
-    def _join(self, spares: list[Any], sources: list[int], joined: Callable[[], None] = lambda: None) -> list[int]:
+    def _join(self, spares: list[SpareRef], sources: list[int], joined: Callable[[], None] = lambda: None) -> list[int]:
         """Adopt ``spares`` as the last replicas, each with the state of its replica in
         ``sources`` (different ones spread the copies' fan-out); ``joined`` is called between."""
         new: list[int] = []
@@ -527,7 +528,7 @@ class ElasticExecutor:
                            f"{min(going[n] for n in where):.1f} s, before the next step could end (no room to move them), given up at the step boundary",
                            during=During.DRAIN)
 
-    def _ready_stage_spares(self, keys: list[ShardKey]) -> list[Any] | None:
+    def _ready_stage_spares(self, keys: list[ShardKey]) -> list[SpareRef] | None:
         """The started stage spares of every one of ``keys``; None if a key has none or one is
         still starting (no waiting: the whole run would wait with it; a late spare is kept)."""
         sp, by_key = self.group.spares, self.group.spares.of()

@@ -28,6 +28,7 @@ from typing import Any
 from elastic_llm import events
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.neighbours import promote_copies, rebuild_from_neighbours
+from elastic_llm.pipeline.executor import StepExecutor
 from elastic_llm.controller.links import LinkGuard
 from elastic_llm.controller.ports import DurableTier, Nodes, StageActors, Standbys
 from elastic_llm.recovery.failure import StepFailure
@@ -132,7 +133,7 @@ class RecoveryExecutor:
         self.bad_own_copies: set[tuple[ShardKey, int]] = set()  # (survivor, version) whose own copy failed its checksums when a plan named it
         self.initial_position: StreamPosition | None = None  # where the data stream began (a run that began at step 0): a rollback to the initial state resumes there
 
-    def observe(self, runner: Any, failed_step: int, from_start: bool = False) -> Observation:
+    def observe(self, runner: StepExecutor | None, failed_step: int, from_start: bool = False) -> Observation:
         """``from_start``: the run began at step 0 and has committed nothing since (going back
         to its initial state loses nothing committed)."""
         if self.fence is not None:

@@ -30,7 +30,7 @@ from elastic_llm.data import RunData, open_run_data
 from elastic_llm.durable.format import Checkpoint, open_checkpoint
 from elastic_llm.durable.restore import check_fits
 from elastic_llm.durable.tier import run_storage
-from elastic_llm.monitor import Publisher
+from elastic_llm.monitor import Publisher, RunFacts
 from elastic_llm.policies import named
 from elastic_llm.recovery.policy import SourceLost, UnrecoverableError
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
@@ -212,7 +212,7 @@ def take_over(parts: RunParts) -> set[ShardKey]:
 
 
 def open_parts(cfg: RunConfig, runtime: Runtime, run_id: str, reattach: bool, metrics: MetricsWriter, data_dir: str,
-               facts: Any, spans: Spans) -> RunParts:
+               facts: Callable[[], RunFacts], spans: Spans) -> RunParts:
     """Assemble the run's parts on ``runtime`` (nothing is placed yet: see :meth:`Trainer.setup`);
     ``reattach`` (``--resume RUN_ID``): first end what of the dead driver's actors is not taken over
     (:func:`retire`), before this driver's take the run's names."""
