@@ -22,6 +22,7 @@ from elastic_llm.durable import format as fmt
 from elastic_llm.durable.flush import StageTensors, by_node, plan_parts
 from elastic_llm.durable.storage import Storage, StorageError
 from elastic_llm.shape import stage_layer_range
+from elastic_llm.snapshot.ports import Calls, ManagerHandle
 from elastic_llm.snapshot.records import VersionRecord
 from elastic_llm.stream import StreamPosition
 
@@ -47,11 +48,13 @@ class Snapshots(Protocol):
     write the parts and how to wait for their answers, the newest committed version, and the
     snapshot interval (for ``auto``)."""
 
-    managers: dict[str, Any]  # node -> SnapshotManager handle
-    calls: Any  # the coordinator's Calls (wait / get)
+    managers: dict[str, ManagerHandle]  # node -> SnapshotManager handle
+    calls: Calls  # the coordinator's (wait / get)
     committed: VersionRecord | None
-    every: int
     floor: int  # the driver's membership generation, sent with each flush (elastic_llm.snapshot.fence)
+
+    @property
+    def every(self) -> int: ...  # steps between versions (read only)
 
 
 @dataclass

@@ -15,14 +15,14 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from elastic_llm.chaos import Chaos, ChaosExecutor, FaultTargets
 from elastic_llm.clock import SYSTEM, Clock
 from elastic_llm.config import RunConfig
 from elastic_llm.config.rules import SPOT_LABEL, spot_warning
 from elastic_llm.controller.drains import Drain, NodeDeath, Outcome
-from elastic_llm.controller.ports import DurableTier, Standbys
+from elastic_llm.controller.ports import ActorRef, DurableTier, Standbys
 from elastic_llm.monitor import RunStatus, start_monitor
 from elastic_llm.pipeline.executor import RayStepExecutor, StepExecutor
 from elastic_llm.runtime.actors import ActorGroup
@@ -32,6 +32,10 @@ from elastic_llm.runtime.session import NAMESPACE, start_ray, store_warnings
 from elastic_llm.runtime.managers import RayManagers
 from elastic_llm.snapshot.records import ShardKey
 from elastic_llm.spans import Spans
+
+if TYPE_CHECKING:
+    from elastic_llm.controller.metrics import MetricsWriter
+    from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 
 GENERATION_BITS = 40  # a driver's link generations: its epoch << GENERATION_BITS, then one more per membership
 
@@ -181,10 +185,10 @@ class RayRuntime:
     def group(self, cfg: RunConfig, run_id: str, standbys: Standbys | None) -> ActorGroup:
         return ActorGroup(cfg, run_id, standbys, self.clock)
 
-    def monitor(self, status: RunStatus) -> Any:
+    def monitor(self, status: RunStatus) -> ActorRef:
         return start_monitor(NAMESPACE, status)
 
-    def durable(self, cfg: RunConfig, snapshots: Any, data_dir: str, metrics: Any) -> DurableTier | None:
+    def durable(self, cfg: RunConfig, snapshots: SnapshotCoordinator, data_dir: str, metrics: MetricsWriter) -> DurableTier | None:
         from elastic_llm.durable.tier import DurableTier as Tier
 
         return Tier(cfg, snapshots, data_dir, metrics, self.clock) if cfg.durable.storage_path else None

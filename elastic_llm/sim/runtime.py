@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from elastic_llm.chaos import FaultTargets
 from elastic_llm.config import RunConfig
 from elastic_llm.config.rules import spot_warning
 from elastic_llm.controller.drains import PROBE_TIMEOUT_S, Drain, NodeDeath, Outcome
-from elastic_llm.controller.ports import DurableTier, Standbys, Roster
+from elastic_llm.controller.ports import ActorRef, DurableTier, Standbys, Roster
 from elastic_llm.monitor import RunStatus
 from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
 from elastic_llm.pipeline.plan import STEP_DEADLINE_S
@@ -32,6 +32,10 @@ from elastic_llm.sim.actors import SimActors, SimLost
 from elastic_llm.sim.snapshots import SimFlusher, SimManagers
 from elastic_llm.sim.world import EPOCH, NEVER, SimCalls, SimMonitor, SimNode, World
 from elastic_llm.snapshot.records import ShardKey, VersionRecord
+
+if TYPE_CHECKING:
+    from elastic_llm.controller.metrics import MetricsWriter
+    from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.spans import Spans
 from elastic_llm.stream import StreamPosition
 
@@ -384,10 +388,10 @@ class SimRuntime:
         self.group_made = SimActors(cfg, self.world, standbys)
         return self.group_made
 
-    def monitor(self, status: RunStatus) -> Any:
+    def monitor(self, status: RunStatus) -> ActorRef:
         return SimMonitor(self.world.charged)
 
-    def durable(self, cfg: RunConfig, snapshots: Any, data_dir: str, metrics: Any) -> DurableTier | None:
+    def durable(self, cfg: RunConfig, snapshots: SnapshotCoordinator, data_dir: str, metrics: MetricsWriter) -> DurableTier | None:
         self.tier = SimFlusher(self.world, self.durable_every) if self.durable_every > 0 else None
         return self.tier
 
