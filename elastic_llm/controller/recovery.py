@@ -28,9 +28,9 @@ from typing import Any
 from elastic_llm import events
 from elastic_llm.controller.checkpoints import CheckpointExecutor
 from elastic_llm.controller.neighbours import promote_copies, rebuild_from_neighbours
-from elastic_llm.pipeline.executor import StepExecutor
 from elastic_llm.controller.links import LinkGuard
 from elastic_llm.controller.ports import DurableTier, Nodes, StageActors, Standbys
+from elastic_llm.pipeline.executor import StepExecutor
 from elastic_llm.recovery.failure import StepFailure
 from elastic_llm.recovery.policy import LOSSY, Member, Mode, Observation, RecoveryPlan, RollbackFrom, Source
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator

@@ -32,12 +32,12 @@ from elastic_llm.sim.actors import SimActors, SimLost
 from elastic_llm.sim.snapshots import SimFlusher, SimManagers
 from elastic_llm.sim.world import EPOCH, NEVER, SimCalls, SimMonitor, SimNode, World
 from elastic_llm.snapshot.records import ShardKey, VersionRecord
+from elastic_llm.spans import Spans
+from elastic_llm.stream import StreamPosition
 
 if TYPE_CHECKING:
     from elastic_llm.controller.metrics import MetricsWriter
     from elastic_llm.snapshot.coordinator import SnapshotCoordinator
-from elastic_llm.spans import Spans
-from elastic_llm.stream import StreamPosition
 
 
 class SimNodes:
