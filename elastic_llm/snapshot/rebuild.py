@@ -32,7 +32,7 @@ from elastic_llm.snapshot.records import ParityRebuild, ShardInfo, VersionRecord
 from elastic_llm.sources import UnrecoverableError
 
 Runs = Sequence[tuple[int, np.ndarray]]  # (offset within the symbol, bytes), ascending, not overlapping
-WAIT_S = 600.0  # longest a member's answer or pieces are waited for
+WAIT_S = 600.0  # longest a rebuild waits for its members' answers and pieces, all told (the driver's RESTORE_S)
 
 
 class SnapshotMissingError(LookupError):
@@ -55,9 +55,9 @@ def rebuild_into(rs: ReedSolomon, r: ParityRebuild, out: np.ndarray) -> np.ndarr
     mine_infos = sorted(r.infos[r.target], key=lambda s: s.key)
     words = [layout.codeword(layout.region_of(r.target, c)) for c in range(layout.k)]
     survivors = sorted({sym.node for word in words for sym in word if sym.node not in lost})
+    deadline = time.monotonic() + WAIT_S  # the whole rebuild's: the members' answers and their pieces
     asked = {j: r.peers[j].endpoint.remote() for j in survivors}
-    where = {j: a for j, a in ((j, _endpoint(ref)) for j, ref in asked.items()) if a is not None}  # a dead member: an erasure
-    deadline = time.monotonic() + WAIT_S
+    where = {j: a for j, a in ((j, _endpoint(ref, deadline)) for j, ref in asked.items()) if a is not None}  # a dead member: an erasure
     # every surviving symbol of every codeword is read at once, each straight into one buffer
     # over its member's piece server (the bytes travel in parallel); each codeword is decoded as
     # soon as its own symbols are in, from those buffers in place, straight into ``out``
@@ -78,13 +78,14 @@ def rebuild_into(rs: ReedSolomon, r: ParityRebuild, out: np.ndarray) -> np.ndarr
     return out
 
 
-def _endpoint(ref: Any) -> tuple[str, int] | None:
-    """A member's piece server; None if it died meanwhile (one more erasure)."""
+def _endpoint(ref: Any, deadline: float) -> tuple[str, int] | None:
+    """A member's piece server; None if it died meanwhile or did not answer by ``deadline`` (one
+    more erasure)."""
     import ray
 
     try:
-        return tuple(ray.get(ref, timeout=WAIT_S))  # type: ignore[return-value]
-    except ray.exceptions.RayError:
+        return tuple(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))  # type: ignore[return-value]
+    except ray.exceptions.RayError:  # its actor died, or GetTimeoutError
         return None
 
 
