@@ -99,7 +99,7 @@ def test_a_slow_declaration_or_probe_never_holds_the_training_thread():
         wait_until(lambda: w._deaths, 10, "the verdict", every=0.01)  # the verdict is in, the declaration hangs
         t = time.monotonic()
         assert [d.node for d in w.take()] == ["b"] and w.suspects() == {"a"}
-        assert time.monotonic() - t < 1.0
+        assert time.monotonic() - t < 15  # not held by the declaration (it would be, for its 30 s)
         assert sweeper.is_alive()  # still declaring
     finally:
         release.set()

@@ -288,7 +288,7 @@ def test_a_stage_refuses_at_once_a_copy_asked_for_before_a_rollback():
     t = time.perf_counter()
     with pytest.raises(RuntimeError, match="step 5 was asked for before a rollback to step 2"):
         copies.take(5, "stage 0 replica 0", newest=3)
-    assert time.perf_counter() - t < 1.0
+    assert time.perf_counter() - t < 60  # at once, not after the request path's WAIT_S (600 s)
 
 
 def test_the_exchange_threads_yield_relative_to_their_process_never_ahead_of_training():

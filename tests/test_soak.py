@@ -224,7 +224,7 @@ def test_a_run_waiting_on_a_harness_that_failed_is_let_go():
     assert not waiting.is_alive()
     t = time.monotonic()
     trial.on_step({"step": 2})
-    assert time.monotonic() - t < 1 and trial.asks.empty()
+    assert time.monotonic() - t < 30 and trial.asks.empty()  # at once, not after a wait for the harness (60 s a step)
 
 
 def test_a_fault_deferred_into_a_hooked_faults_step_waits_one_more_step():

@@ -293,8 +293,8 @@ def test_a_refused_drain_is_asked_again_at_the_next_poll(imds, capsys):
 def test_a_drain_ray_does_not_answer_is_given_up_in_time():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="did not answer within 0.2 s"):
-        bounded(lambda *a: time.sleep(5), 0.2)("n", 1.0, "m")
-    assert time.monotonic() - started < 2
+        bounded(lambda *a: time.sleep(60), 0.2)("n", 1.0, "m")  # the stuck call is left to its daemon thread
+    assert time.monotonic() - started < 30  # given up, not waited for (60 s)
     with pytest.raises(RuntimeError, match="refused"):
         bounded(Recorder(refusals=1), 5)("n", 1.0, "m")
 

@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from elastic_llm.config import load_config
+from elastic_llm.runtime.placement import PLACE_S
 from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.runtime.session import NODE_STORE_BYTES
 from elastic_llm.runtime.standby import CHECK_S
@@ -178,7 +179,7 @@ def test_shrink_without_free_cpu_is_decided_at_once(nodes, corpus_dir, tmp_path)
         assert (resize["from_dp"], resize["to_dp"]) == (3, 2)
         rec = t.recoveries[0]
         assert rec["rollback_steps"] == 0
-        assert rec["plan_s"] < 1.0, rec  # no placement wait: Ray's view shows no free CPU at once
+        assert rec["plan_s"] < PLACE_S, rec  # no placement wait (PLACE_S): Ray's view shows no free CPU at once
         assert t.group.width == 2 and live_workers() == WORKERS - 1
     finally:
         t.shutdown()
