@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from elastic_llm import events
 from elastic_llm.config import ChaosEvent, ConfigError, RunConfig
 from elastic_llm.hosts.lab import Lab
-from elastic_llm.pipeline.executor import StepExecutor
+from elastic_llm.pipeline.executor import Pending, StepExecutor, StepResult
 from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
 from elastic_llm.snapshot.coordinator import SnapshotCoordinator
 from elastic_llm.snapshot.records import ShardKey
@@ -301,7 +301,7 @@ class ChaosExecutor:
     def __init__(self, inner: StepExecutor, chaos: Chaos, targets: Callable[[], FaultTargets]) -> None:
         self.inner, self.chaos, self.targets = inner, chaos, targets
 
-    def start(self, step: int, x: Any, y: Any, snapshot: StreamPosition | None = None, faults: Any = None) -> Any:
+    def start(self, step: int, x: Any, y: Any, snapshot: StreamPosition | None = None, faults: Any = None) -> Pending:
         events = self.chaos.due("in_step", step)
         if not events:
             return self.inner.start(step, x, y, snapshot, faults)
@@ -325,7 +325,7 @@ class ChaosExecutor:
             self.chaos.remove_later(nodes, step, self.targets())
         return pending
 
-    def finish(self, pending: Any, timeout: float | None = None) -> Any:
+    def finish(self, pending: Pending, timeout: float | None = None) -> StepResult:
         """The step's result; a node removal of the step is over when it returns (not when it
         raises: the failure is the driver's to notice while the node goes, and the recovery's
         :meth:`settle` waits for it)."""
@@ -333,8 +333,8 @@ class ChaosExecutor:
         self.chaos.join_removals()
         return result
 
-    def wait(self, pending: Any, seconds: float) -> bool:
-        return bool(self.inner.wait(pending, seconds))
+    def wait(self, pending: Pending, seconds: float) -> bool:
+        return self.inner.wait(pending, seconds)
 
     def settle(self) -> None:
         self.chaos.join_removals()  # the recovery observes a cluster whose node is gone, as Ray sees it

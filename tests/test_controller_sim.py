@@ -18,10 +18,10 @@ import pytest
 from elastic_llm.config import ConfigError, load_config
 from elastic_llm.controller.elastic import MOVE_S
 from elastic_llm.controller.trainer import UNTIL_STOPPED, RunFailed, RunUnrecoverable, Trainer
-from elastic_llm.pipeline.executor import StepFailed
+from elastic_llm.pipeline.executor import PendingStep, RayStepExecutor, StepFailed
 from elastic_llm.replay.trace import ReplayAction
 from elastic_llm.sim.costs import load_costs
-from elastic_llm.sim.runtime import SimExecutor, SimNodes, SimRuntime
+from elastic_llm.sim.runtime import SimExecutor, SimNodes, SimPending, SimRuntime
 from elastic_llm.sim.snapshots import SimManagers
 from elastic_llm.sim.world import EPOCH, Charged, Fleet, SimClock, World
 from elastic_llm.snapshot.records import ShardKey
@@ -80,6 +80,20 @@ def make(corpus_dir, tmp_path, *extra, fails=None, nodes=("n0", "n1"), actions=(
     )
     rt = (runtime or ScriptedRuntime)(fleet(nodes, slots, actions), fails if fails is not None else {})
     return Trainer(cfg, rt, metrics_out=tmp_path / "metrics.jsonl"), rt
+
+
+def test_each_step_executor_takes_back_only_a_step_it_started(corpus_dir, tmp_path):
+    """The submitted step the controller holds is opaque to it (``Pending``); handing an executor
+    a step another kind of executor started is a bug, named at once rather than read wrongly."""
+    t, rt = make(corpus_dir, tmp_path)
+    t.fit(1)
+    sim = rt.executors[-1]
+    assert isinstance(sim, SimExecutor)
+    ray_ex = RayStepExecutor([[object()]], "1f1b", 1)
+    with pytest.raises(TypeError, match="its own SimPending, not PendingStep"):
+        sim.finish(PendingStep(1, 0, 1, 1, {}, ((1,),)))
+    with pytest.raises(TypeError, match="its own PendingStep, not SimPending"):
+        ray_ex.wait(SimPending(1, 1.0, 1, 1e-3), 0.0)
 
 
 def states(tmp_path):

@@ -36,7 +36,7 @@ from elastic_llm.controller.ports import Faults
 from elastic_llm.controller.setup import RunParts
 from elastic_llm.controller.states import WaitingForCapacity
 from elastic_llm.controller.ticks import Ticks
-from elastic_llm.pipeline.executor import PendingStep, StepExecutor, StepFailed, StepResult
+from elastic_llm.pipeline.executor import Pending, StepExecutor, StepFailed, StepResult
 from elastic_llm.pipeline.shares import replica_shares
 from elastic_llm.recovery.links import link_share
 from elastic_llm.stream import StreamPosition, TokenStream
@@ -66,7 +66,7 @@ class InterruptedStep:
     survivor finished it, the step is counted from the reports that came back."""
 
     step: int
-    pending: PendingStep
+    pending: Pending
     position_after: StreamPosition  # the data position after the step's batch
     started: float
 
@@ -118,7 +118,7 @@ class StepRunner:
         self.typical_s = took if self.typical_s is None else min(took, 0.9 * self.typical_s + 0.1 * took)
         return result, started
 
-    def _look_while_running(self, executor: StepExecutor, pending: Any, step: int) -> float | None:
+    def _look_while_running(self, executor: StepExecutor, pending: Pending, step: int) -> float | None:
         """While the step runs, call :attr:`between` every :data:`NOTICE_LOOK_S` (a notice that
         arrives mid-step is acted on then, not at the next step boundary) and look at the
         suspects again (a node of the step suspected mid-step gives the step its suspect deadline

@@ -1,6 +1,7 @@
 """The driver's side of a step: one :class:`StepPlan` to every stage actor, one report back.
 
-Owns: the :class:`StepExecutor` protocol the controller runs steps through; its Ray
+Owns: the :class:`StepExecutor` protocol the controller runs steps through (and :class:`Pending`,
+the submitted step it hands the controller and takes back); its Ray
 implementation, :class:`RayStepExecutor` (cutting the global batch into the replicas' shares and
 their microbatches at any width (:mod:`elastic_llm.pipeline.shares`), each replica's schedule for
 its microbatch count, one call per replica per step to the replica's stage 0, which relays each
@@ -119,15 +120,32 @@ class PendingStep:
         return StepResult(loss, norms or [float("nan")], lr, dict(self.reports))
 
 
+class Pending(Protocol):
+    """A submitted step as the controller holds it: its number and, once it ended, the step from
+    what came back (``result``). Only the executor that started it takes it back."""
+
+    @property
+    def step(self) -> int: ...
+
+    def result(self) -> StepResult: ...
+
+
+def _own(pending: Pending) -> PendingStep:
+    """The :class:`PendingStep` a :class:`RayStepExecutor` started (it takes back no other)."""
+    if not isinstance(pending, PendingStep):
+        raise TypeError(f"a Ray step executor takes back its own PendingStep, not {type(pending).__name__}")
+    return pending
+
+
 class StepExecutor(Protocol):
     """How the controller runs steps (Ray actors, or a fake in tests)."""
 
     def start(self, step: int, x: np.ndarray, y: np.ndarray, snapshot: StreamPosition | None = None,
-              faults: Mapping[ShardKey, Fault] | None = None) -> Any: ...  # a PendingStep (its ``result()``: the step from what came back)
+              faults: Mapping[ShardKey, Fault] | None = None) -> Pending: ...
 
-    def finish(self, pending: Any, timeout: float = ...) -> StepResult: ...
+    def finish(self, pending: Pending, timeout: float = ...) -> StepResult: ...
 
-    def wait(self, pending: Any, seconds: float) -> bool: ...  # whether the step has ended (done, or failed: finish then says how), waiting at most ``seconds``
+    def wait(self, pending: Pending, seconds: float) -> bool: ...  # whether the step has ended (done, or failed: finish then says how), waiting at most ``seconds``
 
     def settle(self) -> None: ...
 
@@ -264,17 +282,18 @@ class RayStepExecutor:
         self.last = PendingStep(step, self.generation, self.n_stages, self.dp, relays, sizes)
         return self.last
 
-    def finish(self, pending: PendingStep, timeout: float = STEP_DEADLINE_S) -> StepResult:
+    def finish(self, pending: Pending, timeout: float = STEP_DEADLINE_S) -> StepResult:
         """Wait for every report; at the first failure abort the others (their blocked receives
         wake) and give them :data:`SETTLE_S` to report. Raises :class:`StepFailed` naming the
         root cause."""
-        failed = self._wait(pending, timeout)
+        mine = _own(pending)
+        failed = self._wait(mine, timeout)
         if failed:
             self.linked = False  # a failed step closed links: the next step sets up new ones
-            raise self._root_cause(pending)
-        return pending.result()
+            raise self._root_cause(mine)
+        return mine.result()
 
-    def wait(self, pending: PendingStep, seconds: float) -> bool:
+    def wait(self, pending: Pending, seconds: float) -> bool:
         """Whether the step has ended: every report came back, or one says it failed (or its
         actor died), waiting at most ``seconds`` (the controller looks at new drain notices
         meanwhile) and returning as soon as one replica's answer says it failed (not when the
@@ -282,6 +301,7 @@ class RayStepExecutor:
         of a failed step."""
         import ray
 
+        pending = _own(pending)
         deadline = time.monotonic() + seconds
         while pending.relays and not pending.failed:
             left = deadline - time.monotonic()

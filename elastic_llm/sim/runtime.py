@@ -26,7 +26,7 @@ from elastic_llm.config.rules import spot_warning
 from elastic_llm.controller.drains import PROBE_TIMEOUT_S, Drain, NodeDeath, Outcome
 from elastic_llm.controller.ports import ActorRef, DurableTier, Standbys, Roster
 from elastic_llm.monitor import RunStatus
-from elastic_llm.pipeline.executor import StepExecutor, StepFailed, StepResult
+from elastic_llm.pipeline.executor import Pending, StepExecutor, StepFailed, StepResult
 from elastic_llm.pipeline.plan import STEP_DEADLINE_S
 from elastic_llm.sim.actors import SimActors, SimLost
 from elastic_llm.sim.snapshots import SimFlusher, SimManagers
@@ -292,14 +292,16 @@ class SimExecutor:
         self.world = group.world
         self._pending: tuple[SimPending, float, tuple[float, str | None, ShardKey | None] | None] | None = None
 
-    def start(self, step: int, x: Any, y: Any, snapshot: StreamPosition | None = None, faults: Any = None) -> Any:
+    def start(self, step: int, x: Any, y: Any, snapshot: StreamPosition | None = None, faults: Any = None) -> SimPending:
         if snapshot is not None:
             self.world.positions[step] = snapshot
         return SimPending(step, float(10.0 / np.sqrt(step)), self.group.stages, self.cfg.train.lr, snapshot is not None)
 
-    def _outcome(self, pending: SimPending) -> tuple[float, tuple[float, str | None, ShardKey | None] | None]:
+    def _outcome(self, pending: Pending) -> tuple[float, tuple[float, str | None, ShardKey | None] | None]:
         """When the step ends, and the first death among its nodes and processes before then
         (decided once, when it is first waited for)."""
+        if not isinstance(pending, SimPending):
+            raise TypeError(f"a simulated step executor takes back its own SimPending, not {type(pending).__name__}")
         if self._pending is None or self._pending[0] is not pending:
             g, w, p = self.group, self.world, self.cfg.parallel
             with g.charged:
@@ -312,7 +314,7 @@ class SimExecutor:
             self._pending = (pending, end, death)
         return self._pending[1], self._pending[2]
 
-    def wait(self, pending: Any, seconds: float) -> bool:
+    def wait(self, pending: Pending, seconds: float) -> bool:
         end, death = self._outcome(pending)
         clock = self.world.clock
         if (death[0] if death is not None else end) <= clock.now + seconds:
@@ -320,7 +322,7 @@ class SimExecutor:
         clock.advance(clock.now + seconds)
         return False
 
-    def finish(self, pending: Any, timeout: float = float("inf")) -> StepResult:
+    def finish(self, pending: Pending, timeout: float = float("inf")) -> StepResult:
         g, w = self.group, self.world
         end, death = self._outcome(pending)
         self._pending = None
