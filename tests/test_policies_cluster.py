@@ -73,6 +73,12 @@ def ids(t):
     return {a._actor_id.hex() for row in t.actors for a in row}
 
 
+def in_clean(losses, clean):
+    """The steps of ``losses`` the undisturbed run trained too, in order (a fast machine trains
+    more after a restart, or before a replica is back, than the clean run's steps)."""
+    return [s for s in sorted(losses) if s in clean]
+
+
 @pytest.fixture(scope="module")
 def clean(cluster, corpus_dir):
     """The undisturbed run's losses (shared by the module's tests): more steps than any of them
@@ -94,7 +100,7 @@ def test_restart_restarts_every_stage_process_from_the_durable_checkpoint_and_go
     assert {r["source"] for r in recs} == {"durable"} and len(recs) == 8, recs  # all 8 processes, not only the killed one
     assert all("every process restarts" in r["reason"] for r in recs)
     assert not before & after  # every stage process is new
-    common = [s for s in sorted(losses) if s in clean]  # the clean run's steps (a fast machine trains more after the restart)
+    common = in_clean(losses, clean)
     assert common and common == sorted(losses), f"the run trained {max(losses)} steps, the clean one {CLEAN_STEPS}"  # it stops 2 steps after its restart
     assert all(losses[s] == clean[s] for s in common)  # restored with its data position: the same losses, bit for bit
     assert events(tmp_path, "resize") == []
@@ -108,7 +114,7 @@ def test_replica_group_takes_the_replica_out_whole_and_grows_it_back_by_a_peer_c
     assert resizes[:2] == [(2, 1, "a lost stage takes its replica out (recovery.policy=replica-group)"), (1, 2, "capacity")], resizes  # the node had room: out whole all the same
     recs = events(tmp_path, "recovery")
     assert recs and all(r["rollback_steps"] == 0 and r["source"] != "durable" for r in recs)
-    common = [s for s in sorted(losses) if s in clean]  # the clean run's steps (a fast machine trains more before the replica is back)
+    common = in_clean(losses, clean)
     assert len(common) >= 10 and np.allclose([losses[s] for s in common], [clean[s] for s in common], rtol=1e-4)  # other widths: the same math in other sums
 
 
@@ -123,5 +129,5 @@ def test_ray_train_elastic_restarts_every_process_after_a_grow(nodes, corpus_dir
     assert [(e["from_dp"], e["to_dp"]) for e in events(tmp_path, "resize")][:1] == [(1, 2)]
     after = [r for r in events(tmp_path, "recovery") if "resize 1 -> 2" in r["failure"]]
     assert len(after) == 8 and {r["source"] for r in after} <= {"durable", "initial"}, after  # every process of the new width
-    common = [s for s in sorted(losses) if s in clean]
+    common = in_clean(losses, clean)
     assert len(common) >= 10 and np.allclose([losses[s] for s in common], [clean[s] for s in common], rtol=1e-4)
