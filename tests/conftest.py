@@ -1,5 +1,6 @@
 """Shared fixtures: Ray stays on loopback with token auth; one Ray session per test module."""
 
+import json
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -116,3 +117,41 @@ def elastic_llm_logs_reach_caplog(monkeypatch):
     import logging
 
     monkeypatch.setattr(logging.getLogger("elastic_llm"), "propagate", True)
+
+
+# What an undisturbed run's losses depend on: the model's math and the data, not where its actors
+# run, nor what guards them (snapshots, parity, a durable tier, warm standbys) or strikes them (chaos).
+_PLACEMENT_ONLY = ("cpus_per_actor", "gpus_per_actor", "placement_strategy", "gpu_memory_gib")
+_UNDISTURBED: dict[str, dict[int, float]] = {}
+UNDISTURBED_STEPS = 16  # at least this many steps, so the modules' shorter runs share one
+
+
+def undisturbed_losses(cluster, cfg, steps):
+    """Per-step losses of ``cfg``'s run trained ``steps`` steps without a fault and without the
+    fault-tolerance machinery (no snapshots, no durable tier, no standbys, no chaos), on
+    ``cluster``. Shared by the session: a run of the same math trained far enough already answers
+    (the losses do not depend on the machinery, which is what every bit-identical comparison with
+    them asserts)."""
+    from elastic_llm.config import config_from_dict
+    from elastic_llm.runtime.ray_runtime import ray_trainer
+
+    d = cfg.to_dict()
+    math = {k: d[k] for k in ("model", "train", "data", "elastic", "checkfree")}
+    math["parallel"] = {k: v for k, v in d["parallel"].items() if k not in _PLACEMENT_ONLY}
+    math["recovery_mode"] = d["recovery"]["mode"]
+    key = json.dumps(math, sort_keys=True)
+    have = _UNDISTURBED.get(key)
+    if have is None or max(have) < steps:
+        d["snapshot"]["enabled"] = False
+        d["durable"]["storage_path"] = None
+        d["recovery"]["standby"] = 0
+        d["chaos"]["events"] = []
+        d["chaos"]["failure_prob_per_step"] = d["chaos"]["failure_rate_per_hour"] = 0.0
+        t = ray_trainer(config_from_dict(d), cluster=cluster)
+        try:
+            history = t.fit(max(steps, UNDISTURBED_STEPS))
+            assert t.recoveries == [], t.recoveries
+        finally:
+            t.shutdown()
+        have = _UNDISTURBED[key] = {h["step"]: h["loss"] for h in history}
+    return {s: loss for s, loss in have.items() if s <= steps}

@@ -19,7 +19,7 @@ from elastic_llm.controller import RunFailed
 from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.runtime.session import add_loopback_node
 
-from .conftest import REPO, events, loopback_cluster_fixture, top_up, wait_until
+from .conftest import REPO, events, loopback_cluster_fixture, top_up, undisturbed_losses, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 2
@@ -51,12 +51,8 @@ def make_trainer(cluster, corpus_dir, tmp_path, *extra):
 
 
 @pytest.fixture(scope="module")
-def clean_losses(cluster, corpus_dir, tmp_path_factory):
-    t = make_trainer(cluster, corpus_dir, tmp_path_factory.mktemp("clean"))
-    try:
-        return {h["step"]: h["loss"] for h in t.fit(STEPS)}
-    finally:
-        t.shutdown()
+def clean_losses(cluster, corpus_dir):
+    return undisturbed_losses(cluster, load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}"]), STEPS)
 
 
 def test_lost_node_without_spare_capacity_waits_then_resumes_bit_identically(nodes, corpus_dir, tmp_path, clean_losses):

@@ -123,7 +123,7 @@ def assert_stream_in_order(positions, batch_size):
 @pytest.fixture(scope="module")
 def clean_dp1(cluster, corpus_dir, tmp_path_factory):
     """An undisturbed dp=1 run: its losses, and the parameters after its first step."""
-    t = make_trainer(cluster, corpus_dir, tmp_path_factory.mktemp("clean"), "parallel.dp=1", "elastic.max_replicas=1")
+    t = make_trainer(cluster, corpus_dir, tmp_path_factory.mktemp("clean"), "parallel.dp=1", "elastic.max_replicas=1", "snapshot.enabled=false")
     try:
         first = t.fit(1)
         params = [ray.get(t.actors[0][s].parameters.remote(), timeout=60) for s in range(2)]
@@ -140,7 +140,7 @@ def clean_losses(clean, steps, nodes, corpus_dir, where):
     if steps <= CLEAN_STEPS:
         return clean["losses"]
     where.mkdir()
-    t = make_trainer(nodes, corpus_dir, where, "parallel.dp=1", "elastic.max_replicas=1")
+    t = make_trainer(nodes, corpus_dir, where, "parallel.dp=1", "elastic.max_replicas=1", "snapshot.enabled=false")
     try:
         return {h["step"]: h["loss"] for h in t.fit(steps)}
     finally:

@@ -17,10 +17,9 @@ import pytest
 import ray
 
 from elastic_llm.config import load_config
-from elastic_llm.runtime.ray_runtime import ray_trainer
 from elastic_llm.runtime.failover import published_committed
 
-from .conftest import FOUR_SMALL_STAGES, REPO, loopback_cluster_fixture, wait_until
+from .conftest import FOUR_SMALL_STAGES, REPO, loopback_cluster_fixture, undisturbed_losses, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 8
@@ -84,18 +83,8 @@ def pids(out):
     return {(a["stage"], a["replica"]): a["pid"] for a in start["actors"]}
 
 
-_CLEAN: dict[str, dict[int, float]] = {}  # corpus -> the losses of an undisturbed run (one per module: the cluster is shared)
-
-
 def clean_losses(cluster, corpus_dir):
-    if str(corpus_dir) not in _CLEAN:
-        cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}"])
-        t = ray_trainer(cfg, cluster=cluster)
-        try:
-            _CLEAN[str(corpus_dir)] = {h["step"]: h["loss"] for h in t.fit(STEPS)}
-        finally:
-            t.shutdown()
-    return _CLEAN[str(corpus_dir)]
+    return undisturbed_losses(cluster, load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}"]), STEPS)
 
 
 def resumed(cluster, corpus_dir, tmp_path, run_id):

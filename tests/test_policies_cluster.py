@@ -21,7 +21,7 @@ from elastic_llm.controller.trainer import UNTIL_STOPPED
 from elastic_llm.policies import POLICIES
 from elastic_llm.runtime.ray_runtime import ray_trainer
 
-from .conftest import REPO, events, loopback_cluster_fixture, top_up, wait_until
+from .conftest import REPO, events, loopback_cluster_fixture, top_up, undisturbed_losses, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 4
@@ -82,14 +82,9 @@ def in_clean(losses, clean):
 @pytest.fixture(scope="module")
 def clean(cluster, corpus_dir):
     """The undisturbed run's losses (shared by the module's tests): more steps than any of them
-    trains; with no durable tier and no warm standbys, which change no loss."""
+    trains; without the fault-tolerance machinery, which changes no loss."""
     top_up(cluster, WORKERS, 2)
-    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", "recovery.standby=0"])
-    t = ray_trainer(cfg, cluster=cluster)
-    try:
-        return {h["step"]: h["loss"] for h in t.fit(CLEAN_STEPS)}
-    finally:
-        t.shutdown()
+    return undisturbed_losses(cluster, load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}"]), CLEAN_STEPS)
 
 
 def test_restart_restarts_every_stage_process_from_the_durable_checkpoint_and_goes_on_bit_for_bit(nodes, corpus_dir, tmp_path, clean):

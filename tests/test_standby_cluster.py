@@ -20,7 +20,7 @@ from elastic_llm.runtime.session import NODE_STORE_BYTES
 from elastic_llm.runtime.standby import CHECK_S
 from elastic_llm.snapshot.records import ShardKey
 
-from .conftest import FOUR_SMALL_STAGES, REPO, events, live_workers, loopback_cluster_fixture, top_up, wait_until
+from .conftest import FOUR_SMALL_STAGES, REPO, events, live_workers, loopback_cluster_fixture, top_up, undisturbed_losses, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = 3
@@ -47,13 +47,9 @@ def losses(history):
 
 
 @pytest.fixture(scope="module")
-def clean(cluster, corpus_dir, tmp_path_factory):
+def clean(cluster, corpus_dir):
     top_up(cluster, WORKERS, 2, exact=True)
-    t = make_trainer(cluster, corpus_dir, tmp_path_factory.mktemp("clean"))
-    try:
-        return losses(t.fit(STEPS))
-    finally:
-        t.shutdown()
+    return undisturbed_losses(cluster, load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}"]), STEPS)
 
 
 def standby_pids(trainer, node):
