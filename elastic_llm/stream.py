@@ -20,11 +20,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 if TYPE_CHECKING:
+    import pyarrow.fs as pafs
     from tokenizers import Tokenizer
 
 EOS = 0  # byte tokenizer: NUL separates documents (source text never contains it)
@@ -40,6 +38,9 @@ class DataError(ValueError):
 
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path) of a URI (``s3://...``, ``gs://...``), else of a local path."""
+    import pyarrow as pa  # here, not at the top: a stage process imports this module for its positions and never reads data
+    import pyarrow.fs as pafs
+
     try:
         return pafs.FileSystem.from_uri(uri)
     except (pa.ArrowInvalid, ValueError):
@@ -128,6 +129,9 @@ def load_tokenizer(data_dir: str | Path) -> Tokenizer | None:
 def load_split(data_dir: str | Path, split: str) -> np.ndarray:
     """All documents of a split as one flat array (uint16, uint32 for vocabularies over 65536),
     each document followed by the EOS id of meta.json."""
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
     eos = read_meta(data_dir)["eos"]
     fs, path = resolve(str(data_dir))
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=False))
