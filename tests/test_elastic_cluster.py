@@ -28,7 +28,7 @@ from elastic_llm.runtime.drains import draining_nodes, request_drain
 from elastic_llm.data import open_run_data
 from elastic_llm.snapshot.records import ShardKey
 
-from .conftest import REPO, events, live_workers, wait_until
+from .conftest import REPO, events, live_workers, undisturbed_losses, wait_until
 from .numerics import assert_loss_close, assert_within_envelope, reference_steps
 from .test_spot_watcher import FakeIMDS
 
@@ -133,18 +133,14 @@ def clean_dp1(cluster, corpus_dir, tmp_path_factory):
         t.shutdown()
 
 
-def clean_losses(clean, steps, nodes, corpus_dir, where):
+def clean_losses(clean, steps, nodes, corpus_dir):
     """The undisturbed dp=1 run's losses up to ``steps``: the shared run's, or where a machine
     fast enough trained past it (within a notice or a deadline, steps are counted by the clock), a
-    new undisturbed run's, so a faster machine never fails the comparison."""
+    longer undisturbed run's, so a faster machine never fails the comparison."""
     if steps <= CLEAN_STEPS:
         return clean["losses"]
-    where.mkdir()
-    t = make_trainer(nodes, corpus_dir, where, "parallel.dp=1", "elastic.max_replicas=1", "snapshot.enabled=false")
-    try:
-        return {h["step"]: h["loss"] for h in t.fit(steps)}
-    finally:
-        t.shutdown()
+    cfg = load_config(os.path.join(REPO, "jobs", "tiny.yaml"), [*BASE, f"data.dir={corpus_dir}", "parallel.dp=1", "elastic.max_replicas=1"])
+    return undisturbed_losses(nodes, cfg, steps)
 
 
 def test_one_step_at_width_1_and_at_width_2_are_the_float64_step_within_rounding(nodes, corpus_dir, tmp_path, clean_dp1):
@@ -348,7 +344,7 @@ def test_the_spot_watcher_drains_on_a_notice_so_the_stages_move_first_with_no_ro
     assert 0 < drain["deadline_s"] <= NOTICE_S
     assert events(tmp_path, "recovery") == []  # the node went after the move: nothing to recover
     assert victim not in t.group.nodes.values()
-    want = clean_losses(clean_dp1, len(history), nodes, corpus_dir, tmp_path / "clean")
+    want = clean_losses(clean_dp1, len(history), nodes, corpus_dir)
     assert {h["step"]: h["loss"] for h in history} == {k: v for k, v in want.items() if k <= len(history)}
 
 
@@ -396,7 +392,7 @@ def test_a_node_removed_while_a_resize_places_a_replica_on_it_is_charged_to_noth
     assert chaos["during"] == "resize" and chaos["kill"] == "node"
     assert t.budget.total == 0 and t.failures == 0 and t.committed_steps_lost == 0 and t.group.width == 1
     assert live_workers() == WORKERS - 1
-    want = clean_losses(clean_dp1, len(history), nodes, corpus_dir, tmp_path / "clean")
+    want = clean_losses(clean_dp1, len(history), nodes, corpus_dir)
     assert {h["step"]: h["loss"] for h in history} == {k: v for k, v in want.items() if k <= len(history)}
 
 
@@ -443,7 +439,7 @@ def test_two_nodes_of_a_three_node_group_drained_at_once_with_a_2_s_notice_early
     assert t.committed_steps_lost == 0 and not set(victims) & set(t.group.nodes.values()), (protected, moved)
     assert all(r["source"] in ("local_smp", "parity", "dp_peer") for r in events(tmp_path, "recovery"))
     got = {h["step"]: h["loss"] for h in history}  # (steps re-run after a rollback keep their last loss)
-    want = clean_losses(clean_dp1, max(got), nodes, corpus_dir, tmp_path / "clean")
+    want = clean_losses(clean_dp1, max(got), nodes, corpus_dir)
     assert got == {k: want[k] for k in got}
     # the committed version depends on the victims within its parity at most: a version taken while a stage still lived on
     # a draining node keeps that stage's own part there (its spare takes over when the node goes), a lost part parity covers
@@ -515,7 +511,7 @@ def test_every_node_noticed_at_once_is_said_at_the_notice_and_saved_by_an_emerge
     assert t.committed_steps_lost == 0, events(tmp_path, "recovery")
     assert {r["source"] for r in events(tmp_path, "recovery")} == {"durable"}
     got = {h["step"]: h["loss"] for h in history}  # (steps re-run after the rollback keep their last loss)
-    want = clean_losses(clean_dp1, max(got), nodes, corpus_dir, tmp_path / "clean")
+    want = clean_losses(clean_dp1, max(got), nodes, corpus_dir)
     assert got == {k: want[k] for k in got}
 
 
