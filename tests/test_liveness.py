@@ -68,6 +68,29 @@ def test_the_watch_declares_each_dead_node_once_and_stops_probing_it():
     assert [d.node for d in w.take()] == ["b"] and w.take() == []
 
 
+def test_a_verdict_is_handed_to_the_run_at_once_and_a_listener_that_raises_changes_no_verdict(caplog):
+    """The run's step hears of a death when the watch judges it (on the judging thread), not at its
+    next look; a listener that raises is logged, and the verdict and the next rounds stand."""
+    table = FakeTable({"a": ("h", 1), "b": ("h", 2), "c": ("h", 3)})
+    outcomes = {1: Outcome.OK, 2: Outcome.REFUSED, 3: Outcome.TIMEOUT}
+    w = NodeWatch(table, period_s=0.0, failures=1, probe=lambda h, p, t: outcomes[p], clock=lambda: 0.0)
+    told = []
+    w.on_death = told.append
+    assert [d.node for d in w.sweep()] == ["b"]
+    assert told == [{"b"}]  # a suspect (a timeout) is not a death: "c" is not told
+    w.sweep()
+    assert told == [{"b"}]  # told once
+    outcomes[1] = Outcome.REFUSED
+
+    def broken(nodes):
+        raise RuntimeError("the executor is gone")
+
+    w.on_death = broken
+    assert [d.node for d in w.sweep()] == ["a"]
+    assert w.dead() == {"a", "b"} and [d.node for d in table.declared] == ["b", "a"]  # judged and declared all the same
+    assert "telling the run about a failed (RuntimeError: the executor is gone)" in caplog.text
+
+
 def test_a_watch_that_may_not_declare_reports_the_death_and_tells_ray_nothing():
     table = FakeTable({"a": ("h", 1), "b": ("h", 2)})
     w = NodeWatch(table, period_s=0.0, failures=3, probe=lambda h, p, t: Outcome.REFUSED if p == 2 else Outcome.TIMEOUT, clock=lambda: 0.0, declare=False)

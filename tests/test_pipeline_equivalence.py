@@ -481,6 +481,19 @@ def test_a_stage_killed_mid_step_stops_the_others_inside_their_ops_not_after(ray
         kill_all(actors)
 
 
+def step_held_on_a_node(actors, cfg, victim, seed, dead):
+    """An executor over ``actors`` whose ``victim`` runs on node "gone" (judged dead once ``dead``
+    holds it), one clean step, then step 2 submitted with the victim held in its first forward
+    (alive: Ray would not fail its call). Returns (executor, the pending step)."""
+    from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
+
+    batch = token_batches(cfg, seed)
+    ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches, dead_nodes=lambda: set(dead),
+                         node_of=lambda k: "gone" if k == victim else f"node-{k.stage}-{k.replica}")
+    ex.finish(ex.start(1, *batch()))
+    return ex, ex.start(2, *batch(), faults={victim: Fault(Phase.FORWARD, FaultAction.HOLD)})
+
+
 @pytest.mark.parametrize("victim", [ShardKey(1, 0), ShardKey(0, 1)])  # a stage the relay waits on; a relay itself
 def test_a_stage_whose_node_the_run_judged_dead_is_lost_at_once_not_when_ray_fails_its_call(ray_local, victim):
     """The victim is held in its first forward (alive: Ray would not fail its call) when the run's
@@ -490,17 +503,12 @@ def test_a_stage_whose_node_the_run_judged_dead_is_lost_at_once_not_when_ray_fai
     import time
 
     from elastic_llm.pipeline.executor import NodeLost, StepFailed
-    from elastic_llm.pipeline.plan import Fault, FaultAction, Phase
 
     cfg = small_config(2, 2, "1f1b", micro=2)
-    batch = token_batches(cfg, 6)
     actors = stage_actors(cfg, 2, 2)
     dead: set[str] = set()
     try:
-        ex = RayStepExecutor(actors, "1f1b", cfg.parallel.microbatches, dead_nodes=lambda: set(dead),
-                             node_of=lambda k: "gone" if k == victim else f"node-{k.stage}-{k.replica}")
-        ex.finish(ex.start(1, *batch()))
-        pending = ex.start(2, *batch(), faults={victim: Fault(Phase.FORWARD, FaultAction.HOLD)})
+        ex, pending = step_held_on_a_node(actors, cfg, victim, 6, dead)
         assert not ex.wait(pending, 1.0), "the step ended while a stage was held"
         dead.add("gone")
         t0 = time.monotonic()
@@ -513,6 +521,42 @@ def test_a_stage_whose_node_the_run_judged_dead_is_lost_at_once_not_when_ray_fai
         others = {ShardKey(s, r) for s in range(2) for r in range(2)} - {victim}
         assert others - answered <= pending.orphaned and (victim.stage != 0 or pending.orphaned), (sorted(answered), pending.orphaned)
         # the survivors are out of the step: each answers a reset at once (an orphaned stage too)
+        assert all(ray.get(actors[k.replica][k.stage].reset_step.remote(), timeout=5) == 1 for k in others)
+    finally:
+        kill_all(actors)
+
+
+def test_a_node_judged_dead_wakes_the_steps_other_actors_at_the_verdict_not_at_the_drivers_next_look(ray_local, monkeypatch):
+    """The node watch hands its verdict to the executor on the watch's own thread
+    (``nodes_died``): the step's other actors are aborted then, so their reports come back while
+    the driver has not looked at the dead nodes (its look is set beyond this test), and its look
+    afterwards names the victim. A death of a node that hosts no actor of the step aborts nothing."""
+    import threading
+
+    from elastic_llm.pipeline import executor as executor_module
+    from elastic_llm.pipeline.executor import NodeLost, StepFailed
+    from elastic_llm.pipeline.plan import FailureKind
+
+    monkeypatch.setattr(executor_module, "LOOK_S", 3600.0)
+    victim = ShardKey(1, 0)
+    cfg = small_config(2, 2, "1f1b", micro=2)
+    actors = stage_actors(cfg, 2, 2)
+    dead: set[str] = set()
+    try:
+        ex, pending = step_held_on_a_node(actors, cfg, victim, 7, dead)
+        ex.nodes_died({"elsewhere"})  # no actor of the step there
+        assert not ex.wait(pending, 1.0), "a death elsewhere ended the step"
+        dead.add("gone")
+        verdict = threading.Thread(target=ex.nodes_died, args=({"gone"},))
+        verdict.start()
+        verdict.join()
+        assert ex.wait(pending, 30.0)
+        aborted = {k for k, r in pending.reports.items() if r.failure is not None and r.failure.kind is FailureKind.ABORTED}
+        assert aborted and victim not in aborted, sorted(pending.reports)  # woken by the verdict: the driver itself aborted nothing yet
+        with pytest.raises(StepFailed) as err:
+            ex.finish(pending)
+        assert (err.value.stage, err.value.replica) == (victim.stage, victim.replica) and isinstance(err.value.cause, NodeLost), err.value
+        others = {ShardKey(s, r) for s in range(2) for r in range(2)} - {victim}
         assert all(ray.get(actors[k.replica][k.stage].reset_step.remote(), timeout=5) == 1 for k in others)
     finally:
         kill_all(actors)

@@ -195,9 +195,12 @@ class RayRuntime:
 
     def executor(self, actors: list[list[Any]], cfg: RunConfig, node_of: Callable[[ShardKey], str | None] | None = None,
                  set_aside: Callable[[], frozenset[str]] = frozenset) -> StepExecutor:
-        watched = self.nodes.watch is not None
-        return RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.redundant, self.generations,
-                               lambda: (self.nodes.dead() if watched else set()) | set_aside(), node_of)
+        watch = self.nodes.watch
+        ex = RayStepExecutor(actors, cfg.parallel.schedule, cfg.parallel.microbatches, cfg.swapped, cfg.redundant, self.generations,
+                             lambda: (self.nodes.dead() if watch is not None else set()) | set_aside(), node_of)
+        if watch is not None:  # the run's steps go through this executor from now on: the watch's verdicts reach its step at once
+            watch.on_death = ex.nodes_died
+        return ex
 
     def cpu(self) -> float:
         return time.process_time()
