@@ -344,27 +344,16 @@ class RayStepExecutor:
 
     def nodes_died(self, nodes: set[str]) -> None:
         """The run's node watch judged ``nodes`` dead (called on its thread, at the verdict). When an
-        actor of the step in flight runs there and has not answered, the step cannot succeed: its
-        other actors are woken now (their blocked receives fail and their reports come back),
+        actor of the step in flight runs there and has not answered, the step cannot succeed: every
+        actor still in it is woken now (:meth:`_abort`: their blocked receives fail and their reports come back),
         not at the driver's next look, which then finds the step failed and names the lost actor
         (:meth:`_node_losses`). A step that ended, or with no unanswered actor there, is left alone.
         An abort is idempotent: the driver's own, at its look, changes nothing more."""
-        import ray
-
         p, node_of = self.last, self.node_of
         if p is None or node_of is None or not (p.relays or p.running):
             return
-        still = p.unanswered()
-        if not any(node_of(k) in nodes for k in still):
-            return
-        for key in still:
-            if node_of(key) in nodes:
-                continue
-            try:
-                self.actor(key).abort_step.options(concurrency_group="control").remote(p.generation)
-            except ray.exceptions.RayError:  # its actor is gone: nothing left to abort
-                continue
-            self.calls += 1
+        if any(node_of(k) in nodes for k in p.unanswered()):
+            self._abort(p)
 
     def _collect(self, pending: PendingStep, ref: Any) -> None:
         """Keep what the finished relay call ``ref`` answered: its replica's reports and lost
