@@ -359,6 +359,7 @@ def _hand_off(cfg1: RunConfig, buf: np.ndarray, manifest: str) -> dict[str, Any]
     from elastic_llm.pipeline.stage import StageWorker
     from elastic_llm.snapshot.manager import SnapshotManager
     from elastic_llm.snapshot.records import ManagerPlan, ShardKey
+    from elastic_llm.snapshot.introductions import Known
 
     node = ray.get_runtime_context().get_node_id()
     here = NodeAffinitySchedulingStrategy(node, soft=False)
@@ -368,7 +369,7 @@ def _hand_off(cfg1: RunConfig, buf: np.ndarray, manifest: str) -> dict[str, Any]
         version = ray.get(stage.load_state.remote(buf, manifest), timeout=300)
         ray.get([stage.snapshot_now.remote({}), smp.held.remote()], timeout=300)  # both actors started
         t0 = time.perf_counter()
-        ray.get(smp.snapshot_version.remote(ManagerPlan(version, ((ShardKey(0, 0), stage),))), timeout=300)
+        ray.get(smp.snapshot_version.remote(ManagerPlan(version, ((ShardKey(0, 0), Known.of(stage)),))), timeout=300)
         return {"smp_hand_off_s": _r(time.perf_counter() - t0)}
     finally:
         ray.kill(stage)

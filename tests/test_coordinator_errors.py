@@ -21,6 +21,7 @@ from elastic_llm.snapshot.coordinator import SnapshotCoordinator, StageMember
 from elastic_llm.snapshot.ports import ManagerLost
 from elastic_llm.snapshot.rebuild import SnapshotMissingError
 from elastic_llm.snapshot.records import ManagerPart, ShardInfo, ShardKey, VersionRecord
+from elastic_llm.snapshot.introductions import Acquaintances
 from elastic_llm.sources import NodeGone, SourceLost
 
 from .conftest import REPO
@@ -75,8 +76,13 @@ class Manager:
             return Method(lambda *args: Ref(value(*args) if callable(value) else value, fail.get(method), ready or method != "relay_versions"))
 
         self.held = answer("held", held)
-        self.relay_versions = answer("relay_versions", lambda calls: tuple(
-            ManagerPart(h.node, tuple(ShardInfo(k, p.version, 0, 8, (), "{}", node_id=h.node) for k, _ in p.stages), attempt=p.attempt) for h, p in calls))
+        known = Acquaintances()  # a plan names the members this manager was sent before by id only
+
+        def relay_versions(calls):
+            members = [(known.handle(h, p.attempt).node, p) for h, p in calls]
+            return tuple(ManagerPart(n, tuple(ShardInfo(k, p.version, 0, 8, (), "{}", node_id=n) for k, _ in p.stages), attempt=p.attempt) for n, p in members)
+
+        self.relay_versions = answer("relay_versions", relay_versions)
         for method in ("relay", "commit", "discard", "discard_all", "unpin"):
             setattr(self, method, answer(method, None))
         self.shard_parts = answer("shard_parts", ["piece"])

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from elastic_llm.replay.trace import ReplayAction
 from elastic_llm.sim.costs import CostModel
+from elastic_llm.snapshot.introductions import Acquaintances, Known
 from elastic_llm.snapshot.ports import ManagerLost
 from elastic_llm.snapshot.records import ManagerPart, ManagerPlan, ShardInfo, ShardKey
 from elastic_llm.sources import NodeGone
@@ -300,6 +301,7 @@ class SimManager:
         self.unpin = _Call(lambda version: self._ref(0.0), c)
         self.keepalive = _Call(lambda: self._ref(0.0), c)
         self.adopt = _Call(self._adopt, c)
+        self.known = Acquaintances()
 
     refused: bool = False  # started on a node already gone: every answer is the scheduler's refusal
     committed: int = 0  # the newest version committed here
@@ -341,10 +343,11 @@ class SimManager:
         self.parts[(version, role)] = mb
         return SimRelayRef(ready, self.node, int(mb * 1e6), w.fleet, self.refused, parts=(SimRef(ready, source.node, None, w.fleet),))
 
-    def _relay_versions(self, calls: tuple[tuple["SimManager", ManagerPlan], ...]) -> "SimRelayRef":
+    def _relay_versions(self, calls: tuple[tuple[Known, ManagerPlan], ...]) -> "SimRelayRef":
         """The group's parts started by this manager (members' calls are not the driver's): ready
-        when the last is; failed if this node or a member's is gone by then."""
-        parts = tuple(handle._snapshot_version(plan) for handle, plan in calls)
+        when the last is; failed if this node or a member's is gone by then. A member the plan
+        names by id only is one this manager was sent before (:mod:`elastic_llm.snapshot.introductions`)."""
+        parts = tuple(self.known.handle(member, plan.attempt)._snapshot_version(plan) for member, plan in calls)
         return SimRelayRef(max(p.ready_s for p in parts), self.node, tuple(p.value for p in parts), self.world.fleet, parts=parts)
 
     def _relay(self, method: str, args: tuple[Any, ...], handles: list["SimManager"]) -> SimRef:

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Container
 from typing import cast
 
+from elastic_llm.snapshot.introductions import Unknown
 from elastic_llm.snapshot.ports import Calls, ManagerFleet, ManagerHandle, ManagerLost
 from elastic_llm.snapshot.rebuild import SnapshotMissingError
 from elastic_llm.snapshot.records import VersionRecord
@@ -27,8 +28,9 @@ SLOW_PING_S = 20.0  # ... and lost if it still has not answered this much later
 START_S = 120.0  # longest new managers may take to answer (a worker process start on a loaded node)
 # What a manager's answer raises when the run lost something, not when our code is wrong (that propagates): an actor or node
 # gone (ManagerLost from Ray's and the simulation's calls, NodeGone; the manager's "no snapshot
-# of step ..." from its stages), the version or shard not held or failing its checksum (SnapshotMissingError), no answer in time.
-CALL_FAILED: tuple[type[Exception], ...] = (ManagerLost, NodeGone, SnapshotMissingError, TimeoutError, RuntimeError)
+# of step ..." from its stages), the version or shard not held or failing its checksum (SnapshotMissingError), an actor its plan
+# named by id only that it does not hold (Unknown: the next plan carries the handle), no answer in time.
+CALL_FAILED: tuple[type[Exception], ...] = (ManagerLost, NodeGone, SnapshotMissingError, Unknown, TimeoutError, RuntimeError)
 
 
 class ManagerCensus:

@@ -40,6 +40,7 @@ from elastic_llm.snapshot.broadcast import Broadcast
 from elastic_llm.snapshot.census import CALL_FAILED, PING_S, ManagerCensus
 from elastic_llm.snapshot.exposure import Exposure
 from elastic_llm.snapshot.groups import make_groups
+from elastic_llm.snapshot.introductions import Introductions, Known, actor_id
 from elastic_llm.snapshot.ports import Calls, Flusher, ManagerFleet, ManagerHandle
 from elastic_llm.snapshot.rebuild import SnapshotMissingError, recipe
 from elastic_llm.snapshot.rehome import Rehomer
@@ -73,6 +74,7 @@ class _Inflight:
     charged: bool = True  # taken with a training step: ``auto`` charges its cost to the steps (a re-protection between steps is not)
     results: dict[str, ManagerPart] = field(default_factory=dict)  # node -> its part
     answered: set[str] = field(default_factory=set)  # the relays (by first node) that answered
+    named: dict[str, tuple[str, tuple[Known, ...]]] = field(default_factory=dict)  # first node -> its manager's actor id, the actors its relay's plans named (held once it answers)
 
     def waiting(self) -> dict[str, Any]:
         return {lead: ref for lead, ref in self.refs.items() if lead not in self.answered}
@@ -123,6 +125,7 @@ class SnapshotCoordinator(ManagerCensus):
         self._every = 0 if self.auto else int(sn.every)  # auto: costs.every
         self.last_begin = 0
         self._attempt = 0  # the newest ManagerPlan.attempt sent
+        self.introduced = Introductions()  # which actor handles each group's lead holds: a plan names those by id only
         self.unloadable: dict[str, int] = {}  # node -> committed version whose shard there failed to load
 
     @property
@@ -281,28 +284,36 @@ class SnapshotCoordinator(ManagerCensus):
         domains.update({n: "\0draining" for n in members if n in self.avoid})  # spread over the groups: at most parity in any
         groups = make_groups(members, sn.group_size, sn.parity, domains, seed=version)
         group_of = {node: g for g in groups for node in g}
-        by_lead: dict[str, list[tuple[Any, ManagerPlan]]] = {}
+        by_lead: dict[str, list[tuple[Known, ManagerPlan]]] = {}
         for node, handle in self.managers.items():
             if node in self.avoid and not by_node[node]:
                 continue  # a draining node with nothing of this version: its end must not fail it
             group = group_of.get(node, ())
+            lead = group[0] if group else node
+            name = self._namer(lead, attempt)
             plan = ManagerPlan(
                 version=version,
-                stages=tuple(by_node[node]),
+                stages=tuple((key, name(actor)) for key, actor in by_node[node]),
                 group=group,
                 me=group.index(node) if group else 0,
-                peers=tuple(self.managers[n] for n in group),
+                peers=tuple(name(self.managers[n]) for n in group),
                 parity=sn.parity,
                 attempt=attempt,
                 floor=self.floor,
             )
-            by_lead.setdefault(group[0] if group else node, []).append((handle, plan))
+            by_lead.setdefault(lead, []).append((name(handle), plan))
         # one call per group: its first manager starts the members' parts and answers with all of them
         refs = {lead: self.managers[lead].relay_versions.remote(tuple(calls)) for lead, calls in by_lead.items()}
-        self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt, self.avoid, charged=with_step))
+        named = {lead: (actor_id(self.managers[lead]), tuple(k for member, plan in calls for k in (member, *plan.named()))) for lead, calls in by_lead.items()}
+        self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt, self.avoid, charged=with_step, named=named))
         self.last_begin = version
         if self.costs is not None and with_step:
             self.costs.began(version)
+
+    def _namer(self, lead: str, attempt: int) -> Callable[[object], Known]:
+        """How a plan of ``attempt`` sent to ``lead``'s manager names an actor (by id only where it holds the handle)."""
+        receiver = actor_id(self.managers[lead])
+        return lambda handle: self.introduced.name(receiver, handle, attempt)
 
     def _domains(self, members: list[str]) -> dict[str, str]:
         """The failure domains of ``members``, asked of the fleet only when a member is new."""
@@ -350,7 +361,11 @@ class SnapshotCoordinator(ManagerCensus):
                         raise SnapshotMissingError(f"parts of attempts {', '.join(map(generation, mixed))} in a version of attempt {generation(p.attempt)}")
                     p.results.update((part.node_id, part) for part in parts)
                     p.answered.add(lead)
+                    if lead in p.named:
+                        self.introduced.answered(*p.named[lead], p.attempt)
                 except CALL_FAILED as e:  # a manager or a stage died mid-snapshot: drop this version
+                    if lead in p.named:
+                        self.introduced.failed(p.named[lead][0])
                     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
                     self._discard(p, lines[-1] if lines else type(e).__name__)
             for p in list(self.inflight):

@@ -13,14 +13,12 @@ a layer up, writes; the manager hands it its pieces and does not import it).
 A version runs without the driver in the loop: the controller sends each erasure group's first
 manager one ``relay_versions`` call, which sends every member its ``snapshot_version`` call and
 answers with the group's parts (commits and discards are relayed too, ~16 managers per driver
-call: ``relay``, which answers once every member took it, so the driver re-sends a dead relay's
-share itself); the manager collects its stages' pieces, offers the data chunks of each
-region to that region's parity holders (its piece server's address and the pieces' ranges and
-checksums: :mod:`elastic_llm.snapshot.exchange`), and encodes the parity of its own regions by
-reading each member's chunk from that member's piece server, a block at a time, encoded as it
-arrives and checked against the CRC-32s the server read (the bytes never pass through Ray's
-object transfer). The call returns
-when this node's part of the version is complete.
+call: ``relay``; the driver re-sends a dead relay's share). Plans name actors by id only where the
+receiver holds their handles (:mod:`elastic_llm.snapshot.introductions`). The manager collects its
+stages' pieces, offers the data chunks of each region to its parity holders (its piece server's
+address, the pieces' ranges and checksums: :mod:`elastic_llm.snapshot.exchange`), and encodes its
+own regions' parity from each member's piece server as the bytes arrive, checked against the
+CRC-32s the server read (never through Ray's object transfer). It answers once its part is complete.
 
 Never decides anything: the controller tells it which version to take, commit or hand out.
 Never unpickles data it did not produce: pieces are numpy arrays, manifests JSON text.
@@ -47,6 +45,7 @@ from elastic_llm.lease import Lease, remove_run_groups
 from elastic_llm.snapshot import exchange
 from elastic_llm.snapshot.erasure import ReedSolomon, checksum
 from elastic_llm.snapshot.fence import Fence
+from elastic_llm.snapshot.introductions import Acquaintances, Introductions, Known, actor_id
 from elastic_llm.snapshot.layout import ParityLayout
 from elastic_llm.snapshot.rebuild import SnapshotMissingError
 from elastic_llm.snapshot.records import Exchanged, ManagerPart, ManagerPlan, ManagerState, ParityInfo, Piece, ShardInfo, ShardKey, chunk_pieces
@@ -92,6 +91,17 @@ class Version:
         return [self, *self.adopted.values()]
 
 
+def _read_quietly(refs: list[Any]) -> None:
+    """Read the answers in ``refs`` that came, dropping their errors (Ray reports an unread one as unhandled)."""
+    import ray
+
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 - the caller has reported, or leaves to others, what failed
+            continue
+
+
 class SnapshotManager:
     """Body of the per-node snapshot actor (``smp-<run>-<node id>``)."""
 
@@ -114,6 +124,8 @@ class SnapshotManager:
         self._unread: list[Any] = []  # a failed group's members' answers, read later (Ray reports an unread failure as unhandled)
         self._server: exchange.PieceServer | None = None  # started on first use (:meth:`endpoint`)
         self._server_lock = threading.Lock()
+        self.known = Acquaintances()  # the actor handles plans were sent with, by id: a plan names most by id only
+        self.introduced = Introductions()  # as a group's lead: which handles each member holds
 
     def __repr__(self) -> str:  # Ray's display name of the actor and its log prefix
         return f"SnapshotManager(node {self.node_id[:8]}, run {self.run_id})"
@@ -247,13 +259,15 @@ class SnapshotManager:
         k = layout.k if layout else 1
         if self.fence.below(plan.attempt, f"a plan of step {version}") or not self.fence.admit(plan.floor, f"a plan of step {version}"):
             raise SnapshotMissingError(f"step {version}, attempt {plan.attempt}: refused, of an older membership generation")
+        stages = [(key, self.known.handle(stage, plan.attempt)) for key, stage in plan.stages]  # Unknown (the version fails) if not held
+        peers = [self.known.handle(p, plan.attempt) for p in plan.peers]
         with self.lock:
             mine = self._claim(version, plan.attempt)
         if mine is None:
             raise SnapshotMissingError(f"step {version}, attempt {plan.attempt}: a newer attempt at this version is under way")
         calls = {
             key: stage.snapshot_pieces.options(num_returns=k + 1, concurrency_group="snapshot").remote(version, k)
-            for key, stage in plan.stages
+            for key, stage in stages
         }
         t0 = time.perf_counter()
         infos = self._collect(version, calls)
@@ -273,20 +287,22 @@ class SnapshotManager:
             c = layout.chunk_of(me, region)
             pieces = chunk_pieces(shards, c)
             for h in layout.holders(region):  # the holder reads the bytes from this node's piece server
-                plan.peers[h].offer.remote(version, region, me, self.endpoint(), pieces, plan.attempt)
+                peers[h].offer.remote(version, region, me, self.endpoint(), pieces, plan.attempt)
         encoded = [self._encode(v, version, layout, region, row) for region, row in layout.parity_regions(me)]
         exchanged = sum((e for _, e in encoded), Exchanged(crc_s=self._server.take_crc_s() if self._server is not None else 0.0))  # its server's CRC-32s since the last part
         return ManagerPart(self.node_id, shards, tuple(p for p, _ in encoded), time.thread_time() - cpu0, collect_s, exchanged, self.fence.take(), plan.attempt)
 
-    def relay_versions(self, calls: tuple[tuple[Any, ManagerPlan], ...]) -> tuple[ManagerPart, ...]:
-        """As its group's first member, start the group's parts of a version (``calls``: each
-        member's handle and plan) and answer with all of them in one value, so the driver makes
-        one call per group, not per node. Raises the first member's failure as soon as it comes
-        (the driver then drops the version, which wakes the others)."""
+    def relay_versions(self, calls: tuple[tuple[Known, ManagerPlan], ...]) -> tuple[ManagerPart, ...]:
+        """As its group's first member, start the group's parts of a version (``calls``: each member
+        and its plan) and answer with all of them in one value: one driver call per group, not per
+        node. Raises the first member's failure as soon as it comes (the driver drops the version)."""
         import ray
 
         self._read_unread()
-        refs = [handle.snapshot_version.remote(plan) for handle, plan in calls]
+        attempt = calls[0][1].attempt
+        handles = [self.known.handle(member, attempt) for member, _ in calls]  # a member's plan names by id only what it holds
+        plans = [plan.renamed(self.introduced.forwarding(actor_id(h), self.known, attempt)) for h, (_, plan) in zip(handles, calls)]
+        refs = [handle.snapshot_version.remote(plan) for handle, plan in zip(handles, plans)]
         parts: dict[Any, ManagerPart] = {}
         waiting = list(refs)
         try:
@@ -299,7 +315,11 @@ class SnapshotManager:
         except BaseException:
             with self.lock:
                 self._unread += [r for r in refs if r not in parts]
+            for h in [h for h, ref in zip(handles, refs) if ref not in parts]:
+                self.introduced.failed(actor_id(h))
             raise
+        for h, plan in zip(handles, plans):
+            self.introduced.answered(actor_id(h), plan.named(), attempt)
         return tuple(parts[r] for r in refs)
 
     def _read_unread(self) -> None:
@@ -312,11 +332,7 @@ class SnapshotManager:
         if not unread:
             return
         done, rest = ray.wait(unread, num_returns=len(unread), timeout=0)
-        for ref in done:
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayError:  # the version failed for this already: the driver dropped it
-                continue
+        _read_quietly(done)  # a failure here failed its version already: the driver dropped it
         with self.lock:
             self._unread += rest
 
@@ -331,11 +347,7 @@ class SnapshotManager:
             raise ValueError(f"{method!r} is not relayed (only {sorted(RELAYED)})")
         refs = [getattr(h, method).remote(*args) for h in handles]
         ray.wait(refs, num_returns=len(refs), timeout=WAIT_S)
-        for ref in refs:  # read, so Ray reports no unhandled error for a member that died
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayError:  # its actor died (or still runs it after WAIT_S)
-                continue
+        _read_quietly(refs)  # a member whose actor died (or still runs it after WAIT_S) is left to the failure that names it
 
     @staticmethod
     def _collect(version: int, calls: dict[ShardKey, Any]) -> list[ShardInfo]:
@@ -350,11 +362,7 @@ class SnapshotManager:
                 infos.append(ray.get(refs[0], timeout=0))
             except Exception as e:
                 failed.append(f"{key} ({type(e).__name__})")
-                for r in refs[1:]:  # read (and drop) the failed call's other returns: Ray reports unread errors as unhandled
-                    try:
-                        ray.get(r, timeout=0)
-                    except Exception:  # noqa: BLE001 - the failure is the first return's, counted above
-                        continue
+                _read_quietly(refs[1:])  # the failed call's other returns: its failure is the first return's, counted here
         if failed:
             raise RuntimeError(f"no snapshot of step {version} from stages {', '.join(failed)}")
         return infos
@@ -560,15 +568,13 @@ class SnapshotManager:
         if shard is None:
             raise SnapshotMissingError(f"shard {key} of version {version} is not held by {self.node_id}")
         arrays = [np.asarray(a) for a in ray.get(shard.refs, timeout=WAIT_S)]
-        if verify:
-            for i, (arr, piece) in enumerate(zip(arrays, shard.info.pieces)):
-                if len(arr) != piece.length or checksum(arr) != piece.crc:
-                    raise SnapshotMissingError(f"piece {i} of shard {key}, version {version} on {self.node_id} fails its checksum")
+        bad = [i for i, (arr, piece) in enumerate(zip(arrays, shard.info.pieces)) if len(arr) != piece.length or checksum(arr) != piece.crc] if verify else []
+        if bad:
+            raise SnapshotMissingError(f"piece {bad[0]} of shard {key}, version {version} on {self.node_id} fails its checksum")
         return shard, arrays
 
     def shard_parts(self, version: int, key: ShardKey, verify: bool = True) -> list[Any]:
-        """The piece refs of shard ``key`` of ``version`` (this manager's, after checking their
-        checksums). Restore passes the refs on to the stage: no copy here."""
+        """The piece refs of shard ``key`` of ``version``, their checksums checked: restore passes them on to the stage, no copy here."""
         shard, _ = self._pieces(version, key, verify)
         return list(shard.refs)
 

@@ -67,7 +67,7 @@ class ManagerHandle(Protocol):
 
     held: Remote  # () -> {version: committed}
     snapshot_version: Remote  # (ManagerPlan) -> ManagerPart
-    relay_versions: Remote  # ((handle, ManagerPlan), ...) -> the group's ManagerParts (the first member starts the others')
+    relay_versions: Remote  # ((Known member, ManagerPlan), ...) -> the group's ManagerParts (the first member starts the others')
     relay: Remote  # (method, args, handles) -> None once all ran it: commit or discard passed on to the handles
     commit: Remote  # (version, flush, keep, floor) -> None; floor: the driver's membership generation (elastic_llm.snapshot.fence)
     discard: Remote  # (version, attempt, floor) -> None

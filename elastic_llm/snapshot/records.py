@@ -13,11 +13,13 @@ Never does I/O, never talks to Ray and never holds bytes: the pieces travel as s
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
 from elastic_llm.sources import Source
+from elastic_llm.snapshot.introductions import Known
 
 ATTEMPT_BITS = 40  # a driver's attempts: its epoch << ATTEMPT_BITS, then one more per version begun
 
@@ -96,13 +98,21 @@ class ManagerPlan:
     in its erasure group (``group`` empty: no parity, a single node)."""
 
     version: int
-    stages: tuple[tuple[ShardKey, Any], ...]  # (key, stage actor handle) on this node
+    stages: tuple[tuple[ShardKey, Known], ...]  # (key, stage actor) on this node
     group: tuple[str, ...] = ()  # node ids of this node's erasure group
     me: int = 0  # this node's index in ``group``
-    peers: tuple[Any, ...] = ()  # the group's manager handles, in ``group`` order
+    peers: tuple[Known, ...] = ()  # the group's managers, in ``group`` order
     parity: int = 1  # parity symbols per codeword
     attempt: int = 0  # which attempt at ``version`` (a step re-run after a rollback is a new one): larger is newer
     floor: int = 0  # the first attempt of the run's membership generation: a plan or offer below it is a zombie's, refused
+
+    def named(self) -> tuple[Known, ...]:
+        """Every actor the plan names: its stages, then its group's managers."""
+        return (*(s for _, s in self.stages), *self.peers)
+
+    def renamed(self, name: Callable[[Known], Known]) -> "ManagerPlan":
+        """The plan with each actor named by ``name`` (a lead forwarding it names by id only what the member holds)."""
+        return replace(self, stages=tuple((key, name(s)) for key, s in self.stages), peers=tuple(name(p) for p in self.peers))
 
 
 @dataclass(frozen=True)
