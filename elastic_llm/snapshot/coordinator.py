@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -285,12 +286,13 @@ class SnapshotCoordinator(ManagerCensus):
         groups = make_groups(members, sn.group_size, sn.parity, domains, seed=version)
         group_of = {node: g for g in groups for node in g}
         by_lead: dict[str, list[tuple[Known, ManagerPlan]]] = {}
+        receivers = {node: actor_id(handle) for node, handle in self.managers.items()}  # a lead's plans name what it holds by id only
         for node, handle in self.managers.items():
             if node in self.avoid and not by_node[node]:
                 continue  # a draining node with nothing of this version: its end must not fail it
             group = group_of.get(node, ())
             lead = group[0] if group else node
-            name = self._namer(lead, attempt)
+            name = partial(self.introduced.name, receivers[lead], attempt=attempt)
             plan = ManagerPlan(
                 version=version,
                 stages=tuple((key, name(actor)) for key, actor in by_node[node]),
@@ -304,16 +306,11 @@ class SnapshotCoordinator(ManagerCensus):
             by_lead.setdefault(lead, []).append((name(handle), plan))
         # one call per group: its first manager starts the members' parts and answers with all of them
         refs = {lead: self.managers[lead].relay_versions.remote(tuple(calls)) for lead, calls in by_lead.items()}
-        named = {lead: (actor_id(self.managers[lead]), tuple(k for member, plan in calls for k in (member, *plan.named()))) for lead, calls in by_lead.items()}
+        named = {lead: (receivers[lead], tuple(k for member, plan in calls for k in (member, *plan.named()))) for lead, calls in by_lead.items()}
         self.inflight.append(_Inflight(version, refs, groups, tuple(lost), attempt, self.avoid, charged=with_step, named=named))
         self.last_begin = version
         if self.costs is not None and with_step:
             self.costs.began(version)
-
-    def _namer(self, lead: str, attempt: int) -> Callable[[object], Known]:
-        """How a plan of ``attempt`` sent to ``lead``'s manager names an actor (by id only where it holds the handle)."""
-        receiver = actor_id(self.managers[lead])
-        return lambda handle: self.introduced.name(receiver, handle, attempt)
 
     def _domains(self, members: list[str]) -> dict[str, str]:
         """The failure domains of ``members``, asked of the fleet only when a member is new."""
